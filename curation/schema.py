@@ -1,0 +1,235 @@
+"""The table contracts: one pyarrow schema per table, and `validate` with clear errors.
+
+Every stage reads its inputs through `read_table_file` / `validate`, so a wrong table fails
+at the door with a one-line message that names the table, the file, the column, the
+expected type and the type found.
+
+Columns (see ../shared/DESIGN.md, "Tables"):
+
+- prompts: prompt_id, prompt | messages, reference, metadata
+- samples: one row per sampled response, with `behavior_logprobs` (one float per sampled
+  token: its log-prob under the sampling distribution, i.e. after temperature/top-p)
+- scores: keys + one nullable float column per reward function + reward + scorer
+- groups: keys + reward, advantage, group_mean, group_std, group_kept
+- rejects: keys + stage, reason, detail (sample_idx is null when a whole prompt is dropped)
+- pairs: preference pairs inside a group with soft labels and weights
+
+Tables may carry extra columns (a scores table has one per reward function); the listed
+ones must be there with the listed types. Types that only differ in width of the offsets
+(string/large_string, list/large_list) or in integer width where no value is lost are
+accepted and cast to the canonical type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+KEYS = ("run_id", "round", "prompt_id", "sample_idx")
+
+_KEY_FIELDS = [
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("round", pa.int32(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_idx", pa.int32(), nullable=False),
+]
+
+MESSAGE = pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())])
+
+PROMPTS = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("prompt", pa.string()),
+        pa.field("messages", pa.list_(MESSAGE)),
+        pa.field("reference", pa.string()),
+        pa.field("metadata", pa.string()),  # a JSON object, as text
+    ]
+)
+
+SAMPLES = pa.schema(
+    _KEY_FIELDS
+    + [
+        pa.field("group_size", pa.int32(), nullable=False),
+        pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response", pa.string(), nullable=False),
+        pa.field("response_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("behavior_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),  # stop | length
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("generator", pa.string(), nullable=False),
+        pa.field("seed", pa.int64(), nullable=False),
+    ]
+)
+
+SCORES = pa.schema(
+    _KEY_FIELDS
+    + [
+        pa.field("reward", pa.float64()),
+        pa.field("scorer", pa.string(), nullable=False),  # scorer fingerprints, JSON
+    ]
+)
+
+GROUPS = pa.schema(
+    _KEY_FIELDS
+    + [
+        pa.field("reward", pa.float64(), nullable=False),
+        pa.field("advantage", pa.float64(), nullable=False),
+        pa.field("group_mean", pa.float64(), nullable=False),
+        pa.field("group_std", pa.float64(), nullable=False),
+        pa.field("group_kept", pa.bool_(), nullable=False),
+    ]
+)
+
+REJECTS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("round", pa.int32(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("sample_idx", pa.int32()),  # null: the whole prompt was dropped
+        pa.field("stage", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("detail", pa.string()),
+    ]
+)
+
+PAIRS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("round", pa.int32(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("chosen_idx", pa.int32(), nullable=False),
+        pa.field("rejected_idx", pa.int32(), nullable=False),
+        pa.field("chosen_reward", pa.float64(), nullable=False),
+        pa.field("rejected_reward", pa.float64(), nullable=False),
+        pa.field("margin", pa.float64(), nullable=False),
+        pa.field("soft_label", pa.float64(), nullable=False),
+        pa.field("weight", pa.float64(), nullable=False),
+    ]
+)
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "prompts": PROMPTS,
+    "samples": SAMPLES,
+    "scores": SCORES,
+    "groups": GROUPS,
+    "rejects": REJECTS,
+    "pairs": PAIRS,
+}
+
+# Columns a table may leave out entirely (they are added as nulls).
+OPTIONAL_COLUMNS: dict[str, set[str]] = {
+    "prompts": {"prompt", "messages", "reference", "metadata"},
+    "rejects": {"detail"},
+}
+
+class SchemaError(ValueError):
+    """A table does not meet its contract. The message is one line and names the problem."""
+
+
+def _where(name: str, source: str | Path | None) -> str:
+    return f"{name} table" + (f" ({source})" if source else "")
+
+
+def _compatible(found: pa.DataType, expected: pa.DataType) -> bool:
+    """True when `found` can be cast to `expected` without changing any value's meaning."""
+    if found == expected or pa.types.is_null(found):
+        return True
+    if pa.types.is_string(expected):
+        return pa.types.is_string(found) or pa.types.is_large_string(found) or pa.types.is_string_view(found)
+    if pa.types.is_integer(expected):
+        return pa.types.is_integer(found) or pa.types.is_dictionary(found) and pa.types.is_integer(found.value_type)
+    if pa.types.is_floating(expected):
+        return pa.types.is_floating(found) or pa.types.is_integer(found)
+    if pa.types.is_list(expected):
+        if pa.types.is_list(found) or pa.types.is_large_list(found) or pa.types.is_list_view(found):
+            return _compatible(found.value_type, expected.value_type)
+        return False
+    if pa.types.is_struct(expected):
+        if not pa.types.is_struct(found):
+            return False
+        found_fields = {found.field(i).name: found.field(i).type for i in range(found.num_fields)}
+        return all(
+            f.name in found_fields and _compatible(found_fields[f.name], f.type) for f in expected
+        )
+    return False
+
+
+def validate(table: pa.Table, name: str, source: str | Path | None = None) -> pa.Table:
+    """Check `table` against the `name` contract and return it with canonical column types.
+
+    Raises SchemaError naming the table, the source, the column, the expected and the found
+    type. Extra columns are kept as they are.
+
+    >>> validate(pa.table({"prompt_id": ["a"], "prompt": ["1+1="]}), "prompts").schema.names
+    ['prompt_id', 'prompt', 'messages', 'reference', 'metadata']
+    """
+    if name not in SCHEMAS:
+        raise SchemaError(f"unknown table name {name!r}; known: {', '.join(SCHEMAS)}")
+    schema = SCHEMAS[name]
+    where = _where(name, source)
+    optional = OPTIONAL_COLUMNS.get(name, set())
+    columns: dict[str, pa.ChunkedArray] = {}
+    for field in schema:
+        if field.name not in table.column_names:
+            if field.name in optional:
+                columns[field.name] = pa.nulls(table.num_rows, field.type)
+                continue
+            raise SchemaError(
+                f"{where}: missing column {field.name!r} (expected {field.type}); "
+                f"found columns: {', '.join(table.column_names) or 'none'}"
+            )
+        column = table.column(field.name)
+        if not _compatible(column.type, field.type):
+            raise SchemaError(
+                f"{where}: column {field.name!r} has type {column.type}, expected {field.type}"
+            )
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise SchemaError(
+                    f"{where}: column {field.name!r} cannot be read as {field.type}: {exc}"
+                ) from None
+        if not field.nullable and column.null_count:
+            raise SchemaError(f"{where}: column {field.name!r} has {column.null_count} null value(s)")
+        columns[field.name] = column
+    if name == "prompts" and table.num_rows:
+        _check_prompts(columns, where)
+    extras = [c for c in table.column_names if c not in columns]
+    arrays = list(columns.values()) + [table.column(c) for c in extras]
+    fields = list(schema) + [table.schema.field(c) for c in extras]
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _check_prompts(columns: dict[str, pa.ChunkedArray], where: str) -> None:
+    prompt, messages = columns["prompt"], columns["messages"]
+    both_null = pc.and_(prompt.is_null(), messages.is_null())
+    missing = pc.sum(both_null).as_py() or 0
+    if missing:
+        raise SchemaError(f"{where}: {missing} row(s) have neither 'prompt' nor 'messages'")
+
+
+def read_table_file(path: str | Path, name: str) -> pa.Table:
+    """Read one Parquet file and validate it as table `name`, with one-line errors for files
+    that are missing, empty or not Parquet at all."""
+    path = Path(path)
+    if not path.exists():
+        raise SchemaError(f"{_where(name, path)}: file not found")
+    if path.is_dir():
+        raise SchemaError(f"{_where(name, path)}: is a folder, expected a Parquet file")
+    if path.stat().st_size == 0:
+        raise SchemaError(f"{_where(name, path)}: file is empty (0 bytes), expected Parquet")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SchemaError(f"{_where(name, path)}: not a readable Parquet file ({first_line})") from None
+    return validate(table, name, path)
+
+
+def empty(name: str) -> pa.Table:
+    """An empty table with the `name` schema."""
+    return SCHEMAS[name].empty_table()
