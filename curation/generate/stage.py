@@ -1,0 +1,221 @@
+"""The generate stage: prompts file + policy -> RUN/samples/round=<n>/ (+ prompts, rejects).
+
+    prompts file ──load_prompts──> prompt_id, prompt|messages, reference, metadata
+        │ tokenize; len(prompt) >= max_model_len  ──> rejects (generate, prompt_too_long)
+        ▼
+    backend.sample(chunk of prompts, per-prompt seeds, n=G) ──> RUN/_staging/generate-round=<n>/chunk-*.parquet
+        ▼ (all chunks done)
+    one atomic commit: samples/round=<n>/part-generate.parquet, rejects/..., prompts/part-<fp>.parquet,
+    then _manifests/generate-round=<n>.json
+
+Finished chunks survive a kill and are reused by the rerun (when inputs and config are
+unchanged); nothing reaches a table folder before the last chunk is done. A rerun of a
+finished round with the same inputs and config does nothing (the manifest says it is up to
+date), without starting an engine. Callers hold the run's lock (`RunStore.lock()`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from curation.generate.base import Backend, SamplingConfig, load_prompts, prompt_seed
+from curation.generate.weights import weights_fingerprint
+from curation.schema import SCHEMAS, validate
+from curation.store import RunStore, config_hash, fingerprint_file
+
+STAGE = "generate"
+
+
+@dataclass
+class GenerateResult:
+    round: int
+    skipped: bool
+    prompts: int = 0
+    samples: int = 0
+    rejected_prompts: int = 0
+    response_tokens: int = 0
+    seconds: float = 0.0
+    resumed_chunks: int = 0
+    manifest: dict = field(default_factory=dict)
+
+
+def make_backend(backend: str, model: str | Path, **kwargs) -> Backend:
+    """Start a generator backend by name: 'vllm' or 'hf'."""
+    if backend == "vllm":
+        from curation.generate.vllm import VLLMGenerator
+
+        return VLLMGenerator(model, **kwargs)
+    if backend == "hf":
+        from curation.generate.hf import HFGenerator
+
+        return HFGenerator(model, **kwargs)
+    raise ValueError(f"unknown generator backend {backend!r}; choose 'vllm' or 'hf'")
+
+
+def generate(
+    run_dir: str | Path,
+    prompts_file: str | Path,
+    sampling: SamplingConfig,
+    *,
+    model: str | Path | None = None,
+    backend: str = "vllm",
+    generator: Backend | None = None,
+    round: int = 0,
+    run_id: str | None = None,
+    force: bool = False,
+    chunk_prompts: int = 256,
+    progress=None,
+    backend_kwargs: dict | None = None,
+) -> GenerateResult:
+    """Sample `sampling.group_size` responses for every prompt in `prompts_file`.
+
+    Pass a live `generator` (kept across rounds) or a `model` folder and `backend` name (an
+    engine is started only when there is work to do). `progress(done, total)` is called as
+    prompts finish.
+    """
+    if generator is None and model is None:
+        raise ValueError("generate needs a model folder or a live generator")
+    store = RunStore(run_dir)
+    run_id = run_id or store.root.name
+    prompts = load_prompts(prompts_file)
+    policy_version = generator.policy_version if generator is not None else 0
+    inputs = {
+        "prompts": fingerprint_file(prompts_file),
+        "weights": generator.weights_sha256 if generator is not None else weights_fingerprint(model),
+    }
+    config = {
+        "sampling": sampling.as_dict(),
+        "backend": generator.name if generator is not None else backend,
+        "run_id": run_id,
+        "policy_version": policy_version,
+    }
+    if not force and store.is_up_to_date(STAGE, round, inputs, config):
+        return GenerateResult(round=round, skipped=True, manifest=store.load_manifest(STAGE, round) or {})
+
+    started = time.perf_counter()
+    owns_generator = generator is None
+    if generator is None:
+        generator = make_backend(backend, model, **(backend_kwargs or {}))
+    try:
+        result = _generate(store, generator, prompts, Path(prompts_file), sampling, inputs, config,
+                           round, run_id, chunk_prompts, progress)
+    finally:
+        if owns_generator:
+            generator.close()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _generate(store, generator, prompts, prompts_file, sampling, inputs, config, round, run_id,
+              chunk_prompts, progress) -> GenerateResult:
+    prompt_ids = prompts.column("prompt_id").to_pylist()
+    token_ids = [
+        generator.tokenize(p, m)
+        for p, m in zip(prompts.column("prompt").to_pylist(), prompts.column("messages").to_pylist())
+    ]
+    # A prompt as long as the context would abort a whole vLLM batch: reject it up front.
+    too_long = [i for i, ids in enumerate(token_ids) if len(ids) >= generator.max_model_len]
+    todo = [i for i, ids in enumerate(token_ids) if len(ids) < generator.max_model_len]
+    rejects = pa.table(
+        {
+            "run_id": [run_id] * len(too_long),
+            "round": pa.array([round] * len(too_long), pa.int32()),
+            "prompt_id": [prompt_ids[i] for i in too_long],
+            "sample_idx": pa.nulls(len(too_long), pa.int32()),
+            "stage": [STAGE] * len(too_long),
+            "reason": ["prompt_too_long"] * len(too_long),
+            "detail": [
+                f"{len(token_ids[i])} prompt tokens >= max_model_len {generator.max_model_len}" for i in too_long
+            ],
+        }
+    )
+
+    staging = _staging(store, round, inputs, config)
+    chunks = [todo[s : s + chunk_prompts] for s in range(0, len(todo), chunk_prompts)]
+    resumed = 0
+    done_prompts = 0
+    for k, chunk in enumerate(chunks):
+        path = staging / f"chunk-{k:06d}.parquet"
+        if path.exists():
+            resumed += 1
+        else:
+            seeds = [prompt_seed(sampling.seed, round, prompt_ids[i]) for i in chunk]
+            groups = generator.sample([token_ids[i] for i in chunk], seeds, sampling)
+            table = _samples_table(run_id, round, sampling, generator, [prompt_ids[i] for i in chunk],
+                                   [token_ids[i] for i in chunk], seeds, groups)
+            tmp = path.with_suffix(".tmp")
+            pq.write_table(table, tmp)
+            tmp.replace(path)
+        done_prompts += len(chunk)
+        if progress is not None:
+            progress(done_prompts + len(too_long), len(prompt_ids))
+
+    parts = [pq.read_table(staging / f"chunk-{k:06d}.parquet") for k in range(len(chunks))]
+    samples = pa.concat_tables(parts) if parts else SCHEMAS["samples"].empty_table()
+    samples = validate(samples, "samples")
+    response_tokens = int(pc.sum(pc.list_value_length(samples.column("response_token_ids"))).as_py() or 0)
+
+    with store.commit(STAGE, round, inputs=inputs, config=config) as commit:
+        commit.write("samples", samples, part=STAGE)
+        commit.write("rejects", rejects, part=STAGE)
+        commit.write("prompts", prompts, part=inputs["prompts"][:16], round=None)
+        commit.record(
+            rows_in=len(prompt_ids),
+            rows_out=samples.num_rows,
+            drops={"prompt_too_long": len(too_long)} if too_long else {},
+            generator=generator.fingerprint,
+            prompts_file=str(prompts_file),
+            response_tokens=response_tokens,
+            resumed_chunks=resumed,
+        )
+    return GenerateResult(
+        round=round,
+        skipped=False,
+        prompts=len(prompt_ids),
+        samples=samples.num_rows,
+        rejected_prompts=len(too_long),
+        response_tokens=response_tokens,
+        resumed_chunks=resumed,
+        manifest=store.load_manifest(STAGE, round) or {},
+    )
+
+
+def _staging(store: RunStore, round: int, inputs: dict, config: dict) -> Path:
+    """The staging folder of this round, emptied when it holds chunks of other inputs/config."""
+    staging = store.staging_dir(STAGE, round)
+    key = {"inputs": inputs, "config_hash": config_hash(config)}
+    meta = staging / "staging.json"
+    if meta.exists() and json.loads(meta.read_text()) == key:
+        return staging
+    shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    meta.write_text(json.dumps(key))
+    return staging
+
+
+def _samples_table(run_id, round, sampling, generator, prompt_ids, token_ids, seeds, groups) -> pa.Table:
+    rows: dict[str, list] = {name: [] for name in SCHEMAS["samples"].names}
+    for prompt_id, ids, seed, group in zip(prompt_ids, token_ids, seeds, groups):
+        for idx, completion in enumerate(group):
+            rows["run_id"].append(run_id)
+            rows["round"].append(round)
+            rows["prompt_id"].append(prompt_id)
+            rows["sample_idx"].append(idx)
+            rows["group_size"].append(sampling.group_size)
+            rows["prompt_token_ids"].append(ids)
+            rows["response"].append(completion.text)
+            rows["response_token_ids"].append(completion.token_ids)
+            rows["behavior_logprobs"].append(completion.logprobs)
+            rows["finish_reason"].append(completion.finish_reason)
+            rows["policy_version"].append(generator.policy_version)
+            rows["generator"].append(generator.fingerprint)
+            rows["seed"].append(seed)
+    return pa.Table.from_pydict(rows, schema=SCHEMAS["samples"])

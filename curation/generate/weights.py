@@ -1,0 +1,53 @@
+"""Model weights as generators see them: safetensors folders and state dicts, fingerprinted.
+
+No pickle anywhere: weights come from `*.safetensors` files only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {folder}: no *.safetensors files (pickled weights are not loaded)")
+    return files
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file, or of every *.safetensors file in a folder."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = _safetensors_files(path) if path.is_dir() else [path]
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        state_dict.update(load_file(file))
+    return state_dict
+
+
+def weights_fingerprint(weights: "Mapping[str, torch.Tensor] | str | Path") -> str:
+    """sha256 (hex) of a model's weights: its safetensors files (and config.json) for a
+    folder, or every tensor's name, dtype, shape and bytes for a state dict."""
+    h = hashlib.sha256()
+    if isinstance(weights, (str, Path)):
+        path = Path(weights)
+        files = _safetensors_files(path) if path.is_dir() else [path]
+        if path.is_dir() and (path / "config.json").exists():
+            files = [path / "config.json"] + files
+        for file in files:
+            h.update(file.name.encode())
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        return h.hexdigest()
+    for name in sorted(weights):
+        tensor = weights[name].detach().to("cpu").contiguous()
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()

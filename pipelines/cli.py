@@ -1,0 +1,148 @@
+"""`groupforge ...`: the command line. Flags map 1:1 to function arguments; no hidden globals.
+
+Exit codes: 0 ok, 2 bad input (a table, file or flag is wrong: the message says which),
+3 the run is locked by another job (with --no-wait), 1 anything unexpected.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+EXIT_BAD_INPUT = 2
+EXIT_LOCKED = 3
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="groupforge: table-first GRPO/GSPO post-training.")
+toy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The embedded toy task and model.")
+app.add_typer(toy_app, name="toy")
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str, code: int) -> "typer.Exit":
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=False,
+    )
+
+
+@app.command()
+def generate(
+    model: Path = typer.Option(..., "--model", help="Hugging Face model folder (safetensors)."),
+    prompts: Path = typer.Option(..., "--prompts", help="Parquet or JSONL file with a 'prompt' or 'messages' column."),
+    group_size: int = typer.Option(8, "--group-size", "-G", help="Responses sampled per prompt."),
+    out: Path = typer.Option(..., "--out", help="Run folder to write tables into."),
+    backend: str = typer.Option("vllm", "--backend", help="vllm | hf"),
+    round: int = typer.Option(0, "--round", help="Round number (hive partition round=<n>)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Longest response in tokens."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Top-k sampling (0 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Base seed; per-prompt seeds derive from it, the round and prompt_id."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length (default: the model's)."),
+    chunk_prompts: int = typer.Option(256, "--chunk-prompts", help="Prompts per engine call; finished chunks survive a kill."),
+    force: bool = typer.Option(False, "--force", help="Regenerate even if the round is up to date."),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Exit (code 3) instead of waiting when another job holds the run."),
+) -> None:
+    """Sample G responses per prompt and write samples (with behavior_logprobs) to RUN/samples/round=<n>/."""
+    from curation.generate.base import SamplingConfig
+    from curation.generate.stage import generate as run_generate
+    from curation.schema import SchemaError
+    from curation.store import RunLockedError, RunStore
+
+    if backend not in {"vllm", "hf"}:
+        raise _fail(f"--backend must be 'vllm' or 'hf', got {backend!r}", EXIT_BAD_INPUT)
+    if not (model / "config.json").is_file():
+        raise _fail(f"--model {model}: not a Hugging Face model folder (no config.json)", EXIT_BAD_INPUT)
+    try:
+        sampling = SamplingConfig(group_size=group_size, max_tokens=max_tokens, temperature=temperature,
+                                  top_p=top_p, top_k=top_k, seed=seed)
+        store = RunStore(out)
+        with store.lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}")):
+            with _progress() as bar:
+                task = bar.add_task(f"generate round {round}", total=None)
+                result = run_generate(
+                    out, prompts, sampling, model=model, backend=backend, round=round, force=force,
+                    chunk_prompts=chunk_prompts,
+                    progress=lambda done, total: bar.update(task, completed=done, total=total),
+                    backend_kwargs={"dtype": dtype, "max_model_len": max_model_len},
+                )
+    except (SchemaError, FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    except RunLockedError as exc:
+        raise _fail(str(exc), EXIT_LOCKED) from None
+    if result.skipped:
+        m = result.manifest
+        console.print(
+            f"round {round} is up to date (manifest {out}/_manifests/generate-round={round}.json, "
+            f"{m.get('rows_out')} samples from {m.get('created_at')}); nothing to do. Use --force to regenerate."
+        )
+        return
+    tokens_per_s = result.response_tokens / result.seconds if result.seconds else 0.0
+    summary = Table(title=f"generate round {round}", show_header=True)
+    for column in ("prompts", "rejected (too long)", "samples", "response tokens", "resumed chunks", "seconds", "tokens/s"):
+        summary.add_column(column, justify="right")
+    summary.add_row(str(result.prompts), str(result.rejected_prompts), str(result.samples), str(result.response_tokens),
+                    str(result.resumed_chunks), f"{result.seconds:.1f}", f"{tokens_per_s:,.0f}")
+    console.print(summary)
+
+
+@app.command()
+def inspect(
+    run: Path = typer.Argument(..., help="Run folder."),
+    rows: int = typer.Option(3, "--rows", help="Example rows to show per table."),
+) -> None:
+    """Row counts per table and round, stage manifests, and a few example rows."""
+    from pipelines.inspect import inspect_run
+
+    if not run.is_dir():
+        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    try:
+        inspect_run(run, rows, console)
+    except ValueError as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+
+
+@toy_app.command("build")
+def toy_build(
+    out: Path = typer.Option(Path("runs/toy"), "--out", help="Folder for model/, train.parquet, eval.parquet."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the data split and the warm start."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a matching toy is cached."),
+) -> None:
+    """Build the embedded arithmetic task and its warm-started Llama model (cached)."""
+    from pipelines.toy import build_toy
+
+    path = build_toy(out, seed=seed, force=force, progress=True)
+    console.print(f"toy ready in {path}")
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

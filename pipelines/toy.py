@@ -1,0 +1,458 @@
+"""The embedded default: two-digit addition, a character-level tokenizer, a tiny Llama.
+
+No model can be downloaded on a fresh machine, so groupforge builds its own. `build_toy`
+writes, atomically and once per (config, seed):
+
+    out/model/          an ordinary Hugging Face folder (config.json, model.safetensors,
+                        generation_config.json, tokenizer.json, tokenizer_config.json) that
+                        transformers (AutoModelForCausalLM / AutoTokenizer) and vLLM load
+    out/train.parquet   prompt ("37+48="), reference ("85"); disjoint from eval
+    out/eval.parquet    the held-out prompts
+    out/toy.json        the build config, seed, version and the measured accuracies
+
+The model is warm-started by teacher-forced supervised training on the answer (and EOS)
+tokens, and stopped as soon as greedy eval accuracy reaches `target_accuracy`: partial
+accuracy, with the right answer often among samples at temperature 1 (pass@8 well above
+greedy accuracy), which is the regime where group-relative RL has something to learn from.
+The reward is exact match: `response.strip() == reference`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+TOY_VERSION = 1
+"""Bump when the build changes in a way `ToyConfig` does not capture (invalidates caches)."""
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+CHARACTERS = "0123456789+-*="
+"""The character vocabulary after the special tokens (ids 4..); `-` and `*` are unused by
+the addition task but keep the tokenizer usable for other arithmetic."""
+
+MODEL_DIR = "model"
+TRAIN_FILE = "train.parquet"
+EVAL_FILE = "eval.parquet"
+META_FILE = "toy.json"
+
+
+class ToyConfig(BaseModel):
+    """Everything that determines the built toy, together with the seed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- task ---
+    operand_min: int = Field(10, description="Smallest operand (inclusive).")
+    operand_max: int = Field(99, description="Largest operand (inclusive).")
+    n_eval: int = Field(400, description="Prompts held out for eval; the rest are train.")
+
+    # --- model ---
+    hidden_size: int = Field(128, description="Width of the residual stream.")
+    num_layers: int = Field(2, description="Transformer blocks.")
+    num_heads: int = Field(
+        4,
+        description="Attention heads; head_dim = hidden_size / num_heads must be one vLLM's "
+        "CPU attention supports (32, 64, 80, 96, 112, 128, ...).",
+    )
+    intermediate_size: int = Field(512, description="MLP width.")
+    max_position_embeddings: int = Field(
+        64, description="Longest sequence (prompt + response) the model accepts."
+    )
+
+    # --- warm start ---
+    batch_size: int = Field(128, description="Sequences per optimizer step.")
+    learning_rate: float = Field(1e-3, description="AdamW learning rate (constant after warmup).")
+    warmup_steps: int = Field(20, description="Linear learning-rate warmup.")
+    max_steps: int = Field(3000, description="Give up on reaching the target after this many.")
+    eval_every: int = Field(25, description="Steps between greedy eval-accuracy checks.")
+    target_accuracy: float = Field(
+        0.30, description="Stop at the first check whose greedy eval accuracy reaches this."
+    )
+    num_threads: int = Field(2, description="torch intra-op threads (fixed for determinism).")
+
+
+# ---------------------------------------------------------------------------------------
+# Task
+# ---------------------------------------------------------------------------------------
+
+
+def make_problems(config: ToyConfig, seed: int) -> tuple[pa.Table, pa.Table]:
+    """All `a+b=` prompts over the operand range, split into (train, eval) by the seed."""
+    operands = np.arange(config.operand_min, config.operand_max + 1)
+    a, b = (x.ravel() for x in np.meshgrid(operands, operands, indexing="ij"))
+    order = np.random.default_rng(seed).permutation(len(a))
+    if not 0 < config.n_eval < len(a):
+        raise ValueError(f"n_eval={config.n_eval} must be between 1 and {len(a) - 1}")
+
+    def table(idx: np.ndarray) -> pa.Table:
+        return pa.table(
+            {
+                "prompt": pa.array([f"{a[i]}+{b[i]}=" for i in idx], pa.string()),
+                "reference": pa.array([str(a[i] + b[i]) for i in idx], pa.string()),
+            }
+        )
+
+    return table(order[config.n_eval :]), table(order[: config.n_eval])
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer and model
+# ---------------------------------------------------------------------------------------
+
+
+def make_tokenizer(model_max_length: int):
+    """A character-level tokenizer: one token per character, BOS prepended, decode() fuses
+    characters without spaces. Saved as tokenizer.json (loads as `TokenizersBackend`, the
+    transformers 5 name of PreTrainedTokenizerFast)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    bos_id = vocab[BOS]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=model_max_length,
+    )
+
+
+def make_model(config: ToyConfig, tokenizer):
+    """A fresh Llama with untied embeddings; initialised from torch's global RNG."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        head_dim=config.hidden_size // config.num_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    model = LlamaForCausalLM(model_config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+# ---------------------------------------------------------------------------------------
+# Decoding and accuracy
+# ---------------------------------------------------------------------------------------
+
+MAX_NEW_TOKENS = 8  # answers are at most 3 characters + EOS; room to see a non-stopping model
+
+
+@torch.no_grad()
+def generate_responses(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    batch_size: int = 512,
+    generator_seed: int = 0,
+) -> list[list[str]]:
+    """Decode `num_samples` responses per prompt with transformers `generate` (greedy when
+    temperature == 0). Prompts are batched by token length, so nothing is padded and each
+    batch is exactly what a single prompt would see."""
+    was_training = model.training
+    model.eval()
+    encoded = [tokenizer(p).input_ids for p in prompts]
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_length.setdefault(len(ids), []).append(i)
+    responses: list[list[str]] = [[] for _ in prompts]
+    sampling = temperature > 0
+    if sampling:
+        torch.manual_seed(generator_seed)
+    for length in sorted(by_length):
+        idx = by_length[length]
+        for start in range(0, len(idx), batch_size):
+            chunk = idx[start : start + batch_size]
+            input_ids = torch.tensor([encoded[i] for i in chunk], dtype=torch.long)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=sampling,
+                temperature=temperature if sampling else None,
+                top_p=None,
+                top_k=None,
+                num_return_sequences=num_samples,
+            )
+            texts = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
+            for j, i in enumerate(chunk):
+                responses[i] = texts[j * num_samples : (j + 1) * num_samples]
+    model.train(was_training)
+    return responses
+
+
+def _read_prompts(prompts_parquet: str | Path, limit: int | None) -> tuple[list[str], list[str]]:
+    table = pq.read_table(prompts_parquet, columns=["prompt", "reference"])
+    if limit is not None:
+        table = table.slice(0, limit)
+    return table.column("prompt").to_pylist(), table.column("reference").to_pylist()
+
+
+def _accuracy(responses: list[list[str]], references: list[str]) -> tuple[float, float]:
+    """(mean exact match of the first response, fraction with any exact match)."""
+    first = [r[0].strip() == ref for r, ref in zip(responses, references)]
+    any_ = [any(x.strip() == ref for x in r) for r, ref in zip(responses, references)]
+    return float(np.mean(first)), float(np.mean(any_))
+
+
+def greedy_accuracy(
+    model_dir: str | Path, prompts_parquet: str | Path, limit: int | None = None
+) -> float:
+    """Exact-match accuracy of greedy decoding (transformers, fp32) on the first `limit`
+    rows of a prompt/reference Parquet file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts, references = _read_prompts(prompts_parquet, limit)
+    return _accuracy(generate_responses(model, tokenizer, prompts), references)[0]
+
+
+def pass_at_k(
+    model_dir: str | Path,
+    prompts_parquet: str | Path,
+    k: int = 8,
+    temperature: float = 1.0,
+    limit: int | None = None,
+    seed: int = 0,
+) -> float:
+    """Fraction of prompts with at least one exact match among k samples at `temperature`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts, references = _read_prompts(prompts_parquet, limit)
+    responses = generate_responses(
+        model, tokenizer, prompts, num_samples=k, temperature=temperature, generator_seed=seed
+    )
+    return _accuracy(responses, references)[1]
+
+
+# ---------------------------------------------------------------------------------------
+# Warm start
+# ---------------------------------------------------------------------------------------
+
+
+def _supervised_batch(tokenizer, prompts: list[str], references: list[str]):
+    """input_ids (right-padded) and labels that are -100 except on answer + EOS tokens."""
+    rows, labels = [], []
+    for prompt, reference in zip(prompts, references):
+        prompt_ids = tokenizer(prompt).input_ids
+        answer_ids = tokenizer(reference, add_special_tokens=False).input_ids
+        ids = prompt_ids + answer_ids + [tokenizer.eos_token_id]
+        rows.append(ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids + [tokenizer.eos_token_id])
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    label_ids = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
+    return input_ids, (input_ids != pad).long(), label_ids
+
+
+def warm_start(
+    model, tokenizer, train: pa.Table, eval_: pa.Table, config: ToyConfig, seed: int, progress: bool
+) -> dict:
+    """Teacher-forced SFT on answer + EOS until greedy eval accuracy reaches the target."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    input_ids, attention_mask, labels = _supervised_batch(
+        tokenizer, train.column("prompt").to_pylist(), train.column("reference").to_pylist()
+    )
+    eval_prompts = eval_.column("prompt").to_pylist()
+    eval_references = eval_.column("reference").to_pylist()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / max(1, config.warmup_steps))
+    )
+    data_order = torch.Generator().manual_seed(seed)
+    n = len(input_ids)
+    permutation, cursor = torch.randperm(n, generator=data_order), 0
+    history: list[dict] = []
+    accuracy, step, loss = 0.0, 0, float("nan")
+
+    model.train()
+    with Progress(
+        TextColumn("[bold]toy warm start"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}  {task.fields[status]}"),
+        TimeElapsedColumn(),
+        disable=not progress,
+        transient=False,
+    ) as bar:
+        task = bar.add_task("warm", total=config.max_steps, status="")
+        while step < config.max_steps:
+            if cursor + config.batch_size > n:
+                permutation, cursor = torch.randperm(n, generator=data_order), 0
+            rows = permutation[cursor : cursor + config.batch_size]
+            cursor += config.batch_size
+            out = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows])
+            optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            optimizer.step()
+            schedule.step()
+            step += 1
+            loss = out.loss.item()
+            if step % config.eval_every == 0 or step == config.max_steps:
+                responses = generate_responses(model, tokenizer, eval_prompts)
+                accuracy = _accuracy(responses, eval_references)[0]
+                history.append({"step": step, "loss": round(loss, 4), "eval_accuracy": accuracy})
+                bar.update(task, status=f"loss {loss:.3f}  eval acc {accuracy:.3f}")
+                if accuracy >= config.target_accuracy:
+                    bar.update(task, completed=step)
+                    break
+            bar.update(task, completed=step)
+    return {"steps": step, "final_loss": loss, "in_training_eval_accuracy": accuracy, "history": history}
+
+
+# ---------------------------------------------------------------------------------------
+# Build (cached, atomic)
+# ---------------------------------------------------------------------------------------
+
+
+def _fingerprint(config: ToyConfig, seed: int) -> dict:
+    return {"version": TOY_VERSION, "seed": seed, "config": config.model_dump()}
+
+
+def read_toy_meta(out: str | Path) -> dict | None:
+    """The toy.json of a complete build at `out`, or None."""
+    path = Path(out) / META_FILE
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _is_cached(out: Path, config: ToyConfig, seed: int) -> bool:
+    meta = read_toy_meta(out)
+    if meta is None or {k: meta.get(k) for k in ("version", "seed", "config")} != _fingerprint(config, seed):
+        return False
+    return all((out / name).exists() for name in (MODEL_DIR, TRAIN_FILE, EVAL_FILE))
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_toy(
+    out: str | Path = "runs/toy",
+    seed: int = 0,
+    force: bool = False,
+    progress: bool = True,
+    config: ToyConfig | None = None,
+) -> Path:
+    """Build (or reuse, if already built with the same config) the toy: returns `out`.
+
+    The build happens in a temporary folder beside `out` and is renamed into place, so a
+    killed build leaves no half-built toy; a finished build is reused whenever its
+    toy.json records the same config, seed and TOY_VERSION (unless `force`)."""
+    out = Path(out)
+    config = config or ToyConfig()
+    if not force and _is_cached(out, config, seed):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        meta = _build_into(tmp, config, seed, progress)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if not force and _is_cached(out, config, seed):
+            return out  # a concurrent build finished first; keep its files
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Move `new` to `out`; an existing `out` is moved aside first and then deleted, so
+    `out` is at every moment either absent, the old build or the new one."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+        os.replace(new, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, out)
+
+
+def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> dict:
+    started = time.perf_counter()
+    head_dim, rem = divmod(config.hidden_size, config.num_heads)
+    if rem:
+        raise ValueError(f"hidden_size {config.hidden_size} not divisible by num_heads {config.num_heads}")
+
+    train, eval_ = make_problems(config, seed)
+    pq.write_table(train, folder / TRAIN_FILE)
+    pq.write_table(eval_, folder / EVAL_FILE)
+
+    with _torch_threads(config.num_threads):
+        torch.manual_seed(seed)
+        tokenizer = make_tokenizer(config.max_position_embeddings)
+        model = make_model(config, tokenizer)
+        warm = warm_start(model, tokenizer, train, eval_, config, seed, progress)
+        model_dir = folder / MODEL_DIR
+        model.save_pretrained(model_dir, safe_serialization=True)
+        tokenizer.save_pretrained(model_dir)
+        eval_accuracy = greedy_accuracy(model_dir, folder / EVAL_FILE)
+        eval_pass_at_8 = pass_at_k(model_dir, folder / EVAL_FILE, k=8, temperature=1.0, seed=seed)
+
+    return {
+        **_fingerprint(config, seed),
+        "task": "two-digit addition; reward = exact match of response.strip() with reference",
+        "model": {
+            "architecture": "LlamaForCausalLM",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "head_dim": head_dim,
+            "vocab_size": len(tokenizer),
+        },
+        "rows": {"train": train.num_rows, "eval": eval_.num_rows},
+        "warm_start": warm,
+        "eval_greedy_accuracy": eval_accuracy,
+        "eval_pass_at_8": eval_pass_at_8,
+        "build_seconds": round(time.perf_counter() - started, 1),
+    }

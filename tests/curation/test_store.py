@@ -1,0 +1,403 @@
+"""curation/store.py on real Parquet files, DuckDB, Polars and real second processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.dataset
+import pyarrow.parquet as pq
+import pytest
+
+from curation.schema import SCHEMAS, SchemaError
+from curation.store import (
+    RunLockedError,
+    RunStore,
+    code_version,
+    config_hash,
+    fingerprint_file,
+    fingerprint_path,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = {"temperature": 1.0, "group_size": 2}
+INPUTS = {"prompts": "f" * 64}
+
+
+def samples(round: int, n_prompts: int = 2, group_size: int = 2, tag: str = "") -> pa.Table:
+    rows = [
+        {"run_id": "r", "round": round, "prompt_id": f"p{p}", "sample_idx": i, "group_size": group_size,
+         "prompt_token_ids": [1, 2, 3], "response": f"{tag}{p}-{i}", "response_token_ids": [4, 5],
+         "behavior_logprobs": [-0.5, -1.25], "finish_reason": "stop", "policy_version": 0,
+         "generator": "test", "seed": 7}
+        for p in range(n_prompts) for i in range(group_size)
+    ]
+    return pa.Table.from_pylist(rows, schema=SCHEMAS["samples"])
+
+
+def rejects(round: int, stage: str, n: int = 1) -> pa.Table:
+    rows = [{"run_id": "r", "round": round, "prompt_id": f"p{i}", "sample_idx": None, "stage": stage,
+             "reason": "zero_variance", "detail": None} for i in range(n)]
+    return pa.Table.from_pylist(rows, schema=SCHEMAS["rejects"])
+
+
+def parquet_files(root: Path) -> list[str]:
+    """Every Parquet file in the table folders (what any reader could see), relative to root."""
+    return sorted(p.relative_to(root).as_posix() for t in SCHEMAS for p in (root / t).rglob("*.parquet"))
+
+
+def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+# ---- commit and manifest -------------------------------------------------------------
+
+
+def test_commit_writes_parts_and_manifest(tmp_path):
+    store = RunStore(tmp_path / "run")
+    assert not store.root.exists()  # nothing is created until written
+    (store.staging_dir("generate", 0) / "shard-0.jsonl").write_text("{}")
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0))
+        c.write("rejects", rejects(0, "generate", n=3))
+        c.record(rows_in=2, rows_out=4, drops={"too_long": 3}, seconds=1.5)
+
+    assert parquet_files(store.root) == ["rejects/round=0/part-generate.parquet",
+                                         "samples/round=0/part-generate.parquet"]
+    m = store.load_manifest("generate", 0)
+    assert m["stage"] == "generate" and m["round"] == 0
+    assert m["inputs"] == INPUTS and m["config"] == CONFIG and m["config_hash"] == config_hash(CONFIG)
+    assert m["outputs"] == ["rejects/round=0/part-generate.parquet", "samples/round=0/part-generate.parquet"]
+    assert m["output_rows"] == {"rejects/round=0/part-generate.parquet": 3,
+                                "samples/round=0/part-generate.parquet": 4}
+    assert (m["rows_in"], m["rows_out"], m["drops"], m["seconds"]) == (2, 4, {"too_long": 3}, 1.5)
+    assert m["code_version"] == code_version() and m["created_at"].endswith("+00:00")
+    assert [p.name for p in (store.root / "_manifests").iterdir()] == ["generate-round=0.json"]
+    # temporary and staging folders are gone; written files are zstd Parquet
+    assert list((store.root / "_tmp").iterdir()) == []
+    assert not (store.root / "_staging" / "generate-round=0").exists()
+    meta = pq.read_metadata(store.root / m["outputs"][1])
+    assert meta.row_group(0).column(0).compression == "ZSTD"
+
+
+def test_read_across_rounds_has_the_right_round_values(tmp_path):
+    store = RunStore(tmp_path)
+    for r in (0, 1, 10):  # 10 sorts before 2 as text: rounds must be numeric
+        with store.commit("generate", r, INPUTS, CONFIG) as c:
+            c.write("samples", samples(r, n_prompts=r + 1))
+    expected = {0: 2, 1: 4, 10: 22}
+
+    assert store.rounds("samples") == [0, 1, 10]
+    table = store.read("samples")
+    assert table.schema.field("round").type == pa.int32()
+    assert table.schema.equals(SCHEMAS["samples"])
+    counts = {r: table["round"].to_pylist().count(r) for r in expected}
+    assert counts == expected
+    assert table["round"].to_pylist() == sorted(table["round"].to_pylist())  # round order
+    assert store.read("samples", rounds=1)["round"].to_pylist() == [1] * 4
+    assert set(store.read("samples", rounds=[10, 0])["round"].to_pylist()) == {0, 10}
+    assert store.read("samples", rounds=[5]).num_rows == 0
+
+    glob = store.table_glob("samples")
+    assert glob == str(tmp_path / "samples" / "**" / "*.parquet")
+    for hive in ("true", "false"):  # the path (BIGINT) or the file column (INTEGER) — same values
+        got = duckdb.sql(f"SELECT round, count(*) FROM read_parquet('{glob}', hive_partitioning={hive})"
+                         " GROUP BY round ORDER BY round").fetchall()
+        assert dict(got) == expected
+    assert duckdb.sql(f"SELECT DISTINCT typeof(round) FROM read_parquet('{glob}', hive_partitioning=true)"
+                      ).fetchall() == [("BIGINT",)]
+    for frame in (pl.scan_parquet(glob), pl.scan_parquet(glob, hive_partitioning=True)):
+        got = frame.group_by("round").len().collect()
+        assert dict(zip(got["round"].to_list(), got["len"].to_list())) == expected
+        assert frame.collect_schema()["round"] == pl.Int32
+    assert pl.scan_parquet(store.table_dir("samples")).select(pl.len()).collect().item() == 28
+    dataset = pyarrow.dataset.dataset(store.table_dir("samples"), partitioning="hive").to_table()
+    assert sorted(set(dataset["round"].to_pylist())) == [0, 1, 10] and dataset.num_rows == 28
+
+
+def test_read_missing_table_is_empty_with_the_schema(tmp_path):
+    store = RunStore(tmp_path / "nothing-here")
+    for table in SCHEMAS:
+        got = store.read(table)
+        assert got.num_rows == 0 and got.schema.equals(SCHEMAS[table])
+    assert store.rounds("pairs") == []
+    assert not store.root.exists()
+
+
+def test_several_stages_share_a_table_and_round(tmp_path):
+    store = RunStore(tmp_path)
+    for stage, n in (("generate", 1), ("score", 2), ("filter", 3)):
+        with store.commit(stage, 0, INPUTS, CONFIG) as c:
+            c.write("rejects", rejects(0, stage, n=n))
+    with store.commit("score", 0, INPUTS, {"changed": True}) as c:  # a rerun touches only its own part
+        c.write("rejects", rejects(0, "score", n=5))
+    stages = store.read("rejects")["stage"].to_pylist()
+    assert sorted(stages) == ["filter"] * 3 + ["generate"] + ["score"] * 5
+    with store.commit("pair", 0, INPUTS, CONFIG) as c:
+        with pytest.raises(ValueError, match="belongs to stage 'filter'"):
+            c.write("rejects", rejects(0, "pair"), part="filter")
+
+
+def test_prompts_are_not_partitioned(tmp_path):
+    store = RunStore(tmp_path)
+    prompts = pa.table({"prompt_id": ["a", "b"], "prompt": ["1+1=", "2+2="], "reference": ["2", "4"]})
+    with store.commit("ingest", 0, {}, {}) as c:
+        c.write("prompts", prompts)
+        with pytest.raises(ValueError, match="not partitioned"):
+            c.write("prompts", prompts, part="again", round=3)
+    assert parquet_files(tmp_path) == ["prompts/part-ingest.parquet"]
+    assert store.table_glob("prompts") == str(tmp_path / "prompts" / "*.parquet")
+    assert store.read("prompts")["prompt"].to_pylist() == ["1+1=", "2+2="]
+
+
+def test_a_polars_frame_is_written_with_canonical_types(tmp_path):
+    store = RunStore(tmp_path)
+    frame = pl.from_arrow(samples(0))  # large lists, string views
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", frame)
+    written = pq.read_schema(tmp_path / "samples" / "round=0" / "part-generate.parquet")
+    assert written.equals(SCHEMAS["samples"])
+    assert store.read("samples").equals(samples(0))
+
+
+# ---- failures leave nothing behind ---------------------------------------------------
+
+
+def test_exception_inside_commit_writes_nothing(tmp_path):
+    store = RunStore(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.commit("generate", 0, INPUTS, CONFIG) as c:
+            c.write("samples", samples(0))
+            raise RuntimeError("boom")
+    assert parquet_files(tmp_path) == []
+    assert store.load_manifest("generate", 0) is None
+    assert list((tmp_path / "_tmp").iterdir()) == []
+    assert store.read("samples").num_rows == 0
+    with pytest.raises(RuntimeError, match="inside `with store.commit"):
+        c.write("samples", samples(0))  # a finished commit takes no more writes
+
+
+def test_invalid_data_is_rejected_before_anything_is_written(tmp_path):
+    store = RunStore(tmp_path)
+    with pytest.raises(SchemaError, match=r"samples table \(samples/round=0/part-generate.parquet.*behavior_logprobs"):
+        with store.commit("generate", 0, INPUTS, CONFIG) as c:
+            c.write("samples", samples(0).drop_columns(["behavior_logprobs"]))
+    with pytest.raises(SchemaError, match="column 'round' holds 3..3, but it is written to round=0"):
+        with store.commit("generate", 0, INPUTS, CONFIG) as c:
+            c.write("samples", samples(3))
+    assert parquet_files(tmp_path) == [] and store.load_manifest("generate", 0) is None
+
+
+def test_recommit_replaces_the_stage_outputs_without_duplicates(tmp_path):
+    store = RunStore(tmp_path)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0, tag="old-a"), part="generate-shard0")
+        c.write("samples", samples(0, tag="old-b"), part="generate-shard1")
+        c.write("rejects", rejects(0, "generate"))
+    assert store.read("samples").num_rows == 8
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0, tag="new"))
+    assert parquet_files(tmp_path) == ["samples/round=0/part-generate.parquet"]
+    got = store.read("samples")["response"].to_pylist()
+    assert len(got) == 4 and all(s.startswith("new") for s in got)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:  # same part again: overwritten
+        c.write("samples", samples(0, tag="newer"))
+    assert store.read("samples").num_rows == 4
+    assert store.read("rejects").num_rows == 0 and store.rounds("rejects") == []
+
+
+def test_an_interrupted_publish_is_finished_by_the_next_commit(tmp_path):
+    """The pending journal names files that a killed publish already renamed into place."""
+    store = RunStore(tmp_path)
+    stray = tmp_path / "samples" / "round=0" / "part-generate-shard7.parquet"
+    stray.parent.mkdir(parents=True)
+    pq.write_table(samples(0, tag="stray"), stray)
+    journal = tmp_path / "_manifests" / "generate-round=0.pending"
+    journal.parent.mkdir()
+    journal.write_text(json.dumps({"stage": "generate", "round": 0,
+                                   "outputs": ["samples/round=0/part-generate-shard7.parquet"]}))
+    assert not store.is_up_to_date("generate", 0, INPUTS, CONFIG)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0, tag="good"))
+    assert parquet_files(tmp_path) == ["samples/round=0/part-generate.parquet"]
+    assert not journal.exists() and store.is_up_to_date("generate", 0, INPUTS, CONFIG)
+
+
+KILLED_COMMIT = """
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from test_store import rejects, samples
+    from curation.store import RunStore
+    store = RunStore(sys.argv[1])
+    with store.commit("generate", 0, {{}}, {{"attempt": 2}}) as c:
+        c.write("samples", samples(0, n_prompts=50, tag="killed"))
+        c.write("rejects", rejects(0, "generate"))
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("committed_before", [False, True])
+def test_a_killed_commit_leaves_no_partial_data(tmp_path, committed_before):
+    store = RunStore(tmp_path)
+    if committed_before:
+        with store.commit("generate", 0, {}, {"attempt": 1}) as c:
+            c.write("samples", samples(0, tag="first"))
+    proc = run_python(KILLED_COMMIT.format(tests=str(Path(__file__).parent)), str(tmp_path))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err
+    assert any((tmp_path / "_tmp").rglob("*.parquet"))  # it did write, but only to _tmp
+    if committed_before:
+        assert parquet_files(tmp_path) == ["samples/round=0/part-generate.parquet"]
+        assert set(store.read("samples")["response"].to_pylist()) == {"first0-0", "first0-1", "first1-0", "first1-1"}
+        assert store.load_manifest("generate", 0)["config"] == {"attempt": 1}
+        glob = store.table_glob("samples")  # raw readers see the first commit only
+        assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{glob}', hive_partitioning=true)").fetchall() == [(4,)]
+    else:
+        assert parquet_files(tmp_path) == [] and store.read("samples").num_rows == 0
+        assert store.load_manifest("generate", 0) is None
+    with store.lock():
+        store.clean_tmp()
+    assert not (tmp_path / "_tmp").exists()
+
+
+# ---- reading bad folders -------------------------------------------------------------
+
+
+def test_a_corrupt_part_file_is_named(tmp_path):
+    store = RunStore(tmp_path)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0))
+    bad = tmp_path / "samples" / "round=1" / "part-generate.parquet"
+    bad.parent.mkdir()
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(SchemaError, match=rf"samples table \({bad}\): not a readable Parquet file"):
+        store.read("samples")
+    assert store.read("samples", rounds=0).num_rows == 4
+
+
+def test_a_part_file_with_a_wrong_column_is_named(tmp_path):
+    store = RunStore(tmp_path)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0))
+    for round, table in ((1, samples(1).set_column(8, "behavior_logprobs", pa.array(["oops"] * 4))),
+                         (2, samples(2).drop_columns(["response"]))):
+        bad = tmp_path / "samples" / f"round={round}" / "part-manual.parquet"
+        bad.parent.mkdir()
+        pq.write_table(table, bad)
+        with pytest.raises(SchemaError, match=rf"samples table \({bad}\): (column 'behavior_logprobs' has "
+                                              r"type string|missing column 'response')"):
+            store.read("samples")
+        bad.unlink()
+
+
+def test_a_file_in_the_wrong_round_folder_is_refused(tmp_path):
+    store = RunStore(tmp_path)
+    wrong = tmp_path / "samples" / "round=2" / "part-manual.parquet"
+    wrong.parent.mkdir(parents=True)
+    pq.write_table(samples(1), wrong)
+    with pytest.raises(SchemaError, match=r"column 'round' holds 1..1, but the file is in folder round=2"):
+        store.read("samples")
+    assert store.read("samples", validate=False).num_rows == 4
+
+
+# ---- idempotence ---------------------------------------------------------------------
+
+
+def test_is_up_to_date(tmp_path):
+    store = RunStore(tmp_path)
+    assert not store.is_up_to_date("generate", 0, INPUTS, CONFIG)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0))
+    assert store.is_up_to_date("generate", 0, INPUTS, CONFIG)
+    assert store.is_up_to_date("generate", 0, dict(INPUTS), {"group_size": 2, "temperature": 1.0})
+    assert not store.is_up_to_date("generate", 0, {"prompts": "0" * 64}, CONFIG)
+    assert not store.is_up_to_date("generate", 0, {**INPUTS, "checkpoint": "a" * 64}, CONFIG)
+    assert not store.is_up_to_date("generate", 0, INPUTS, {**CONFIG, "temperature": 0.7})
+    assert not store.is_up_to_date("generate", 1, INPUTS, CONFIG)
+    (tmp_path / "samples" / "round=0" / "part-generate.parquet").unlink()
+    assert not store.is_up_to_date("generate", 0, INPUTS, CONFIG)
+
+
+def test_fingerprints_and_config_hash(tmp_path):
+    f = tmp_path / "a.bin"
+    f.write_bytes(os.urandom(3 << 20))  # several chunks
+    assert fingerprint_file(f) == hashlib.sha256(f.read_bytes()).hexdigest() == fingerprint_path(f)
+    folder = tmp_path / "model"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "sub" / "w.bin").write_bytes(b"weights")
+    before = fingerprint_path(folder)
+    assert fingerprint_path(folder) == before
+    (folder / "sub" / "w.bin").write_bytes(b"weightz")
+    changed = fingerprint_path(folder)
+    (folder / "sub" / "w.bin").rename(folder / "sub" / "v.bin")
+    assert len({before, changed, fingerprint_path(folder)}) == 3
+    with pytest.raises(FileNotFoundError):
+        fingerprint_path(tmp_path / "missing")
+    assert config_hash({"a": 1, "b": {"c": [1, 2]}}) == config_hash({"b": {"c": [1, 2]}, "a": 1})
+    assert config_hash({"a": 1}) != config_hash({"a": 2})
+    assert code_version().startswith("groupforge ")
+
+
+# ---- the lock ------------------------------------------------------------------------
+
+
+HOLD_LOCK = """
+    import sys
+    from curation.store import RunStore
+    with RunStore(sys.argv[1]).lock():
+        print("locked", flush=True)
+        sys.stdin.readline()
+"""
+
+
+def test_a_second_locker_is_refused_with_the_holder_named(tmp_path):
+    store = RunStore(tmp_path / "run")
+    holder = run_python(HOLD_LOCK, str(store.root), stdin=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLockedError) as info:
+            with store.lock(wait=False):
+                pass
+        assert str(store.root) in str(info.value) and f"pid {holder.pid}" in str(info.value)
+        waits = []
+        start = time.monotonic()
+        with pytest.raises(RunLockedError, match="gave up after 0.3s"):
+            with store.lock(timeout=0.3, on_wait=waits.append):
+                pass
+        assert time.monotonic() - start >= 0.3
+        assert len(waits) == 1 and f"pid {holder.pid}" in waits[0]
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert holder.returncode == 0
+    with store.lock(wait=False):
+        with store.lock(wait=False):  # re-entrant within one process
+            assert json.loads((store.root / ".lock").read_text())["pid"] == os.getpid()
+    assert (store.root / ".lock").read_text() == ""
+
+
+def test_a_waiting_locker_gets_the_lock_when_the_holder_exits(tmp_path):
+    holder = run_python(HOLD_LOCK, str(tmp_path), stdin=subprocess.PIPE)
+    assert holder.stdout.readline().strip() == "locked"
+    waits = []
+
+    def release(message: str) -> None:
+        waits.append(message)
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+
+    with RunStore(tmp_path).lock(timeout=30, on_wait=release):
+        assert len(waits) == 1
+    holder.communicate(timeout=30)

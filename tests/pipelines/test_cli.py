@@ -1,0 +1,145 @@
+"""The real `groupforge` CLI in a subprocess: wrong tables, kills, reruns, inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from curation.store import RunStore
+
+GROUPFORGE = str(Path(sys.executable).parent / "groupforge")
+ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+       "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+
+
+def groupforge(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([GROUPFORGE, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one error line, got:\n{proc.stderr}"
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def write_bad_prompt_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """Each kind of wrong prompts table -> (file, a phrase the error must contain)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    missing = folder / "missing_column.parquet"
+    pq.write_table(pa.table({"question": ["1+1="], "reference": ["2"]}), missing)
+    wrong_type = folder / "wrong_type.parquet"
+    pq.write_table(pa.table({"prompt": [11, 12], "reference": ["2", "3"]}), wrong_type)
+    empty = folder / "empty.parquet"
+    empty.write_bytes(b"")
+    not_parquet = folder / "not_parquet.parquet"
+    not_parquet.write_text("prompt,reference\n1+1=,2\n")
+    return {
+        "missing column": (missing, "missing column 'prompt'"),
+        "wrong type": (wrong_type, "column 'prompt' has type int64, expected string"),
+        "empty file": (empty, "file is empty"),
+        "not parquet": (not_parquet, "not a readable Parquet file"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["missing column", "wrong type", "empty file", "not parquet"])
+def test_generate_rejects_wrong_prompt_tables(tmp_path, toy_dir, kind):
+    path, phrase = write_bad_prompt_files(tmp_path / "bad")[kind]
+    proc = groupforge("generate", "--model", toy_dir / "model", "--prompts", path, "--out", tmp_path / "run",
+                      "--backend", "hf", "-G", 2)
+    assert proc.returncode == 2, proc.stderr
+    line = error_line(proc)
+    assert phrase in line and str(path) in line
+    assert not list((tmp_path / "run").rglob("*.parquet"))
+
+
+def test_inspect_rejects_wrong_run_tables(tmp_path):
+    """A samples partition with a wrong column type, a missing column, an empty or non-Parquet file."""
+    good = {
+        "run_id": ["r"], "round": pa.array([0], pa.int32()), "prompt_id": ["p"], "sample_idx": pa.array([0], pa.int32()),
+        "group_size": pa.array([1], pa.int32()), "prompt_token_ids": pa.array([[1, 2]], pa.list_(pa.int32())),
+        "response": ["3"], "response_token_ids": pa.array([[5, 2]], pa.list_(pa.int32())),
+        "behavior_logprobs": pa.array([[-0.1, -0.2]], pa.list_(pa.float32())), "finish_reason": ["stop"],
+        "policy_version": pa.array([0], pa.int64()), "generator": ["g"], "seed": pa.array([1], pa.int64()),
+    }
+    cases = {
+        "wrong type": ({**good, "behavior_logprobs": ["oops"]}, "column 'behavior_logprobs' has type string"),
+        "missing column": ({k: v for k, v in good.items() if k != "response"}, "missing column 'response'"),
+    }
+    for kind, (columns, phrase) in cases.items():
+        run = tmp_path / kind.replace(" ", "_")
+        part = run / "samples" / "round=0" / "part-generate.parquet"
+        part.parent.mkdir(parents=True)
+        pq.write_table(pa.table(columns), part)
+        proc = groupforge("inspect", run)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert phrase in error_line(proc)
+    for kind, content in {"empty": b"", "not parquet": b"this is not parquet at all"}.items():
+        run = tmp_path / kind.replace(" ", "_")
+        part = run / "samples" / "round=0" / "part-generate.parquet"
+        part.parent.mkdir(parents=True)
+        part.write_bytes(content)
+        proc = groupforge("inspect", run)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "part-generate.parquet" in error_line(proc)
+
+
+def test_generate_killed_midway_then_resumed_then_noop(tmp_path, toy_dir):
+    """kill -9 during generate: no partial table; the rerun completes (reusing finished
+    chunks); a third run is a no-op that the manifest explains."""
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 160), prompts)
+    run = tmp_path / "run"
+    args = ["generate", "--model", toy_dir / "model", "--prompts", prompts, "--out", run, "-G", 4,
+            "--max-tokens", 8, "--chunk-prompts", 8, "--seed", 3]
+    proc = subprocess.Popen([GROUPFORGE, *map(str, args)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    staging = run / "_staging" / "generate-round=0"
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(staging.glob("chunk-*.parquet"))) < 2:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    staged = len(list(staging.glob("chunk-*.parquet")))
+    assert 2 <= staged < 20, "the kill came too late to test anything"
+    assert not list((run / "samples").rglob("*.parquet")) if (run / "samples").exists() else True
+    assert RunStore(run).load_manifest("generate", 0) is None
+
+    done = groupforge(*args)
+    assert done.returncode == 0, done.stderr
+    store = RunStore(run)
+    samples = store.read("samples")
+    assert samples.num_rows == 160 * 4
+    keys = {(r["prompt_id"], r["sample_idx"]) for r in samples.select(["prompt_id", "sample_idx"]).to_pylist()}
+    assert len(keys) == 160 * 4
+    manifest = store.load_manifest("generate", 0)
+    assert manifest["rows_out"] == 160 * 4 and manifest["resumed_chunks"] >= staged
+    assert not staging.exists()
+
+    mtimes = {p: p.stat().st_mtime_ns for p in run.rglob("*.parquet")}
+    again = groupforge(*args)
+    assert again.returncode == 0 and "up to date" in again.stdout
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*.parquet")} == mtimes
+    assert json.loads((run / "_manifests" / "generate-round=0.json").read_text()) == manifest
+
+    shown = groupforge("inspect", run)
+    assert shown.returncode == 0, shown.stderr
+    assert "samples" in shown.stdout and "640" in shown.stdout
+
+
+def test_generate_second_job_on_locked_run_exits_3(tmp_path, toy_dir):
+    store = RunStore(tmp_path / "run")
+    with store.lock():
+        proc = groupforge("generate", "--model", toy_dir / "model", "--prompts", toy_dir / "eval.parquet",
+                          "--out", tmp_path / "run", "--no-wait", "--backend", "hf")
+    assert proc.returncode == 3, proc.stderr
+    assert "locked" in error_line(proc).lower()
