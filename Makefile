@@ -28,8 +28,12 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 toy: install
 	$(VENV)/bin/groupforge toy build --out runs/toy
 
+# Until the round loop lands, the demo samples one round of groups from the toy with vLLM
+# and shows the tables it wrote.
 demo: toy
-	$(VENV)/bin/groupforge demo
+	$(VENV)/bin/groupforge generate --model runs/toy/model --prompts runs/toy/eval.parquet \
+		--group-size 8 --max-tokens 8 --out runs/demo
+	$(VENV)/bin/groupforge inspect runs/demo
 
 test: install
 	$(PY) -m pytest -q

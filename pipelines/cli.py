@@ -63,7 +63,7 @@ def generate(
     no_wait: bool = typer.Option(False, "--no-wait", help="Exit (code 3) instead of waiting when another job holds the run."),
 ) -> None:
     """Sample G responses per prompt and write samples (with behavior_logprobs) to RUN/samples/round=<n>/."""
-    from curation.generate.base import SamplingConfig
+    from curation.generate.base import SamplingConfig, load_prompts
     from curation.generate.stage import generate as run_generate
     from curation.schema import SchemaError
     from curation.store import RunLockedError, RunStore
@@ -75,6 +75,7 @@ def generate(
     try:
         sampling = SamplingConfig(group_size=group_size, max_tokens=max_tokens, temperature=temperature,
                                   top_p=top_p, top_k=top_k, seed=seed)
+        load_prompts(prompts)  # fail on a bad prompts file before any lock, engine or progress bar
         store = RunStore(out)
         with store.lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}")):
             with _progress() as bar:

@@ -203,7 +203,7 @@ def test_rerun_is_noop_and_tables_read_across_rounds(tmp_path, prompts_file, vll
         "GROUP BY round ORDER BY round"
     ).fetchall()
     assert rows == [(0, 96), (1, 96)]
-    prompts_rows = duckdb.sql(f"SELECT count(*) FROM read_parquet('{run}/prompts/*.parquet')").fetchone()[0]
+    prompts_rows = duckdb.sql(f"SELECT count(*) FROM read_parquet('{run}/prompts/*.parquet')").fetchall()[0][0]
     assert prompts_rows == 24  # the same prompt file is stored once
 
 
