@@ -476,6 +476,15 @@ class Commit:
                     self._owners[out] = manifest.get("stage")
         return self._owners.get(rel)
 
+    def _listed_elsewhere(self) -> set[str]:
+        """Outputs that another round's manifest lists too (a prompts part shared by rounds)."""
+        mine = {self.store.manifest_path(self.stage, self.round), self.store._pending_path(self.stage, self.round)}
+        listed: set[str] = set()
+        for path in (self.store.root / "_manifests").glob("*"):
+            if path.suffix in (".json", ".pending") and path not in mine:
+                listed.update((_load_json(path) or {}).get("outputs", []))
+        return listed
+
     def _publish(self) -> None:
         store, root = self.store, self.store.root
         manifest_path = store.manifest_path(self.stage, self.round)
@@ -498,7 +507,7 @@ class Commit:
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)  # overwrites a stale part of an interrupted attempt
             touched.update((final.parent, final.parent.parent))  # the file, and a new partition
-        for rel in before - set(outputs):
+        for rel in before - set(outputs) - self._listed_elsewhere():
             (root / rel).unlink(missing_ok=True)
             if (root / rel).parent.is_dir():
                 touched.add((root / rel).parent)

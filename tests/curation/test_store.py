@@ -401,3 +401,15 @@ def test_a_waiting_locker_gets_the_lock_when_the_holder_exits(tmp_path):
     with RunStore(tmp_path).lock(timeout=30, on_wait=release):
         assert len(waits) == 1
     holder.communicate(timeout=30)
+
+
+def test_shared_prompts_part_survives_a_rerun_of_another_round(tmp_path):
+    """Rounds 0 and 1 both list prompts/part-A; regenerating round 0 from other prompts
+    must not delete the part round 1 still lists."""
+    store = RunStore(tmp_path / "run")
+    prompts_a = pa.table({"prompt_id": ["a"], "prompt": ["1+1="]})
+    prompts_b = pa.table({"prompt_id": ["b"], "prompt": ["2+2="]})
+    for round, part, table in ((0, "A", prompts_a), (1, "A", prompts_a), (0, "B", prompts_b)):
+        with store.commit("generate", round, inputs={"p": part}, config={}) as c:
+            c.write("prompts", table, part=part, round=None)
+    assert sorted(p.name for p in store.table_dir("prompts").glob("*.parquet")) == ["part-A.parquet", "part-B.parquet"]
