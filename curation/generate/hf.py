@@ -30,6 +30,7 @@ class HFGenerator:
         dtype: str = "float32",
         device: str | None = None,
         batch_size: int = 64,
+        scores_budget_bytes: int = 1 << 30,
         trust_remote_code: bool = False,
         policy_version: int = 0,
         max_model_len: int | None = None,
@@ -45,6 +46,7 @@ class HFGenerator:
         ).to(self.device)
         self.model.eval()
         self.batch_size = batch_size
+        self.scores_budget_bytes = scores_budget_bytes
         config_len = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = int(max_model_len or config_len)
         self.policy_version = policy_version
@@ -74,7 +76,7 @@ class HFGenerator:
             do_sample=True,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            top_k=cfg.top_k if cfg.top_k > 0 else None,
+            top_k=cfg.top_k,  # 0 = off; None would let transformers apply its default top-k of 50
             max_new_tokens=cfg.max_tokens,
             num_return_sequences=cfg.group_size,
             eos_token_id=sorted(self.eos_ids),
@@ -82,9 +84,14 @@ class HFGenerator:
             output_scores=True,
             return_dict_in_generate=True,
         )
+        # output_scores keeps a (rows, vocab) float tensor per step until the batch ends:
+        # cap the batch so those stay within scores_budget_bytes.
+        vocab = self.model.config.vocab_size
+        per_prompt = cfg.group_size * cfg.max_tokens * vocab * 4
+        batch_size = max(1, min(self.batch_size, self.scores_budget_bytes // per_prompt))
         groups: list[list[Completion]] = []
-        for start in range(0, len(prompt_token_ids), self.batch_size):
-            batch = [list(ids) for ids in prompt_token_ids[start : start + self.batch_size]]
+        for start in range(0, len(prompt_token_ids), batch_size):
+            batch = [list(ids) for ids in prompt_token_ids[start : start + batch_size]]
             width = max(len(ids) for ids in batch)
             input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in batch], device=self.device)
             attention_mask = torch.tensor(

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from curation.generate.base import Completion, SamplingConfig
 from curation.generate.weights import load_state_dict, weights_fingerprint
 
@@ -41,6 +43,7 @@ class VLLMGenerator:
         gpu_memory_utilization: float = 0.85,
         trust_remote_code: bool = False,
         policy_version: int = 0,
+        enforce_eager: bool = False,
     ) -> None:
         _set_cpu_defaults()
         import vllm  # heavy import: only when this backend is used
@@ -57,15 +60,17 @@ class VLLMGenerator:
         )
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        except ImportError:  # pragma: no cover
-            pass
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["enforce_eager"] = enforce_eager  # CUDA graphs are most of vLLM's GPU speed
         self._vllm = vllm
-        self.llm = vllm.LLM(**kwargs)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the rest of the
+        # process; put it back so a trainer in the same process can still set its threads.
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.policy_version = policy_version

@@ -223,3 +223,29 @@ def test_load_prompts_jsonl_messages_and_duplicates(tmp_path):
         prompt_id_of("1+1=", None),
         prompt_id_of(None, [{"role": "user", "content": "hi"}]),
     ]
+
+
+def test_hf_samples_the_full_vocabulary(tmp_path, toy_dir):
+    """With top_k=0 no top-k truncation happens, even for a vocabulary larger than
+    transformers' default top-k of 50: logprobs match the full-vocabulary forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from curation.generate.hf import HFGenerator
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "wide")
+    # the toy's tokenizer serves: prompts only use its ids, responses are ids in 0..299
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(toy_dir / "model").save_pretrained(tmp_path / "wide")
+    generator = HFGenerator(tmp_path / "wide")
+    prompt_ids = [generator.tokenize("12+34=", None)]
+    groups = generator.sample(prompt_ids, [5], SamplingConfig(group_size=8, max_tokens=16))
+    samples = pa.table({"prompt_token_ids": [prompt_ids[0]] * 8,
+                        "response_token_ids": [c.token_ids for c in groups[0]]})
+    got = [c.logprobs for c in groups[0]]
+    assert mean_abs_diff(got, transformers_logprobs(model.eval(), samples)) < 1e-4
