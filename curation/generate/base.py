@@ -16,7 +16,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -87,6 +87,15 @@ class Backend(Protocol):
     def update_weights(self, weights: "dict | str | Path", policy_version: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+def tokenize_prompt(tokenizer, prompt: str | None, messages: list[dict] | None) -> list[int]:
+    """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS) or of a
+    conversation rendered with the tokenizer's chat template, ready for the answer."""
+    if messages is not None:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+    return list(tokenizer(prompt).input_ids)
 
 
 def prompt_id_of(prompt: str | None, messages: list[dict] | None) -> str:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from curation.generate.base import Completion, SamplingConfig
+from curation.generate.base import Completion, SamplingConfig, tokenize_prompt
 from curation.generate.weights import load_state_dict, weights_fingerprint
 
 
@@ -82,9 +82,7 @@ class VLLMGenerator:
         return f"vllm-{self._version}:{self.model_path.name}@{self.weights_sha256[:16]}"
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
-        if messages is not None:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-        return list(self.tokenizer(prompt).input_ids)
+        return tokenize_prompt(self.tokenizer, prompt, messages)
 
     def sample(
         self, prompt_token_ids: Sequence[list[int]], seeds: Sequence[int], cfg: SamplingConfig

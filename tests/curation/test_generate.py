@@ -249,3 +249,23 @@ def test_hf_samples_the_full_vocabulary(tmp_path, toy_dir):
                         "response_token_ids": [c.token_ids for c in groups[0]]})
     got = [c.logprobs for c in groups[0]]
     assert mean_abs_diff(got, transformers_logprobs(model.eval(), samples)) < 1e-4
+
+
+def test_messages_prompts_use_the_chat_template(tmp_path, toy_dir):
+    """A conversation is rendered with the tokenizer's chat template, then sampled."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "chat-model"
+    shutil.copytree(toy_dir / "model", model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    )
+    tokenizer.save_pretrained(model_dir)
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "12+34"}], "reference": "46"}) + "\n")
+    generate(tmp_path / "run", path, SamplingConfig(group_size=2, max_tokens=4), model=model_dir, backend="hf")
+    samples = RunStore(tmp_path / "run").read("samples")
+    assert samples.column("prompt_token_ids")[0].as_py() == tokenizer("12+34=").input_ids
