@@ -1,0 +1,105 @@
+"""Table contracts: what validate accepts, casts and rejects, and how it says so."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from curation.schema import SCHEMAS, SchemaError, empty, read_table_file, validate
+
+
+def one_row(name: str) -> dict:
+    """A valid one-row table of every contract, built from the schema itself."""
+    values = {
+        pa.string(): "x", pa.int32(): 1, pa.int64(): 1, pa.float64(): 0.5, pa.float32(): -0.5, pa.bool_(): True,
+        pa.list_(pa.int32()): [1, 2], pa.list_(pa.float32()): [-0.1, -0.2],
+    }
+    row = {}
+    for field in SCHEMAS[name]:
+        if field.name == "messages":
+            row[field.name] = pa.array([[{"role": "user", "content": "hi"}]], field.type)
+        else:
+            row[field.name] = pa.array([values[field.type]], field.type)
+    return row
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_contract_accepts_a_valid_row_and_keeps_extra_columns(name):
+    table = pa.table({**one_row(name), "extra_reward": pa.array([1.0])})
+    out = validate(table, name)
+    assert out.schema.names[: len(SCHEMAS[name])] == SCHEMAS[name].names
+    assert "extra_reward" in out.column_names
+    assert empty(name).num_rows == 0 and empty(name).schema == SCHEMAS[name]
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_missing_required_column_is_named(name):
+    row = one_row(name)
+    required = [f.name for f in SCHEMAS[name] if f.name not in {"prompt", "messages", "reference", "metadata", "detail"}]
+    dropped = required[-1]
+    del row[dropped]
+    with pytest.raises(SchemaError, match=rf"^{name} table \(f.parquet\): missing column '{dropped}'"):
+        validate(pa.table(row), name, "f.parquet")
+
+
+def test_wrong_type_names_column_expected_and_found():
+    row = one_row("samples")
+    row["behavior_logprobs"] = pa.array(["nope"])
+    with pytest.raises(SchemaError) as err:
+        validate(pa.table(row), "samples", "s.parquet")
+    assert str(err.value) == (
+        "samples table (s.parquet): column 'behavior_logprobs' has type string, expected list<item: float>"
+    )
+    assert "\n" not in str(err.value)
+
+
+def test_compatible_types_are_cast_to_canonical():
+    row = one_row("samples")
+    row["round"] = pa.array([3], pa.int64())
+    row["response"] = pa.array(["7"], pa.large_string())
+    row["response_token_ids"] = pa.array([[5, 2]], pa.large_list(pa.int64()))
+    row["behavior_logprobs"] = pa.array([[-0.5, -1.0]], pa.list_(pa.float64()))
+    out = validate(pa.table(row), "samples")
+    assert out.schema.field("round").type == pa.int32()
+    assert out.schema.field("response").type == pa.string()
+    assert out.schema.field("response_token_ids").type == pa.list_(pa.int32())
+    assert out.column("behavior_logprobs").to_pylist() == [[-0.5, -1.0]]
+
+
+def test_lossy_cast_and_nulls_are_rejected():
+    row = one_row("samples")
+    row["round"] = pa.array([2**40], pa.int64())
+    with pytest.raises(SchemaError, match="column 'round' cannot be read as int32"):
+        validate(pa.table(row), "samples")
+    row = one_row("groups")
+    row["advantage"] = pa.array([None], pa.float64())
+    with pytest.raises(SchemaError, match="column 'advantage' has 1 null value"):
+        validate(pa.table(row), "groups")
+
+
+def test_prompts_need_prompt_or_messages_and_optional_columns_are_filled():
+    out = validate(pa.table({"prompt_id": ["a"], "prompt": ["1+1="]}), "prompts")
+    assert out.column("reference").to_pylist() == [None]
+    with pytest.raises(SchemaError, match="1 row\\(s\\) have neither 'prompt' nor 'messages'"):
+        validate(pa.table({"prompt_id": ["a", "b"], "prompt": ["1+1=", None]}), "prompts")
+
+
+def test_read_table_file_errors(tmp_path):
+    assert "file not found" in _error(lambda: read_table_file(tmp_path / "nope.parquet", "pairs"))
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    assert "file is empty" in _error(lambda: read_table_file(tmp_path / "empty.parquet", "pairs"))
+    (tmp_path / "text.parquet").write_text("a,b\n1,2\n")
+    assert "not a readable Parquet file" in _error(lambda: read_table_file(tmp_path / "text.parquet", "pairs"))
+    pq.write_table(pa.table(one_row("pairs")), tmp_path / "ok.parquet")
+    assert read_table_file(tmp_path / "ok.parquet", "pairs").num_rows == 1
+    with pytest.raises(SchemaError, match="unknown table name 'pair'"):
+        validate(pa.table(one_row("pairs")), "pair")
+
+
+def _error(fn) -> str:
+    with pytest.raises(SchemaError) as err:
+        fn()
+    message = str(err.value)
+    assert "\n" not in message
+    return message
