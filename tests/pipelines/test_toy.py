@@ -1,6 +1,6 @@
 """The embedded toy (pipelines/toy.py): real build, real transformers, real vLLM.
 
-`toy_dir` (tests/pipelines/conftest.py) builds runs/toy once, cached by config and seed,
+`toy_dir` (tests/conftest.py) builds runs/toy once, cached by config and seed,
 so every test here and elsewhere shares one build.
 """
 
