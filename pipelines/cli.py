@@ -97,9 +97,9 @@ def generate(
             f"{m.get('rows_out')} samples from {m.get('created_at')}); nothing to do. Use --force to regenerate."
         )
         return
-    tokens_per_s = result.response_tokens / result.seconds if result.seconds else 0.0
+    tokens_per_s = result.response_tokens / result.sample_seconds if result.sample_seconds else 0.0
     summary = Table(title=f"generate round {round}", show_header=True)
-    for column in ("prompts", "rejected (too long)", "samples", "response tokens", "resumed chunks", "seconds", "tokens/s"):
+    for column in ("prompts", "rejected (too long)", "samples", "response tokens", "resumed chunks", "seconds", "sampling tokens/s"):
         summary.add_column(column, justify="right")
     summary.add_row(str(result.prompts), str(result.rejected_prompts), str(result.samples), str(result.response_tokens),
                     str(result.resumed_chunks), f"{result.seconds:.1f}", f"{tokens_per_s:,.0f}")
@@ -138,6 +138,7 @@ def toy_build(
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the engine's INFO lines out of the tables
     try:
         app()
     except KeyboardInterrupt:

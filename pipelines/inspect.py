@@ -74,10 +74,12 @@ def inspect_run(run: Path, rows: int, console: Console) -> None:
         for column in columns:
             example.add_column(column, overflow="fold", max_width=40)
         for row in data.select(columns).slice(0, rows).to_pylist():
-            example.add_row(*[_short(row[c]) for c in columns])
+            example.add_row(*[_short(row[c], c) for c in columns])
         console.print(example)
 
 
-def _short(value) -> str:
+def _short(value, column: str = "") -> str:
+    if column == "prompt_id" and value is not None:
+        return str(value)[:12]  # a sha256: the first 12 hex digits identify it in practice
     text = "null" if value is None else str(value)
     return text if len(text) <= 40 else text[:37] + "..."

@@ -44,6 +44,8 @@ class GenerateResult:
     response_tokens: int = 0
     seconds: float = 0.0
     resumed_chunks: int = 0
+    sample_seconds: float = 0.0
+    """Time inside the engine's sampling calls (no start-up, no I/O)."""
     manifest: dict = field(default_factory=dict)
 
 
@@ -142,13 +144,16 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
     chunks = [todo[s : s + chunk_prompts] for s in range(0, len(todo), chunk_prompts)]
     resumed = 0
     done_prompts = 0
+    sample_seconds = 0.0
     for k, chunk in enumerate(chunks):
         path = staging / f"chunk-{k:06d}.parquet"
         if path.exists():
             resumed += 1
         else:
             seeds = [prompt_seed(sampling.seed, round, prompt_ids[i]) for i in chunk]
+            tic = time.perf_counter()
             groups = generator.sample([token_ids[i] for i in chunk], seeds, sampling)
+            sample_seconds += time.perf_counter() - tic
             table = _samples_table(run_id, round, sampling, generator, [prompt_ids[i] for i in chunk],
                                    [token_ids[i] for i in chunk], seeds, groups)
             tmp = path.with_suffix(".tmp")
@@ -175,6 +180,7 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
             prompts_file=str(prompts_file),
             response_tokens=response_tokens,
             resumed_chunks=resumed,
+            sample_seconds=float(f"{sample_seconds:.3f}"),  # `round` is the round number here
         )
     return GenerateResult(
         round=round,
@@ -184,6 +190,7 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
         rejected_prompts=len(too_long),
         response_tokens=response_tokens,
         resumed_chunks=resumed,
+        sample_seconds=sample_seconds,
         manifest=store.load_manifest(STAGE, round) or {},
     )
 
