@@ -1,0 +1,87 @@
+"""What every curation stage shares: input fingerprints, the rejects helper, the report.
+
+A stage file holds two things:
+
+- a pure function `(tables, config) -> tables` with the SQL/expressions inline (no I/O),
+  which is what the tests and benchmarks call, and
+- `run(run_dir, round, config, force=False) -> StageReport`, which reads its inputs from the
+  run store (validated), skips when its manifest is up to date, calls the pure function and
+  commits the outputs (with drop counts per reason) atomically.
+
+Callers hold the run's lock (`RunStore.lock()`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import pyarrow as pa
+
+from curation.schema import SCHEMAS
+from curation.store import RunStore, fingerprint_file
+
+
+@dataclass
+class StageReport:
+    stage: str
+    round: int
+    skipped: bool
+    rows_in: int = 0
+    rows_out: int = 0
+    drops: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def input_fingerprints(store: RunStore, tables: list[str], round: int, exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
+    """{relative path: sha256} of every part file the stage reads for `round` (prompts: all
+    parts). `exclude_parts` leaves out the stage's own outputs (e.g. filter's rejects part)."""
+    found: dict[str, str] = {}
+    for table in tables:
+        files = store.files(table) if table == "prompts" else store.files(table, round)
+        for path in files:
+            if path.stem.removeprefix("part-") in exclude_parts:
+                continue
+            found[path.relative_to(store.root).as_posix()] = fingerprint_file(path)
+    return found
+
+
+def rejects_table(run_id: list[str] | str, round: list[int] | int, prompt_id: list[str], sample_idx: list[int | None],
+                  stage: str, reason: list[str] | str, detail: list[str | None] | None = None) -> pa.Table:
+    """A rejects table; scalar arguments are repeated for every row."""
+    n = len(prompt_id)
+
+    def column(value):
+        return value if isinstance(value, list) else [value] * n
+
+    return pa.Table.from_pydict(
+        {
+            "run_id": column(run_id),
+            "round": column(round),
+            "prompt_id": prompt_id,
+            "sample_idx": sample_idx,
+            "stage": column(stage),
+            "reason": column(reason),
+            "detail": detail if detail is not None else [None] * n,
+        },
+        schema=SCHEMAS["rejects"],
+    )
+
+
+def drop_counts(rejects: pa.Table) -> dict[str, int]:
+    """{reason: rows} of a rejects table."""
+    counts: dict[str, int] = {}
+    for reason in rejects.column("reason").to_pylist():
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+def as_dict(config) -> Mapping:
+    """A pydantic model or dataclass config as a plain dict (for manifests)."""
+    if hasattr(config, "model_dump"):
+        return config.model_dump(mode="json")
+    if hasattr(config, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(config)
+    return dict(config)
