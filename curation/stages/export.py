@@ -1,0 +1,131 @@
+"""The export stage: run tables -> datasets other trainers read (TRL formats), as Parquet.
+
+Formats (TRL's dataset formats; `datasets.load_dataset("parquet", data_files=...)` reads all):
+
+    preference     prompt, chosen, rejected                     (pairs)        DPO/ORPO/CPO...
+    prompt_only    prompt                                       (prompts)      GRPO/Online DPO
+    unpaired       prompt, completion, label (bool)             (groups)       KTO
+    sft            prompt, completion                           (kept samples, advantage > 0)
+
+`style="standard"` writes text; `style="conversational"` writes lists of {role, content}
+messages (the prompt's own `messages` when it has them, else one user turn) and the
+response as one assistant turn. Every row also carries prompt_id, round and, where they
+apply, chosen_idx / rejected_idx / sample_idx, soft_label, weight, reward — columns TRL
+ignores and a data engineer joins on.
+
+unpaired labels a response desirable when its advantage is > 0 (better than its group).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Sequence
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+
+from curation.store import RunStore
+
+FORMATS = ("preference", "prompt_only", "unpaired", "sft")
+
+
+class ExportConfig(BaseModel):
+    """What to export and how."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["preference", "prompt_only", "unpaired", "sft"] = Field(
+        "preference", description="Which TRL dataset format to write."
+    )
+    style: Literal["standard", "conversational"] = Field(
+        "standard", description="Plain text columns, or lists of {role, content} messages."
+    )
+    rounds: list[int] | None = Field(None, description="Rounds to export; None = all rounds.")
+
+
+_QUERIES = {
+    "preference": """
+        SELECT p.prompt_id, p.round, pr.prompt, pr.messages,
+               c.response AS chosen, r.response AS rejected,
+               p.chosen_idx, p.rejected_idx, p.chosen_reward, p.rejected_reward, p.soft_label, p.weight
+        FROM pairs p
+        JOIN samples c ON c.round = p.round AND c.prompt_id = p.prompt_id AND c.sample_idx = p.chosen_idx
+        JOIN samples r ON r.round = p.round AND r.prompt_id = p.prompt_id AND r.sample_idx = p.rejected_idx
+        JOIN prompts pr ON pr.prompt_id = p.prompt_id
+        ORDER BY p.round, p.prompt_id, p.chosen_idx, p.rejected_idx""",
+    "prompt_only": """
+        SELECT pr.prompt_id, pr.prompt, pr.messages, pr.reference FROM prompts pr ORDER BY pr.prompt_id""",
+    "unpaired": """
+        SELECT g.prompt_id, g.round, pr.prompt, pr.messages, s.response AS completion,
+               g.advantage > 0 AS label, g.sample_idx, g.reward, g.advantage
+        FROM groups g
+        JOIN samples s USING (round, prompt_id, sample_idx)
+        JOIN prompts pr ON pr.prompt_id = g.prompt_id
+        WHERE g.group_kept
+        ORDER BY g.round, g.prompt_id, g.sample_idx""",
+    "sft": """
+        SELECT g.prompt_id, g.round, pr.prompt, pr.messages, s.response AS completion,
+               g.sample_idx, g.reward
+        FROM groups g
+        JOIN samples s USING (round, prompt_id, sample_idx)
+        JOIN prompts pr ON pr.prompt_id = g.prompt_id
+        WHERE g.advantage > 0
+        ORDER BY g.round, g.prompt_id, g.sample_idx""",
+}
+
+_NEEDS = {
+    "preference": ("pairs", "samples", "prompts"),
+    "prompt_only": ("prompts",),
+    "unpaired": ("groups", "samples", "prompts"),
+    "sft": ("groups", "samples", "prompts"),
+}
+
+
+def export_table(tables: dict[str, pa.Table], cfg: ExportConfig) -> pa.Table:
+    """The pure part: run tables in, one TRL-format table out."""
+    con = duckdb.connect()
+    for name in _NEEDS[cfg.format]:
+        con.register(name, tables[name])
+    out = con.sql(_QUERIES[cfg.format]).to_arrow_table()
+    return _styled(out, cfg)
+
+
+def _styled(table: pa.Table, cfg: ExportConfig) -> pa.Table:
+    prompts = table.column("prompt").to_pylist()
+    messages = table.column("messages").to_pylist()
+    table = table.drop(["prompt", "messages"])
+    if cfg.style == "standard":
+        if any(p is None for p in prompts):
+            raise ValueError("prompts with 'messages' only can be exported with style='conversational' alone")
+        return table.add_column(1, "prompt", pa.array(prompts, pa.string()))
+    turns = [m if m is not None else [{"role": "user", "content": p}] for p, m in zip(prompts, messages)]
+    table = table.add_column(1, "prompt", pa.array(turns))
+    for column in ("chosen", "rejected", "completion"):
+        if column in table.column_names:
+            i = table.column_names.index(column)
+            replies = [[{"role": "assistant", "content": text}] for text in table.column(column).to_pylist()]
+            table = table.set_column(i, column, pa.array(replies))
+    return table
+
+
+def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -> tuple[Path, int]:
+    """Write the export of `run_dir` to `out` (default RUN/exports/<format>-<style>.parquet),
+    atomically. Returns the path and the row count."""
+    store = RunStore(run_dir)
+    tables = {}
+    for name in _NEEDS[cfg.format]:
+        rounds: Sequence[int] | None = None if name == "prompts" else cfg.rounds
+        tables[name] = store.read(name, rounds=rounds)
+        if tables[name].num_rows == 0:
+            raise ValueError(f"{store.root}: the {name} table is empty{f' in rounds {cfg.rounds}' if cfg.rounds else ''}; "
+                             f"run the stage that writes it before exporting {cfg.format}")
+    table = export_table(tables, cfg)
+    path = Path(out) if out else store.root / "exports" / f"{cfg.format}-{cfg.style}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd")
+    os.replace(tmp, path)
+    return path, table.num_rows
