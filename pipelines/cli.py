@@ -122,6 +122,110 @@ def inspect(
         raise _fail(str(exc), EXIT_BAD_INPUT) from None
 
 
+def _curate(stages: tuple[str, ...], run: Path, round: Optional[int], config: Optional[Path], force: bool,
+            no_wait: bool) -> None:
+    """Run curation stages over rounds under the run's lock, then print one summary table."""
+    from curation.schema import SchemaError
+    from curation.store import RunLockedError, RunStore
+    from pipelines.curate import load_curation_spec, rounds_to_process, run_stage
+
+    if not run.is_dir():
+        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    reports = []
+    try:
+        spec = load_curation_spec(config)
+        rounds = rounds_to_process(run, round)
+        with RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}")):
+            with _progress() as bar:
+                task = bar.add_task("curate", total=len(rounds) * len(stages))
+                for r in rounds:
+                    for stage in stages:
+                        bar.update(task, description=f"{stage} round {r}")
+                        reports.append(run_stage(stage, run, r, spec, force=force))
+                        bar.advance(task)
+    except (SchemaError, FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    except RunLockedError as exc:
+        raise _fail(str(exc), EXIT_LOCKED) from None
+    table = Table(title=f"{run}: curation")
+    for column in ("stage", "round", "rows in", "rows out", "dropped", "drops by reason", "seconds"):
+        table.add_column(column, justify="left" if column in ("stage", "drops by reason") else "right")
+    for rep in reports:
+        drops = ", ".join(f"{k}={v}" for k, v in sorted(rep.drops.items())) or "-"
+        table.add_row(rep.stage, str(rep.round), str(rep.rows_in), str(rep.rows_out),
+                      str(sum(rep.drops.values())), drops if not rep.skipped else "up to date (skipped)",
+                      f"{rep.seconds:.2f}")
+    console.print(table)
+
+
+_ROUND = typer.Option(None, "--round", help="Only this round (default: every round with samples).")
+_CONFIG = typer.Option(None, "--config", help="TOML spec with [score] [filter] [label] [pair] sections.")
+_FORCE = typer.Option(False, "--force", help="Rerun even if up to date.")
+_NO_WAIT = typer.Option(False, "--no-wait", help="Exit (code 3) instead of waiting for another job's lock.")
+
+
+@app.command()
+def score(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
+          config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
+    """Apply reward functions: RUN/scores (one column per reward + the weighted `reward`)."""
+    _curate(("score",), run, round, config, force, no_wait)
+
+
+@app.command("filter")
+def filter_(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
+            config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
+    """Drop zero-variance groups, duplicates, ... : every dropped row lands in RUN/rejects with a reason."""
+    _curate(("filter",), run, round, config, force, no_wait)
+
+
+@app.command()
+def label(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
+          config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
+    """Group statistics and advantages: RUN/groups."""
+    _curate(("label",), run, round, config, force, no_wait)
+
+
+@app.command()
+def pair(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
+         config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
+    """Preference pairs inside groups, with soft labels: RUN/pairs."""
+    _curate(("pair",), run, round, config, force, no_wait)
+
+
+@app.command()
+def curate(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
+           config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
+    """score, filter, label and pair in order (defaults: exact_match, zero-variance and
+    duplicate filters, grpo advantages, max_min soft-label pairs)."""
+    _curate(("score", "filter", "label", "pair"), run, round, config, force, no_wait)
+
+
+@app.command()
+def export(
+    run: Path = typer.Argument(..., help="Run folder."),
+    format: str = typer.Option("preference", "--format", help="preference | prompt_only | unpaired | sft"),
+    style: str = typer.Option("standard", "--style", help="standard (text) | conversational (messages)"),
+    round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Parquet file (default RUN/exports/<format>-<style>.parquet)."),
+) -> None:
+    """Write a TRL-format dataset (Parquet, loadable with datasets.load_dataset)."""
+    from pydantic import ValidationError
+
+    from curation.schema import SchemaError
+    from curation.stages.export import ExportConfig, run as run_export
+
+    if not run.is_dir():
+        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    try:
+        cfg = ExportConfig(format=format, style=style, rounds=round or None)
+        path, rows = run_export(run, cfg, out)
+    except ValidationError as exc:
+        raise _fail("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors()), EXIT_BAD_INPUT) from None
+    except (SchemaError, ValueError) as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    console.print(f"wrote {rows} rows ({format}, {style}) to {path}")
+
+
 @toy_app.command("build")
 def toy_build(
     out: Path = typer.Option(Path("runs/toy"), "--out", help="Folder for model/, train.parquet, eval.parquet."),
