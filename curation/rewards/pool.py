@@ -1,0 +1,277 @@
+"""Running reward functions: in worker processes with a per-item timeout, or inline in batches.
+
+`run_isolated` gives each worker process a copy of the reward function and chunks of rows;
+the worker calls the function one completion at a time and writes one byte to a progress
+pipe before each item. The parent counts those bytes: an item that runs past `timeout_s`
+gets "timeout after Xs" and its worker is killed; a worker that dies (segfault, os._exit,
+OOM kill) blames the item it was on. Either way a fresh worker takes over the rest of the
+chunk, so one bad completion never blocks or kills the stage.
+
+Workers are fresh interpreters (`python -c ...`, not multiprocessing): no fork of a parent
+that holds DuckDB, Polars and torch threads, and no re-import of the caller's __main__
+script, so a plain script without an `if __name__ == "__main__"` guard works. The function
+is pickled to them after the parent's sys.path is set, so a user's `module:function`
+imports the same there. A reward's optional `prepare()` runs once per worker, before its
+first item and outside the item timeout (e.g. the math reward imports math-verify there).
+
+    values, errors = run_isolated(fn, inputs, timeout_s=10, workers=4)
+    # values[i]: float | None (the raw return), errors[i]: str | None ("ValueError: ...")
+
+`inputs` is a table of prompt, messages, response and any of registry.TRL_COLUMNS.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+
+import pyarrow as pa
+
+from curation.rewards.registry import trl_arguments
+
+_START_TIMEOUT_S = 120.0  # a worker that cannot even import the reward's module in this time is a config error
+
+
+def error_text(exc: BaseException) -> str:
+    """'TypeName: message', one line, at most 300 characters."""
+    message = str(exc).strip().replace("\n", " ")
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def as_score(result: object, expected: int) -> list[float | None]:
+    """Check a reward function's return value: a list of `expected` numbers or Nones."""
+    if not hasattr(result, "__len__") or isinstance(result, (str, bytes)):
+        raise TypeError(f"reward function returned {type(result).__name__}, expected a list of floats")
+    if len(result) != expected:
+        raise ValueError(f"reward function returned {len(result)} scores for {expected} completions")
+    out: list[float | None] = []
+    for value in result:
+        if value is None:
+            out.append(None)
+        elif isinstance(value, (str, bytes)):
+            raise TypeError(f"reward function returned a {type(value).__name__} score {value!r}")
+        else:
+            out.append(float(value))
+    return out
+
+
+# ---- the worker ---------------------------------------------------------------------
+
+
+def _worker_main(read_fd: int, write_fd: int, progress_fd: int) -> None:
+    """A worker process: load the function, then score chunks until an empty message."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which kills us
+    conn_in, conn_out = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    try:
+        sys_path, payload = pickle.loads(conn_in.recv_bytes())
+        sys.path[:] = sys_path
+        fn = pickle.loads(payload)
+        if hasattr(fn, "prepare"):
+            fn.prepare()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn_out.send(("error", error_text(exc)))
+        return
+    conn_out.send(("ready", None))
+    while True:
+        try:
+            data = conn_in.recv_bytes()
+        except EOFError:
+            return
+        if not data:
+            return
+        prompts, completions, columns = trl_arguments(pa.ipc.open_stream(data).read_all())
+        results: list[tuple[float | None, str | None]] = []
+        for i in range(len(completions)):
+            os.write(progress_fd, b".")
+            try:
+                value = as_score(fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()}), 1)[0]
+                results.append((value, None))
+            except (Exception, SystemExit) as exc:
+                results.append((None, error_text(exc)))
+        conn_out.send(("done", results))
+
+
+# ---- the parent ---------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, payload: bytes):
+        child_in_r, parent_out_w = os.pipe()
+        parent_in_r, child_out_w = os.pipe()
+        progress_r, progress_w = os.pipe()
+        code = f"from curation.rewards.pool import _worker_main; _worker_main({child_in_r}, {child_out_w}, {progress_w})"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.process = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                                        pass_fds=(child_in_r, child_out_w, progress_w), start_new_session=True)
+        for fd in (child_in_r, child_out_w, progress_w):
+            os.close(fd)
+        self.conn = Connection(parent_in_r, writable=False)
+        self.out = Connection(parent_out_w, readable=False)
+        self.progress_fd = progress_r
+        os.set_blocking(progress_r, False)
+        self.out.send_bytes(pickle.dumps((list(sys.path), payload)))
+        self.ready = False
+        self.task: tuple[int, int] | None = None  # rows [start, stop) being scored
+        self.started = 0  # items of `task` the worker has begun
+        self.since = time.monotonic()  # when `started` last changed (or the worker started / got work)
+
+    def dispatch(self, task: tuple[int, int], inputs: pa.Table) -> None:
+        sink = pa.BufferOutputStream()
+        rows = inputs.slice(task[0], task[1] - task[0])
+        with pa.ipc.new_stream(sink, rows.schema) as writer:  # IPC, not pickle: a slice sends only its rows
+            writer.write_table(rows)
+        self.task, self.started, self.since = task, 0, time.monotonic()
+        self.out.send_bytes(sink.getvalue())
+
+    def poll_progress(self, now: float) -> None:
+        """Count the items begun since the last look; restart the item clock if any."""
+        begun = 0
+        while True:
+            try:
+                chunk = os.read(self.progress_fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            begun += len(chunk)
+        if begun:
+            self.started, self.since = self.started + begun, now
+
+    def current_row(self) -> int:
+        """The row the worker is on (the first of its task before it has begun one)."""
+        return self.task[0] + max(0, self.started - 1)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.kill()
+        self.process.wait()
+        if self.progress_fd >= 0:
+            self.conn.close()
+            self.out.close()
+            os.close(self.progress_fd)
+            self.progress_fd = -1
+
+
+def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
+                 chunk_rows: int | None = None) -> tuple[list[float | None], list[str | None]]:
+    """Score every row of `inputs` with `fn` in `workers` processes, each item within `timeout_s`."""
+    n = inputs.num_rows
+    values: list[float | None] = [None] * n
+    errors: list[str | None] = [None] * n
+    if n == 0:
+        return values, errors
+    try:
+        payload = pickle.dumps(fn)
+    except Exception as exc:
+        raise ValueError(f"reward function {fn!r} cannot be sent to worker processes ({error_text(exc)}); "
+                         "define it at module level, or as a callable class") from None
+    chunk_rows = chunk_rows or max(1, min(512, math.ceil(n / (workers * 4))))
+    pending = deque((s, min(s + chunk_rows, n)) for s in range(0, n, chunk_rows))
+    pool = [_Worker(payload) for _ in range(min(workers, len(pending)))]
+
+    def requeue_and_replace(k: int, row: int, error: str) -> None:
+        worker = pool[k]
+        start, stop = worker.task
+        errors[row], values[row] = error, None
+        for task in ((row + 1, stop), (start, row)):  # rows before `row` were scored, but their results died with it
+            if task[0] < task[1]:
+                pending.appendleft(task)
+        worker.kill()
+        pool[k] = _Worker(payload)
+
+    try:
+        while pending or any(w.task is not None for w in pool):
+            for worker in pool:
+                if worker.ready and worker.task is None and pending:
+                    worker.dispatch(pending.popleft(), inputs)
+            ready = set(wait([w.conn for w in pool], timeout=0.05))
+            now = time.monotonic()
+            for k, worker in enumerate(pool):
+                worker.poll_progress(now)
+                dead = False
+                while worker.conn in ready and worker.conn.poll():
+                    try:
+                        kind, body = worker.conn.recv()
+                    except (EOFError, OSError):
+                        dead = True
+                        break
+                    if kind == "error":
+                        raise RuntimeError(f"reward worker could not load {fn!r}: {body}")
+                    if kind == "ready":
+                        worker.ready, worker.since = True, now
+                    elif kind == "done":
+                        start, stop = worker.task
+                        for row, (value, error) in zip(range(start, stop), body):
+                            values[row], errors[row] = value, error
+                        worker.task = None
+                if dead or not worker.alive():
+                    worker.process.wait()
+                    code = worker.process.returncode
+                    code = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                    if not worker.ready:
+                        raise RuntimeError(f"reward worker for {fn!r} died while starting ({code})")
+                    if worker.task is None:
+                        worker.kill()
+                        pool[k] = _Worker(payload)
+                    else:
+                        requeue_and_replace(k, worker.current_row(), f"reward worker died ({code})")
+                    continue
+                if not worker.ready and now - worker.since > max(_START_TIMEOUT_S, timeout_s):
+                    raise RuntimeError(f"reward worker for {fn!r} did not start in {_START_TIMEOUT_S:g}s")
+                if worker.task is not None and now - worker.since > timeout_s and not worker.conn.poll():
+                    requeue_and_replace(k, worker.current_row(), f"timeout after {timeout_s:g}s")
+    finally:
+        for worker in pool:
+            try:
+                worker.out.send_bytes(b"")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for worker in pool:
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            worker.kill()
+    return values, errors
+
+
+def run_inline(fn, inputs: pa.Table, *, batch_rows: int = 1024) -> tuple[list[float | None], list[str | None]]:
+    """Score `inputs` with `fn` in this process, `batch_rows` at a time; a batch that raises is
+    retried row by row so that the error lands on the row that caused it."""
+    values: list[float | None] = [None] * inputs.num_rows
+    errors: list[str | None] = [None] * inputs.num_rows
+    for start in range(0, inputs.num_rows, batch_rows):
+        prompts, completions, columns = trl_arguments(inputs.slice(start, batch_rows))
+        try:
+            values[start : start + len(completions)] = as_score(fn(prompts, completions, **columns), len(completions))
+            continue
+        except Exception:  # noqa: BLE001 - find the row
+            pass
+        for i in range(len(completions)):
+            try:
+                values[start + i] = as_score(fn([prompts[i]], [completions[i]],
+                                                **{k: [v[i]] for k, v in columns.items()}), 1)[0]
+            except Exception as exc:  # noqa: BLE001
+                errors[start + i] = error_text(exc)
+    return values, errors
+
+
+def default_workers() -> int:
+    """Worker processes when the config does not say: the CPUs this process may use, at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))

@@ -1,0 +1,292 @@
+"""The score stage: samples + prompts -> RUN/scores/round=<n>/part-score.parquet (+ rejects).
+
+    samples ──(prompt_id)── prompts: prompt | messages, reference, metadata
+        │  for each reward function (a column): reuse the existing value when the row's
+        │  scorer fingerprint for that column is unchanged, else compute it:
+        │    vectorized(...) over Arrow columns        (exact_match, length penalties)
+        │    in this process, batched                  (reward_model)
+        │    in worker processes, one item at a time   (everything else: math, regex, users')
+        ▼
+    scores: keys + one float64 column per reward (null = not applicable)
+            + reward = sum_i weight_i * x_i over the non-null x_i (null when all are null)
+            + scorer = {"column": "name@version#kwargs-hash", ...} as JSON
+    rejects (score, invalid_reward): a reward raised, timed out, crashed its worker or gave
+            NaN/inf; detail = "column: error". Such a row gets no scores row.
+
+A rerun computes only the (row, column) pairs it lacks: a new reward is one new column, a
+changed fingerprint (version or kwargs) rescored that column, a weight change only
+recomputes `reward`. Existing scores are reused only while the round's samples files are
+the ones they were computed from (a regenerated round is rescored); `force` rescored all.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from curation.rewards.pool import default_workers, run_inline, run_isolated
+from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
+from curation.schema import KEYS, SchemaError, read_table_file, validate
+from curation.stages.common import StageReport, as_dict, drop_counts, input_fingerprints, rejects_table
+from curation.store import RunStore
+
+STAGE = "score"
+RESERVED_COLUMNS = set(KEYS) | {"reward", "scorer"}
+
+
+class RewardSpec(BaseModel):
+    """One reward function of the score stage, and the scores column it fills."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="A registered reward (exact_match, math, regex, length_penalty, overlong_penalty, "
+                                  "reward_model) or 'module:function' with TRL's signature.")
+    weight: float = Field(1.0, description="Weight of this column in the total `reward`.")
+    column: str | None = Field(None, description="Scores column name; default: the name with non-identifier "
+                                                 "characters replaced by '_'.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the reward factory "
+                                   "(or bound to a 'module:function'); part of the scorer fingerprint.")
+    timeout_s: float = Field(10.0, gt=0, description="Per-item time limit in the worker pool; an item past it "
+                                                     "is rejected with 'timeout after Xs'.")
+
+    @property
+    def column_name(self) -> str:
+        return self.column or column_name(self.name)
+
+
+class ScoreConfig(BaseModel):
+    """The score stage's configuration (the `[score]` spec section)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="exact_match")], min_length=1,
+                                      description="Reward functions; `reward` is their weighted sum.")
+    workers: int | None = Field(None, ge=1, description="Worker processes for isolated rewards; default: the "
+                                "usable CPUs, at most 8. Not part of the config hash (results do not depend on it).")
+
+    @model_validator(mode="after")
+    def _columns_are_distinct(self) -> ScoreConfig:
+        seen: set[str] = set()
+        for spec in self.rewards:
+            name = spec.column_name
+            if not name.isidentifier():
+                raise ValueError(f"reward {spec.name!r}: column {name!r} is not an identifier")
+            if name in RESERVED_COLUMNS:
+                raise ValueError(f"reward {spec.name!r}: column {name!r} is reserved; set `column`")
+            if name in seen:
+                raise ValueError(f"two rewards write column {name!r}; give one of them another `column`")
+            seen.add(name)
+        return self
+
+
+# ---- the pure function --------------------------------------------------------------
+
+
+def score(samples: pa.Table, prompts: pa.Table, rewards: list[RewardSpec],
+          existing: pa.Table | None = None, workers: int | None = None) -> tuple[pa.Table, pa.Table]:
+    """(scores, rejects) of `samples`, reusing the matching values of `existing` scores."""
+    scores, rejects, _ = _score(samples, prompts, rewards, existing, workers)
+    return scores, rejects
+
+
+def _score(samples, prompts, rewards, existing, workers) -> tuple[pa.Table, pa.Table, dict]:
+    rewards = ScoreConfig(rewards=rewards).rewards  # checks the columns
+    rows = _inputs(validate(samples, "samples"), validate(prompts, "prompts"))
+    n = rows.num_rows
+    in_existing = _existing_rows(rows, existing)
+    failed = np.zeros(n, dtype=bool)
+    details: dict[int, str] = {}
+    columns: dict[str, pa.Array] = {}
+    fingerprints: dict[str, str] = {}
+    stats: dict[str, dict[str, float]] = {}
+    for spec in rewards:
+        tic = time.perf_counter()
+        fn = get_reward(spec.name, **spec.kwargs)
+        column = spec.column_name
+        fingerprints[column] = reward_fingerprint(spec.name, fn, spec.kwargs)
+        values, null = np.zeros(n), np.ones(n, dtype=bool)
+        reused = _reusable(in_existing, existing, column, fingerprints[column])
+        if reused.any():
+            old = existing.column(column).take(pa.array(in_existing[reused]))
+            values[reused], null[reused] = _to_numpy(old)
+        todo = np.flatnonzero(~reused & ~failed)  # rows that failed an earlier reward are rejected anyway
+        if len(todo):
+            part = rows if len(todo) == n else rows.take(pa.array(todo))
+            got_values, got_null, errors = _compute(fn, part, spec.timeout_s, workers)
+            where = slice(None) if len(todo) == n else todo  # a slice: no fancy indexing of all rows
+            values[where], null[where] = got_values, got_null
+            for i, error in errors.items():
+                failed[todo[i]] = True
+                details[int(todo[i])] = f"{column}: {error}"
+        columns[column] = _from_numpy(values, null)
+        stats[column] = {"computed": int(len(todo)), "reused": int(reused.sum()),
+                         "seconds": round(time.perf_counter() - tic, 3)}
+
+    total = _weighted_total(columns, {s.column_name: s.weight for s in rewards})
+    scores = rows.select(list(KEYS))
+    for column, array in columns.items():
+        scores = scores.append_column(pa.field(column, pa.float64()), array)
+    scores = scores.append_column("reward", total)
+    if failed.any():
+        scores = scores.filter(pa.array(~failed))
+    scorer = pa.repeat(pa.scalar(json.dumps(fingerprints, sort_keys=True)), scores.num_rows)
+    scores = validate(scores.append_column("scorer", scorer), "scores")
+    bad_rows = sorted(details)
+    lost = rows.select(list(KEYS)).take(pa.array(bad_rows, pa.int64())).to_pydict()
+    rejects = rejects_table(lost["run_id"], lost["round"], lost["prompt_id"], lost["sample_idx"],
+                            STAGE, "invalid_reward", [details[i] for i in bad_rows])
+    return scores, rejects, {"scorer": fingerprints, "columns": stats}
+
+
+def _compute(fn, part: pa.Table, timeout_s: float, workers: int | None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """(values, null mask, {row: error}) of one reward function over the rows of `part`."""
+    if hasattr(fn, "vectorized"):
+        got = fn.vectorized(part.column("response"), **{c: part.column(c) for c in TRL_COLUMNS})
+        if len(got) != part.num_rows:
+            raise ValueError(f"{fn!r}.vectorized returned {len(got)} scores for {part.num_rows} rows")
+        errors: dict[int, str] = {}
+    else:
+        if getattr(fn, "isolate", True):
+            scores, texts = run_isolated(fn, part, timeout_s=timeout_s, workers=workers or default_workers())
+        else:
+            scores, texts = run_inline(fn, part)
+        got = pa.array(scores, pa.float64())
+        errors = {i: text for i, text in enumerate(texts) if text is not None}
+    values, null = _to_numpy(got)
+    for i in np.flatnonzero(~null & ~np.isfinite(values)):
+        errors[int(i)] = str(float(values[i]))  # "nan", "inf" or "-inf"
+    return values, null, errors
+
+
+def _inputs(samples: pa.Table, prompts: pa.Table) -> pa.Table:
+    """The samples (in order) with their prompt's prompt, messages, reference and metadata."""
+    prompts = _one_row_per_prompt(prompts)
+    index = pc.index_in(samples.column("prompt_id"), value_set=prompts.column("prompt_id"))
+    if index.null_count:
+        missing = samples.column("prompt_id").filter(index.is_null())
+        raise SchemaError(f"samples table: {len(missing)} row(s) have a prompt_id that is not in the prompts "
+                          f"table (first: {missing[0].as_py()})")
+    joined = prompts.select(["prompt", "messages", "reference", "metadata"]).take(index)
+    rows = samples.select(list(KEYS) + ["response", "group_size", "finish_reason", "policy_version",
+                                        "response_token_ids"])
+    for name in joined.column_names:
+        rows = rows.append_column(name, joined.column(name))
+    return rows
+
+
+def _one_row_per_prompt(prompts: pa.Table) -> pa.Table:
+    """Prompts deduplicated by prompt_id (a prompt listed by several prompts parts), preferring a
+    row with a reference; two different references for one prompt are an error."""
+    ids = prompts.column("prompt_id")
+    unique = pc.unique(ids)
+    if len(unique) == len(ids):
+        return prompts
+    per_prompt = prompts.group_by("prompt_id").aggregate([("reference", "count_distinct")])
+    conflicts = per_prompt.filter(pc.greater(per_prompt.column("reference_count_distinct"), 1))
+    if conflicts.num_rows:
+        raise SchemaError(f"prompts table: {conflicts.num_rows} prompt(s) have different references in "
+                          f"different rows (first: {conflicts.column('prompt_id')[0].as_py()})")
+    prompts = prompts.take(pc.sort_indices(prompts.column("reference").is_null()))  # stable: references first
+    return prompts.take(pc.index_in(unique, value_set=prompts.column("prompt_id")))
+
+
+def _existing_rows(rows: pa.Table, existing: pa.Table | None) -> np.ndarray:
+    """For each row: its row number in `existing` (same keys), or -1."""
+    found = np.full(rows.num_rows, -1, dtype=np.int64)
+    if existing is None or existing.num_rows == 0 or rows.num_rows == 0:
+        return found
+    existing = validate(existing, "scores")
+    if existing.num_rows == rows.num_rows and all(rows.column(k).equals(existing.column(k)) for k in KEYS):
+        return np.arange(rows.num_rows)  # the usual rerun: same rows, same order, no join needed
+    left = rows.select(list(KEYS)).append_column("_row", pa.array(np.arange(rows.num_rows)))
+    right = existing.select(list(KEYS)).append_column("_old", pa.array(np.arange(existing.num_rows)))
+    joined = left.join(right, keys=list(KEYS), join_type="inner", use_threads=True)
+    found[joined.column("_row").to_numpy()] = joined.column("_old").to_numpy()
+    return found
+
+
+def _reusable(in_existing: np.ndarray, existing: pa.Table | None, column: str, fingerprint: str) -> np.ndarray:
+    """Rows whose existing `column` value was computed with `fingerprint`."""
+    if existing is None or column not in existing.column_names or not (in_existing >= 0).any():
+        return np.zeros(len(in_existing), dtype=bool)
+    scorer = existing.column("scorer")
+    same = [s for s in pc.unique(scorer).to_pylist() if json.loads(s).get(column) == fingerprint]
+    valid = pc.is_in(scorer, value_set=pa.array(same, pa.string())).to_numpy(zero_copy_only=False)
+    return (in_existing >= 0) & valid[np.maximum(in_existing, 0)]
+
+
+def _to_numpy(array: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(values with nulls as 0.0, null mask) of a numeric Arrow array."""
+    array = array.cast(pa.float64())
+    return (pc.fill_null(array, 0.0).to_numpy(zero_copy_only=False),
+            array.is_null().to_numpy(zero_copy_only=False))
+
+
+def _from_numpy(values: np.ndarray, null: np.ndarray) -> pa.Array:
+    """A float64 Arrow array from values and a null mask (pa.array(mask=) is ~50x slower)."""
+    validity = pa.py_buffer(np.packbits(~null, bitorder="little")) if null.any() else None
+    return pa.Array.from_buffers(pa.float64(), len(values), [validity, pa.py_buffer(np.ascontiguousarray(values))])
+
+
+def _weighted_total(columns: dict[str, pa.Array], weights: dict[str, float]) -> pa.Array:
+    """sum_i weight_i * x_i over the non-null x_i; null where every x_i is null."""
+    total = np.zeros(len(next(iter(columns.values()))))
+    present = np.zeros(len(total), dtype=bool)
+    for column, array in columns.items():
+        values, null = _to_numpy(array)
+        total += weights[column] * values  # nulls are 0.0 here
+        present |= ~null
+    return _from_numpy(total, ~present)
+
+
+# ---- the stage ----------------------------------------------------------------------
+
+
+def _hashed_config(config: ScoreConfig) -> dict:
+    config_dict = dict(as_dict(config))
+    config_dict.pop("workers", None)
+    return config_dict
+
+
+def run(run_dir: str | Path, round: int, config: ScoreConfig | None = None, force: bool = False) -> StageReport:
+    """Score round `round` of the run; a no-op when its manifest matches the inputs and config."""
+    config = config or ScoreConfig()
+    store = RunStore(run_dir)
+    inputs = input_fingerprints(store, ["samples", "prompts"], round)
+    hashed = _hashed_config(config)
+    if not force and store.is_up_to_date(STAGE, round, inputs, hashed):
+        manifest = store.load_manifest(STAGE, round) or {}
+        return StageReport(STAGE, round, skipped=True, rows_in=manifest.get("rows_in") or 0,
+                           rows_out=manifest.get("rows_out") or 0, drops=manifest.get("drops", {}))
+    if not store.files("samples", round):
+        raise FileNotFoundError(f"run {store.root} has no samples for round {round}; run generate first")
+    started = time.perf_counter()
+    samples, prompts = store.read("samples", round), store.read("prompts")
+    existing = None if force else _reusable_scores(store, round, inputs)
+    scores, rejects, stats = _score(samples, prompts, config.rewards, existing, config.workers)
+    drops = drop_counts(rejects)
+    with store.commit(STAGE, round, inputs, hashed) as commit:
+        commit.write("scores", scores, part=STAGE)
+        commit.write("rejects", rejects, part=STAGE)
+        commit.record(rows_in=samples.num_rows, rows_out=scores.num_rows, drops=drops, **stats)
+    return StageReport(STAGE, round, skipped=False, rows_in=samples.num_rows, rows_out=scores.num_rows,
+                       drops=drops, seconds=time.perf_counter() - started)
+
+
+def _reusable_scores(store: RunStore, round: int, inputs: dict[str, str]) -> pa.Table | None:
+    """This round's committed scores, if they were computed from the same samples files."""
+    manifest = store.load_manifest(STAGE, round)
+    if manifest is None:
+        return None
+    samples_of = lambda fingerprints: {k: v for k, v in fingerprints.items() if k.startswith("samples/")}  # noqa: E731
+    path = store.partition_dir("scores", round) / f"part-{STAGE}.parquet"
+    if samples_of(manifest.get("inputs", {})) != samples_of(inputs) or not path.is_file():
+        return None
+    return read_table_file(path, "scores")
