@@ -117,19 +117,27 @@ class _Worker:
         self.out = Connection(parent_out_w, readable=False)
         self.progress_fd = progress_r
         os.set_blocking(progress_r, False)
-        self.out.send_bytes(pickle.dumps((list(sys.path), payload)))
+        try:
+            self.out.send_bytes(pickle.dumps((list(sys.path), payload)))
+        except OSError:
+            pass  # it died on start-up (its traceback is on stderr); the parent's loop reports it
         self.ready = False
         self.task: tuple[int, int] | None = None  # rows [start, stop) being scored
         self.started = 0  # items of `task` the worker has begun
         self.since = time.monotonic()  # when `started` last changed (or the worker started / got work)
 
-    def dispatch(self, task: tuple[int, int], inputs: pa.Table) -> None:
+    def dispatch(self, task: tuple[int, int], inputs: pa.Table) -> bool:
+        """Send rows [start, stop) to the worker; False if it is gone (the loop replaces it)."""
         sink = pa.BufferOutputStream()
         rows = inputs.slice(task[0], task[1] - task[0])
         with pa.ipc.new_stream(sink, rows.schema) as writer:  # IPC, not pickle: a slice sends only its rows
             writer.write_table(rows)
+        try:
+            self.out.send_bytes(sink.getvalue())
+        except OSError:
+            return False
         self.task, self.started, self.since = task, 0, time.monotonic()
-        self.out.send_bytes(sink.getvalue())
+        return True
 
     def poll_progress(self, now: float) -> None:
         """Count the items begun since the last look; restart the item clock if any."""
@@ -194,7 +202,9 @@ def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
         while pending or any(w.task is not None for w in pool):
             for worker in pool:
                 if worker.ready and worker.task is None and pending:
-                    worker.dispatch(pending.popleft(), inputs)
+                    task = pending.popleft()
+                    if not worker.dispatch(task, inputs):
+                        pending.appendleft(task)  # it died while idle: replaced below
             ready = set(wait([w.conn for w in pool], timeout=0.05))
             now = time.monotonic()
             for k, worker in enumerate(pool):
@@ -217,8 +227,7 @@ def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
                         worker.task = None
                 if dead or not worker.alive():
                     worker.process.wait()
-                    code = worker.process.returncode
-                    code = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                    code = _exit_status(worker.process.returncode)
                     if not worker.ready:
                         raise RuntimeError(f"reward worker for {fn!r} died while starting ({code})")
                     if worker.task is None:
@@ -245,6 +254,16 @@ def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
                 pass
             worker.kill()
     return values, errors
+
+
+def _exit_status(returncode: int) -> str:
+    """'exit code 3', or 'signal SIGKILL' for a process a signal ended."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"signal {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"signal {-returncode}"
 
 
 def run_inline(fn, inputs: pa.Table, *, batch_rows: int = 1024) -> tuple[list[float | None], list[str | None]]:

@@ -14,9 +14,11 @@
             NaN/inf; detail = "column: error". Such a row gets no scores row.
 
 A rerun computes only the (row, column) pairs it lacks: a new reward is one new column, a
-changed fingerprint (version or kwargs) rescored that column, a weight change only
+changed fingerprint (version or kwargs) rescores that column, a weight change only
 recomputes `reward`. Existing scores are reused only while the round's samples files are
-the ones they were computed from (a regenerated round is rescored); `force` rescored all.
+the ones they were computed from (a regenerated round is rescored); `force` rescores all.
+A changed reference for an already scored prompt (same prompt_id) needs `force`. The
+manifest records, per reward column, the rows computed and reused.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def _score(samples, prompts, rewards, existing, workers) -> tuple[pa.Table, pa.T
     lost = rows.select(list(KEYS)).take(pa.array(bad_rows, pa.int64())).to_pydict()
     rejects = rejects_table(lost["run_id"], lost["round"], lost["prompt_id"], lost["sample_idx"],
                             STAGE, "invalid_reward", [details[i] for i in bad_rows])
-    return scores, rejects, {"scorer": fingerprints, "columns": stats}
+    return scores, rejects, {"scorer": fingerprints, "reward_columns": stats}
 
 
 def _compute(fn, part: pa.Table, timeout_s: float, workers: int | None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:

@@ -56,6 +56,8 @@ def user_module(tmp_path_factory) -> str:
                 raise ValueError("boom")
             if c == "TEXT":
                 return ["high"]
+            if c == "KILL":
+                os.kill(os.getpid(), 9)
             return [1.0]
     '''))
     sys.path.insert(0, str(folder))
@@ -296,18 +298,26 @@ def test_shipped_rewards_pickle(name, kwargs):
 
 
 def test_pool_isolates_hangs_crashes_and_errors(user_module):
-    completions = ["a", "HANG", "b", "EXIT", "c", "RAISE", "TEXT", "d"]
+    completions = ["a", "HANG", "b", "EXIT", "c", "RAISE", "TEXT", "d", "KILL"]
     tic = time.monotonic()
     values, errors = run_isolated(get_reward(f"{user_module}:misbehaving"), rows(completions), timeout_s=1.0,
                                   workers=2, chunk_rows=3)
     seconds = time.monotonic() - tic
-    assert values == [1.0, None, 1.0, None, 1.0, None, None, 1.0]
+    assert values == [1.0, None, 1.0, None, 1.0, None, None, 1.0, None]
+    assert errors[8] == "reward worker died (signal SIGKILL)"
     assert errors[1] == "timeout after 1s"
     assert errors[3] == "reward worker died (exit code 3)"
     assert errors[5] == "ValueError: boom"
     assert errors[6].startswith("TypeError: reward function returned a str score")
     assert [errors[i] for i in (0, 2, 4, 7)] == [None] * 4
     assert seconds < 20  # not 60: the hanging worker was killed
+
+
+def test_pool_keeps_rows_in_order_across_chunks_and_workers(user_module):
+    completions = ["x" * (i % 13) for i in range(200)]
+    values, errors = run_isolated(get_reward(f"{user_module}:scaled_length", scale=2.0), rows(completions),
+                                  timeout_s=10, workers=2, chunk_rows=7)
+    assert values == [2.0 * len(c) for c in completions] and errors == [None] * 200
 
 
 def test_pool_refuses_a_closure():

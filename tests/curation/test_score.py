@@ -246,7 +246,7 @@ def test_run_scores_a_round_with_exact_match(run_dir):
     assert manifest["rows_in"] == 48 and manifest["rows_out"] == 48 and manifest["drops"] == {}
     assert sorted(manifest["inputs"]) == ["prompts/" + p.name for p in sorted((run_dir / "prompts").glob("*"))] + \
         ["samples/round=0/part-generate.parquet"]
-    assert manifest["columns"]["exact_match"]["computed"] == 48
+    assert manifest["reward_columns"]["exact_match"]["computed"] == 48
     assert pq.read_table(run_dir / "rejects/round=0/part-score.parquet").num_rows == 0
 
 
@@ -273,8 +273,8 @@ def test_new_reward_new_kwargs_and_new_round_compute_only_what_is_missing(run_di
     run(run_dir, 0, ScoreConfig(rewards=[exact, counting], workers=2))
     assert len(calls()) == 48 and len(set(calls())) == 48
     manifest = RunStore(run_dir).load_manifest("score", 0)
-    assert manifest["columns"]["exact_match"] == {**manifest["columns"]["exact_match"], "computed": 0, "reused": 48}
-    assert manifest["columns"]["length"]["computed"] == 48
+    counts = {c: (v["computed"], v["reused"]) for c, v in manifest["reward_columns"].items()}
+    assert counts == {"exact_match": (0, 48), "length": (48, 0)}
     scores = pq.read_table(run_dir / "scores/round=0/part-score.parquet")
     assert scores.column("reward").to_pylist() == scores.column("exact_match").to_pylist()  # weight 0
 
