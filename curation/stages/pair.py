@@ -68,19 +68,23 @@ class PairConfig(BaseModel):
 # integer, see filter.group_ids); `row` is a row's position in the groups table.
 _CANDIDATES = {
     "max_min": """
-        SELECT gid, any_value(row) AS row,
-               arg_max(sample_idx, (reward, -sample_idx)) AS chosen_idx, max(reward) AS chosen_reward,
-               arg_min(sample_idx, (reward, sample_idx)) AS rejected_idx, min(reward) AS rejected_reward
-        FROM kept GROUP BY gid""",
+        WITH extremes AS (SELECT gid, max(reward) AS chosen_reward, min(reward) AS rejected_reward
+                          FROM kept GROUP BY gid)
+        SELECT gid, any_value(row) AS row, chosen_reward, rejected_reward,
+               min(sample_idx) FILTER (reward = chosen_reward) AS chosen_idx,  -- lowest sample_idx of a tie
+               min(sample_idx) FILTER (reward = rejected_reward) AS rejected_idx
+        FROM kept JOIN extremes USING (gid) GROUP BY gid, chosen_reward, rejected_reward""",
     "all_pairs": """
         SELECT gid, w.row, w.sample_idx AS chosen_idx, w.reward AS chosen_reward,
                l.sample_idx AS rejected_idx, l.reward AS rejected_reward
         FROM kept w JOIN kept l USING (gid)""",
     "max_random": """
-        WITH best AS (  -- the draw uses md5, not hash(): the same in every DuckDB version
-            SELECT gid, any_value(row) AS row, ('0x' || md5(concat($seed, ':', any_value(prompt_id)))[1:15])::BIGINT AS draw,
-                   arg_max(sample_idx, (reward, -sample_idx)) AS chosen_idx, max(reward) AS chosen_reward
-            FROM kept GROUP BY gid),
+        WITH top AS (SELECT gid, max(reward) AS chosen_reward FROM kept GROUP BY gid),
+        best AS (  -- the draw uses md5, not hash(): the same in every DuckDB version
+            SELECT gid, any_value(row) AS row, chosen_reward,
+                   min(sample_idx) FILTER (reward = chosen_reward) AS chosen_idx,
+                   ('0x' || md5(concat($seed, ':', any_value(prompt_id)))[1:15])::BIGINT AS draw
+            FROM kept JOIN top USING (gid) GROUP BY gid, chosen_reward),
         lower AS (  -- the samples that can pair with the best, numbered 0.. by sample_idx
             SELECT b.*, l.sample_idx AS rejected_idx, l.reward AS rejected_reward,
                    row_number() OVER (PARTITION BY gid ORDER BY l.sample_idx) - 1 AS nth,
@@ -110,7 +114,7 @@ def pair(groups: pa.Table, cfg: PairConfig) -> pa.Table:
     """The pairs table of the kept rows (group_kept) of `groups`, ordered by group (as they
     first appear in `groups`), chosen_idx, rejected_idx."""
     sql = f"""
-        WITH kept AS NOT MATERIALIZED (SELECT gid, row, prompt_id, sample_idx, reward FROM groups WHERE group_kept),
+        WITH kept AS (SELECT gid, row, prompt_id, sample_idx, reward FROM groups WHERE group_kept),
         candidates AS ({_CANDIDATES[cfg.strategy]})
         SELECT row, chosen_idx, rejected_idx, chosen_reward, rejected_reward,
                chosen_reward - rejected_reward AS margin,
