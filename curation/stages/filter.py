@@ -110,12 +110,22 @@ def group_ids(table: pa.Table, by: tuple[str, ...] = GROUP) -> pl.Series:
 
 
 def lookup_group_ids(table: pa.Table, gid: pl.Series, other: pa.Table) -> pl.Series:
-    """The gid (of `table`'s numbering) of each row of `other`, null where `table` has no such group."""
-    first_rows = pl.DataFrame(gid).with_row_index("row").group_by("gid").agg(pl.col("row").min())
-    index = pl.from_arrow(table.select(list(GROUP)).take(first_rows.get_column("row").to_arrow()))
-    index = index.with_columns(first_rows.get_column("gid"))
+    """The gid (see group_ids) that `table`'s rows have for each row of `other`; null where
+    `table` has no such group."""
+    if gid.is_sorted():  # the fast path of group_ids: a group's first row is where gid steps up
+        first_rows = pl.Series("row", np.flatnonzero(np.diff(gid.to_numpy(), prepend=-1)))
+    else:
+        first_rows = pl.DataFrame(gid).with_row_index("row").group_by("gid").agg(pl.col("row").min())["row"].sort()
+    index = pl.from_arrow(rows_of(table.select(list(GROUP)), first_rows)).with_columns(gid.gather(first_rows))
     keys = pl.from_arrow(other.select(list(GROUP)))
     return keys.join(index, on=list(GROUP), how="left", maintain_order="left").get_column("gid")
+
+
+def rows_of(table: pa.Table, rows: pl.Series) -> pa.Table:
+    """The rows at the ascending positions `rows` (a boolean filter: much faster than take)."""
+    mask = np.zeros(table.num_rows, dtype=bool)
+    mask[rows.to_numpy()] = True
+    return table.filter(mask)
 
 
 def _same_keys(a: pa.Table, b: pa.Table) -> bool:
@@ -246,7 +256,7 @@ def filter_samples(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table
         .when(reason == "zero_variance").then(pl.format("every reward is {}", pl.col("lo")))
         .when(reason == "pass_rate").then(pl.format("group mean reward {}", pl.col("mean"))),
     ).collect()
-    keys = samples.select(list(KEYS)).take(dropped.get_column("row").to_arrow())
+    keys = rows_of(samples.select(list(KEYS)), dropped.get_column("row"))
     out = keys.append_column("stage", pa.repeat(STAGE, len(dropped)))
     out = out.append_column("reason", dropped.get_column("reason").to_arrow())
     out = out.append_column("detail", dropped.get_column("detail").to_arrow())

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from curation import schema
 from curation.schema import KEYS
 from curation.stages.common import StageReport, as_dict, input_fingerprints
-from curation.stages.filter import group_ids, read_samples, unrejected
+from curation.stages.filter import group_ids, read_samples, rows_of, unrejected
 from curation.store import RunStore
 
 STAGE = "label"
@@ -66,7 +66,7 @@ def kept_with_rewards(samples: pa.Table, scores: pa.Table, rejects: pa.Table) ->
     if unscored:
         raise ValueError(f"{unscored} sample(s) have no reward and no rejects row; "
                          f"run the filter stage first (it rejects them as unscored)")
-    kept = samples.select(list(KEYS)).take(rows.get_column("row").to_arrow())
+    kept = rows_of(samples.select(list(KEYS)), rows.get_column("row"))
     return kept.append_column("reward", rows.get_column("reward").to_arrow())
 
 
