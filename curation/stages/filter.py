@@ -81,7 +81,7 @@ class FilterConfig(BaseModel):
         return self
 
 
-# ---- shared by filter and label ---------------------------------------------------------
+# ---- shared with label and pair (candidates for stages/common.py) ---------------------
 
 
 def group_ids(table: pa.Table, by: tuple[str, ...] = GROUP) -> pl.Series:
