@@ -68,3 +68,17 @@ def test_curate_bad_config_and_missing_round(toy_run, tmp_path):
     assert "estimator_typo" in line and str(bad) in line
     proc = groupforge("score", toy_run, "--round", 7)
     assert proc.returncode == 2 and "no samples in round 7" in error_line(proc)
+
+
+def test_readme_curation_config_is_valid(tmp_path):
+    """The TOML example in README.md is a config the stages accept."""
+    from pipelines.curate import load_curation_spec
+    from tests.conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "readme.toml"
+    path.write_text(block)
+    spec = load_curation_spec(path)
+    assert [r.name for r in spec.score.rewards] == ["exact_match", "overlong_penalty"]
+    assert spec.filter.drop_duplicates and spec.pair.min_margin == 0.5
