@@ -162,7 +162,7 @@ FILTERS = st.builds(FilterConfig, drop_zero_variance=st.booleans(), drop_truncat
                     pass_rate_min=st.one_of(st.none(), st.just(0.2)), pass_rate_max=st.one_of(st.none(), st.just(0.8)))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(RUN, FILTERS, st.sampled_from(["grpo", "dr_grpo", "rloo", "batch"]), st.sets(st.sampled_from(["p0", "p1"])))
 def test_every_row_ends_in_exactly_one_of_groups_or_rejects(groups, cfg, estimator, whole_prompts_rejected):
     rows = [{"prompt_id": p, "sample_idx": i, **row} for p, rs in groups.items() for i, row in enumerate(rs)]
