@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from curation.schema import SCHEMAS
 from curation.store import RunStore, fingerprint_file
@@ -70,10 +71,8 @@ def rejects_table(run_id: list[str] | str, round: list[int] | int, prompt_id: li
 
 def drop_counts(rejects: pa.Table) -> dict[str, int]:
     """{reason: rows} of a rejects table."""
-    counts: dict[str, int] = {}
-    for reason in rejects.column("reason").to_pylist():
-        counts[reason] = counts.get(reason, 0) + 1
-    return counts
+    counts = pc.value_counts(rejects.column("reason")).to_pylist()
+    return {c["values"]: c["counts"] for c in counts}
 
 
 def as_dict(config) -> Mapping:

@@ -19,11 +19,12 @@ that pass the other sample checks, and the lowest sample_idx of each response te
 A row with no reward (no scores row, or a null reward) that no earlier stage rejected is
 rejected here as `unscored`: every row of the round ends in exactly one of groups or rejects.
 
-Defaults keep what GRPO-style training wants: zero-variance groups dropped (all advantages
+Defaults (`groupforge curate` with no config): zero-variance groups dropped (all advantages
 would be 0; DAPO's dynamic sampling), groups of one sample dropped (no baseline); truncated
 responses kept (their low reward is the signal that teaches the policy to stop; DAPO's
-overlong filtering is opt-in), duplicates kept (dropping them moves the group mean away from
-the policy's own distribution; useful for pair datasets), no length or pass-rate bounds.
+overlong filtering is opt-in), duplicates dropped (distinct responses make distinct pairs;
+for GRPO on short-answer tasks consider turning it off, since dropping repeats moves the
+group mean away from what the policy samples), no length or pass-rate bounds.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ class FilterConfig(BaseModel):
     min_response_tokens: int | None = Field(
         None, ge=0, description="Drop responses with fewer response tokens than this (reason too_short); None: no bound.")
     drop_duplicates: bool = Field(
-        False, description="Drop responses whose exact text an earlier sample_idx of the group has (reason duplicate).")
+        True, description="Drop responses whose exact text an earlier sample_idx of the group has (reason duplicate). "
+        "On by default (distinct pairs and datasets); for GRPO on short-answer tasks consider turning it off: "
+        "dropping repeats moves the group mean away from what the policy samples.")
     min_group_size: int = Field(
         2, ge=1, description="Drop groups with fewer remaining samples than this (reason group_too_small).")
     pass_rate_min: float | None = Field(

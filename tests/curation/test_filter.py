@@ -73,14 +73,16 @@ def run_filter(rows: list[dict], cfg: FilterConfig, earlier: pa.Table | None = N
 # ---- each reason --------------------------------------------------------------------------
 
 
-def test_defaults_drop_zero_variance_and_single_sample_groups_only():
+def test_defaults_drop_zero_variance_single_sample_groups_and_duplicates():
     rows = group_rows({"all_right": [1, 1, 1], "mixed": [1, 0, 1], "alone": [1.0], "all_wrong": [0, 0]})
     rows[4]["finish_reason"] = "length"  # mixed/1: truncated, kept by default
-    rows[3]["response"] = rows[5]["response"] = "same"  # mixed/0 and mixed/2: duplicates, kept by default
+    rows[3]["response"] = rows[5]["response"] = "same"  # mixed/0 and mixed/2: mixed/2 is a duplicate
     got = run_filter(rows, FilterConfig())
     assert got == {("all_right", 0): "zero_variance", ("all_right", 1): "zero_variance",
                    ("all_right", 2): "zero_variance", ("all_wrong", 0): "zero_variance",
-                   ("all_wrong", 1): "zero_variance", ("alone", 0): "group_too_small"}
+                   ("all_wrong", 1): "zero_variance", ("alone", 0): "group_too_small",
+                   ("mixed", 2): "duplicate"}
+    assert ("mixed", 2) not in run_filter(rows, FilterConfig(drop_duplicates=False))
 
 
 def test_unscored_null_reward_and_missing_scores_row():
