@@ -15,8 +15,8 @@ written as a run folder; then each path runs in its own process, so peak RSS is 
     duckdb sql          score+filter+label as one DuckDB query over the Parquet files, without
                         and with a memory limit far below the data, spilling to a temp folder
 
-Stage configs: exact_match, FilterConfig() (or --drop-duplicates), LabelConfig() (grpo), PairConfig()
-(max_min). Peak RSS is VmHWM, reset before each stage via /proc/self/clear_refs. A last, separate
+Stage configs: exact_match, FilterConfig() (--drop-duplicates overrides its default), LabelConfig()
+(grpo), PairConfig() (max_min). Peak RSS is VmHWM, reset before each stage via /proc/self/clear_refs. A last, separate
 run profiles the slowest stage of the Parquet job (cProfile) to say where its time goes.
 """
 
@@ -131,16 +131,17 @@ def stage(name: str, rows: int, **notes):
 # ---- the paths (each runs in its own process) ----------------------------------------------
 
 
-def configs(drop_duplicates: bool):
+def configs(drop_duplicates: bool | None):
     from curation.stages.filter import FilterConfig
     from curation.stages.label import LabelConfig
     from curation.stages.pair import PairConfig
     from curation.stages.score import RewardSpec
 
-    return [RewardSpec(name="exact_match")], FilterConfig(drop_duplicates=drop_duplicates), LabelConfig(), PairConfig()
+    filter_cfg = FilterConfig() if drop_duplicates is None else FilterConfig(drop_duplicates=drop_duplicates)
+    return [RewardSpec(name="exact_match")], filter_cfg, LabelConfig(), PairConfig()
 
 
-def gf_memory(run: Path, drop_duplicates: bool) -> None:
+def gf_memory(run: Path, drop_duplicates: bool | None) -> None:
     from curation.stages import filter, label, pair, score
 
     rewards, filter_cfg, label_cfg, pair_cfg = configs(drop_duplicates)
@@ -161,7 +162,7 @@ def gf_memory(run: Path, drop_duplicates: bool) -> None:
     RECORDS.append({"path": PATH, "stage": "check", "kept": groups.num_rows, "pairs": pairs.num_rows})
 
 
-def gf_parquet(run: Path, drop_duplicates: bool, only: str | None = None) -> None:
+def gf_parquet(run: Path, drop_duplicates: bool | None, only: str | None = None) -> None:
     """The stages' run(), as the CLI calls them; `only`: cProfile that stage and report its top calls."""
     from curation.stages import filter, label, pair, score
     from curation.store import RunStore
@@ -188,9 +189,11 @@ def floor(run: Path, out: Path) -> None:
         pq.write_table(pq.read_table(run / SAMPLES), out / "samples-copy.parquet", compression="zstd")
 
 
-def pandas_job(run: Path, out: Path, drop_duplicates: bool) -> None:
+def pandas_job(run: Path, out: Path, drop_duplicates: bool | None) -> None:
     """What a data engineer writes without groupforge: merge, ==, groupby transforms, idxmax/idxmin."""
     import pandas as pd
+
+    drop_duplicates = configs(drop_duplicates)[1].drop_duplicates
 
     n = pq.ParquetFile(run / SAMPLES).metadata.num_rows
     with stage("read", n):
@@ -230,8 +233,9 @@ def pandas_job(run: Path, out: Path, drop_duplicates: bool) -> None:
     RECORDS.append({"path": PATH, "stage": "check", "kept": len(kept), "pairs": len(pairs)})
 
 
-def duckdb_sql(run: Path, out: Path, memory_limit: str | None) -> None:
-    """exact_match + zero-variance/too-small filter + grpo advantages in one query, Parquet to Parquet."""
+def duckdb_sql(run: Path, out: Path, memory_limit: str | None, drop_duplicates: bool) -> None:
+    """exact_match + duplicate/too-small/zero-variance filter + grpo advantages in one query, Parquet to
+    Parquet; aggregates and joins only (DuckDB spills both), one output row per sample with its reason."""
     import duckdb
 
     spill_dir = out / "duckdb-spill"
@@ -240,16 +244,22 @@ def duckdb_sql(run: Path, out: Path, memory_limit: str | None) -> None:
                                  "preserve_insertion_order": False, **limit})
     sql = f"""COPY (
         WITH scored AS (
-            SELECT s.run_id, s.round, s.prompt_id, s.sample_idx,
+            SELECT s.run_id, s.round, s.prompt_id, s.sample_idx, s.response,
                    (trim(s.response) = trim(p.reference))::DOUBLE AS reward
             FROM read_parquet('{run / SAMPLES}') s JOIN read_parquet('{run / PROMPTS}') p USING (prompt_id)),
+        firsts AS (  -- the lowest sample_idx of each response text in its group
+            SELECT run_id, round, prompt_id, response, min(sample_idx) AS first_idx FROM scored GROUP BY ALL),
+        marked AS (
+            SELECT scored.* EXCLUDE (response), {drop_duplicates} AND sample_idx > first_idx AS duplicate
+            FROM scored JOIN firsts USING (run_id, round, prompt_id, response)),
         stats AS (
             SELECT run_id, round, prompt_id, count(*) AS n, avg(reward) AS group_mean,
                    stddev_samp(reward) AS group_std, min(reward) AS lo, max(reward) AS hi
-            FROM scored GROUP BY run_id, round, prompt_id)
-        SELECT scored.*, (reward - group_mean) / (group_std + 1e-4) AS advantage, group_mean, group_std,
-               CASE WHEN n < 2 THEN 'group_too_small' WHEN lo = hi THEN 'zero_variance' END AS reason
-        FROM scored JOIN stats USING (run_id, round, prompt_id)
+            FROM marked WHERE NOT duplicate GROUP BY ALL)
+        SELECT marked.* EXCLUDE (duplicate), (reward - group_mean) / (group_std + 1e-4) AS advantage,
+               group_mean, group_std, CASE WHEN duplicate THEN 'duplicate' WHEN n < 2 THEN 'group_too_small'
+                                           WHEN lo = hi THEN 'zero_variance' END AS reason
+        FROM marked JOIN stats USING (run_id, round, prompt_id)
     ) TO '{out / "duckdb-labelled.parquet"}' (FORMAT parquet, COMPRESSION zstd)"""
     spilled, done = [0], threading.Event()
 
@@ -264,6 +274,8 @@ def duckdb_sql(run: Path, out: Path, memory_limit: str | None) -> None:
         con.execute(sql)
     done.set()
     record["spilled_mb"] = spilled[0] / 2**20
+    labelled = out / "duckdb-labelled.parquet"
+    record["kept"] = con.execute(f"SELECT count(*) FROM '{labelled}' WHERE reason IS NULL").fetchone()[0]
 
 
 # ---- driver ------------------------------------------------------------------------------
@@ -294,13 +306,22 @@ def machine() -> str:
             f"pandas {pandas.__version__}")
 
 
+def override(args) -> bool | None:
+    return None if args.drop_duplicates is None else args.drop_duplicates == "yes"
+
+
+def dedupe(args) -> bool:
+    """Whether every path drops duplicates: --drop-duplicates, else FilterConfig's default."""
+    return configs(override(args))[1].drop_duplicates
+
+
 PATHS = {  # name -> worker(run, out, args); each runs in a fresh process
     "(a) parquet floor": lambda run, out, args: floor(run, out),
-    "groupforge memory": lambda run, out, args: gf_memory(run, args.drop_duplicates),
-    "groupforge parquet": lambda run, out, args: gf_parquet(run, args.drop_duplicates, args.profile_stage),
-    "(b) pandas": lambda run, out, args: pandas_job(run, out, args.drop_duplicates),
-    "duckdb sql": lambda run, out, args: duckdb_sql(run, out, None),
-    "duckdb sql, limited": lambda run, out, args: duckdb_sql(run, out, args.memory_limit),
+    "groupforge memory": lambda run, out, args: gf_memory(run, override(args)),
+    "groupforge parquet": lambda run, out, args: gf_parquet(run, override(args), args.profile_stage),
+    "(b) pandas": lambda run, out, args: pandas_job(run, out, override(args)),
+    "duckdb sql": lambda run, out, args: duckdb_sql(run, out, None, dedupe(args)),
+    "duckdb sql, limited": lambda run, out, args: duckdb_sql(run, out, args.memory_limit, dedupe(args)),
 }
 
 
@@ -310,7 +331,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1M rows: a smoke run")
     parser.add_argument("--pandas-rows", type=int, help="rows for pandas (default: --rows); its rate is extrapolated")
     parser.add_argument("--memory-limit", default="256MB", help="DuckDB memory_limit of the spilling run")
-    parser.add_argument("--drop-duplicates", action="store_true", help="FilterConfig(drop_duplicates=True), every path")
+    parser.add_argument("--drop-duplicates", choices=["yes", "no"], help="override FilterConfig's default, every path")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each path, alternating; the fastest is kept")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run of the slowest stage")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
@@ -329,7 +350,8 @@ def main() -> None:
 
     rows = 1_000_000 if args.quick else args.rows
     pandas_rows = args.pandas_rows or rows
-    flags = ["--memory-limit", args.memory_limit] + (["--drop-duplicates"] if args.drop_duplicates else [])
+    flags = ["--memory-limit", args.memory_limit] + (["--drop-duplicates", args.drop_duplicates]
+                                                     if args.drop_duplicates else [])
     (ROOT / "runs").mkdir(exist_ok=True)  # git-ignored and on disk (a tmpfs /tmp would hold GBs in RAM)
     with tempfile.TemporaryDirectory(prefix="bench-curation-", dir=ROOT / "runs") as tmp:
         run, pandas_run, out = Path(tmp) / "run", Path(tmp) / "pandas-run", Path(tmp) / "out"
@@ -371,7 +393,7 @@ def markdown(records: list[dict], data: dict, pandas_rows: int, slowest: str, lo
              f"- command: `{shlex.join(['.venv/bin/python', 'bench/curation.py', *sys.argv[1:]])}`",
              f"- data: one round of {n:,} samples = {n // 8:,} groups of 8; samples {data['arrow_mb']:.0f} MiB in "
              f"Arrow, {data['parquet_mb']:.0f} MiB Parquet (zstd); answers of 1-4 digits, ~30% correct, duplicates "
-             f"in groups; exact_match, FilterConfig(drop_duplicates={args.drop_duplicates}), grpo, max_min; "
+             f"in groups; exact_match, FilterConfig(drop_duplicates={dedupe(args)}), grpo, max_min; "
              f"each path in its own process; paths alternate, best of {args.repeats} per path (by its total)", "",
              "| path | stage | rows | seconds | rows/s | peak RSS MiB | notes |", "|---|---|--:|--:|--:|--:|---|"]
     for path in dict.fromkeys(r["path"] for r in timed):
