@@ -32,17 +32,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import duckdb
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import StageReport, as_dict, drop_counts, input_fingerprints
+from curation.stages.common import StageReport, as_dict, drop_counts, input_fingerprints, read_samples
 from curation.store import RunStore
 
 STAGE = "filter"
@@ -164,33 +162,6 @@ def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: 
         by_sample = named.filter(pl.col("sample_idx").is_not_null()).unique()
         rows = rows.join(by_sample, on=["gid", "sample_idx"], how="anti", maintain_order="left")
     return rows
-
-
-def read_samples(store: RunStore, round: int, columns: list[str]) -> pa.Table:
-    """`columns` of the round's samples, without reading the token and log-prob lists that
-    filter and label never look at. Each part file's schema (from its Parquet footer) is
-    validated against the samples contract; the columns read are checked for nulls."""
-    files = store.files("samples", round)
-    contract = schema.SCHEMAS["samples"]
-    if not files:
-        return contract.empty_table().select(columns)
-    for path in files:
-        schema.validate(pq.read_schema(path).empty_table(), "samples", path)
-    con = duckdb.connect()
-    try:
-        sql = f"SELECT {', '.join(columns)} FROM read_parquet($files, hive_partitioning = false, union_by_name = true)"
-        table = con.sql(sql, params={"files": [str(f) for f in files]}).to_arrow_table()
-    finally:
-        con.close()
-    table = table.cast(pa.schema([contract.field(c) for c in columns]))
-    for column in columns:
-        if not contract.field(column).nullable and table.column(column).null_count:
-            raise schema.SchemaError(f"samples table ({store.table_glob('samples')}): column {column!r} "
-                                     f"has {table.column(column).null_count} null value(s)")
-    if "round" in columns and table.num_rows and pc.min_max(table.column("round")).as_py() != {"min": round, "max": round}:
-        raise schema.SchemaError(f"samples table ({store.partition_dir('samples', round)}): column 'round' "
-                                 f"holds other rounds than {round}")
-    return table
 
 
 # ---- the pure function ---------------------------------------------------------------------

@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import StageReport, as_dict, input_fingerprints
-from curation.stages.filter import group_ids, read_samples, rows_of, unrejected
+from curation.stages.common import StageReport, as_dict, input_fingerprints, read_samples
+from curation.stages.filter import group_ids, rows_of, unrejected
 from curation.store import RunStore
 
 STAGE = "label"

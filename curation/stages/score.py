@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from curation.rewards.pool import default_workers, run_inline, run_isolated
 from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
 from curation.schema import KEYS, SchemaError, read_table_file, validate
-from curation.stages.common import StageReport, as_dict, drop_counts, input_fingerprints, rejects_table
+from curation.stages.common import StageReport, as_dict, drop_counts, input_fingerprints, read_samples, rejects_table
 from curation.store import RunStore
 
 STAGE = "score"
@@ -98,9 +98,14 @@ def score(samples: pa.Table, prompts: pa.Table, rewards: list[RewardSpec],
     return scores, rejects
 
 
-def _score(samples, prompts, rewards, existing, workers) -> tuple[pa.Table, pa.Table, dict]:
+# The samples columns rewards see (TRL_COLUMNS and the response); the token-id and log-prob
+# lists of the prompt are never read, which is most of a samples file's bytes.
+SAMPLE_COLUMNS = list(KEYS) + ["response", "group_size", "finish_reason", "policy_version", "response_token_ids"]
+
+
+def _score(samples, prompts, rewards, existing, workers, samples_validated=False) -> tuple[pa.Table, pa.Table, dict]:
     rewards = ScoreConfig(rewards=rewards).rewards  # checks the columns
-    rows = _inputs(validate(samples, "samples"), validate(prompts, "prompts"))
+    rows = _inputs(samples if samples_validated else validate(samples, "samples"), validate(prompts, "prompts"))
     n = rows.num_rows
     in_existing = _existing_rows(rows, existing)
     failed = np.zeros(n, dtype=bool)
@@ -176,8 +181,7 @@ def _inputs(samples: pa.Table, prompts: pa.Table) -> pa.Table:
         raise SchemaError(f"samples table: {len(missing)} row(s) have a prompt_id that is not in the prompts "
                           f"table (first: {missing[0].as_py()})")
     joined = prompts.select(["prompt", "messages", "reference", "metadata"]).take(index)
-    rows = samples.select(list(KEYS) + ["response", "group_size", "finish_reason", "policy_version",
-                                        "response_token_ids"])
+    rows = samples.select(SAMPLE_COLUMNS)
     for name in joined.column_names:
         rows = rows.append_column(name, joined.column(name))
     return rows
@@ -270,9 +274,11 @@ def run(run_dir: str | Path, round: int, config: ScoreConfig | None = None, forc
     if not store.files("samples", round):
         raise FileNotFoundError(f"run {store.root} has no samples for round {round}; run generate first")
     started = time.perf_counter()
-    samples, prompts = store.read("samples", round), store.read("prompts")
+    # only the columns rewards see; read_samples checks each file's footer against the contract
+    samples, prompts = read_samples(store, round, SAMPLE_COLUMNS), store.read("prompts")
     existing = None if force else _reusable_scores(store, round, inputs)
-    scores, rejects, stats = _score(samples, prompts, config.rewards, existing, config.workers)
+    scores, rejects, stats = _score(samples, prompts, config.rewards, existing, config.workers,
+                                    samples_validated=True)
     drops = drop_counts(rejects)
     with store.commit(STAGE, round, inputs, hashed) as commit:
         commit.write("scores", scores, part=STAGE)
