@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from curation.schema import SCHEMAS
+from curation.schema import SCHEMAS, empty, read_table_file, validate
 from curation.store import RunStore
 
 _SHOWN_COLUMNS = {
@@ -22,19 +23,32 @@ _SHOWN_COLUMNS = {
 }
 
 
+def _checked_files(store: RunStore, name: str) -> list[Path]:
+    """The table's part files, each footer validated against the contract (no data read)."""
+    files = store.files(name)
+    for path in files:
+        try:
+            footer = pq.read_schema(path)
+        except (pa.ArrowInvalid, OSError):
+            read_table_file(path, name)  # raises the one-line error (empty, not Parquet, ...)
+            raise
+        validate(footer.empty_table(), name, path)
+    return files
+
+
 def table_counts(run: str | Path) -> dict[str, dict[int | None, int]]:
-    """{table: {round: rows}} for every table folder that holds Parquet files (prompts: {None: rows})."""
+    """{table: {round: rows}} from the Parquet footers (prompts: {None: rows}); no data is read."""
     store = RunStore(run)
     counts: dict[str, dict[int | None, int]] = {}
     for name in SCHEMAS:
-        if not any(store.table_dir(name).rglob("*.parquet")):
+        files = _checked_files(store, name)
+        if not files:
             continue
-        rows = store.read(name)
-        if name == "prompts":
-            counts[name] = {None: rows.num_rows}
-            continue
-        per_round = duckdb.sql("SELECT round, count(*) FROM rows GROUP BY round ORDER BY round").fetchall()
-        counts[name] = {int(r): int(n) for r, n in per_round}
+        per_round: dict[int | None, int] = {}
+        for path in files:
+            r = None if name == "prompts" else int(path.parent.name.removeprefix("round="))
+            per_round[r] = per_round.get(r, 0) + pq.ParquetFile(path).metadata.num_rows
+        counts[name] = dict(sorted(per_round.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
     return counts
 
 
@@ -67,10 +81,12 @@ def inspect_run(run: Path, rows: int, console: Console) -> None:
                           str(m.get("created_at", ""))[:19])
         console.print(table)
 
-    for name in counts:
-        data = store.read(name)
+    for name, per in counts.items():
+        total = sum(per.values())
+        first = next(p for p in store.files(name) if pq.ParquetFile(p).metadata.num_rows) if total else None
+        data = pq.ParquetFile(first).read_row_group(0).slice(0, rows) if first else empty(name)
         columns = [c for c in _SHOWN_COLUMNS[name] if c in data.column_names]
-        example = Table(title=f"{name}: first {min(rows, data.num_rows)} of {data.num_rows} rows")
+        example = Table(title=f"{name}: first {min(rows, data.num_rows)} of {total} rows")
         for column in columns:
             example.add_column(column, overflow="fold", max_width=40)
         for row in data.select(columns).slice(0, rows).to_pylist():
