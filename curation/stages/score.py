@@ -175,12 +175,20 @@ def _compute(fn, part: pa.Table, timeout_s: float, workers: int | None) -> tuple
 def _inputs(samples: pa.Table, prompts: pa.Table) -> pa.Table:
     """The samples (in order) with their prompt's prompt, messages, reference and metadata."""
     prompts = _one_row_per_prompt(prompts)
-    index = pc.index_in(samples.column("prompt_id"), value_set=prompts.column("prompt_id"))
+    ids = samples.column("prompt_id")
+    n = samples.num_rows
+    # A group's rows are adjacent (as generate writes them): look each run of equal ids up once.
+    starts = np.ones(n, dtype=bool)
+    if n > 1:
+        starts[1:] = pc.not_equal(ids.slice(1), ids.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    at_starts = ids.take(pa.array(np.flatnonzero(starts)))
+    index = pc.index_in(at_starts, value_set=prompts.column("prompt_id"))
     if index.null_count:
-        missing = samples.column("prompt_id").filter(index.is_null())
-        raise SchemaError(f"samples table: {len(missing)} row(s) have a prompt_id that is not in the prompts "
+        missing = at_starts.filter(index.is_null())
+        raise SchemaError(f"samples table: {len(missing)} group(s) have a prompt_id that is not in the prompts "
                           f"table (first: {missing[0].as_py()})")
-    joined = prompts.select(["prompt", "messages", "reference", "metadata"]).take(index)
+    per_row = index.to_numpy(zero_copy_only=False)[np.cumsum(starts) - 1] if n else np.zeros(0, np.int64)
+    joined = prompts.select(["prompt", "messages", "reference", "metadata"]).take(pa.array(per_row))
     rows = samples.select(SAMPLE_COLUMNS)
     for name in joined.column_names:
         rows = rows.append_column(name, joined.column(name))
