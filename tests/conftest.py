@@ -21,3 +21,21 @@ def toy_dir() -> Path:
     from pipelines.toy import build_toy
 
     return build_toy(REPO / "runs" / "toy", progress=False)
+
+
+def make_toy_run(toy_dir: Path, folder: Path, prompts_from: str, n_prompts: int, group_size: int,
+                 max_tokens: int, rounds=(0, 1)) -> Path:
+    """A run with `rounds` of the first `n_prompts` toy prompts of `prompts_from`
+    ("train" or "eval"), sampled with the transformers backend (fast to start); seed = round."""
+    import pyarrow.parquet as pq
+
+    from curation.generate.base import SamplingConfig
+    from curation.generate.stage import generate
+
+    prompts_file = folder / "prompts.parquet"
+    pq.write_table(pq.read_table(toy_dir / f"{prompts_from}.parquet").slice(0, n_prompts), prompts_file)
+    run_dir = folder / "run"
+    for round in rounds:
+        generate(run_dir, prompts_file, SamplingConfig(group_size=group_size, max_tokens=max_tokens, seed=round),
+                 model=toy_dir / "model", backend="hf", round=round)
+    return run_dir

@@ -20,11 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from curation.generate.base import SamplingConfig
-from curation.generate.stage import generate
 from curation.schema import SCHEMAS, SchemaError
 from curation.stages.score import RewardSpec, ScoreConfig, run, score
 from curation.store import RunStore
+from tests.conftest import make_toy_run
 
 USER_MODULE = "gf_user_rewards_s"
 
@@ -207,14 +206,7 @@ def test_samples_without_a_prompt_and_conflicting_references_fail():
 @pytest.fixture(scope="module")
 def toy_run(toy_dir: Path, tmp_path_factory) -> Path:
     """A run with rounds 0 and 1 of 12 toy prompts x 4 samples (the HF generator)."""
-    folder = tmp_path_factory.mktemp("toy_run")
-    prompts_file = folder / "prompts.parquet"
-    pq.write_table(pq.read_table(toy_dir / "eval.parquet").slice(0, 12), prompts_file)
-    run_dir = folder / "run"
-    for round in (0, 1):
-        generate(run_dir, prompts_file, SamplingConfig(group_size=4, max_tokens=8, seed=round), model=toy_dir / "model",
-                 backend="hf", round=round)
-    return run_dir
+    return make_toy_run(toy_dir, tmp_path_factory.mktemp("toy_run"), "eval", n_prompts=12, group_size=4, max_tokens=8)
 
 
 @pytest.fixture

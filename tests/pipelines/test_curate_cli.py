@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import duckdb
-import pyarrow.parquet as pq
 import pytest
 
-from curation.generate.base import SamplingConfig
-from curation.generate.stage import generate
 from curation.store import RunStore
+from tests.conftest import make_toy_run
 from tests.pipelines.test_cli import error_line, groupforge
 
 
 @pytest.fixture(scope="module")
 def toy_run(toy_dir, tmp_path_factory):
     """Two rounds of toy samples (transformers backend: fast to start)."""
-    root = tmp_path_factory.mktemp("curate")
-    prompts = root / "prompts.parquet"
-    pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 48), prompts)
-    run = root / "run"
-    for r in (0, 1):
-        generate(run, prompts, SamplingConfig(group_size=8, max_tokens=6, seed=r), model=toy_dir / "model",
-                 backend="hf", round=r)
-    return run
+    return make_toy_run(toy_dir, tmp_path_factory.mktemp("curate"), "train", n_prompts=48, group_size=8, max_tokens=6)
 
 
 def test_curate_defaults_cover_every_sample_then_rerun_is_noop(toy_run):
