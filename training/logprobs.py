@@ -1,0 +1,174 @@
+"""Per-token log-probabilities of a causal LM, chunked over the vocabulary.
+
+Why chunk: the plain way, `model(...).logits.log_softmax(-1)`, materialises a B x L x V
+float32 tensor, B*L*V*4 bytes, and autograd keeps it (and its log-softmax) for backward.
+At B*L = 16k tokens and a 152k vocabulary that is ~10 GB for one micro-batch, far more
+than the model itself, and almost all of it is wasted: the objectives need one number per
+*response* token, log p(y_t | y_<t).
+
+So `token_logprobs` runs the decoder body, keeps only the N hidden states at target
+positions (N x H), and pushes them through the LM head `chunk_tokens` rows at a time with
+`ChunkedTokenLogProbs`, an autograd Function that saves the hidden states, the targets and
+one logsumexp per row, and recomputes each chunk's logits in backward:
+
+    logp_n       = z_n[y_n] / T - logsumexp(z_n / T),   z_n = W h_n (+ b)
+    dlogp_n/dz_n = (onehot(y_n) - softmax(z_n / T)) / T
+    grad_h = grad_z @ W,   grad_W += grad_z^T @ h,   grad_b += sum_n grad_z
+
+Peak memory for the head is then O(chunk_tokens * V) in forward and backward alike, at the
+cost of one extra head matmul per chunk in backward (the recompute).
+
+Padding: sequences must be right-padded (what `training.batching` builds). Hugging Face
+Llama-family models number positions 0..L-1 whatever the mask says, which is right for
+every real token of a right-padded row; the attention mask keeps padded keys out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["ChunkedTokenLogProbs", "token_logprobs", "token_logprobs_reference"]
+
+
+def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Log-softmax runs in float32 (float64 for a float64 model), never in bf16/fp16."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class ChunkedTokenLogProbs(torch.autograd.Function):
+    """logp[n] = log softmax((hidden[n] @ weight.T + bias) / temperature)[targets[n]].
+
+    hidden (N, H), weight (V, H), bias (V,) or None, targets (N,) int64. Returns (N,) in
+    float32 (float64 when the weight is float64). Never holds more than `chunk_tokens` x V
+    logits; saves only hidden, targets and the per-row logsumexp for backward.
+
+    The head matmuls run in `compute_dtype` (the autocast dtype under autocast, else the
+    weight's dtype); softmax, logsumexp and the weight/bias gradient accumulators in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int,
+                compute_dtype: torch.dtype):
+        acc = _accum_dtype(weight.dtype)
+        w = weight.to(compute_dtype)
+        b = None if bias is None else bias.to(acc)
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        lse = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            logits = _chunk_logits(hidden[rows], w, b, temperature, acc)
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            out[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype = temperature, chunk_tokens, compute_dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        temperature, chunk_tokens, compute_dtype = ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype
+        acc = _accum_dtype(weight.dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight.to(compute_dtype)
+        b = None if bias is None else bias.to(acc)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        grad_out = grad_out.to(acc)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            h = hidden[rows].to(compute_dtype)
+            logits = _chunk_logits(h, w, b, temperature, acc)
+            # grad_z = (onehot - softmax) * grad_out / T, built in place on the logits buffer
+            grad_z = logits.sub_(lse[rows, None]).exp_().neg_()
+            grad_z.scatter_add_(1, targets[rows, None], torch.ones_like(grad_z[:, :1]))
+            grad_z.mul_((grad_out[rows] / temperature)[:, None])
+            if need_b:
+                grad_b += grad_z.sum(0)
+            grad_z = grad_z.to(compute_dtype)
+            if need_h:
+                grad_h[rows] = (grad_z @ w).to(hidden.dtype)
+            if need_w:
+                if compute_dtype == acc:
+                    grad_w.addmm_(grad_z.t(), h)
+                else:
+                    grad_w += (grad_z.t() @ h).to(acc)
+            del logits, grad_z
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        if need_b:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _chunk_logits(h, w, b, temperature, acc):
+    """(h @ w.T + b) / T in the accumulation dtype, for one chunk of rows."""
+    logits = (h.to(w.dtype) @ w.t()).to(acc)
+    if b is not None:
+        logits += b
+    if temperature != 1.0:
+        logits /= temperature
+    return logits
+
+
+def _lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(decoder body returning last_hidden_state, LM head Linear) of a HF causal LM."""
+    head = model.get_output_embeddings()
+    body = model.base_model
+    if head is None or body is model:
+        raise TypeError(f"{type(model).__name__} has no separate decoder body and LM head; "
+                        "token_logprobs needs a *ForCausalLM model")
+    return body, head
+
+
+def _check_inputs(input_ids, attention_mask, target_mask) -> None:
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be (B, L), got "
+                         f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    expected = (input_ids.shape[0], input_ids.shape[1] - 1)
+    if tuple(target_mask.shape) != expected or target_mask.dtype != torch.bool:
+        raise ValueError(f"target_mask must be a bool tensor of shape (B, L-1) = {expected}, got "
+                         f"{target_mask.dtype} {tuple(target_mask.shape)}")
+
+
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   target_mask: torch.Tensor, *, temperature: float = 1.0,
+                   chunk_tokens: int = 2048) -> torch.Tensor:
+    """Per-token log-probs of the next token, only where `target_mask` is True.
+
+    Returns logp of shape (B, L-1): logp[b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1])
+    under softmax(logits / temperature) where target_mask[b, t], else 0. float32 (float64
+    for a float64 model), differentiable w.r.t. every model parameter. The B x L x V logits
+    are never materialised, in forward or backward (see the module docstring); under
+    autocast the head matmuls run in the autocast dtype and the log-softmax in float32.
+    Rows must be right-padded.
+    """
+    _check_inputs(input_ids, attention_mask, target_mask)
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    body, head = _lm_parts(model)
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = hidden[:, :-1][target_mask]  # (N, H): the states that predict a response token
+    targets = input_ids[:, 1:][target_mask]
+    device_type = hidden.device.type
+    compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                     else head.weight.dtype)
+    with torch.autocast(device_type, enabled=False):
+        logp = ChunkedTokenLogProbs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
+                                          float(temperature), int(chunk_tokens), compute_dtype)
+    out = torch.zeros(target_mask.shape, dtype=logp.dtype, device=logp.device)
+    return out.masked_scatter(target_mask, logp)
+
+
+def token_logprobs_reference(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             target_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The plain full-logits version of `token_logprobs` (B x L x V in memory), for tests."""
+    _check_inputs(input_ids, attention_mask, target_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logp = (logits[:, :-1].to(_accum_dtype(logits.dtype)) / temperature).log_softmax(-1)
+    logp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return logp.masked_fill(~target_mask, 0.0)
