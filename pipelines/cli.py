@@ -226,6 +226,104 @@ def export(
     console.print(f"wrote {rows} rows ({format}, {style}) to {path}")
 
 
+def _parse_rounds(text: Optional[str]) -> Optional[list[int]]:
+    """'0,1,3' or '2-5' or '0,2-4' -> a list of rounds; None stays None."""
+    if text is None:
+        return None
+    rounds: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            rounds.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    except ValueError:
+        raise _fail(f"--rounds {text!r}: expected numbers like 0,1,3 or 2-5", EXIT_BAD_INPUT) from None
+    return rounds
+
+
+@app.command()
+def train(
+    run: Path = typer.Argument(..., help="Run folder with curated tables."),
+    steps: int = typer.Option(..., "--steps", help="Train until this optimizer step (total, across calls)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Base model folder (needed when RUN has no checkpoint)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with a [train] section; flags override it."),
+    objective: Optional[str] = typer.Option(None, "--objective", help="grpo | gspo | gspo_token | pairwise | sft"),
+    rounds: Optional[str] = typer.Option(None, "--rounds", help="Rounds to train on, e.g. 0,1 or 0-3 (default: all)."),
+    max_staleness: Optional[int] = typer.Option(None, "--max-staleness", help="Drop rounds older than this (in rounds)."),
+    sft_min_reward: Optional[float] = typer.Option(None, "--sft-min-reward", help="sft: reward >= this (default: advantage > 0)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences (pairwise: pairs) per step."),
+    token_budget: Optional[int] = typer.Option(None, "--token-budget", help="Padded tokens per micro-batch."),
+    old_logprobs: Optional[str] = typer.Option(None, "--old-logprobs", help="generator | recompute"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Default: the rounds' sampling temperature."),
+    eps_low: Optional[float] = typer.Option(None, "--eps-low", help="Lower clip range."),
+    eps_high: Optional[float] = typer.Option(None, "--eps-high", help="Upper clip range."),
+    dual_clip: Optional[float] = typer.Option(None, "--dual-clip", help="Dual-clip constant c > 1."),
+    beta: Optional[float] = typer.Option(None, "--beta", help="KL weight, or pairwise temperature."),
+    kl: Optional[str] = typer.Option(None, "--kl", help="k1 | k2 | k3"),
+    agg: Optional[str] = typer.Option(None, "--agg", help="token-mean | seq-mean-token-mean | seq-mean-token-sum-norm"),
+    norm_len: Optional[int] = typer.Option(None, "--norm-len", help="seq-mean-token-sum-norm constant."),
+    gamma: Optional[float] = typer.Option(None, "--gamma", help="Pairwise margin."),
+    length_normalize: Optional[bool] = typer.Option(None, "--length-normalize/--no-length-normalize", help="Pairwise: mean log-prob."),
+    reference: Optional[bool] = typer.Option(None, "--reference/--no-reference", help="Pairwise: use the reference model (DPO)."),
+    ref_model: Optional[str] = typer.Option(None, "--ref-model", help="Reference model folder (default: the base model)."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
+    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW weight decay."),
+    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warmup steps."),
+    lr_schedule: Optional[str] = typer.Option(None, "--lr-schedule", help="constant | cosine"),
+    decay_steps: Optional[int] = typer.Option(None, "--decay-steps", help="cosine: step of the final lr."),
+    max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="Gradient clipping norm."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the row order."),
+    save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", help="Checkpoints kept."),
+    no_wait: bool = _NO_WAIT,
+) -> None:
+    """Train on the run's curated tables; checkpoints in RUN/checkpoints, one line per step in RUN/metrics.jsonl."""
+    from curation.schema import SchemaError
+    from curation.store import RunLockedError, RunStore
+    from pipelines.spec import load_section
+    from training.trainer import TrainConfig, train as run_train
+
+    flags = dict(objective=objective, rounds=_parse_rounds(rounds), max_staleness=max_staleness,
+                 sft_min_reward=sft_min_reward, batch_size=batch_size, token_budget=token_budget,
+                 old_logprobs=old_logprobs, temperature=temperature, eps_low=eps_low, eps_high=eps_high,
+                 dual_clip=dual_clip, beta=beta, kl=kl, agg=agg, norm_len=norm_len, gamma=gamma,
+                 length_normalize=length_normalize, reference=reference, ref_model=ref_model, lr=lr,
+                 weight_decay=weight_decay, warmup_steps=warmup_steps, lr_schedule=lr_schedule,
+                 decay_steps=decay_steps, max_grad_norm=max_grad_norm, dtype=dtype, seed=seed,
+                 save_every=save_every, keep_last=keep_last)
+    if not run.is_dir():
+        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    try:
+        cfg = load_section(TrainConfig, config, "train", overrides=flags)
+    except ValueError as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    try:
+        with RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}")):
+            with _progress() as bar:
+                task = bar.add_task(f"train {cfg.objective}", total=None)
+
+                def progress(done: int, total: int, metrics: dict) -> None:
+                    bar.update(task, completed=done, total=total,
+                               description=f"train {cfg.objective} step {metrics['step']} loss {metrics['loss']:.4f}")
+
+                result = run_train(run, cfg, steps=steps, model=model, progress=progress)
+    except (SchemaError, FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    except RunLockedError as exc:
+        raise _fail(str(exc), EXIT_LOCKED) from None
+    if result.skipped:
+        console.print(f"{run}: already at step {result.end_step} (>= --steps {steps}); nothing to do")
+        return
+    m = result.last_metrics
+    table = Table(title=f"{run}: train {cfg.objective}")
+    for column in ("steps", "rounds", "rows", "last loss", "grad norm", "tokens/s", "seconds", "checkpoint"):
+        table.add_column(column, justify="right")
+    table.add_row(f"{result.start_step} -> {result.end_step}", ",".join(map(str, result.rounds)), str(result.rows),
+                  f"{m.get('loss', float('nan')):.4f}", f"{m.get('grad_norm', float('nan')):.3f}",
+                  f"{m.get('tokens_per_s', 0):,.0f}", f"{result.seconds:.1f}", str(result.checkpoint))
+    console.print(table)
+
+
 @toy_app.command("build")
 def toy_build(
     out: Path = typer.Option(Path("runs/toy"), "--out", help="Folder for model/, train.parquet, eval.parquet."),

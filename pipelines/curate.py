@@ -11,10 +11,9 @@ filters, grpo advantages, max_min pairs with soft labels.
 from __future__ import annotations
 
 import time
-import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
@@ -23,6 +22,7 @@ from curation.stages import score as score_stage
 from curation.stages.common import StageReport
 from curation.stages.export import ExportConfig
 from curation.store import RunStore
+from pipelines.spec import read_toml, validate_model
 
 STAGES = ("score", "filter", "label", "pair")
 _MODULES = {"score": score_stage, "filter": filter_stage, "label": label_stage, "pair": pair_stage}
@@ -44,20 +44,7 @@ def load_curation_spec(path: str | Path | None) -> CurationSpec:
     """Read the curation sections of a TOML spec (defaults when `path` is None)."""
     if path is None:
         return CurationSpec()
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config {path}: file not found")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config {path}: not valid TOML ({exc})") from None
-    try:
-        return CurationSpec.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        raise ValueError(f"config {path}: {problems}") from None
+    return validate_model(CurationSpec, read_toml(path), path)
 
 
 def rounds_to_process(run_dir: str | Path, round: int | None) -> list[int]:

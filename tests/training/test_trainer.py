@@ -1,0 +1,231 @@
+"""The trainer on a real curated toy run: data, objectives end to end, resume after kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipelines.curate import STAGES, CurationSpec, run_stage
+from tests.conftest import REPO, make_toy_run
+from training import checkpoint as ckpt
+from training.data import NoTrainingData, load_training_data
+from training.trainer import KILL_AFTER_STEP_ENV, TrainConfig, lr_at, step_rows, train
+
+
+@pytest.fixture(scope="module")
+def curated_run(toy_dir, tmp_path_factory):
+    """Two rounds of 24 toy prompts x 8 (transformers backend, T=1), curated with the defaults
+    (exact_match, zero-variance and duplicate filters, grpo advantages, max_min soft pairs)."""
+    run_dir = make_toy_run(toy_dir, tmp_path_factory.mktemp("train"), "train", n_prompts=24, group_size=8,
+                           max_tokens=6)
+    for r in (0, 1):
+        for stage in STAGES:
+            run_stage(stage, run_dir, r, CurationSpec())
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(curated_run, tmp_path):
+    """A fresh copy of the curated run (training writes checkpoints and metrics into it)."""
+    dst = tmp_path / "run"
+    shutil.copytree(curated_run, dst)
+    return dst
+
+
+def step_records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "step"]
+
+
+def test_step_rows_are_a_seeded_stream_of_permutations():
+    # 10 rows, batches of 4: steps 1..5 cover epoch 0 (10 rows) then half of epoch 1.
+    rows = [step_rows(10, 4, seed=3, segment_start=0, step=s) for s in range(1, 6)]
+    assert all(len(r) == 4 for r in rows)
+    first_epoch = sorted(list(rows[0]) + list(rows[1]) + list(rows[2][:2]))
+    assert first_epoch == list(range(10))
+    assert list(step_rows(10, 4, seed=3, segment_start=0, step=2)) == list(rows[1])  # pure function
+    assert list(step_rows(10, 4, seed=4, segment_start=0, step=1)) != list(rows[0])
+    assert sorted(step_rows(3, 8, seed=0, segment_start=5, step=6)) == [0, 1, 2]  # batch capped at the rows
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TrainConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1, decay_steps=12)
+    assert lr_at(1, cfg, 12) == pytest.approx(0.5)
+    assert lr_at(2, cfg, 12) == pytest.approx(1.0)
+    assert lr_at(7, cfg, 12) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the decay
+    assert lr_at(12, cfg, 12) == pytest.approx(0.1)
+    assert lr_at(50, cfg, 12) == pytest.approx(0.1)
+    assert lr_at(9, TrainConfig(lr=0.3), 12) == 0.3
+
+
+def test_training_data_joins_samples_and_labels(curated_run):
+    import duckdb
+
+    policy = load_training_data(curated_run, "grpo")
+    kept = duckdb.sql(f"SELECT count(*) FROM read_parquet('{curated_run}/groups/**/*.parquet') WHERE group_kept"
+                      ).fetchall()[0][0]
+    assert policy.num_rows == kept > 0 and policy.rounds == [0, 1] and policy.temperature == 1.0
+    t = policy.table
+    lengths = [(len(a), len(b)) for a, b in zip(t.column("response_token_ids").to_pylist(),
+                                                 t.column("behavior_logprobs").to_pylist())]
+    assert all(a == b for a, b in lengths)
+    pairs = load_training_data(curated_run, "pairwise", rounds=[1])
+    n_pairs = duckdb.sql(f"SELECT count(*) FROM read_parquet('{curated_run}/pairs/round=1/*.parquet')").fetchall()[0][0]
+    assert pairs.num_rows == n_pairs and pairs.rounds == [1]
+    assert all(c != r for c, r in zip(pairs.table.column("chosen_token_ids").to_pylist(),
+                                      pairs.table.column("rejected_token_ids").to_pylist()))
+    sft = load_training_data(curated_run, "sft")
+    assert all(a > 0 for a in sft.table.column("advantage").to_pylist())
+    assert load_training_data(curated_run, "grpo", max_staleness=0).rounds == [1]
+    assert load_training_data(curated_run, "grpo").fingerprint == policy.fingerprint
+    assert pairs.fingerprint != load_training_data(curated_run, "pairwise").fingerprint
+    with pytest.raises(ValueError, match=r"round\(s\) \[7\]"):
+        load_training_data(curated_run, "grpo", rounds=[7])
+    with pytest.raises(NoTrainingData, match="nothing to train on"):
+        load_training_data(curated_run, "sft", sft_min_reward=2.0)
+
+
+def test_grpo_steps_write_metrics_and_a_loadable_checkpoint(run_copy, toy_dir):
+    from transformers import AutoModelForCausalLM
+
+    cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=256, lr=1e-4)
+    result = train(run_copy, cfg, steps=3, model=toy_dir / "model")
+    assert (result.start_step, result.end_step, result.skipped) == (0, 3, False)
+    records = step_records(run_copy)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    first = records[0]
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "clip_frac_low", "clip_frac_high", "ratio_mean",
+                "ratio_min", "ratio_max", "micro_batches"):
+        assert key in first, key
+    assert first["micro_batches"] > 1  # the budget forced gradient accumulation
+    # Step 1 trains on samples of policy_version 0 with the weights that sampled them: the
+    # trainer's log-probs must equal behavior_logprobs (token alignment, temperature, masks).
+    assert first["behavior_logp_gap"] < 1e-4
+    assert first["ratio_min"] == pytest.approx(1.0, abs=1e-3) and first["ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    folder = result.checkpoint
+    assert folder == ckpt.checkpoint_dir(run_copy, 3)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    base = AutoModelForCausalLM.from_pretrained(toy_dir / "model")
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
+    assert (folder / "tokenizer.json").is_file() and (folder / "optimizer.safetensors").is_file()
+    # Rerunning to the same step is a no-op; the next call continues from the checkpoint.
+    assert train(run_copy, cfg, steps=3, model=toy_dir / "model").skipped
+    assert train(run_copy, cfg, steps=4).start_step == 3
+    assert [r["step"] for r in step_records(run_copy)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("objective,extra", [
+    ("gspo", {}),
+    ("gspo_token", {}),
+    ("grpo", {"beta": 0.05, "kl": "k3", "agg": "token-mean", "old_logprobs": "recompute"}),
+    ("pairwise", {"reference": True}),
+    ("pairwise", {"length_normalize": True, "gamma": 0.1, "beta": 2.0}),
+    ("sft", {"agg": "seq-mean-token-sum-norm"}),
+])
+def test_every_objective_trains(run_copy, toy_dir, objective, extra):
+    cfg = TrainConfig(objective=objective, batch_size=16, token_budget=200, lr=1e-4, **extra)
+    train(run_copy, cfg, steps=2, model=toy_dir / "model")
+    records = step_records(run_copy)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) and r["grad_norm"] > 0 for r in records)
+    if objective == "pairwise":
+        assert "reward_accuracy" in records[0]
+    if extra.get("old_logprobs") == "recompute":
+        # old_logp recomputed by these weights: on-policy at step 1.
+        assert records[0]["ratio_min"] == pytest.approx(1.0, abs=1e-5)
+        assert records[0]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+        assert list((run_copy / "_train").glob("old_logprobs-*.safetensors"))
+
+
+def test_sft_loss_goes_down_on_fixed_data(run_copy, toy_dir):
+    cfg = TrainConfig(objective="sft", batch_size=10_000, lr=3e-3)  # the whole set every step
+    train(run_copy, cfg, steps=8, model=toy_dir / "model")
+    losses = [r["loss"] for r in step_records(run_copy)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def _cli(run_dir, *args, env=None):
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", str(run_dir), *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def test_kill_during_training_then_resume_reproduces_the_loss_sequence(curated_run, toy_dir, tmp_path):
+    args = ["--model", str(toy_dir / "model"), "--objective", "grpo", "--batch-size", "24", "--lr", "3e-4",
+            "--token-budget", "256", "--steps", "5", "--save-every", "2"]
+    straight = tmp_path / "straight"
+    shutil.copytree(curated_run, straight)
+    done = _cli(straight, *args)
+    assert done.returncode == 0, done.stderr
+
+    killed = tmp_path / "killed"
+    shutil.copytree(curated_run, killed)
+    # Killed after step 3 is logged, before step 4's checkpoint: the newest checkpoint is step 2.
+    crash = _cli(killed, *args, env={KILL_AFTER_STEP_ENV: "3"})
+    assert crash.returncode == -9, crash.stderr
+    assert [r["step"] for r in step_records(killed)] == [1, 2, 3]
+    assert ckpt.latest_checkpoint(killed) == ckpt.checkpoint_dir(killed, 2)
+    resumed = _cli(killed, *args)
+    assert resumed.returncode == 0, resumed.stderr
+
+    a, b = step_records(straight), step_records(killed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]  # step 3 recomputed, not duplicated
+    for key in ("loss", "grad_norm", "ratio_mean", "clip_frac_high"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    wa = ckpt.load_trainer_state(ckpt.latest_checkpoint(straight))
+    wb = ckpt.load_trainer_state(ckpt.latest_checkpoint(killed))
+    assert wa["step"] == wb["step"] == 5 and wa["data"] == wb["data"]
+
+
+def test_optimizer_state_round_trips_without_pickle(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        opt.step()
+    tensors, groups = ckpt.optimizer_to_tensors(opt)
+    json.dumps(groups)  # JSON-able
+    twin = torch.nn.Linear(4, 3)
+    twin.load_state_dict(model.state_dict())
+    opt2 = torch.optim.AdamW(twin.parameters(), lr=5.0)
+    ckpt.optimizer_from_tensors(opt2, tensors, groups)
+    x = torch.randn(5, 4)
+    for m, o in ((model, opt), (twin, opt2)):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    with pytest.raises(ValueError, match="different parameter groups"):
+        ckpt.optimizer_from_tensors(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), tensors, groups)
+
+
+def test_incomplete_checkpoints_are_ignored_and_old_ones_pruned(run_copy, toy_dir):
+    train(run_copy, TrainConfig(batch_size=8, lr=1e-4, save_every=1, keep_last=2), steps=3, model=toy_dir / "model")
+    assert [s for s, _ in ckpt.list_checkpoints(run_copy)] == [2, 3]
+    half = ckpt.checkpoint_dir(run_copy, 9)  # a folder without trainer_state.json: a kill mid-save
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"partial")
+    assert ckpt.latest_checkpoint(run_copy) == ckpt.checkpoint_dir(run_copy, 3)
+
+
+def test_cli_errors_are_clear(run_copy, toy_dir, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nobjective = 'grpo'\nlearning_rate = 1e-4\n")
+    out = _cli(run_copy, "--steps", "1", "--model", str(toy_dir / "model"), "--config", str(bad))
+    assert out.returncode == 2 and "train.learning_rate" in out.stderr and str(bad) in out.stderr
+    out = _cli(run_copy, "--steps", "1")
+    assert out.returncode == 2 and "no checkpoint to resume and no base model" in out.stderr
+    out = _cli(run_copy, "--steps", "1", "--model", str(toy_dir / "model"), "--objective", "ppo")
+    assert out.returncode == 2 and "objective" in out.stderr
+    out = _cli(run_copy, "--steps", "1", "--model", str(toy_dir / "model"), "--objective", "pairwise", "--beta", "0")
+    assert out.returncode == 2 and "beta > 0" in out.stderr
+    out = _cli(run_copy, "--steps", "1", "--model", str(toy_dir / "model"), "--rounds", "5")
+    assert out.returncode == 2 and "round(s) [5]" in out.stderr

@@ -1,0 +1,143 @@
+"""Checkpoints: a Hugging Face model folder plus optimizer and trainer state, without pickle.
+
+    RUN/checkpoints/step-<k>/
+        config.json, model.safetensors, tokenizer files   an ordinary HF folder (vLLM loads it)
+        optimizer.safetensors                             every optimizer state tensor
+        trainer_state.json                                step, config, data cursor, param groups
+
+k is the optimizer step, which is also the `policy_version` of samples generated from it.
+A checkpoint is written into `RUN/checkpoints/.tmp-step-<k>-<pid>/` and renamed into place,
+`trainer_state.json` last, so a folder named step-<k> is always complete; a kill while
+saving leaves only a `.tmp-*` folder, removed by the next save.
+
+Optimizer state is stored as tensors (safetensors) and JSON (param groups), so loading a
+checkpoint from elsewhere never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+_STEP_DIR = re.compile(r"step-(\d+)")
+# Files of a model folder that are not weights: copied so every checkpoint is loadable alone.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step-{step}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for folder in root.iterdir():
+        match = _STEP_DIR.fullmatch(folder.name)
+        if match and (folder / STATE_FILE).is_file():
+            found.append((int(match[1]), folder))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """An optimizer's state as {"<param index>.<name>": tensor} plus its param groups (JSON-able)."""
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for index, state in state_dict["state"].items():
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(value)
+            tensors[f"{index}.{name}"] = value.detach().to("cpu").contiguous()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()}
+              for group in state_dict["param_groups"]]
+    return tensors, groups
+
+
+def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                           groups: list[dict]) -> None:
+    """Load what `optimizer_to_tensors` produced into `optimizer` (same parameters, same order)."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    current = optimizer.state_dict()["param_groups"]
+    if [len(g["params"]) for g in current] != [len(g["params"]) for g in groups]:
+        raise ValueError("optimizer checkpoint does not match the model: different parameter groups")
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any], tokenizer_from: str | Path | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Write checkpoint `step` atomically and return its folder; then keep only the newest
+    `keep_last` checkpoints (None: keep all)."""
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = checkpoint_dir(run_dir, step)
+    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer_from is not None:
+        for name in _TOKENIZER_FILES:
+            source = Path(tokenizer_from) / name
+            if source.is_file() and not (tmp / name).exists():
+                shutil.copy2(source, tmp / name)
+    tensors, groups = optimizer_to_tensors(optimizer)
+    save_file(tensors, tmp / OPTIMIZER_FILE)
+    full_state = {**state, "step": step, "optimizer_param_groups": groups}
+    (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True))
+    for path in tmp.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():  # a rerun of the same step (e.g. after a kill between rename and cleanup)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if keep_last is not None:
+        for old_step, folder in list_checkpoints(run_dir)[:-keep_last]:
+            if old_step != step:
+                shutil.rmtree(folder, ignore_errors=True)
+    return final
+
+
+def load_trainer_state(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / STATE_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint {folder}: cannot read {STATE_FILE}: {exc}") from None
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
+    """Restore the optimizer state saved in checkpoint `folder` (safetensors + JSON, no pickle)."""
+    state = load_trainer_state(folder)
+    tensors = load_file(Path(folder) / OPTIMIZER_FILE)
+    optimizer_from_tensors(optimizer, tensors, state["optimizer_param_groups"])
