@@ -1,12 +1,34 @@
 """Loss functions of groupforge's trainer: pure tensor functions registered by name.
 
-(Interface stub: the bodies are being written. The two dataclasses below are the contract
-shared by objectives.py, batching.py and trainer.py.)
+Policy losses share one signature (verl's core_algos style)::
+
+    loss, metrics = get_policy_loss(name)(logp, old_logp, advantages, mask, cfg,
+                                          ref_logp=None, norm=None)
+
+logp, old_logp (behavior), ref_logp and mask are (B, T), mask 1 on response tokens and 0 on
+padding; advantages are (B,) or (B, T). The pair loss has its own signature, see
+get_pair_loss. A loss is a scalar tensor; metrics are floats computed under no_grad that
+describe this batch alone (they ignore `norm`), so the trainer can average them.
+
+Gradient accumulation: give every micro-batch of a step the step's Normalizer. Each
+micro-batch's loss is then its share of the full-step loss, and the shares sum to the
+one-batch loss in value and gradient, however the step is split and padded. For
+seq-mean-token-sum-norm that needs cfg.norm_len set: with norm_len None the divisor is each
+micro-batch's own padded length T.
+
+Padding may hold any finite logp (or anything at all in old_logp / ref_logp): it is masked
+before any exp.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -48,3 +70,363 @@ class Normalizer:
     """Masked (response) tokens in the step."""
     weight_sum: float | None = None
     """Pairwise: sum of pair weights in the step."""
+
+
+Metrics = dict[str, float]
+PolicyLoss = Callable[..., tuple[Tensor, Metrics]]
+PairLoss = Callable[..., tuple[Tensor, Metrics]]
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+"""name -> policy loss as written below (unchecked: call it through get_policy_loss)."""
+PAIR_LOSSES: dict[str, PairLoss] = {}
+"""name -> pair loss as written below (unchecked: call it through get_pair_loss)."""
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    def register(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES[name] = fn
+        return fn
+    return register
+
+
+def register_pair_loss(name: str) -> Callable[[PairLoss], PairLoss]:
+    def register(fn: PairLoss) -> PairLoss:
+        PAIR_LOSSES[name] = fn
+        return fn
+    return register
+
+
+# ---- shared pieces ------------------------------------------------------------------------
+
+def agg_loss(values: Tensor, mask: Tensor, mode: str, norm_len: int | None = None,
+             norm: Normalizer | None = None) -> Tensor:
+    """Reduce per-token values (B, T) to a scalar:
+
+        token-mean               sum_it m_it v_it / N_tok                     (DAPO)
+        seq-mean-token-mean      sum_i [sum_t m_it v_it / |y_i|] / N_seq      (GRPO)
+        seq-mean-token-sum-norm  sum_it m_it v_it / (N_seq * norm_len)        (Dr. GRPO)
+
+    |y_i| = max(sum_t m_it, 1). N_tok, N_seq: norm.num_tokens / norm.num_seqs (the whole
+    step), or this batch's mask.sum() / B when norm is None. norm_len None means T; pass a
+    constant for split invariance (micro-batches differ in padded T).
+    """
+    masked = values * mask
+    if mode == "token-mean":
+        if norm is None:
+            return masked.sum() / mask.sum().clamp(min=1)
+        return masked.sum() / max(norm.num_tokens, 1)
+    num_seqs = values.shape[0] if norm is None else max(norm.num_seqs, 1)
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (num_seqs * (values.shape[-1] if norm_len is None else norm_len))
+    raise ValueError(f"unknown agg mode {mode!r}; known: {', '.join(AGG_MODES)}")
+
+
+def kl_penalty(log_ratio: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on samples of pi (Schulman 2020), from
+    d = logp - ref_logp:  k1 = d,  k2 = d^2 / 2,  k3 = exp(-d) + d - 1 (unbiased, >= 0;
+    DeepSeekMath's choice)."""
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown kl estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
+
+
+def _log_ratio(logp: Tensor, other: Tensor, mask: Tensor) -> Tensor:
+    # Padding of old/ref logps may hold anything (a generator's -inf): keep it out of exp.
+    return torch.where(mask > 0, logp - other, 0.0)
+
+
+def _seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log s_i = sum_t m_it (logp_it - old_logp_it) / |y_i| (B,)."""
+    return (_log_ratio(logp, old_logp, mask) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def _clipped_pg(ratio: Tensor, adv: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, Tensor]:
+    """l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A); with dual clip c, l = min(l, -c A)
+    where A < 0 (Ye et al. 2020: bounds the loss of a bad action whose ratio exploded).
+    Returns l and where the dual clip was active."""
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high))
+    dual = torch.zeros_like(pg, dtype=torch.bool)
+    if cfg.dual_clip is not None:
+        cap = -cfg.dual_clip * adv
+        dual = (adv < 0) & (pg > cap)
+        pg = torch.where(dual, cap, pg)
+    return pg, dual
+
+
+@torch.no_grad()
+def _ratio_metrics(ratio: Tensor, adv: Tensor, valid: Tensor, dual: Tensor,
+                   cfg: ObjectiveConfig) -> dict[str, Tensor]:
+    """Clip fractions (clipped and the clip active: the clipped term was the min) and ratio
+    statistics over the valid entries: tokens, or sequences for gspo."""
+    n = valid.sum().clamp(min=1).to(ratio.dtype)
+    adv = adv.expand_as(ratio)
+    metrics = {
+        "clip_frac_low": ((adv < 0) & (ratio < 1 - cfg.eps_low) & valid).sum() / n,
+        "clip_frac_high": ((adv > 0) & (ratio > 1 + cfg.eps_high) & valid).sum() / n,
+        "ratio_mean": (ratio * valid).sum() / n,
+        "ratio_min": ratio.masked_fill(~valid, float("inf")).min(),
+        "ratio_max": ratio.masked_fill(~valid, float("-inf")).max(),
+    }
+    if cfg.dual_clip is not None:
+        metrics["dual_clip_frac"] = (dual & valid).sum() / n
+    return metrics
+
+
+def _finish(loss: Tensor, metrics: dict[str, Tensor], logp: Tensor, old_logp: Tensor | None,
+            ref_logp: Tensor | None, mask: Tensor, cfg: ObjectiveConfig,
+            norm: Normalizer | None) -> tuple[Tensor, Metrics]:
+    """Add beta * agg(KL to the reference) and turn the metrics into floats.
+
+    approx_kl is the k2 estimate 0.5 (logp - old_logp)^2, token mean: the policy's drift
+    from the behavior policy, >= 0 and symmetric to second order, so its sign never hides it.
+    """
+    n = mask.sum().clamp(min=1)
+    if old_logp is not None:
+        with torch.no_grad():
+            metrics["approx_kl"] = (0.5 * _log_ratio(logp, old_logp, mask) ** 2 * mask).sum() / n
+    if cfg.beta > 0:
+        if ref_logp is None:
+            raise ValueError(f"beta = {cfg.beta} > 0 needs ref_logp (the reference model's "
+                             "log-probs): pass it, or set beta = 0")
+        kl = kl_penalty(_log_ratio(logp, ref_logp, mask), cfg.kl)
+        loss = loss + cfg.beta * agg_loss(kl, mask, cfg.agg, cfg.norm_len, norm)
+        metrics["kl"] = (kl.detach() * mask).sum() / n
+    return loss, {k: float(v) for k, v in metrics.items()}
+
+
+def _require(loss: str, **tensors: Tensor | None) -> None:
+    missing = [name for name, t in tensors.items() if t is None]
+    if missing:
+        raise ValueError(f"{loss} needs {' and '.join(missing)} (got None)")
+
+
+# ---- policy losses ------------------------------------------------------------------------
+
+@register_policy_loss("grpo")
+def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+              cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
+              norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+    """GRPO (DeepSeekMath; PPO's clipped surrogate per token), A_it = A_i when advantages are (B,):
+
+        r_it = exp(logp_it - old_logp_it)
+        l_it = -min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it)   (+ dual clip)
+        loss = agg(l + beta * KL(logp, ref_logp))
+    """
+    _require("grpo", old_logp=old_logp, advantages=advantages)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    ratio = torch.exp(_log_ratio(logp, old_logp, mask))
+    pg, dual = _clipped_pg(ratio, adv, cfg)
+    metrics = _ratio_metrics(ratio, adv, mask > 0, dual, cfg)
+    metrics["pg_loss"] = agg_loss(pg.detach(), mask, cfg.agg, cfg.norm_len)
+    loss = agg_loss(pg, mask, cfg.agg, cfg.norm_len, norm)
+    return _finish(loss, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
+
+
+@register_policy_loss("gspo")
+def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+              cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
+              norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios:
+
+        s_i = exp(sum_t m_it (logp_it - old_logp_it) / |y_i|)
+        l_i = -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)     (+ dual clip)
+        loss = sum_i l_i / N_seq + beta * agg(KL)
+
+    advantages must be (B,); per-token advantages need gspo_token. A sequence without response
+    tokens adds nothing. Clip fractions and ratio statistics count sequences. The paper's clip
+    ranges are eps_low = 3e-4, eps_high = 4e-4 (the config defaults are GRPO's).
+    """
+    _require("gspo", old_logp=old_logp, advantages=advantages)
+    if advantages.dim() != 1:
+        raise ValueError(f"gspo needs per-sequence advantages of shape (B,), got "
+                         f"{tuple(advantages.shape)}; use gspo_token for per-token advantages")
+    has_tokens = mask.sum(-1) > 0
+    ratio = torch.exp(_seq_log_ratio(logp, old_logp, mask))
+    pg, dual = _clipped_pg(ratio, advantages, cfg)
+    pg = pg * has_tokens
+    metrics = _ratio_metrics(ratio, advantages, has_tokens, dual, cfg)
+    metrics["pg_loss"] = pg.detach().sum() / logp.shape[0]
+    num_seqs = logp.shape[0] if norm is None else max(norm.num_seqs, 1)
+    return _finish(pg.sum() / num_seqs, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
+
+
+@register_policy_loss("gspo_token")
+def gspo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
+                    norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+    """GSPO-token (Zheng et al. 2025, eq. 13), for per-token advantages (a (B,) one broadcasts):
+
+        s_it = sg(s_i) exp(logp_it - sg(logp_it))      (value s_i, gradient s_i grad logp_it)
+        l_it = -min(s_it A_it, clip(s_it, 1-eps_low, 1+eps_high) A_it)   (+ dual clip)
+        loss = seq-mean-token-mean(l) + beta * agg(KL)
+
+    The policy term is always aggregated seq-mean-token-mean, the paper's form, whatever
+    cfg.agg says (cfg.agg still aggregates the KL): with A_it = A_i it then equals gspo in value
+    and gradient. Clip fractions and ratio statistics count tokens.
+    """
+    _require("gspo_token", old_logp=old_logp, advantages=advantages)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    seq_ratio = torch.exp(_seq_log_ratio(logp, old_logp, mask)).detach()
+    ratio = seq_ratio[:, None] * torch.exp(logp - logp.detach())
+    pg, dual = _clipped_pg(ratio, adv, cfg)
+    metrics = _ratio_metrics(ratio, adv, mask > 0, dual, cfg)
+    metrics["pg_loss"] = agg_loss(pg.detach(), mask, "seq-mean-token-mean")
+    loss = agg_loss(pg, mask, "seq-mean-token-mean", norm=norm)
+    return _finish(loss, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
+
+
+@register_policy_loss("sft")
+def sft_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor | None, mask: Tensor,
+             cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
+             norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+    """Rejection-sampling fine-tuning (RAFT, ReST): token NLL of the kept samples,
+
+        loss = agg(-logp) + beta * agg(KL)       (old_logp and advantages are ignored)
+    """
+    nll = agg_loss(-logp, mask, cfg.agg, cfg.norm_len, norm)
+    metrics = {"nll": (-logp.detach() * mask).sum() / mask.sum().clamp(min=1)}
+    return _finish(nll, metrics, logp, None, ref_logp, mask, cfg, norm)
+
+
+# ---- pair loss ----------------------------------------------------------------------------
+
+@register_pair_loss("pairwise")
+def pairwise_loss(chosen_logp: Tensor, rejected_logp: Tensor, chosen_mask: Tensor,
+                  rejected_mask: Tensor, soft_label: Tensor, weight: Tensor,
+                  cfg: ObjectiveConfig, ref_chosen_logp: Tensor | None = None,
+                  ref_rejected_logp: Tensor | None = None,
+                  norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+    """Preference loss on within-group (chosen w, rejected l) pairs with soft labels p:
+
+        L = sum_t m_t logp_t   (divided by |y| when cfg.length_normalize); Lref likewise, 0
+            without a reference
+        h_k = beta [(L_w - Lref_w) - (L_l - Lref_l)] - gamma
+        l_k = -p_k log sig(h_k) - (1 - p_k) log sig(-h_k)
+        loss = sum_k w_k l_k / W,   W = norm.weight_sum, or this batch's sum_k w_k
+
+    With a reference and p = 1 this is DPO (Rafailov et al. 2023); without a reference, with
+    length_normalize and gamma it is SimPO-like. Metrics (unweighted, this batch):
+    reward_accuracy = fraction of pairs with h > 0 (the margin beats gamma), margin_mean =
+    mean(h + gamma), loss = the loss with W from this batch.
+    """
+    def seq_logp(logp: Tensor, mask: Tensor) -> Tensor:
+        total = (logp * mask).sum(-1)
+        return total / mask.sum(-1).clamp(min=1) if cfg.length_normalize else total
+
+    margin = seq_logp(chosen_logp, chosen_mask) - seq_logp(rejected_logp, rejected_mask)
+    if ref_chosen_logp is not None:
+        margin = margin - (seq_logp(ref_chosen_logp, chosen_mask)
+                           - seq_logp(ref_rejected_logp, rejected_mask))
+    h = cfg.beta * margin - cfg.gamma
+    per_pair = -soft_label * F.logsigmoid(h) - (1 - soft_label) * F.logsigmoid(-h)
+    if norm is not None and norm.weight_sum is None:
+        raise ValueError("pairwise needs norm.weight_sum (the step's sum of pair weights)")
+    # A step whose weights are all 0 gives loss 0, not 0/0.
+    tiny = torch.finfo(per_pair.dtype).tiny
+    weight_sum = weight.sum().clamp(min=tiny) if norm is None else max(norm.weight_sum, tiny)
+    with torch.no_grad():
+        metrics = {"reward_accuracy": (h > 0).to(h.dtype).mean(),
+                   "margin_mean": (h + cfg.gamma).mean(),
+                   "loss": (weight * per_pair).sum() / weight.sum().clamp(min=tiny)}
+    return (weight * per_pair).sum() / weight_sum, {k: float(v) for k, v in metrics.items()}
+
+
+# ---- lookup, with the checks every call gets ----------------------------------------------
+
+def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(sorted(registry))}")
+    return registry[name]
+
+
+def _check_config(cfg: ObjectiveConfig, pairwise: bool) -> None:
+    problems = []
+    if cfg.agg not in AGG_MODES:
+        problems.append(f"unknown agg mode {cfg.agg!r} (known: {', '.join(AGG_MODES)})")
+    if cfg.kl not in KL_ESTIMATORS:
+        problems.append(f"unknown kl estimator {cfg.kl!r} (known: {', '.join(KL_ESTIMATORS)})")
+    if cfg.eps_low < 0 or cfg.eps_high < 0:
+        problems.append(f"eps_low and eps_high must be >= 0, got {cfg.eps_low}, {cfg.eps_high}")
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1:
+        problems.append(f"dual_clip must be > 1 (or None), got {cfg.dual_clip}")
+    if cfg.norm_len is not None and cfg.norm_len <= 0:
+        problems.append(f"norm_len must be > 0 (or None), got {cfg.norm_len}")
+    if pairwise and cfg.beta <= 0:
+        problems.append(f"pairwise needs beta > 0 (the preference temperature; with beta = "
+                        f"{cfg.beta} h = -gamma is constant and nothing is learned)")
+    if not pairwise and cfg.beta < 0:
+        problems.append(f"beta (the KL weight) must be >= 0, got {cfg.beta}")
+    if problems:
+        raise ValueError("invalid ObjectiveConfig: " + "; ".join(problems))
+
+
+def _check_shape(name: str, tensor: Tensor | None, shape: tuple[int, ...], of: str) -> None:
+    if tensor is not None and tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} ({of})")
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss `name` (grpo, gspo, gspo_token, sft). Each call first checks cfg and
+    the shapes: logp (B, T); mask, old_logp, ref_logp like logp; advantages (B,) or (B, T)."""
+    fn = _lookup(POLICY_LOSSES, name, "policy loss")
+
+    @functools.wraps(fn)
+    def checked(logp: Tensor, old_logp: Tensor | None, advantages: Tensor | None, mask: Tensor,
+                cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
+                norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+        _check_config(cfg, pairwise=False)
+        if logp.dim() != 2:
+            raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
+        shape = tuple(logp.shape)
+        for arg, t in (("mask", mask), ("old_logp", old_logp), ("ref_logp", ref_logp)):
+            _check_shape(arg, t, shape, "the shape of logp")
+        if advantages is not None and tuple(advantages.shape) not in (shape[:1], shape):
+            raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
+                             f"{shape[:1]} or {shape} (logp is {shape})")
+        return fn(logp, old_logp, advantages, mask.to(logp.dtype), cfg, ref_logp, norm)
+
+    return checked
+
+
+def get_pair_loss(name: str) -> PairLoss:
+    """The pair loss `name` (pairwise). Each call first checks cfg and the shapes: chosen and
+    rejected logps (K, T_w), (K, T_l) like their masks and references; soft_label, weight (K,)."""
+    fn = _lookup(PAIR_LOSSES, name, "pair loss")
+
+    @functools.wraps(fn)
+    def checked(chosen_logp: Tensor, rejected_logp: Tensor, chosen_mask: Tensor,
+                rejected_mask: Tensor, soft_label: Tensor, weight: Tensor, cfg: ObjectiveConfig,
+                ref_chosen_logp: Tensor | None = None, ref_rejected_logp: Tensor | None = None,
+                norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+        _check_config(cfg, pairwise=True)
+        if chosen_logp.dim() != 2 or rejected_logp.dim() != 2:
+            raise ValueError(f"chosen_logp and rejected_logp must be (K, T), got shapes "
+                             f"{tuple(chosen_logp.shape)} and {tuple(rejected_logp.shape)}")
+        if (ref_chosen_logp is None) != (ref_rejected_logp is None):
+            raise ValueError("pass both ref_chosen_logp and ref_rejected_logp, or neither")
+        chosen, rejected = tuple(chosen_logp.shape), tuple(rejected_logp.shape)
+        _check_shape("chosen_mask", chosen_mask, chosen, "the shape of chosen_logp")
+        _check_shape("ref_chosen_logp", ref_chosen_logp, chosen, "the shape of chosen_logp")
+        _check_shape("rejected_mask", rejected_mask, rejected, "the shape of rejected_logp")
+        _check_shape("ref_rejected_logp", ref_rejected_logp, rejected,
+                     "the shape of rejected_logp")
+        for arg, t in (("rejected_logp", rejected_logp), ("soft_label", soft_label),
+                       ("weight", weight)):
+            if t.shape[0] != chosen[0] or (arg != "rejected_logp" and t.dim() != 1):
+                raise ValueError(f"{arg} has shape {tuple(t.shape)}; chosen_logp has "
+                                 f"{chosen[0]} pairs (soft_label and weight are (K,))")
+        dtype = chosen_logp.dtype
+        return fn(chosen_logp, rejected_logp, chosen_mask.to(dtype), rejected_mask.to(dtype),
+                  soft_label.to(dtype), weight.to(dtype), cfg, ref_chosen_logp,
+                  ref_rejected_logp, norm)
+
+    return checked
