@@ -319,7 +319,7 @@ def pairwise_loss(chosen_logp: Tensor, rejected_logp: Tensor, chosen_mask: Tenso
     mean(h + gamma), loss = the loss with W from this batch.
     """
     def seq_logp(logp: Tensor, mask: Tensor) -> Tensor:
-        total = (logp * mask).sum(-1)
+        total = torch.where(mask > 0, logp, 0.0).sum(-1)  # padding may be -inf
         return total / mask.sum(-1).clamp(min=1) if cfg.length_normalize else total
 
     margin = seq_logp(chosen_logp, chosen_mask) - seq_logp(rejected_logp, rejected_mask)
@@ -369,9 +369,13 @@ def _check_config(cfg: ObjectiveConfig, pairwise: bool) -> None:
         raise ValueError("invalid ObjectiveConfig: " + "; ".join(problems))
 
 
-def _check_shape(name: str, tensor: Tensor | None, shape: tuple[int, ...], of: str) -> None:
-    if tensor is not None and tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} ({of})")
+def _check_like(like: str, reference: Tensor, **tensors: Tensor | None) -> None:
+    if reference.dim() != 2:
+        raise ValueError(f"{like} must be 2-D (rows, T), got shape {tuple(reference.shape)}")
+    for name, t in tensors.items():
+        if t is not None and t.shape != reference.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected "
+                             f"{tuple(reference.shape)} (the shape of {like})")
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
@@ -384,11 +388,8 @@ def get_policy_loss(name: str) -> PolicyLoss:
                 cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
                 norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
         _check_config(cfg, pairwise=False)
-        if logp.dim() != 2:
-            raise ValueError(f"logp must be (B, T), got shape {tuple(logp.shape)}")
+        _check_like("logp", logp, mask=mask, old_logp=old_logp, ref_logp=ref_logp)
         shape = tuple(logp.shape)
-        for arg, t in (("mask", mask), ("old_logp", old_logp), ("ref_logp", ref_logp)):
-            _check_shape(arg, t, shape, "the shape of logp")
         if advantages is not None and tuple(advantages.shape) not in (shape[:1], shape):
             raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
                              f"{shape[:1]} or {shape} (logp is {shape})")
@@ -408,22 +409,17 @@ def get_pair_loss(name: str) -> PairLoss:
                 ref_chosen_logp: Tensor | None = None, ref_rejected_logp: Tensor | None = None,
                 norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
         _check_config(cfg, pairwise=True)
-        if chosen_logp.dim() != 2 or rejected_logp.dim() != 2:
-            raise ValueError(f"chosen_logp and rejected_logp must be (K, T), got shapes "
-                             f"{tuple(chosen_logp.shape)} and {tuple(rejected_logp.shape)}")
         if (ref_chosen_logp is None) != (ref_rejected_logp is None):
             raise ValueError("pass both ref_chosen_logp and ref_rejected_logp, or neither")
-        chosen, rejected = tuple(chosen_logp.shape), tuple(rejected_logp.shape)
-        _check_shape("chosen_mask", chosen_mask, chosen, "the shape of chosen_logp")
-        _check_shape("ref_chosen_logp", ref_chosen_logp, chosen, "the shape of chosen_logp")
-        _check_shape("rejected_mask", rejected_mask, rejected, "the shape of rejected_logp")
-        _check_shape("ref_rejected_logp", ref_rejected_logp, rejected,
-                     "the shape of rejected_logp")
-        for arg, t in (("rejected_logp", rejected_logp), ("soft_label", soft_label),
-                       ("weight", weight)):
-            if t.shape[0] != chosen[0] or (arg != "rejected_logp" and t.dim() != 1):
-                raise ValueError(f"{arg} has shape {tuple(t.shape)}; chosen_logp has "
-                                 f"{chosen[0]} pairs (soft_label and weight are (K,))")
+        _check_like("chosen_logp", chosen_logp, chosen_mask=chosen_mask,
+                    ref_chosen_logp=ref_chosen_logp)
+        _check_like("rejected_logp", rejected_logp, rejected_mask=rejected_mask,
+                    ref_rejected_logp=ref_rejected_logp)
+        pairs = chosen_logp.shape[:1]
+        if rejected_logp.shape[:1] != pairs or soft_label.shape != pairs or weight.shape != pairs:
+            raise ValueError(f"chosen_logp has K = {pairs[0]} pairs; rejected_logp "
+                             f"{tuple(rejected_logp.shape)}, soft_label {tuple(soft_label.shape)} "
+                             f"and weight {tuple(weight.shape)} must have K rows ((K,) for both)")
         dtype = chosen_logp.dtype
         return fn(chosen_logp, rejected_logp, chosen_mask.to(dtype), rejected_mask.to(dtype),
                   soft_label.to(dtype), weight.to(dtype), cfg, ref_chosen_logp,

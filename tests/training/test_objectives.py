@@ -233,55 +233,77 @@ def random_batch(seed, B=5, T=7, noise=0.3):
 
 def loop_agg(v, m, mode, norm_len):
     B, T = len(v), len(v[0])
-    lens = [sum(m[i]) for i in range(B)]
-    total = sum(v[i][t] * m[i][t] for i in range(B) for t in range(T))
+    total, seq_means, num_tokens = 0.0, 0.0, 0.0
+    for i in range(B):
+        row_sum, row_len = 0.0, 0.0
+        for t in range(T):
+            row_sum += v[i][t] * m[i][t]
+            row_len += m[i][t]
+        total += row_sum
+        num_tokens += row_len
+        seq_means += row_sum / row_len
     if mode == "token-mean":
-        return total / sum(lens)
+        return total / num_tokens
     if mode == "seq-mean-token-mean":
-        return sum(sum(v[i][t] * m[i][t] for t in range(T)) / lens[i] for i in range(B)) / B
+        return seq_means / B
     return total / (B * (norm_len or T))
 
 
-def loop_kl(d, kind):
-    return {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[kind]
-
-
 def loop_clip_pg(r, a, cfg):
-    pg = -min(r * a, min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high) * a)
-    return min(pg, -cfg.dual_clip * a) if cfg.dual_clip and a < 0 else pg
+    """-min(r A, clip(r, 1-eps_low, 1+eps_high) A), then the dual clip for A < 0."""
+    clipped = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high)
+    pg = -min(r * a, clipped * a)
+    if cfg.dual_clip is not None and a < 0:
+        pg = min(pg, -cfg.dual_clip * a)
+    return pg
 
 
 def loop_kl_term(logp, ref, m, cfg):
     if cfg.beta == 0:
         return 0.0
-    kl = [[loop_kl(logp[i][t] - ref[i][t], cfg.kl) for t in range(len(logp[0]))]
-          for i in range(len(logp))]
+    kl = []
+    for i in range(len(logp)):
+        row = []
+        for t in range(len(logp[0])):
+            d = logp[i][t] - ref[i][t]
+            row.append({"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[cfg.kl])
+        kl.append(row)
     return cfg.beta * loop_agg(kl, m, cfg.agg, cfg.norm_len)
 
 
 def loop_grpo(logp, old, ref, a, m, cfg):  # a: (B,) or (B, T)
-    B, T = len(logp), len(logp[0])
-    pg = [[loop_clip_pg(math.exp(logp[i][t] - old[i][t]),
-                        a[i][t] if isinstance(a[i], list) else a[i], cfg) for t in range(T)]
-          for i in range(B)]
+    pg = []
+    for i in range(len(logp)):
+        row = []
+        for t in range(len(logp[0])):
+            a_it = a[i][t] if isinstance(a[i], list) else a[i]
+            row.append(loop_clip_pg(math.exp(logp[i][t] - old[i][t]), a_it, cfg))
+        pg.append(row)
     return loop_agg(pg, m, cfg.agg, cfg.norm_len) + loop_kl_term(logp, ref, m, cfg)
 
 
 def loop_seq_ratio(logp, old, m, i):
-    T = len(logp[0])
-    return math.exp(sum(m[i][t] * (logp[i][t] - old[i][t]) for t in range(T)) / sum(m[i]))
+    """s_i = exp(sum_t m_it (logp_it - old_it) / |y_i|)."""
+    log_sum, length = 0.0, 0.0
+    for t in range(len(logp[0])):
+        log_sum += m[i][t] * (logp[i][t] - old[i][t])
+        length += m[i][t]
+    return math.exp(log_sum / length)
 
 
 def loop_gspo(logp, old, ref, a, m, cfg):
     B = len(logp)
-    pg = sum(loop_clip_pg(loop_seq_ratio(logp, old, m, i), a[i], cfg) for i in range(B)) / B
-    return pg + loop_kl_term(logp, ref, m, cfg)
+    pg = 0.0
+    for i in range(B):
+        pg += loop_clip_pg(loop_seq_ratio(logp, old, m, i), a[i], cfg)
+    return pg / B + loop_kl_term(logp, ref, m, cfg)
 
 
 def loop_gspo_token(logp, old, ref, a, m, cfg):  # a: (B, T); the value of s_it is s_i
-    B, T = len(logp), len(logp[0])
-    pg = [[loop_clip_pg(loop_seq_ratio(logp, old, m, i), a[i][t], cfg) for t in range(T)]
-          for i in range(B)]
+    pg = []
+    for i in range(len(logp)):
+        s_i = loop_seq_ratio(logp, old, m, i)
+        pg.append([loop_clip_pg(s_i, a[i][t], cfg) for t in range(len(logp[0]))])
     return loop_agg(pg, m, "seq-mean-token-mean", None) + loop_kl_term(logp, ref, m, cfg)
 
 
@@ -398,6 +420,26 @@ def test_on_policy_ratios_are_one_and_gspo_matches_grpo_gradient():
         assert torch.allclose(grads[name], expected, atol=1e-12), name
 
 
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "sft"])
+def test_padding_is_inert(name):
+    """Padding may hold -inf in old/ref logps (a generator's fill value) and a row may have no
+    response token at all: neither changes the loss beyond counting the row in N_seq."""
+    logp, old, ref, adv, _, mask = random_batch(8, B=4)
+    mask[2] = 0.0  # an empty response
+    cfg = ObjectiveConfig(beta=0.1)
+    loss_fn = get_policy_loss(name)
+    loss, _ = loss_fn(logp, old, adv, mask, cfg, ref_logp=ref)
+    pad = mask == 0
+    inf_loss, _ = loss_fn(logp, old.masked_fill(pad, -math.inf), adv, mask, cfg,
+                          ref_logp=ref.masked_fill(pad, -math.inf))
+    assert inf_loss.item() == pytest.approx(loss.item(), abs=1e-12)
+    keep = [0, 1, 3]  # the same rows without the empty one, but still 4 sequences in the step
+    step = Normalizer(num_seqs=4, num_tokens=float(mask.sum()))
+    kept, _ = loss_fn(logp[keep], old[keep], adv[keep], mask[keep], cfg, ref_logp=ref[keep],
+                      norm=step)
+    assert kept.item() == pytest.approx(loss.item(), abs=1e-12)
+
+
 # Uneven micro-batches, each trimmed to its own padded length as the batcher would pad it.
 SLICES = [slice(0, 1), slice(1, 4), slice(4, 6), slice(6, 8)]
 
@@ -442,6 +484,27 @@ def test_policy_loss_split_invariance(name, mode):
     split = split_sum(lambda lp, o, r, a_, m: loss_fn(lp, o, a_, m, cfg, ref_logp=r, norm=step)[0],
                       logp, old, ref, a, mask)
     assert_same_value_and_grad(full, split, logp)
+
+
+def test_sum_norm_needs_norm_len_for_split_invariance():
+    """Without norm_len each micro-batch divides by its own padded T: the shares no longer add up."""
+    logp, _, _, _, _, mask = random_batch(5, B=8, T=9)
+    step = Normalizer(num_seqs=8, num_tokens=float(mask.sum()))
+    mode = "seq-mean-token-sum-norm"
+    full = agg_loss(logp, mask, mode)
+    split = split_sum(lambda lp, m: agg_loss(lp, m, mode, norm=step), logp, mask)
+    assert abs(split.item() - full.item()) > 1e-3
+
+
+def test_pairwise_padding_is_inert():
+    cw, cl, mw, ml, rw, rl, p, w = random_pairs(9)
+    assert (ml == 0).any() and (mw == 0).any()
+    cfg = ObjectiveConfig(beta=0.5)
+    pairwise = get_pair_loss("pairwise")
+    loss, _ = pairwise(cw, cl, mw, ml, p, w, cfg, rw, rl)
+    inf_loss, _ = pairwise(cw, cl.detach().masked_fill(ml == 0, -math.inf), mw, ml, p, w, cfg,
+                           rw.masked_fill(mw == 0, -math.inf), rl.masked_fill(ml == 0, -math.inf))
+    assert inf_loss.item() == pytest.approx(loss.item(), abs=1e-12)
 
 
 def test_pairwise_split_invariance():
@@ -495,7 +558,7 @@ def test_bad_policy_shapes():
         grpo(logp, old[:1], ADV, MASK, cfg)
     with pytest.raises(ValueError, match=r"advantages has shape \(3,\), expected \(2,\) or \(2, 3\)"):
         grpo(logp, old, t([1.0, 2.0, 3.0]), MASK, cfg)
-    with pytest.raises(ValueError, match=r"logp must be \(B, T\)"):
+    with pytest.raises(ValueError, match=r"logp must be 2-D"):
         grpo(logp[0], old[0], ADV, MASK[0], cfg)
     with pytest.raises(ValueError, match=r"grpo needs old_logp \(got None\)"):
         grpo(logp, None, ADV, MASK, cfg)
@@ -511,7 +574,7 @@ def test_bad_pairwise_inputs():
     cfg = ObjectiveConfig(beta=0.1)
     with pytest.raises(ValueError, match=r"rejected_mask has shape \(2, 2\)"):
         pairwise(CHOSEN, REJECTED, MASK, MASK[:, :2], LABEL, WEIGHT, cfg)
-    with pytest.raises(ValueError, match=r"weight has shape \(3,\); chosen_logp has 2 pairs"):
+    with pytest.raises(ValueError, match=r"K = 2 pairs; .* weight \(3,\)"):
         pairwise(CHOSEN, REJECTED, MASK, MASK, LABEL, t([1.0, 1.0, 1.0]), cfg)
     with pytest.raises(ValueError, match=r"both ref_chosen_logp and ref_rejected_logp"):
         pairwise(*args, cfg, ref_chosen_logp=REF_CHOSEN)
