@@ -1,0 +1,262 @@
+"""Tables -> token-budget micro-batches (right padding, masks) and the step's global counts.
+
+A micro-batch holds b sequences prompt+response, right-padded with `pad_id` to the longest
+one, L tokens: b * L <= token_budget (padded tokens, what the forward pass pays for). A
+single sequence (or pair) longer than the budget gets a micro-batch of its own; nothing is
+dropped. Sequences are sorted by length (ties by row) before packing, so neighbours have
+similar lengths and little padding; `rows` maps each sequence back to its table row.
+
+Positions are next-token positions: column t of `target_mask` / `old_logp` (shape (b, L-1))
+is the prediction of token t+1. A row with prompt length p and response length r has
+targets at t = p-1 .. p+r-2, the positions `token_logprobs` returns log-probs for.
+
+`step_normalizer` sums the counts over *all* micro-batches of one optimizer step, so each
+micro-batch's loss is its share of the step loss and the gradient does not depend on the
+split (see `training.objectives.Normalizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from training.objectives import Normalizer
+
+__all__ = ["MicroBatch", "pair_batches", "policy_batches", "step_normalizer"]
+
+
+@dataclass
+class MicroBatch:
+    """b right-padded sequences and what the losses need about them."""
+
+    input_ids: torch.LongTensor
+    """(b, L) prompt+response token ids, right-padded with pad_id."""
+    attention_mask: torch.LongTensor
+    """(b, L) 1 on real tokens, 0 on padding."""
+    target_mask: torch.BoolTensor
+    """(b, L-1) True at positions that predict a response token."""
+    old_logp: torch.Tensor | None
+    """(b, L-1) float32 behavior log-probs at response positions, 0 elsewhere; None when the
+    table has no behavior log-probs (sft, or old_logp recomputed by the trainer)."""
+    advantages: torch.Tensor
+    """(b,) float32 sequence advantages (zeros when the table has none, and for pairs)."""
+    rows: torch.LongTensor
+    """(b,) row of each sequence in the input table (pairs: the pair's row, twice)."""
+    soft_label: torch.Tensor | None = None
+    """Pairwise: (k,) float32 P(chosen > rejected). Rows 0..k-1 are the chosen sequences,
+    rows k..2k-1 the rejected ones of the same pairs, in the same order."""
+    weight: torch.Tensor | None = None
+    """Pairwise: (k,) float32 pair weights."""
+    num_pairs: int = 0
+    """Pairwise: k (0 for policy batches)."""
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """A copy with every tensor on `device`."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return MicroBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+# ---- reading list columns -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Ragged:
+    """A list<...> column as one flat numpy array + per-row start and length."""
+
+    values: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.starts[i] : self.starts[i] + self.lengths[i]]
+
+
+def _require(table: pa.Table, columns: list[str], what: str) -> None:
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{what}: missing column(s) {missing}; the table has {table.column_names}")
+
+
+def _ragged(table: pa.Table, name: str) -> _Ragged:
+    column = table.column(name)
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        raise ValueError(f"column {name!r} must be a list column, got {column.type}")
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if array.null_count:
+        row = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"column {name!r}: row {row} is null")
+    offsets = array.offsets.to_numpy()  # of this (possibly sliced) array, indexing .values
+    values = array.values.to_numpy(zero_copy_only=False)
+    return _Ragged(values, offsets[:-1].astype(np.int64), np.diff(offsets).astype(np.int64))
+
+
+def _scalars(table: pa.Table, name: str, default: float | None = None) -> np.ndarray:
+    if name not in table.column_names:
+        if default is None:
+            raise ValueError(f"missing column {name!r}; the table has {table.column_names}")
+        return np.full(table.num_rows, default, dtype=np.float64)
+    column = table.column(name)
+    if column.null_count:
+        row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"column {name!r}: row {row} is null")
+    values = column.to_numpy().astype(np.float64)
+    if not np.isfinite(values).all():
+        row = int(np.flatnonzero(~np.isfinite(values))[0])
+        raise ValueError(f"column {name!r}: row {row} is {values[row]} (must be finite)")
+    return values
+
+
+def _check_nonempty(lengths: np.ndarray, name: str, why: str) -> None:
+    empty = np.flatnonzero(lengths == 0)
+    if empty.size:
+        raise ValueError(f"row {int(empty[0])}: {name} is empty ({empty.size} such rows); {why}")
+
+
+def _check_logprobs(logprobs: _Ragged, name: str, tokens: _Ragged, tokens_name: str) -> None:
+    bad = np.flatnonzero(logprobs.lengths != tokens.lengths)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"row {i}: {name} has {logprobs.lengths[i]} values but {tokens_name} has "
+                         f"{tokens.lengths[i]} tokens ({bad.size} such rows); they must match one to one")
+
+
+# ---- packing -------------------------------------------------------------------------------
+
+def _check_budget(token_budget: int) -> None:
+    if not isinstance(token_budget, (int, np.integer)) or token_budget <= 0:
+        raise ValueError(f"token_budget must be a positive int (padded tokens per micro-batch), got {token_budget!r}")
+
+
+def _pack(lengths: np.ndarray, token_budget: int, seqs_per_item: int) -> list[np.ndarray]:
+    """Items (rows) sorted by length, ties by row, cut greedily into groups whose padded
+    size (sequences x longest length) fits the budget; an item over the budget alone."""
+    order = np.lexsort((np.arange(lengths.size), lengths))
+    groups, current = [], []
+    for i in order:
+        # ascending order: this item is the longest of the group if it joins
+        if current and (len(current) + 1) * seqs_per_item * int(lengths[i]) > token_budget:
+            groups.append(np.array(current))
+            current = []
+        current.append(i)
+    if current:
+        groups.append(np.array(current))
+    return groups
+
+
+def _fill(prompt: np.ndarray, response: np.ndarray, logprobs: np.ndarray | None, j: int,
+          ids: np.ndarray, attention: np.ndarray, targets: np.ndarray, old: np.ndarray | None) -> None:
+    p, r = prompt.size, response.size
+    ids[j, :p] = prompt
+    ids[j, p : p + r] = response
+    attention[j, : p + r] = 1
+    targets[j, p - 1 : p + r - 1] = True
+    if old is not None:
+        old[j, p - 1 : p + r - 1] = logprobs
+
+
+def _tensors(ids, attention, targets, old):
+    return (torch.from_numpy(ids), torch.from_numpy(attention), torch.from_numpy(targets),
+            None if old is None else torch.from_numpy(old))
+
+
+def _buffers(b: int, L: int, pad_id: int, with_old: bool):
+    return (np.full((b, L), pad_id, dtype=np.int64), np.zeros((b, L), dtype=np.int64),
+            np.zeros((b, L - 1), dtype=bool), np.zeros((b, L - 1), dtype=np.float32) if with_old else None)
+
+
+# ---- public --------------------------------------------------------------------------------
+
+def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[MicroBatch]:
+    """Micro-batches of a samples-like table for the policy losses (grpo, gspo, sft).
+
+    Columns: prompt_token_ids, response_token_ids (list<int>); optional behavior_logprobs
+    (list<float>, one per response token) -> old_logp; optional advantage (float) ->
+    advantages (zeros when absent). Every row lands in exactly one micro-batch.
+    """
+    _check_budget(token_budget)
+    _require(table, ["prompt_token_ids", "response_token_ids"], "policy_batches")
+    prompts, responses = _ragged(table, "prompt_token_ids"), _ragged(table, "response_token_ids")
+    _check_nonempty(prompts.lengths, "prompt_token_ids", "the first response token needs at least one "
+                    "prompt token (e.g. BOS) to be predicted from")
+    _check_nonempty(responses.lengths, "response_token_ids", "there is no token to train on")
+    behavior = None
+    if "behavior_logprobs" in table.column_names:
+        behavior = _ragged(table, "behavior_logprobs")
+        _check_logprobs(behavior, "behavior_logprobs", responses, "response_token_ids")
+    advantage = _scalars(table, "advantage", default=0.0)
+
+    batches = []
+    for group in _pack(prompts.lengths + responses.lengths, token_budget, seqs_per_item=1):
+        L = int((prompts.lengths[group] + responses.lengths[group]).max())
+        ids, attention, targets, old = _buffers(len(group), L, pad_id, behavior is not None)
+        for j, i in enumerate(group):
+            _fill(prompts.row(i), responses.row(i), None if behavior is None else behavior.row(i),
+                  j, ids, attention, targets, old)
+        batches.append(MicroBatch(*_tensors(ids, attention, targets, old),
+                                  advantages=torch.from_numpy(advantage[group].astype(np.float32)),
+                                  rows=torch.from_numpy(group.astype(np.int64))))
+    return batches
+
+
+def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[MicroBatch]:
+    """Micro-batches of preference pairs for the pairwise loss; a pair never splits.
+
+    Columns: prompt_token_ids, chosen_token_ids, rejected_token_ids (list<int>), soft_label,
+    weight (float); optional chosen_logprobs and rejected_logprobs (both or neither) ->
+    old_logp. A micro-batch of k pairs has 2k sequences: rows 0..k-1 chosen, k..2k-1 the
+    rejected of the same pairs; budget: 2k x (longest of its 2k sequences) <= token_budget.
+    """
+    _check_budget(token_budget)
+    _require(table, ["prompt_token_ids", "chosen_token_ids", "rejected_token_ids", "soft_label", "weight"],
+             "pair_batches")
+    prompts = _ragged(table, "prompt_token_ids")
+    chosen, rejected = _ragged(table, "chosen_token_ids"), _ragged(table, "rejected_token_ids")
+    _check_nonempty(prompts.lengths, "prompt_token_ids", "the first response token needs at least one "
+                    "prompt token (e.g. BOS) to be predicted from")
+    _check_nonempty(chosen.lengths, "chosen_token_ids", "there is no token to train on")
+    _check_nonempty(rejected.lengths, "rejected_token_ids", "there is no token to train on")
+    has = ["chosen_logprobs" in table.column_names, "rejected_logprobs" in table.column_names]
+    if any(has) and not all(has):
+        raise ValueError("pair_batches: chosen_logprobs and rejected_logprobs come together; the table has "
+                         f"only {'chosen_logprobs' if has[0] else 'rejected_logprobs'}")
+    chosen_lp = rejected_lp = None
+    if all(has):
+        chosen_lp, rejected_lp = _ragged(table, "chosen_logprobs"), _ragged(table, "rejected_logprobs")
+        _check_logprobs(chosen_lp, "chosen_logprobs", chosen, "chosen_token_ids")
+        _check_logprobs(rejected_lp, "rejected_logprobs", rejected, "rejected_token_ids")
+    soft_label, weight = _scalars(table, "soft_label"), _scalars(table, "weight")
+
+    batches = []
+    pair_lengths = prompts.lengths + np.maximum(chosen.lengths, rejected.lengths)
+    for group in _pack(pair_lengths, token_budget, seqs_per_item=2):
+        k, L = len(group), int(pair_lengths[group].max())
+        ids, attention, targets, old = _buffers(2 * k, L, pad_id, chosen_lp is not None)
+        for j, i in enumerate(group):
+            for side, (tokens, logprobs) in enumerate(((chosen, chosen_lp), (rejected, rejected_lp))):
+                _fill(prompts.row(i), tokens.row(i), None if logprobs is None else logprobs.row(i),
+                      side * k + j, ids, attention, targets, old)
+        batches.append(MicroBatch(*_tensors(ids, attention, targets, old),
+                                  advantages=torch.zeros(2 * k, dtype=torch.float32),
+                                  rows=torch.from_numpy(np.concatenate([group, group]).astype(np.int64)),
+                                  soft_label=torch.from_numpy(soft_label[group].astype(np.float32)),
+                                  weight=torch.from_numpy(weight[group].astype(np.float32)),
+                                  num_pairs=k))
+    return batches
+
+
+def step_normalizer(batches: list[MicroBatch]) -> Normalizer:
+    """Totals over all micro-batches of one optimizer step: num_seqs (sequences; pairwise:
+    pairs), num_tokens (target tokens, both sides of a pair), weight_sum (pairwise only)."""
+    if not batches:
+        raise ValueError("step_normalizer: no micro-batches")
+    pairwise = {b.num_pairs > 0 for b in batches}
+    if len(pairwise) > 1:
+        raise ValueError("step_normalizer: one step mixes pair and policy micro-batches")
+    num_tokens = float(sum(int(b.target_mask.sum()) for b in batches))
+    if pairwise.pop():
+        return Normalizer(num_seqs=float(sum(b.num_pairs for b in batches)), num_tokens=num_tokens,
+                          weight_sum=float(sum(float(b.weight.double().sum()) for b in batches)))
+    return Normalizer(num_seqs=float(sum(b.input_ids.shape[0] for b in batches)), num_tokens=num_tokens)
