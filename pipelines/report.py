@@ -478,8 +478,9 @@ def _summary_markdown(run_dir: Path, rounds: list[dict], steps: list[dict], skip
               "![eval accuracy and reward mean per round](progress.png)", "",
               "[training.png](training.png): loss, grad norm, ratio and clip statistics per step", "",
               "![training statistics per step](training.png)", ""]
-    source = f"Source: `{METRICS_FILE}`, {len(rounds)} round and {len(steps)} step records (last record wins"
-    source += f" for a repeated number); {skipped} unparsable line(s) skipped." if skipped else " for a repeated number)."
+    source = (f"Source: `{METRICS_FILE}`, {len(rounds)} round and {len(steps)} step records "
+              "(last record wins for a repeated number)")
+    source += f"; {skipped} unparsable line(s) skipped." if skipped else "."
     parts += [source, ""]
     return "\n".join(parts)
 

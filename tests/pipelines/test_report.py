@@ -148,7 +148,7 @@ def test_report_compare_with_runs_lacking_ratio_stats(tmp_path, grpo_report):
         for n, acc in enumerate(accuracies):
             records.append(round_record(n, acc, objective=objective))
             if n < len(accuracies) - 1:
-                records += [step_record(2 * n + 1, objective, ratio_spread), step_record(2 * n + 2, objective, ratio_spread)]
+                records += [step_record(step, objective, ratio_spread) for step in (2 * n + 1, 2 * n + 2)]
         return write_metrics(tmp_path / name, records)
 
     runs = {"grpo": grpo_run, "gspo": run("gspo", "gspo", [0.2, 0.4, 0.5, 0.7], 3e-4),
