@@ -81,10 +81,11 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             rows = slice(start, start + chunk_tokens)
             h = hidden[rows].to(compute_dtype)
             logits = _chunk_logits(h, w, b, temperature, acc)
-            # grad_z = (onehot - softmax) * grad_out / T, built in place on the logits buffer
-            grad_z = logits.sub_(lse[rows, None]).exp_().neg_()
-            grad_z.scatter_add_(1, targets[rows, None], torch.ones_like(grad_z[:, :1]))
-            grad_z.mul_((grad_out[rows] / temperature)[:, None])
+            # grad_z = (onehot - softmax) * g,  g = grad_out / T: built in place on the logits
+            # buffer, three passes over it (these passes, not the matmuls, are memory-bound)
+            g = (grad_out[rows] / temperature)[:, None]
+            grad_z = logits.sub_(lse[rows, None]).exp_().mul_(-g)
+            grad_z.scatter_add_(1, targets[rows, None], g)
             if need_b:
                 grad_b += grad_z.sum(0)
             grad_z = grad_z.to(compute_dtype)
