@@ -40,11 +40,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import StageReport, as_dict, drop_counts, input_fingerprints, read_samples
+from curation.stages.common import (GROUP, SampleIndex, StageReport, as_dict, drop_counts, group_ids,  # noqa: F401
+                                    input_fingerprints, read_samples, rows_of, unrejected)
 from curation.store import RunStore
 
 STAGE = "filter"
-GROUP = ("run_id", "round", "prompt_id")
 
 
 class FilterConfig(BaseModel):
@@ -82,88 +82,6 @@ class FilterConfig(BaseModel):
         return self
 
 
-# ---- shared with label and pair (candidates for stages/common.py) ---------------------
-
-
-def group_ids(table: pa.Table, by: tuple[str, ...] = GROUP) -> pl.Series:
-    """One int64 `gid` per row, equal for rows with equal `by` columns (a group: run_id,
-    round, prompt_id). Grouping by one integer is ~3x faster than by three key columns, and
-    the key strings never enter Polars.
-
-    Fast path: each group is one run of adjacent rows, as the generate stage writes samples
-    (gid = number of the run). Otherwise: the columns' dictionary codes packed into one number.
-    """
-    n = table.num_rows
-    starts_run = np.ones(n, dtype=bool)
-    if n > 1:
-        starts_run[1:] = False
-        for column in by:
-            values = table.column(column)
-            starts_run[1:] |= pc.not_equal(values.slice(1), values.slice(0, n - 1)).to_numpy(zero_copy_only=False)
-    at_starts = pl.Series(table.column(by[-1]).take(np.flatnonzero(starts_run)))
-    if at_starts.n_unique() == len(at_starts):  # no two runs share a key: each group is one run
-        return pl.Series("gid", np.cumsum(starts_run, dtype=np.int64) - 1)
-    ids = np.zeros(n, dtype=np.int64)
-    for column in by:
-        encoded = pc.dictionary_encode(table.column(column)).combine_chunks()  # one dictionary
-        ids = ids * len(encoded.dictionary) + encoded.indices.to_numpy(zero_copy_only=False)
-    return pl.Series("gid", ids)
-
-
-def lookup_group_ids(table: pa.Table, gid: pl.Series, other: pa.Table) -> pl.Series:
-    """The gid (see group_ids) that `table`'s rows have for each row of `other`; null where
-    `table` has no such group."""
-    if gid.is_sorted():  # the fast path of group_ids: a group's first row is where gid steps up
-        first_rows = pl.Series("row", np.flatnonzero(np.diff(gid.to_numpy(), prepend=-1)))
-    else:
-        first_rows = pl.DataFrame(gid).with_row_index("row").group_by("gid").agg(pl.col("row").min())["row"].sort()
-    index = pl.from_arrow(rows_of(table.select(list(GROUP)), first_rows)).with_columns(gid.gather(first_rows))
-    keys = pl.from_arrow(other.select(list(GROUP)))
-    return keys.join(index, on=list(GROUP), how="left", maintain_order="left").get_column("gid")
-
-
-def rows_of(table: pa.Table, rows: pl.Series) -> pa.Table:
-    """The rows at the ascending positions `rows` (a boolean filter: much faster than take)."""
-    mask = np.zeros(table.num_rows, dtype=bool)
-    mask[rows.to_numpy()] = True
-    return table.filter(mask)
-
-
-def _same_keys(a: pa.Table, b: pa.Table) -> bool:
-    return a.num_rows == b.num_rows and all(pc.all(pc.equal(a.column(k), b.column(k))).as_py() for k in KEYS)
-
-
-def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: tuple[str, ...] = ()) -> pl.DataFrame:
-    """The samples that no rejects row names, in samples order: `row` (position in samples),
-    `gid` (see group_ids), sample_idx, reward (null when unscored) and `columns` of samples.
-
-    A rejects row names one sample, or every sample of its prompt when its sample_idx is null.
-    """
-    gid = group_ids(samples)
-    rows = pl.from_arrow(samples.select(["sample_idx", *columns])).with_columns(
-        pl.int_range(samples.num_rows, dtype=pl.Int64).alias("row"), gid)
-    if _same_keys(samples, scores):  # as the score stage writes them: no join needed
-        rows = rows.with_columns(pl.Series("reward", scores.column("reward"), dtype=pl.Float64))
-    else:
-        rewards = pl.DataFrame([lookup_group_ids(samples, gid, scores),
-                                pl.Series("sample_idx", scores.column("sample_idx")),
-                                pl.Series("reward", scores.column("reward"), dtype=pl.Float64)])
-        rewards = rewards.filter(pl.col("gid").is_not_null())
-        try:
-            rows = rows.join(rewards, on=["gid", "sample_idx"], how="left", validate="m:1", maintain_order="left")
-        except pl.exceptions.ComputeError:  # m:1 failed
-            raise ValueError("scores table: a (run_id, round, prompt_id, sample_idx) appears more than once; "
-                             "a sample has one reward") from None
-    if rejects.num_rows:
-        named = pl.DataFrame([lookup_group_ids(samples, gid, rejects),
-                              pl.Series("sample_idx", rejects.column("sample_idx"))]).filter(pl.col("gid").is_not_null())
-        whole_prompts = named.filter(pl.col("sample_idx").is_null()).get_column("gid")
-        rows = rows.filter(~pl.col("gid").is_in(whole_prompts.implode()))
-        by_sample = named.filter(pl.col("sample_idx").is_not_null()).unique()
-        rows = rows.join(by_sample, on=["gid", "sample_idx"], how="anti", maintain_order="left")
-    return rows
-
-
 # ---- the pure function ---------------------------------------------------------------------
 
 
@@ -177,14 +95,25 @@ def _first_reason(checks: list[tuple[str, pl.Expr]]) -> pl.Expr:
 
 def filter_samples(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: FilterConfig) -> pa.Table:
     """The rejects (stage "filter") of every sample that an earlier stage did not reject and
-    that a filter drops; one row and one reason per dropped sample, in samples order."""
-    view = samples.select(list(KEYS)).append_column(
-        "truncated", pc.equal(samples.column("finish_reason"), "length")).append_column(
-        "n_tokens", pc.list_value_length(samples.column("response_token_ids")))
+    that a filter drops; one row and one reason per dropped sample, in samples order.
+
+    `samples` needs the keys and the columns the enabled filters look at: finish_reason
+    (drop_truncated), response_token_ids (response token bounds), response (drop_duplicates)."""
+    return _filter(samples, scores, rejects_so_far, cfg)[0]
+
+
+def _filter(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, int]:
+    """(filter_samples' rejects, the number of samples no earlier stage rejected)."""
+    view = samples.select(list(KEYS))
+    if cfg.drop_truncated:
+        view = view.append_column("truncated", pc.equal(samples.column("finish_reason"), "length"))
+    if cfg.max_response_tokens is not None or cfg.min_response_tokens is not None:
+        view = view.append_column("n_tokens", pc.list_value_length(samples.column("response_token_ids")))
     if cfg.drop_duplicates:
         view = view.append_column("response", samples.column("response"))
-    columns = ("truncated", "n_tokens", *(["response"] if cfg.drop_duplicates else []))
-    rows = unrejected(view, scores, rejects_so_far, columns).lazy()
+    rows = unrejected(view, scores, rejects_so_far, tuple(view.column_names[len(KEYS):]))
+    rows_in = rows.height
+    rows = rows.lazy()
 
     # Sample level.
     reward, n_tokens = pl.col("reward"), pl.col("n_tokens")
@@ -221,20 +150,25 @@ def filter_samples(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table
     rows = rows.with_columns(reason=pl.coalesce("reason", pl.when(kept_reward.is_not_null())
                                                 .then(_first_reason(group_checks))))
 
-    reason = pl.col("reason")
-    dropped = rows.filter(reason.is_not_null()).select(
-        "row", "reason",
-        detail=pl.when(reason.is_in(["too_long", "too_short"])).then(pl.format("{} response tokens", n_tokens))
-        .when(reason == "duplicate").then(pl.format("same response as sample_idx {}", pl.col("first_idx")))
-        .when(reason == "group_too_small").then(pl.format("{} sample(s) left", pl.col("n_left")))
-        .when(reason == "zero_variance").then(pl.format("every reward is {}", pl.col("lo")))
-        .when(reason == "pass_rate").then(pl.format("group mean reward {}", pl.col("mean"))),
-    ).collect()
+    # The detail of each reason, formatted only on the rows with that reason.
+    details = {"duplicate": pl.format("same response as sample_idx {}", pl.col("first_idx")),
+               "group_too_small": pl.format("{} sample(s) left", pl.col("n_left")),
+               "zero_variance": pl.format("every reward is {}", pl.col("lo")),
+               "pass_rate": pl.format("group mean reward {}", pl.col("mean"))}
+    if "n_tokens" in view.column_names:
+        details["too_long"] = details["too_short"] = pl.format("{} response tokens", n_tokens)
+    dropped = rows.filter(pl.col("reason").is_not_null()).collect()
+    detail = pl.repeat(None, dropped.height, dtype=pl.String, eager=True).alias("detail")
+    for reason, text in details.items():
+        where = (dropped.get_column("reason") == reason).arg_true()
+        if len(where):
+            detail = detail.scatter(where, dropped[where].select(text).to_series())
+    dropped = dropped.select("row", "reason", detail)
     keys = rows_of(samples.select(list(KEYS)), dropped.get_column("row"))
     out = keys.append_column("stage", pa.repeat(STAGE, len(dropped)))
     out = out.append_column("reason", dropped.get_column("reason").to_arrow())
     out = out.append_column("detail", dropped.get_column("detail").to_arrow())
-    return schema.validate(out, "rejects")
+    return schema.validate(out, "rejects"), rows_in
 
 
 # ---- the stage -----------------------------------------------------------------------------
@@ -252,15 +186,16 @@ def run(run_dir: str | Path, round: int, config: FilterConfig | None = None, for
                            rows_out=manifest.get("rows_out") or 0, drops=manifest.get("drops", {}))
 
     started = time.perf_counter()
-    columns = [*KEYS, "finish_reason", "response_token_ids", *(["response"] if cfg.drop_duplicates else [])]
+    columns = [*KEYS, *(["finish_reason"] if cfg.drop_truncated else []),
+               *(["response_token_ids"] if cfg.max_response_tokens is not None or cfg.min_response_tokens is not None
+                 else []),
+               *(["response"] if cfg.drop_duplicates else [])]
     samples = read_samples(store, round, columns)
-    scores = store.read("scores", round)
-    rejects_so_far = store.read("rejects", round)
+    scores = store.read("scores", round, columns=[*KEYS, "reward"])
+    # not our own part (its rows are all ours), as the manifest's inputs leave it out
+    rejects_so_far = store.read_columns("rejects", [*KEYS, "stage"], round, exclude_parts=(STAGE,))
     rejects_so_far = rejects_so_far.filter(pc.not_equal(rejects_so_far.column("stage"), STAGE))
-    rejects = filter_samples(samples, scores, rejects_so_far, cfg)
-    rows_in = samples.num_rows
-    if rejects_so_far.num_rows:
-        rows_in = unrejected(samples.select(list(KEYS)), scores, rejects_so_far).height
+    rejects, rows_in = _filter(samples, scores, rejects_so_far, cfg)
     drops = drop_counts(rejects)
     with store.commit(STAGE, round, inputs=inputs, config=as_dict(cfg)) as commit:
         commit.write("rejects", rejects, part=STAGE)

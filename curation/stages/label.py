@@ -31,14 +31,15 @@ import time
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import StageReport, as_dict, input_fingerprints, read_samples
-from curation.stages.filter import group_ids, rows_of, unrejected
+from curation.stages.common import (StageReport, as_dict, group_ids, input_fingerprints, read_samples, rows_of,
+                                    unrejected)
 from curation.store import RunStore
 
 STAGE = "label"
@@ -61,23 +62,32 @@ def kept_with_rewards(samples: pa.Table, scores: pa.Table, rejects: pa.Table) ->
     Raises ValueError when such a sample has no reward: the filter stage rejects those as
     unscored, so this means it has not run on these tables.
     """
+    return _kept_with_rewards(samples, scores, rejects)[0]
+
+
+def _kept_with_rewards(samples: pa.Table, scores: pa.Table, rejects: pa.Table) -> tuple[pa.Table, np.ndarray]:
+    """(kept_with_rewards, the group id of each of its rows)."""
     rows = unrejected(samples, scores, rejects)
     unscored = rows.get_column("reward").null_count()
     if unscored:
         raise ValueError(f"{unscored} sample(s) have no reward and no rejects row; "
                          f"run the filter stage first (it rejects them as unscored)")
     kept = rows_of(samples.select(list(KEYS)), rows.get_column("row"))
-    return kept.append_column("reward", rows.get_column("reward").to_arrow())
+    return kept.append_column("reward", rows.get_column("reward").to_arrow()), rows.get_column("gid").to_numpy()
 
 
 def label(samples_kept_with_rewards: pa.Table, cfg: LabelConfig) -> pa.Table:
     """The groups table: keys, reward, advantage, group_mean, group_std, group_kept; one row
     per input row, in input order. Input: keys + reward (non-null) of the kept samples."""
-    table = samples_kept_with_rewards
+    return _label(samples_kept_with_rewards, group_ids(samples_kept_with_rewards).to_numpy(), cfg)
+
+
+def _label(table: pa.Table, gid: np.ndarray, cfg: LabelConfig) -> pa.Table:
+    """label(), given a group id per row (equal for rows of one run_id, round, prompt_id)."""
     if table.column("reward").null_count:
         raise ValueError(f"label needs a reward for every row; {table.column('reward').null_count} are null")
     reward = pl.Series("reward", table.column("reward"), dtype=pl.Float64)
-    rows = pl.DataFrame([group_ids(table), reward]).lazy()
+    rows = pl.DataFrame([pl.Series("gid", gid), reward]).lazy()
     if cfg.estimator == "batch":
         rows = rows.with_columns(group_ids(table, by=("run_id", "round")).alias("batch"))
 
@@ -121,8 +131,9 @@ def run(run_dir: str | Path, round: int, config: LabelConfig | None = None, forc
 
     started = time.perf_counter()
     samples = read_samples(store, round, list(KEYS))
-    kept = kept_with_rewards(samples, store.read("scores", round), store.read("rejects", round))
-    groups = label(kept, cfg)
+    scores = store.read("scores", round, columns=[*KEYS, "reward"])
+    kept, gid = _kept_with_rewards(samples, scores, store.read("rejects", round, columns=list(KEYS)))
+    groups = _label(kept, gid, cfg)
     kept_rows = groups.column("group_kept").to_numpy(zero_copy_only=False)
     with store.commit(STAGE, round, inputs=inputs, config=as_dict(cfg)) as commit:
         commit.write("groups", groups, part=STAGE)

@@ -36,8 +36,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from curation import schema
-from curation.stages.common import StageReport, as_dict, input_fingerprints
-from curation.stages.filter import group_ids
+from curation.stages.common import StageReport, as_dict, group_ids, input_fingerprints
 from curation.store import RunStore
 
 STAGE = "pair"
@@ -65,7 +64,7 @@ class PairConfig(BaseModel):
 
 # Candidate pairs of each strategy, from `kept` (the rows of kept groups); the margin rule
 # is applied to all of them afterwards. A group is one `gid` (run_id, round, prompt_id as one
-# integer, see filter.group_ids); `row` is a row's position in the groups table.
+# integer, see common.group_ids); `row` is a row's position in the groups table.
 _CANDIDATES = {
     "max_min": """
         WITH extremes AS (SELECT gid, max(reward) AS chosen_reward, min(reward) AS rejected_reward
@@ -156,7 +155,7 @@ def run(run_dir: str | Path, round: int, config: PairConfig | None = None, force
                            rows_out=manifest.get("rows_out") or 0)
 
     started = time.perf_counter()
-    groups = store.read("groups", round)
+    groups = store.read("groups", round, columns=["run_id", "round", "prompt_id", "sample_idx", "reward", "group_kept"])
     pairs = pair(groups, cfg)
     rows_in = groups.column("group_kept").to_numpy(zero_copy_only=False).sum()
     with store.commit(STAGE, round, inputs=inputs, config=as_dict(cfg)) as commit:

@@ -36,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from curation.rewards.pool import default_workers, run_inline, run_isolated
 from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
 from curation.schema import KEYS, SchemaError, read_table_file, validate
-from curation.stages.common import StageReport, as_dict, drop_counts, input_fingerprints, read_samples, rejects_table
+from curation.stages.common import (StageReport, as_dict, drop_counts, input_fingerprints, read_samples, rejects_table,
+                                    rows_of)
 from curation.store import RunStore
 
 STAGE = "score"
@@ -125,7 +126,7 @@ def _score(samples, prompts, rewards, existing, workers, samples_validated=False
             values[reused], null[reused] = _to_numpy(old)
         todo = np.flatnonzero(~reused & ~failed)  # rows that failed an earlier reward are rejected anyway
         if len(todo):
-            part = rows if len(todo) == n else rows.take(pa.array(todo))
+            part = rows if len(todo) == n else rows_of(rows, todo)
             got_values, got_null, errors = _compute(fn, part, spec.timeout_s, workers)
             where = slice(None) if len(todo) == n else todo  # a slice: no fancy indexing of all rows
             values[where], null[where] = got_values, got_null
@@ -146,7 +147,7 @@ def _score(samples, prompts, rewards, existing, workers, samples_validated=False
     scorer = pa.repeat(pa.scalar(json.dumps(fingerprints, sort_keys=True)), scores.num_rows)
     scores = validate(scores.append_column("scorer", scorer), "scores")
     bad_rows = sorted(details)
-    lost = rows.select(list(KEYS)).take(pa.array(bad_rows, pa.int64())).to_pydict()
+    lost = rows_of(rows.select(list(KEYS)), np.array(bad_rows, dtype=np.int64)).to_pydict()
     rejects = rejects_table(lost["run_id"], lost["round"], lost["prompt_id"], lost["sample_idx"],
                             STAGE, "invalid_reward", [details[i] for i in bad_rows])
     return scores, rejects, {"scorer": fingerprints, "reward_columns": stats}
@@ -181,7 +182,7 @@ def _inputs(samples: pa.Table, prompts: pa.Table) -> pa.Table:
     starts = np.ones(n, dtype=bool)
     if n > 1:
         starts[1:] = pc.not_equal(ids.slice(1), ids.slice(0, n - 1)).to_numpy(zero_copy_only=False)
-    at_starts = ids.take(pa.array(np.flatnonzero(starts)))
+    at_starts = ids.filter(starts)
     index = pc.index_in(at_starts, value_set=prompts.column("prompt_id"))
     if index.null_count:
         missing = at_starts.filter(index.is_null())

@@ -413,3 +413,51 @@ def test_shared_prompts_part_survives_a_rerun_of_another_round(tmp_path):
         with store.commit("generate", round, inputs={"p": part}, config={}) as c:
             c.write("prompts", table, part=part, round=None)
     assert sorted(p.name for p in store.table_dir("prompts").glob("*.parquet")) == ["part-A.parquet", "part-B.parquet"]
+
+
+# ---- reading some columns ------------------------------------------------------------
+
+
+def test_read_columns_gives_the_rows_and_values_of_a_full_read(tmp_path):
+    store = RunStore(tmp_path)
+    for r in (0, 3):
+        with store.commit("generate", r, INPUTS, CONFIG) as c:
+            c.write("samples", samples(r, n_prompts=r + 2))
+            c.write("rejects", rejects(r, "generate", n=2))
+    with store.commit("filter", 0, INPUTS, CONFIG) as c:
+        c.write("rejects", rejects(0, "filter").drop_columns(["detail"]))  # an optional column left out
+    for table, columns in (("samples", ["prompt_id", "sample_idx", "response", "round"]),
+                           ("rejects", ["run_id", "round", "prompt_id", "sample_idx", "stage", "detail"])):
+        for rounds in (None, 0, [3]):
+            full = store.read(table, rounds)
+            got = store.read(table, rounds, columns=columns)
+            assert got.equals(full.select(columns)) and got.schema.equals(full.select(columns).schema)
+            assert store.read_columns(table, columns, rounds).equals(got)
+    mine = store.read_columns("rejects", ["stage"], 0, exclude_parts=("filter",))
+    assert mine.column("stage").to_pylist() == ["generate", "generate"]
+    assert store.read("pairs", columns=["margin"]).schema == pa.schema([SCHEMAS["pairs"].field("margin")])
+    with pytest.raises(ValueError, match="no column"):
+        store.read("samples", columns=["prompt_id", "nope"])
+
+
+def test_read_columns_checks_every_file_as_a_full_read_does(tmp_path):
+    store = RunStore(tmp_path)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0))
+    folder = tmp_path / "samples" / "round=0"
+    bad = folder / "part-manual.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(SchemaError, match=rf"samples table \({bad}\): not a readable Parquet file"):
+        store.read_columns("samples", ["prompt_id"], 0)
+    pq.write_table(samples(0).drop_columns(["response"]), bad)  # a column not read is still checked
+    with pytest.raises(SchemaError, match=rf"samples table \({bad}\): missing column 'response'"):
+        store.read_columns("samples", ["prompt_id"], 0)
+    pq.write_table(samples(1), bad)
+    with pytest.raises(SchemaError, match=r"column 'round' holds 1..1, but the file is in folder round=0"):
+        store.read_columns("samples", ["prompt_id"], 0)
+    assert store.read_columns("samples", ["prompt_id"], 0, validate=False).num_rows == 8
+    nullable = pa.schema([f.with_nullable(True) for f in SCHEMAS["samples"]])
+    with_null = samples(0).cast(nullable).set_column(2, "prompt_id", pa.array(["p0", None, "p1", "p1"]))
+    pq.write_table(with_null, bad)
+    with pytest.raises(SchemaError, match="column 'prompt_id' has 1 null value"):
+        store.read_columns("samples", ["prompt_id"], 0)

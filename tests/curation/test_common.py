@@ -1,0 +1,89 @@
+"""curation/stages/common.py: group ids and SampleIndex against a plain-Python reference."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from curation.schema import KEYS
+from curation.stages.common import DuplicateKeys, SampleIndex, group_ids, unrejected
+
+GROUPS = [("r", 0, "p"), ("r", 0, "q"), ("r", 1, "p"), ("s", 0, "p"), ("r", 0, "x" * 64)]
+
+
+def keys_table(rows: list[tuple], extra: dict | None = None) -> pa.Table:
+    columns = list(zip(*rows)) if rows else [[], [], [], []]
+    table = pa.table({"run_id": pa.array(columns[0], pa.string()), "round": pa.array(columns[1], pa.int32()),
+                      "prompt_id": pa.array(columns[2], pa.string()), "sample_idx": pa.array(columns[3], pa.int32())})
+    for name, values in (extra or {}).items():
+        table = table.append_column(name, values)
+    return table
+
+
+@st.composite
+def samples_keys(draw) -> list[tuple]:
+    """Samples keys in one of the layouts the stages meet: as generate writes them (groups in
+    runs, sample_idx 0, 1, ...), with gaps, shuffled, or with repeated keys."""
+    groups = draw(st.lists(st.sampled_from(GROUPS), unique=True, max_size=len(GROUPS)))
+    rows = [(*g, i) for g in groups for i in range(draw(st.integers(1, 4)))]
+    layout = draw(st.sampled_from(["standard", "gaps", "shuffled", "repeats"]))
+    if layout == "gaps":
+        rows = [r for r in rows if draw(st.booleans()) or r[3] == 0]
+    elif layout == "shuffled":
+        rows = draw(st.permutations(rows))
+    elif layout == "repeats" and rows:
+        rows = rows + draw(st.lists(st.sampled_from(rows), max_size=3))
+    return rows
+
+
+def other_keys(draw, samples: list[tuple], null_idx: bool) -> list[tuple]:
+    """Keys of samples, of their groups with other sample_idx, and of other groups, in any order."""
+    pool = sorted(set(samples)) + [(*g, i) for g in GROUPS for i in (0, 1, 7)]
+    rows = draw(st.lists(st.sampled_from(pool), max_size=12))
+    if null_idx:
+        rows += [(*g, None) for g in draw(st.lists(st.sampled_from(GROUPS), max_size=2))]
+    return draw(st.permutations(rows))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_match_and_named_are_the_plain_left_join_and_anti_join(data):
+    samples = data.draw(samples_keys())
+    index = SampleIndex(keys_table(samples))
+    scores = other_keys(data.draw, samples, null_idx=False)
+    groups = {s[:3] for s in samples}
+    in_groups = [k for k in scores if k[:3] in groups]
+    if len(set(in_groups)) < len(in_groups):
+        with pytest.raises(DuplicateKeys):
+            index.match(keys_table(scores))
+    else:
+        assert index.match(keys_table(scores)).tolist() == [scores.index(s) if s in scores else -1 for s in samples]
+    rejects = other_keys(data.draw, samples, null_idx=True)
+    named = [s in rejects or (*s[:3], None) in rejects for s in samples]
+    assert index.named(keys_table(rejects)).tolist() == named
+    gid = index.gid.tolist()
+    assert sorted(set(gid)) == list(range(len(groups)))  # dense
+    assert all((gid[a] == gid[b]) == (samples[a][:3] == samples[b][:3])
+               for a in range(len(samples)) for b in range(len(samples)))
+
+
+def test_unrejected_keeps_samples_order_and_takes_rewards_by_key():
+    samples = [("r", 0, "p", 0), ("r", 0, "p", 1), ("r", 0, "q", 0), ("r", 0, "q", 1), ("r", 0, "q", 2)]
+    scores = keys_table([samples[4], samples[0], samples[2], samples[3]],
+                        {"reward": pa.array([4.0, 0.0, 2.0, None])})
+    rejects = keys_table([("r", 0, "q", 0), ("r", 0, "z", None), ("r", 1, "p", 1)])
+    rows = unrejected(keys_table(samples, {"response": pa.array(list("abcde"))}), scores, rejects, ("response",))
+    assert rows.get_column("row").to_list() == [0, 1, 3, 4]
+    assert rows.get_column("reward").to_list() == [0.0, None, None, 4.0]
+    assert rows.get_column("response").to_list() == ["a", "b", "d", "e"]
+    assert rows.get_column("gid").to_list() == [0, 0, 1, 1]
+    whole = keys_table([("r", 0, "p", None)])
+    assert unrejected(keys_table(samples), scores, whole).get_column("row").to_list() == [2, 3, 4]
+
+
+def test_group_ids_of_an_empty_table():
+    assert group_ids(keys_table([])).to_list() == []
+    assert SampleIndex(keys_table([])).match(keys_table([("r", 0, "p", 0)])).tolist() == []
+    assert list(KEYS) == keys_table([]).column_names
