@@ -270,11 +270,11 @@ def train(
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warmup steps."),
     lr_schedule: Optional[str] = typer.Option(None, "--lr-schedule", help="constant | cosine"),
     decay_steps: Optional[int] = typer.Option(None, "--decay-steps", help="cosine: step of the final lr."),
-    max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="Gradient clipping norm."),
+    max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="Gradient clipping norm (0: off)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the row order."),
     save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
-    keep_last: Optional[int] = typer.Option(None, "--keep-last", help="Checkpoints kept."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", help="Checkpoints kept (0: all)."),
     no_wait: bool = _NO_WAIT,
 ) -> None:
     """Train on the run's curated tables; checkpoints in RUN/checkpoints, one line per step in RUN/metrics.jsonl."""
@@ -322,6 +322,123 @@ def train(
                   f"{m.get('loss', float('nan')):.4f}", f"{m.get('grad_norm', float('nan')):.3f}",
                   f"{m.get('tokens_per_s', 0):,.0f}", f"{result.seconds:.1f}", str(result.checkpoint))
     console.print(table)
+
+
+def _parse_extra_rounds(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    if not text.startswith("+") or not text[1:].isdigit() or int(text[1:]) < 1:
+        raise _fail(f"--rounds {text!r}: expected +K (e.g. +3) to extend the run by K rounds; "
+                    "set [run].rounds in the spec for the total", EXIT_BAD_INPUT)
+    return int(text[1:])
+
+
+def _round_table(title: str) -> Table:
+    table = Table(title=title)
+    for column in ("round", "eval acc", "reward mean", "kept groups", "pairs", "samples", "policy", "gen tok/s",
+                   "train tok/s", "seconds"):
+        table.add_column(column, justify="right")
+    return table
+
+
+def _round_row(table: Table, rec: dict) -> None:
+    reward = rec.get("reward_mean")
+    table.add_row(str(rec["round"]), f"{100 * rec['eval_accuracy']:.1f}%", "-" if reward is None else f"{reward:.3f}",
+                  str(rec.get("kept_groups", 0)), str(rec.get("pairs", 0)), str(rec.get("samples", 0)),
+                  str(rec.get("policy_version", 0)), f"{rec.get('gen_tokens_per_s', 0):,.0f}",
+                  f"{rec.get('train_tokens_per_s', 0):,.0f}", f"{rec.get('wall_seconds', 0):.1f}")
+
+
+def _run_one(spec: Path, run_dir: Optional[Path], extra: Optional[int], no_wait: bool) -> tuple[Path, list[dict]]:
+    """Run one spec to its last round, printing a line per round; returns (run folder, records)."""
+    from curation.schema import SchemaError
+    from curation.store import RunLockedError
+    from pipelines.run import run_pipeline
+    from pipelines.spec import load_spec
+
+    try:
+        parsed = load_spec(spec)
+    except ValueError as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    folder = run_dir or Path("runs") / parsed.run.name
+    console.print(f"[bold]{spec}[/] -> {folder}")
+
+    def on_round(rec: dict) -> None:
+        reward = rec.get("reward_mean")
+        console.print(f"  round {rec['round']:>3}: eval acc {100 * rec['eval_accuracy']:5.1f}%  reward "
+                      f"{'-' if reward is None else f'{reward:.3f}'}  kept groups {rec.get('kept_groups', 0)}  "
+                      f"pairs {rec.get('pairs', 0)}  policy {rec.get('policy_version', 0)}  "
+                      f"{rec.get('wall_seconds', 0):.1f}s", highlight=False)
+
+    try:
+        records = run_pipeline(spec, run_dir=folder, extra_rounds=extra, wait=not no_wait,
+                               log=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False),
+                               on_round=on_round)
+    except (SchemaError, FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    except RunLockedError as exc:
+        raise _fail(str(exc), EXIT_LOCKED) from None
+    return folder, records
+
+
+@app.command("run")
+def run_(
+    spec: Path = typer.Argument(..., help="Pipeline spec (TOML), e.g. pipelines/specs/toy-grpo.toml."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run folder (default: runs/<run.name>)."),
+    rounds: Optional[str] = typer.Option(None, "--rounds", help="+K: extend a finished run by K rounds."),
+    no_wait: bool = _NO_WAIT,
+) -> None:
+    """Run the round loop (generate -> curate -> train -> evaluate); rerun to resume after a kill."""
+    from pipelines.report import report_run
+
+    folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait)
+    table = _round_table(f"{folder}")
+    for rec in records:
+        _round_row(table, rec)
+    console.print(table)
+    if records:
+        start, final = records[0]["eval_accuracy"], records[-1]["eval_accuracy"]
+        console.print(f"eval accuracy {100 * start:.1f}% -> {100 * final:.1f}% "
+                      f"({100 * (final - start):+.1f} points) in {records[-1].get('elapsed_seconds', 0):.0f} s")
+    console.print(f"report: {report_run(folder)}")
+
+
+@app.command()
+def report(run: Path = typer.Argument(..., help="Run folder.")) -> None:
+    """Rebuild RUN/report/ (plots and summary.md) from RUN/metrics.jsonl."""
+    from pipelines.report import report_run
+
+    try:
+        folder = report_run(run)
+    except ValueError as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    console.print(f"wrote {folder}")
+
+
+@app.command()
+def compare(
+    specs: list[Path] = typer.Argument(..., help="Pipeline specs, or one compare file (pipelines/specs/compare.toml)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for the runs and the report (default: runs/compare)."),
+    no_wait: bool = _NO_WAIT,
+) -> None:
+    """Run each spec from the same starting model at equal data, then write OUT/report/compare.{png,md}."""
+    from pipelines.report import report_compare
+    from pipelines.spec import check_comparable, expand_compare, load_spec
+
+    try:
+        paths, default_out = expand_compare(specs)
+        parsed = [load_spec(p) for p in paths]
+        check_comparable(dict(zip(map(str, paths), parsed)))
+    except ValueError as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    out = out or default_out or Path("runs/compare")
+    runs = {}
+    for path, spec in zip(paths, parsed):
+        folder, _ = _run_one(path, out / spec.run.name, None, no_wait)
+        runs[spec.run.name] = folder
+    report_dir = report_compare(runs, out / "report")
+    console.print((report_dir / "compare.md").read_text(), markup=False, highlight=False)
+    console.print(f"report: {report_dir}")
 
 
 @toy_app.command("build")

@@ -1,12 +1,24 @@
-"""Specs: TOML files validated by pydantic models, with errors that name the key and the file."""
+"""Specs: TOML files validated by pydantic models, with errors that name the key and the file.
+
+A pipeline spec (`PipelineSpec`) describes a whole run: [run] [model] [prompts] [generator]
+[score] [filter] [label] [pair] [train] [eval]; every section maps 1:1 to a pydantic model
+and an unknown or invalid key is an error naming the key and the file. The shipped specs
+are in pipelines/specs/.
+"""
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from curation.stages.filter import FilterConfig
+from curation.stages.label import LabelConfig
+from curation.stages.pair import PairConfig
+from curation.stages.score import ScoreConfig
+from training.trainer import TrainConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -44,3 +56,153 @@ def load_section(model: type[M], path: str | Path | None, section: str,
         raise ValueError(f"config {path}: [{section}] must be a table")
     data = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
     return validate_model(model, data, path, section)
+
+
+# -- the pipeline spec: one TOML file describes a run ------------------------------------
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunSection(_Section):
+    """The round loop."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9._-]+$", description="Run name; the default run folder is runs/<name>.")
+    rounds: int = Field(8, ge=0, description="Training rounds after round 0 (the evaluation of the start model).")
+    steps_per_round: int = Field(4, ge=1, description="Optimizer steps per round.")
+    replay_rounds: int = Field(
+        0, ge=0, description="Also train on up to this many earlier rounds (subject to train.max_staleness).")
+    seed: int = Field(0, description="Seeds prompt choice, sampling and row order.")
+
+
+class ModelSection(_Section):
+    path: str = Field(..., description="Starting model: a Hugging Face folder with safetensors weights.")
+
+
+class PromptsSection(_Section):
+    train: list[str] = Field(..., min_length=1, description="Prompt files (Parquet/JSONL); files added later are "
+                                                            "picked up by the next round (least-used prompts first).")
+    eval: str = Field(..., description="Held-out prompts with a `reference` column.")
+    per_round: int = Field(128, ge=1, description="Prompts sampled per round.")
+    eval_limit: int | None = Field(None, ge=1, description="Evaluate on the first N eval prompts (default: all).")
+
+
+class GeneratorSection(_Section):
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (a live engine kept across rounds) or hf.")
+    group_size: int = Field(8, ge=1, description="G: responses per prompt.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer uses the same).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1.0 = off).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    max_tokens: int = Field(64, ge=1, description="Longest response in tokens.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Engine dtype.")
+    max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on CUDA: share of GPU memory "
+                                                                      "for the engine (the trainer needs the rest).")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
+    chunk_prompts: int = Field(256, ge=1, description="Prompts per engine call; finished chunks survive a kill.")
+
+
+class EvalSection(_Section):
+    metric: str = Field("exact_match", description="A registered reward or 'module:function', applied to greedy "
+                                                   "responses; eval_accuracy is its mean.")
+    max_tokens: int | None = Field(None, ge=1, description="Greedy response length (default: generator.max_tokens).")
+
+
+class PipelineSpec(_Section):
+    """A whole run: [run] [model] [prompts] [generator] [score] [filter] [label] [pair] [train] [eval]."""
+
+    run: RunSection
+    model: ModelSection
+    prompts: PromptsSection
+    generator: GeneratorSection = Field(default_factory=GeneratorSection)
+    score: ScoreConfig = Field(default_factory=ScoreConfig)
+    filter: FilterConfig = Field(default_factory=FilterConfig)
+    label: LabelConfig = Field(default_factory=LabelConfig)
+    pair: PairConfig = Field(default_factory=PairConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalSection = Field(default_factory=EvalSection)
+
+    @model_validator(mode="after")
+    def _check(self) -> "PipelineSpec":
+        if self.train.rounds is not None:
+            raise ValueError("train.rounds is set by the round loop (this round plus run.replay_rounds); remove it")
+        if self.train.temperature not in (None, self.generator.temperature):
+            raise ValueError(f"train.temperature {self.train.temperature} differs from generator.temperature "
+                             f"{self.generator.temperature}: log-probs must use the sampling temperature")
+        return self
+
+
+def load_spec(path: str | Path, check_files: bool = True) -> PipelineSpec:
+    """A pipeline spec from TOML; errors name the key and the file. Relative paths in the
+    spec are relative to the current directory. With `check_files`, the model folder and
+    prompt files must exist."""
+    spec = validate_model(PipelineSpec, read_toml(path), path)
+    if check_files:
+        model = Path(spec.model.path)
+        if not (model / "config.json").is_file():
+            raise ValueError(f"config {path}: model.path {model}: not a Hugging Face model folder (no config.json)")
+        for key, file in [("prompts.train", f) for f in spec.prompts.train] + [("prompts.eval", spec.prompts.eval)]:
+            if not Path(file).is_file():
+                raise ValueError(f"config {path}: {key}: file {file} not found")
+    return spec
+
+
+def check_comparable(specs: dict[str, PipelineSpec]) -> None:
+    """A comparison is fair only from the same model, prompts, sampling, seeds and sample
+    budget; anything else is a ValueError naming the spec and the field that differs."""
+    names = list(specs)
+    if len({s.run.name for s in specs.values()}) < len(specs):
+        raise ValueError("compare: the specs must have different run.name (each gets its own run folder)")
+    first = specs[names[0]]
+
+    def budget(s: PipelineSpec) -> tuple:
+        return (s.model.path, tuple(s.prompts.train), s.prompts.eval, s.prompts.per_round, s.prompts.eval_limit,
+                s.generator.model_dump(), s.run.rounds, s.run.seed, s.eval.model_dump())
+
+    for name in names[1:]:
+        if budget(specs[name]) != budget(first):
+            fields = ["model.path", "prompts.train", "prompts.eval", "prompts.per_round", "prompts.eval_limit",
+                      "generator", "run.rounds", "run.seed", "eval"]
+            diff = [f for f, a, b in zip(fields, budget(specs[name]), budget(first)) if a != b]
+            raise ValueError(f"compare: {name} differs from {names[0]} in {', '.join(diff)}; "
+                             "a comparison needs the same model, prompts, sampling, seeds and sample budget")
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """A spec dict (JSON types) as TOML: top-level dicts become [sections], lists of dicts
+    inline tables, None values are left out (they mean "default")."""
+    import json
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float, str)):
+            return json.dumps(v)  # JSON strings and numbers are valid TOML
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v if x is not None) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items() if x is not None) + "}"
+        raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+    lines: list[str] = []
+    for key, v in data.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{key}]"] + [f"{k} = {value(x)}" for k, x in v.items() if x is not None]
+        elif v is not None:
+            lines.insert(0, f"{key} = {value(v)}")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+class CompareSection(_Section):
+    specs: list[str] = Field(..., min_length=2, description="Pipeline specs to run and compare.")
+    out: str = Field("runs/compare", description="Folder for the runs (out/<run.name>) and out/report.")
+
+
+def expand_compare(paths: list[str | Path]) -> tuple[list[Path], Path | None]:
+    """The spec files of a comparison: the given ones, or those a compare file (a TOML with a
+    [compare] section) lists; and that file's output folder, if any."""
+    if len(paths) == 1 and "compare" in read_toml(paths[0]):
+        section = validate_model(CompareSection, read_toml(paths[0])["compare"], paths[0], "compare")
+        return [Path(p) for p in section.specs], Path(section.out)
+    return [Path(p) for p in paths], None

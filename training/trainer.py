@@ -104,7 +104,7 @@ class TrainConfig(BaseModel):
     decay_steps: int | None = Field(
         None, ge=1, description="cosine: the step where lr reaches min_lr_ratio * lr (default: --steps).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr / peak lr.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm (None: off).")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm (0: off).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="bfloat16 autocast or float32 (auto: bfloat16 on CUDA, float32 on CPU, where "
                             "bf16 matmuls are not faster).")
@@ -113,7 +113,7 @@ class TrainConfig(BaseModel):
 
     # -- checkpoints
     save_every: int | None = Field(None, ge=1, description="Checkpoint every N steps (always at the end).")
-    keep_last: int | None = Field(3, ge=1, description="Checkpoints kept (None: all).")
+    keep_last: int = Field(3, ge=0, description="Checkpoints kept (0: all).")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -251,7 +251,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
                     run_dir, step, policy, optimizer,
                     {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
                      "temperature": temperature},
-                    tokenizer_from=base_model, keep_last=cfg.keep_last)
+                    tokenizer_from=base_model, keep_last=cfg.keep_last or None)
             if progress is not None:
                 progress(step - start_step, steps - start_step, metrics)
     return TrainResult(start_step, steps, skipped=False, checkpoint=saved, rows=table.num_rows,

@@ -117,6 +117,22 @@ class HFGenerator:
                 groups.append(group)
         return groups
 
+    @torch.no_grad()
+    def greedy(self, prompt_token_ids: Sequence[list[int]], max_tokens: int) -> list[str]:
+        """The greedy response text of each prompt, for evaluation (batched, left padding)."""
+        texts: list[str] = []
+        for start in range(0, len(prompt_token_ids), self.batch_size):
+            batch = [list(ids) for ids in prompt_token_ids[start : start + self.batch_size]]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in batch], device=self.device)
+            attention_mask = (torch.arange(width, device=self.device)[None, :]
+                              >= torch.tensor([width - len(ids) for ids in batch], device=self.device)[:, None]).long()
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                      max_new_tokens=max_tokens, eos_token_id=sorted(self.eos_ids),
+                                      pad_token_id=self.pad_id, top_k=None, top_p=None, temperature=None)
+            texts.extend(self._completion(row.tolist(), [0.0] * len(row)).text for row in out[:, width:])
+        return texts
+
     def _completion(self, tokens: list[int], logprobs: list[float]) -> Completion:
         for t, token in enumerate(tokens):
             if token in self.eos_ids:  # keep the EOS token: the trainer learns to stop

@@ -115,6 +115,14 @@ class VLLMGenerator:
             groups.append(group)
         return groups
 
+    def greedy(self, prompt_token_ids: Sequence[list[int]], max_tokens: int) -> list[str]:
+        """The greedy (temperature 0) response text of each prompt, for evaluation."""
+        from vllm.inputs import TokensPrompt
+
+        params = self._vllm.SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        return [out.outputs[0].text for out in self.llm.generate(prompts, params, use_tqdm=False)]
+
     def update_weights(self, weights: "dict | str | Path", policy_version: int) -> None:
         state_dict = load_state_dict(weights) if isinstance(weights, (str, Path)) else weights
         items = [(name, tensor.detach().to("cpu")) for name, tensor in state_dict.items()]

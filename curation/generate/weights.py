@@ -13,7 +13,10 @@ import torch
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
-    files = sorted(folder.glob("*.safetensors"))
+    """The weight files of a model folder: model*.safetensors (as save_pretrained names them),
+    else every *.safetensors file. A training checkpoint's optimizer.safetensors is not weights."""
+    files = sorted(folder.glob("model*.safetensors")) or sorted(
+        f for f in folder.glob("*.safetensors") if f.name != "optimizer.safetensors")
     if not files:
         raise FileNotFoundError(f"model folder {folder}: no *.safetensors files (pickled weights are not loaded)")
     return files

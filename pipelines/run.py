@@ -1,0 +1,312 @@
+"""The round loop: generate with the newest policy, curate, train, checkpoint, evaluate.
+
+    groupforge run SPEC [--run-dir DIR] [--rounds +K] [--no-wait]
+
+    round 0    evaluate the starting model (greedy, eval prompts)
+    round n    choose `per_round` prompts (least used first, then a seeded order)
+               -> generate G responses each with the live engine (weights of the newest checkpoint)
+               -> score -> filter -> label -> pair
+               -> train `steps_per_round` optimizer steps on round n (+ `replay_rounds` earlier ones)
+               -> checkpoint -> load the new weights into the engine -> evaluate
+               -> append a record to RUN/metrics.jsonl
+
+Every stage is resumable, so killing the process at any point and rerunning the same
+command continues where it stopped: a round whose record is in metrics.jsonl is done; a
+round's prompt choice is a file written once; generate keeps finished chunks and is skipped
+once committed; curation stages skip when their manifests match; the trainer resumes from
+its newest checkpoint. `--rounds +K` extends a finished run by K rounds (the target is kept
+in RUN/pipeline.json). The run's lock keeps a second job off the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from curation.generate.base import SamplingConfig, load_prompts
+from curation.generate.stage import generate, make_backend
+from curation.rewards.registry import get_reward
+from curation.store import RunStore
+from pipelines.curate import STAGES, CurationSpec, run_stage
+from pipelines.report import load_metrics
+from pipelines.spec import PipelineSpec, dump_toml, load_spec
+from training import checkpoint as ckpt
+from training.data import NoTrainingData
+from training.trainer import METRICS_FILE, TrainConfig, train
+
+STATE_FILE = "pipeline.json"
+
+
+@dataclass
+class RoundContext:
+    """What one round needs: the run, its spec and the live generator (started lazily)."""
+
+    spec: PipelineSpec
+    store: RunStore
+    generator: object | None = None
+    log: Callable[[str], None] = print
+
+    @property
+    def run_dir(self) -> Path:
+        return self.store.root
+
+
+def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
+                 extra_rounds: int | None = None, wait: bool = True, log: Callable[[str], None] = print,
+                 on_round: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run (or resume, or extend by `extra_rounds`) the pipeline of `spec` (a spec or its
+    TOML file); returns the round records of the run. The resolved spec is written to
+    RUN/spec.toml."""
+    if not isinstance(spec, PipelineSpec):
+        spec = load_spec(spec)
+    run_dir = Path(run_dir or Path("runs") / spec.run.name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = RunStore(run_dir)
+    with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")):
+        store.clean_tmp()
+        target = _target_rounds(run_dir, spec, extra_rounds)
+        _write_atomic(run_dir / "spec.toml", dump_toml(spec.model_dump(mode="json")))
+        ctx = RoundContext(spec=spec, store=store, log=log)
+        try:
+            for r in range(target + 1):
+                if _round_record(run_dir, r) is not None:
+                    continue
+                record = evaluate_start(ctx) if r == 0 else run_round(ctx, r)
+                _append_record(run_dir, record)
+                if on_round is not None:
+                    on_round(record)
+        finally:
+            if ctx.generator is not None:
+                ctx.generator.close()
+    return load_metrics(run_dir)[0]
+
+
+def run_round(ctx: RoundContext, r: int) -> dict:
+    """Round r >= 1: generate, curate, train, evaluate; returns its metrics record."""
+    spec, run_dir = ctx.spec, ctx.run_dir
+    started = time.perf_counter()
+    previous = _round_record(run_dir, r - 1) or {}
+    start_version = int(previous.get("policy_version", 0))
+
+    # -- generate with the newest policy ---------------------------------------------------
+    prompts_file = choose_prompts(ctx, r)
+    gen_seconds, gen_tokens = 0.0, 0
+    if ctx.store.load_manifest("generate", r) is None:
+        generator = _generator(ctx, start_version)
+        ctx.log(f"round {r}: generate {spec.prompts.per_round} prompts x {spec.generator.group_size} "
+                f"with policy_version {generator.policy_version}")
+        result = generate(run_dir, prompts_file, _sampling(spec), generator=generator, round=r,
+                          run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts)
+        gen_seconds, gen_tokens = result.sample_seconds, result.response_tokens
+
+    # -- curate ------------------------------------------------------------------------------
+    curation = CurationSpec(score=spec.score, filter=spec.filter, label=spec.label, pair=spec.pair)
+    for stage in STAGES:
+        run_stage(stage, run_dir, r, curation)
+
+    # -- train -------------------------------------------------------------------------------
+    rounds = list(range(max(1, r - spec.run.replay_rounds), r + 1))
+    cfg = TrainConfig(**{**spec.train.model_dump(), "rounds": rounds, "seed": spec.run.seed,
+                         "temperature": spec.generator.temperature})
+    steps, train_tokens_per_s = start_version, 0.0
+    if ckpt.latest_checkpoint(run_dir) is None or _latest_step(run_dir) < start_version + spec.run.steps_per_round:
+        try:
+            ctx.log(f"round {r}: train {spec.train.objective} steps {start_version + 1}..{start_version + spec.run.steps_per_round}")
+            result = train(run_dir, cfg, steps=start_version + spec.run.steps_per_round, model=spec.model.path)
+            steps = result.end_step
+        except NoTrainingData as exc:
+            ctx.log(f"round {r}: no training ({exc})")
+    else:
+        steps = _latest_step(run_dir)
+    step_records = [s for s in load_metrics(run_dir)[1] if start_version < s["step"] <= steps]
+    if step_records:
+        train_tokens_per_s = sum(s["tokens_per_s"] for s in step_records) / len(step_records)
+
+    # -- evaluate the new policy -------------------------------------------------------------
+    accuracy = evaluate(ctx, steps)
+    stats = round_stats(ctx.store, r)
+    manifest = ctx.store.load_manifest("generate", r) or {}
+    gen_seconds = gen_seconds or float(manifest.get("sample_seconds", 0.0))
+    gen_tokens = gen_tokens or int(manifest.get("response_tokens", 0))
+    wall = time.perf_counter() - started
+    return {
+        "event": "round", "round": r, "eval_accuracy": accuracy, **stats,
+        "samples_total": int(previous.get("samples_total", 0)) + stats["samples"],
+        "policy_version": steps, "steps": steps - start_version, "objective": spec.train.objective,
+        "wall_seconds": round(wall, 2), "elapsed_seconds": round(float(previous.get("elapsed_seconds", 0)) + wall, 2),
+        "gen_tokens_per_s": round(gen_tokens / gen_seconds, 1) if gen_seconds else 0.0,
+        "train_tokens_per_s": round(train_tokens_per_s, 1),
+    }
+
+
+def evaluate_start(ctx: RoundContext) -> dict:
+    """Round 0: the starting model's eval accuracy (no samples, no training)."""
+    started = time.perf_counter()
+    accuracy = evaluate(ctx, 0)
+    wall = time.perf_counter() - started
+    return {"event": "round", "round": 0, "eval_accuracy": accuracy, "reward_mean": None, "samples": 0,
+            "groups": 0, "kept_groups": 0, "pairs": 0, "samples_total": 0, "policy_version": 0, "steps": 0,
+            "objective": ctx.spec.train.objective, "wall_seconds": round(wall, 2),
+            "elapsed_seconds": round(wall, 2), "gen_tokens_per_s": 0.0, "train_tokens_per_s": 0.0}
+
+
+def evaluate(ctx: RoundContext, policy_version: int) -> float:
+    """Mean of the eval metric over greedy responses to the eval prompts."""
+    spec = ctx.spec
+    generator = _generator(ctx, policy_version)
+    prompts = load_prompts(spec.prompts.eval)
+    if spec.prompts.eval_limit:
+        prompts = prompts.slice(0, spec.prompts.eval_limit)
+    texts = prompts.column("prompt").to_pylist()
+    messages = prompts.column("messages").to_pylist()
+    token_ids = [generator.tokenize(p, m) for p, m in zip(texts, messages)]
+    responses = generator.greedy(token_ids, spec.eval.max_tokens or spec.generator.max_tokens)
+    metric = get_reward(spec.eval.metric)
+    columns = {name: prompts.column(name).to_pylist() for name in ("reference", "metadata")}
+    values = metric([p if p is not None else m for p, m in zip(texts, messages)], responses, **columns)
+    scored = [v for v in values if v is not None]
+    if not scored:
+        raise ValueError(f"eval metric {spec.eval.metric!r} gave no value for any eval prompt "
+                         f"({spec.prompts.eval}: is the `reference` column empty?)")
+    return float(sum(scored) / len(scored))
+
+
+def choose_prompts(ctx: RoundContext, r: int) -> Path:
+    """The prompts of round r, written once to RUN/_rounds/round=<r>/prompts.parquet: the
+    `per_round` prompts of the spec's train files used least so far, ties broken by a hash of
+    (seed, round, prompt_id). New files named in the spec have unused prompts, so they come first."""
+    path = ctx.run_dir / "_rounds" / f"round={r}" / "prompts.parquet"
+    if path.is_file():
+        return path
+    spec = ctx.spec
+    pool = _prompt_pool(spec.prompts.train)
+    used: dict[str, int] = {}
+    for round_ in ctx.store.rounds("samples"):
+        if round_ < r:
+            for pid in _distinct_prompt_ids(ctx.store, round_):
+                used[pid] = used.get(pid, 0) + 1
+    ids = pool.column("prompt_id").to_pylist()
+    order = sorted(range(len(ids)), key=lambda i: (used.get(ids[i], 0), _tiebreak(spec.run.seed, r, ids[i])))
+    chosen = pool.take(pa.array(order[: spec.prompts.per_round]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(chosen, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def round_stats(store: RunStore, r: int) -> dict:
+    """reward_mean, samples, groups, kept_groups, pairs of round r, from its tables."""
+    def query(sql: str, table: str, empty: tuple) -> tuple:
+        files = [str(f) for f in store.files(table, r)]
+        if not files:
+            return empty
+        source = "read_parquet($f, hive_partitioning = false, union_by_name = true)"
+        return duckdb.sql(sql.format(t=source), params={"f": files}).fetchall()[0]
+
+    (samples,) = query("SELECT count(*) FROM {t}", "samples", (0,))
+    (reward,) = query("SELECT avg(reward) FROM {t}", "scores", (None,))
+    groups, kept = query("SELECT count(DISTINCT prompt_id), count(DISTINCT prompt_id) FILTER (WHERE group_kept) "
+                         "FROM {t}", "groups", (0, 0))
+    (pairs,) = query("SELECT count(*) FROM {t}", "pairs", (0,))
+    return {"reward_mean": None if reward is None else float(reward), "samples": int(samples),
+            "groups": int(groups), "kept_groups": int(kept), "pairs": int(pairs)}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def _generator(ctx: RoundContext, policy_version: int):
+    """The live generator holding the weights of `policy_version` (started on first use;
+    new weights are loaded in place from the checkpoint folder)."""
+    spec = ctx.spec
+    if ctx.generator is None:
+        folder = ckpt.checkpoint_dir(ctx.run_dir, policy_version) if policy_version else Path(spec.model.path)
+        kwargs = {"dtype": spec.generator.dtype, "max_model_len": spec.generator.max_model_len,
+                  "policy_version": policy_version}
+        if spec.generator.backend == "vllm":
+            kwargs.update(seed=spec.run.seed, gpu_memory_utilization=spec.generator.gpu_memory_utilization,
+                          tensor_parallel_size=spec.generator.tensor_parallel_size)
+        ctx.log(f"starting the {spec.generator.backend} engine on {folder}")
+        # The engine loads tokenizer and config from the base model; weights from the checkpoint.
+        ctx.generator = make_backend(spec.generator.backend, spec.model.path, **kwargs)
+        if policy_version:
+            ctx.generator.update_weights(folder, policy_version)
+    elif ctx.generator.policy_version != policy_version:
+        ctx.generator.update_weights(ckpt.checkpoint_dir(ctx.run_dir, policy_version), policy_version)
+    return ctx.generator
+
+
+def _sampling(spec: PipelineSpec) -> SamplingConfig:
+    g = spec.generator
+    return SamplingConfig(group_size=g.group_size, max_tokens=g.max_tokens, temperature=g.temperature,
+                          top_p=g.top_p, top_k=g.top_k, seed=spec.run.seed)
+
+
+def _prompt_pool(files: list[str]) -> pa.Table:
+    """Every prompt of the spec's train files, first occurrence of each prompt_id kept."""
+    tables = [load_prompts(f) for f in files]
+    table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+    ids = table.column("prompt_id").to_pylist()
+    seen: set[str] = set()
+    keep = [i for i, pid in enumerate(ids) if not (pid in seen or seen.add(pid))]
+    return table.take(pa.array(keep)) if len(keep) < len(ids) else table
+
+
+def _distinct_prompt_ids(store: RunStore, r: int) -> list[str]:
+    files = [str(f) for f in store.files("samples", r)]
+    rows = duckdb.sql("SELECT DISTINCT prompt_id FROM read_parquet($f, hive_partitioning = false)",
+                      params={"f": files}).fetchall()
+    return [row[0] for row in rows]
+
+
+def _tiebreak(seed: int, r: int, prompt_id: str) -> str:
+    return hashlib.sha256(f"{seed}:{r}:{prompt_id}".encode()).hexdigest()
+
+
+def _latest_step(run_dir: Path) -> int:
+    found = ckpt.list_checkpoints(run_dir)
+    return found[-1][0] if found else 0
+
+
+def _round_record(run_dir: Path, r: int) -> dict | None:
+    if not (run_dir / METRICS_FILE).is_file():
+        return None
+    for record in load_metrics(run_dir)[0]:
+        if record["round"] == r:
+            return record
+    return None
+
+
+def _append_record(run_dir: Path, record: dict) -> None:
+    with open(run_dir / METRICS_FILE, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _target_rounds(run_dir: Path, spec: PipelineSpec, extra_rounds: int | None) -> int:
+    """The last round this invocation runs to: the spec's rounds, or the previous target plus
+    `extra_rounds` (`--rounds +K`); kept in RUN/pipeline.json."""
+    path = run_dir / STATE_FILE
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    target = max(int(state.get("target_rounds", 0)), spec.run.rounds)
+    if extra_rounds:
+        done = max([rec["round"] for rec in load_metrics(run_dir)[0]], default=0) if (run_dir / METRICS_FILE).is_file() else 0
+        target = max(target, done) + extra_rounds
+    _write_atomic(path, json.dumps({"target_rounds": target, "spec_rounds": spec.run.rounds}, indent=1))
+    return target
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

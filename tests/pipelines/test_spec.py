@@ -1,0 +1,94 @@
+"""Pipeline specs: every shipped spec validates; bad specs fail with the key and the file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pipelines.spec import PipelineSpec, check_comparable, load_spec
+from tests.conftest import REPO
+
+SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
+
+
+def test_the_expected_specs_are_shipped():
+    names = {p.name for p in SPECS}
+    for name in ("toy-grpo.toml", "toy-gspo.toml", "toy-pairwise.toml", "toy-sft.toml", "compare.toml",
+                 "gpu-math-grpo.toml"):
+        assert name in names, name
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
+def test_every_shipped_spec_validates(path, toy_dir, monkeypatch):
+    monkeypatch.chdir(REPO)  # spec paths are relative to the repo root, where `make demo` runs
+    if path.name == "compare.toml":
+        data = tomllib.loads(path.read_text())
+        specs = {p: load_spec(REPO / p) for p in data["compare"]["specs"]}
+        check_comparable(specs)
+        assert {s.train.objective for s in specs.values()} == {"grpo", "gspo", "pairwise", "sft"}
+        return
+    gpu = path.name.startswith("gpu-")
+    spec = load_spec(path, check_files=not gpu)  # the GPU example names a model this machine lacks
+    assert isinstance(spec, PipelineSpec)
+    if gpu:
+        assert spec.generator.backend == "vllm" and spec.generator.dtype == "bfloat16"
+        assert spec.train.dtype == "bfloat16"
+    else:
+        assert spec.model.path == "runs/toy/model"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+[run]
+name = "t"
+[model]
+path = "runs/toy/model"
+[prompts]
+train = ["runs/toy/train.parquet"]
+eval = "runs/toy/eval.parquet"
+"""
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("[train]\nlearning_rate = 1e-4\n", "train.learning_rate: Extra inputs are not permitted"),
+    ("[generator]\ngroup_size = 'eight'\n", "generator.group_size: Input should be a valid integer"),
+    ("[filter]\nmin_group_size = -1\n", "filter.min_group_size"),
+    ("[colour]\nx = 1\n", "colour: Extra inputs are not permitted"),
+    ("[train]\nrounds = [1]\n", "train.rounds is set by the round loop"),
+])
+def test_bad_specs_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, extra, message):
+    monkeypatch.chdir(REPO)
+    path = _write(tmp_path, GOOD + extra)
+    with pytest.raises(ValueError) as err:
+        load_spec(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_model_folder_and_cli_exit_code(tmp_path, toy_dir):
+    path = _write(tmp_path, GOOD.replace("runs/toy/model", "runs/no-such-model"))
+    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(path), "--run-dir", str(tmp_path / "r")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert out.returncode == 2
+    assert "model.path runs/no-such-model: not a Hugging Face model folder" in out.stderr
+    assert not (tmp_path / "r").exists()  # nothing created for a spec that fails validation
+    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(_write(tmp_path, GOOD + "[run]\n")),
+                          "--run-dir", str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "not valid TOML" in out.stderr
+
+
+def test_compare_rejects_unequal_budgets(toy_dir, monkeypatch):
+    monkeypatch.chdir(REPO)
+    a = load_spec(REPO / "pipelines/specs/toy-grpo.toml")
+    b = a.model_copy(update={"run": a.run.model_copy(update={"name": "other", "rounds": a.run.rounds + 1})})
+    with pytest.raises(ValueError, match="differs from a in run.rounds"):
+        check_comparable({"a": a, "b": b})
