@@ -182,25 +182,30 @@ def evaluate(ctx: RoundContext, policy_version: int) -> float:
 
 def choose_prompts(ctx: RoundContext, r: int) -> Path:
     """The prompts of round r, written once to RUN/_rounds/round=<r>/prompts.parquet: the
-    `per_round` prompts of the spec's train files used least so far, ties broken by a hash of
-    (seed, round, prompt_id). New files named in the spec have unused prompts, so they come first."""
+    `per_round` prompts of the spec's train files used least so far; among those, prompts of
+    files new to the run first (a scheduled refresh that adds a file trains on it next), then
+    a hash of (seed, round, prompt_id)."""
     path = ctx.run_dir / "_rounds" / f"round={r}" / "prompts.parquet"
     if path.is_file():
         return path
     spec = ctx.spec
-    pool = _prompt_pool(spec.prompts.train)
+    state = _load_state(ctx.run_dir)
+    seen = set(state.get("prompt_files", []))
+    pool, is_new = _prompt_pool(spec.prompts.train, seen if seen else None)
     used: dict[str, int] = {}
     for round_ in ctx.store.rounds("samples"):
         if round_ < r:
             for pid in _distinct_prompt_ids(ctx.store, round_):
                 used[pid] = used.get(pid, 0) + 1
     ids = pool.column("prompt_id").to_pylist()
-    order = sorted(range(len(ids)), key=lambda i: (used.get(ids[i], 0), _tiebreak(spec.run.seed, r, ids[i])))
+    order = sorted(range(len(ids)),
+                   key=lambda i: (used.get(ids[i], 0), not is_new[i], _tiebreak(spec.run.seed, r, ids[i])))
     chosen = pool.take(pa.array(order[: spec.prompts.per_round]))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     pq.write_table(chosen, tmp)
     os.replace(tmp, path)
+    _save_state(ctx.run_dir, {**state, "prompt_files": sorted(seen | {str(f) for f in spec.prompts.train})})
     return path
 
 
@@ -251,14 +256,19 @@ def _sampling(spec: PipelineSpec) -> SamplingConfig:
                           top_p=g.top_p, top_k=g.top_k, seed=spec.run.seed)
 
 
-def _prompt_pool(files: list[str]) -> pa.Table:
-    """Every prompt of the spec's train files, first occurrence of each prompt_id kept."""
+def _prompt_pool(files: list[str], seen: set[str] | None) -> tuple[pa.Table, list[bool]]:
+    """Every prompt of the spec's train files (first occurrence of each prompt_id kept), and
+    whether it comes from a file the run has not seen before (None: nothing is new)."""
     tables = [load_prompts(f) for f in files]
+    new_flags = [[seen is not None and str(f) not in seen] * t.num_rows for f, t in zip(files, tables)]
     table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+    is_new = [flag for flags in new_flags for flag in flags]
     ids = table.column("prompt_id").to_pylist()
-    seen: set[str] = set()
-    keep = [i for i, pid in enumerate(ids) if not (pid in seen or seen.add(pid))]
-    return table.take(pa.array(keep)) if len(keep) < len(ids) else table
+    seen_ids: set[str] = set()
+    keep = [i for i, pid in enumerate(ids) if not (pid in seen_ids or seen_ids.add(pid))]
+    if len(keep) < len(ids):
+        return table.take(pa.array(keep)), [is_new[i] for i in keep]
+    return table, is_new
 
 
 def _distinct_prompt_ids(store: RunStore, r: int) -> list[str]:
@@ -293,16 +303,24 @@ def _append_record(run_dir: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def _load_state(run_dir: Path) -> dict:
+    path = run_dir / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _save_state(run_dir: Path, state: dict) -> None:
+    _write_atomic(run_dir / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
+
+
 def _target_rounds(run_dir: Path, spec: PipelineSpec, extra_rounds: int | None) -> int:
     """The last round this invocation runs to: the spec's rounds, or the previous target plus
     `extra_rounds` (`--rounds +K`); kept in RUN/pipeline.json."""
-    path = run_dir / STATE_FILE
-    state = json.loads(path.read_text()) if path.is_file() else {}
+    state = _load_state(run_dir)
     target = max(int(state.get("target_rounds", 0)), spec.run.rounds)
     if extra_rounds:
         done = max([rec["round"] for rec in load_metrics(run_dir)[0]], default=0) if (run_dir / METRICS_FILE).is_file() else 0
         target = max(target, done) + extra_rounds
-    _write_atomic(path, json.dumps({"target_rounds": target, "spec_rounds": spec.run.rounds}, indent=1))
+    _save_state(run_dir, {**state, "target_rounds": target})
     return target
 
 

@@ -12,6 +12,7 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
+from curation.generate.base import load_prompts
 from curation.store import RunStore
 from tests.conftest import REPO
 from training.trainer import KILL_AFTER_STEP_ENV
@@ -122,7 +123,7 @@ def test_kill_mid_round_resume_extend_and_lock(toy_dir, tmp_path):
     more = _run(spec, run_dir, "--rounds", "+1")
     assert more.returncode == 0, more.stderr[-2000:]
     assert [r["round"] for r in _rounds(run_dir)] == [0, 1, 2, 3]
-    new_ids = set(pq.read_table(extra).column("prompt_id").to_pylist())
+    new_ids = set(load_prompts(extra).column("prompt_id").to_pylist())
     round3 = set(pq.read_table(run_dir / "_rounds" / "round=3" / "prompts.parquet").column("prompt_id").to_pylist())
     assert len(round3 & new_ids) == 24  # 24 per round, all from the 30 unused new prompts
     _check_tables(run_dir)
