@@ -109,8 +109,9 @@ def _filter(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: 
         view = view.append_column("truncated", pc.equal(samples.column("finish_reason"), "length"))
     if cfg.max_response_tokens is not None or cfg.min_response_tokens is not None:
         view = view.append_column("n_tokens", pc.list_value_length(samples.column("response_token_ids")))
-    if cfg.drop_duplicates:
-        view = view.append_column("response", samples.column("response"))
+    if cfg.drop_duplicates:  # a text as an integer code: grouping by integers is faster than by strings
+        texts = pc.dictionary_encode(samples.column("response")).combine_chunks()
+        view = view.append_column("response", texts.indices)
     rows = unrejected(view, scores, rejects_so_far, tuple(view.column_names[len(KEYS):]))
     rows_in = rows.height
     rows = rows.lazy()
@@ -127,18 +128,20 @@ def _filter(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: 
     rows = rows.with_columns(reason=_first_reason(checks), first_idx=pl.lit(None, dtype=pl.Int32))
     if cfg.drop_duplicates:  # among the survivors so far; the lowest sample_idx of a text stays
         alive = pl.col("reason").is_null()
-        rows = rows.with_columns(first_idx=pl.when(alive).then(pl.col("sample_idx")).min().over("gid", "response"))
+        same_text = pl.col("gid") * len(texts.dictionary) + pl.col("response")  # one int64 key: (gid, response)
+        rows = rows.with_columns(first_idx=pl.when(alive).then(pl.col("sample_idx")).min().over(same_text))
         rows = rows.with_columns(reason=pl.when(alive & (pl.col("sample_idx") > pl.col("first_idx")))
                                  .then(pl.lit("duplicate")).otherwise(pl.col("reason")))
 
     # Group level, on the survivors of the sample-level checks (a null reward is not counted).
     rows = rows.with_columns(kept_reward=pl.when(pl.col("reason").is_null()).then(reward))
     kept_reward = pl.col("kept_reward")
+    pass_rate = cfg.pass_rate_min is not None or cfg.pass_rate_max is not None
     rows = rows.with_columns(
         n_left=kept_reward.count().over("gid"),
         lo=kept_reward.min().over("gid"),
         hi=kept_reward.max().over("gid"),
-        mean=kept_reward.mean().over("gid"),
+        mean=kept_reward.mean().over("gid") if pass_rate else pl.lit(None, dtype=pl.Float64),
     )
     group_checks = [("group_too_small", pl.col("n_left") < cfg.min_group_size)]
     if cfg.drop_zero_variance:
@@ -157,7 +160,9 @@ def _filter(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: 
                "pass_rate": pl.format("group mean reward {}", pl.col("mean"))}
     if "n_tokens" in view.column_names:
         details["too_long"] = details["too_short"] = pl.format("{} response tokens", n_tokens)
-    dropped = rows.filter(pl.col("reason").is_not_null()).collect()
+    dropped = rows.filter(pl.col("reason").is_not_null()).select(
+        "row", "reason", "first_idx", "n_left", "lo", "mean", *(["n_tokens"] if "n_tokens" in view.column_names else []),
+    ).collect()
     detail = pl.repeat(None, dropped.height, dtype=pl.String, eager=True).alias("detail")
     for reason, text in details.items():
         where = (dropped.get_column("reason") == reason).arg_true()
