@@ -28,12 +28,10 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 toy: install
 	$(VENV)/bin/groupforge toy build --out runs/toy
 
-# Until the round loop lands, the demo samples one round of groups from the toy with vLLM
-# and shows the tables it wrote.
+# The round loop on the toy: GRPO rounds of vLLM sampling, curation and training, a table
+# per round, and runs/toy-grpo/report/ (plots, summary). Rerunning resumes or shows the result.
 demo: toy
-	$(VENV)/bin/groupforge generate --model runs/toy/model --prompts runs/toy/eval.parquet \
-		--group-size 8 --max-tokens 8 --out runs/demo
-	$(VENV)/bin/groupforge inspect runs/demo
+	$(VENV)/bin/groupforge run pipelines/specs/toy-grpo.toml
 
 test: install
 	$(PY) -m pytest -q
@@ -43,6 +41,7 @@ test-fast: install
 
 bench: toy
 	$(PY) bench/generate.py
+	$(PY) bench/train.py
 
 # Regenerate the lock after changing dependencies (run inside a working venv).
 lock:

@@ -41,6 +41,8 @@ import pyarrow.parquet as pq
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from training.checkpoint import quiet_transformers
+
 TOY_VERSION = 1
 """Bump when the build changes in a way `ToyConfig` does not capture (invalidates caches)."""
 
@@ -410,7 +412,7 @@ def build_toy(
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out, "building"), dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the toy is an ordinary folder
-        with _quiet_transformers():
+        with quiet_transformers():
             meta = _build_into(tmp, config, seed, progress)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if not force and _is_cached(out, config, seed):
@@ -455,20 +457,6 @@ def _replace_dir(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(new, out)
-
-
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """No per-file progress bars from transformers while saving and reloading the toy."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> dict:

@@ -16,12 +16,13 @@ checkpoint from elsewhere never unpickles anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,6 +34,20 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 # Files of a model folder that are not weights: copied so every checkpoint is loadable alone.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No per-file progress bars from transformers while saving and loading models."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -100,7 +115,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
         shutil.rmtree(stale, ignore_errors=True)
     final = checkpoint_dir(run_dir, step)
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
-    model.save_pretrained(tmp, safe_serialization=True)
+    with quiet_transformers():
+        model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer_from is not None:
         for name in _TOKENIZER_FILES:
             source = Path(tokenizer_from) / name

@@ -327,8 +327,9 @@ def _load_model(folder: str | Path, device: torch.device, trainable: bool = Fals
     folder = Path(folder)
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder}: no *.safetensors files (pickled weights are not loaded)")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False,
-                                                 use_safetensors=True)
+    with ckpt.quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False,
+                                                     use_safetensors=True)
     model.to(device)
     model.train(trainable)
     if not trainable:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Sequence
@@ -126,7 +127,14 @@ class VLLMGenerator:
     def update_weights(self, weights: "dict | str | Path", policy_version: int) -> None:
         state_dict = load_state_dict(weights) if isinstance(weights, (str, Path)) else weights
         items = [(name, tensor.detach().to("cpu")) for name, tensor in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        # The in-place reload warns once per rotary embedding, which has no weights to load.
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level = reload_log.level
+        reload_log.setLevel(logging.ERROR)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        finally:
+            reload_log.setLevel(level)
         self.llm.reset_prefix_cache()
         self.policy_version = policy_version
         self.weights_sha256 = weights_fingerprint(weights)
