@@ -13,6 +13,8 @@ Callers hold the run's lock (`RunStore.lock()`).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -42,14 +44,11 @@ class StageReport:
 def input_fingerprints(store: RunStore, tables: list[str], round: int, exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
     """{relative path: sha256} of every part file the stage reads for `round` (prompts: all
     parts). `exclude_parts` leaves out the stage's own outputs (e.g. filter's rejects part)."""
-    found: dict[str, str] = {}
-    for table in tables:
-        files = store.files(table) if table == "prompts" else store.files(table, round)
-        for path in files:
-            if path.stem.removeprefix("part-") in exclude_parts:
-                continue
-            found[path.relative_to(store.root).as_posix()] = fingerprint_file(path)
-    return found
+    paths = [path for table in tables for path in (store.files(table) if table == "prompts" else store.files(table, round))
+             if path.stem.removeprefix("part-") not in exclude_parts]
+    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:  # hashlib lets go of the GIL
+        digests = list(pool.map(fingerprint_file, paths))
+    return {path.relative_to(store.root).as_posix(): digest for path, digest in zip(paths, digests)}
 
 
 def rejects_table(run_id: list[str] | str, round: list[int] | int, prompt_id: list[str], sample_idx: list[int | None],

@@ -188,7 +188,8 @@ def _inputs(samples: pa.Table, prompts: pa.Table) -> pa.Table:
         missing = at_starts.filter(index.is_null())
         raise SchemaError(f"samples table: {len(missing)} group(s) have a prompt_id that is not in the prompts "
                           f"table (first: {missing[0].as_py()})")
-    per_row = index.to_numpy(zero_copy_only=False)[np.cumsum(starts) - 1] if n else np.zeros(0, np.int64)
+    run_lengths = np.diff(np.flatnonzero(starts), append=n)
+    per_row = np.repeat(index.to_numpy(zero_copy_only=False), run_lengths)
     joined = prompts.select(["prompt", "messages", "reference", "metadata"]).take(pa.array(per_row))
     rows = samples.select(SAMPLE_COLUMNS)
     for name in joined.column_names:
