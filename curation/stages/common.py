@@ -262,15 +262,13 @@ class DuplicateKeys(ValueError):
     """Two rows of a table that must have one row per sample share (run_id, round, prompt_id, sample_idx)."""
 
 
-def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: tuple[str, ...] = (),
-               index: SampleIndex | None = None) -> pl.DataFrame:
+def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: tuple[str, ...] = ()) -> pl.DataFrame:
     """The samples that no rejects row names, in samples order: `row` (position in samples),
     `gid` (see SampleIndex), sample_idx, reward (null when unscored) and `columns` of samples.
 
     A rejects row names one sample, or every sample of its prompt when its sample_idx is null.
-    `index`: the SampleIndex of `samples`, when the caller has it.
     """
-    index = index or SampleIndex(samples)
+    index = SampleIndex(samples)
     reward = scores.column("reward")
     if not _same_keys(samples, scores):  # as the score stage writes them, they are: no lookup needed
         try:
