@@ -125,14 +125,16 @@ PATH = ""  # the path this worker measures
 
 @contextmanager
 def stage(name: str, rows: int, **notes):
-    """Seconds and peak RSS (VmHWM, reset to the current RSS on entry) of one stage of PATH."""
+    """Seconds, CPU seconds (all threads of the process: less moved by other jobs on a shared
+    machine than seconds are) and peak RSS (VmHWM, reset to the current RSS on entry) of one
+    stage of PATH."""
     record = {"path": PATH, "stage": name, "rows": rows, **notes}
     RECORDS.append(record)  # the caller may add notes to it, inside or after the block
     Path("/proc/self/clear_refs").write_text("5")
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     yield record
     hwm_kib = int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1])
-    record.update(seconds=time.perf_counter() - started, peak_mb=hwm_kib / 1024)
+    record.update(seconds=time.perf_counter() - started, cpu_s=time.process_time() - cpu_started, peak_mb=hwm_kib / 1024)
 
 
 # ---- the paths (each runs in its own process) ----------------------------------------------
@@ -389,7 +391,8 @@ def run_worker(path: str, run: Path, out: Path, args: list[str]) -> list[dict]:
 def total(records: list[dict], path: str, stages: tuple[str, ...] | None = None) -> dict:
     rows = [r for r in records if r["path"] == path and "seconds" in r and (stages is None or r["stage"] in stages)]
     return {"path": path, "stage": "total" if stages is None else "+".join(stages), "rows": rows[0]["rows"],
-            "seconds": sum(r["seconds"] for r in rows), "peak_mb": max(r["peak_mb"] for r in rows)}
+            "seconds": sum(r["seconds"] for r in rows), "cpu_s": sum(r["cpu_s"] for r in rows),
+            "peak_mb": max(r["peak_mb"] for r in rows)}
 
 
 def machine() -> str:
@@ -500,17 +503,19 @@ def markdown(records: list[dict], data: dict, pandas_rows: dict[str, int], slowe
              f"Arrow, {data['parquet_mb']:.0f} MiB Parquet (zstd); answers of 1-4 digits, ~30% correct, duplicates "
              f"in groups; exact_match, FilterConfig(drop_duplicates={dedupe(args)}), grpo, max_min; "
              f"each path in its own process; paths alternate, best of {args.repeats} per path (by its total)", "",
-             "| path | stage | rows | seconds | rows/s | peak RSS MiB | notes |", "|---|---|--:|--:|--:|--:|---|"]
+             "| path | stage | rows | seconds | rows/s | CPU s | peak RSS MiB | notes |",
+             "|---|---|--:|--:|--:|--:|--:|---|"]
     for path in dict.fromkeys(r["path"] for r in timed):
         stages = [r for r in timed if r["path"] == path]
         for r in stages + ([total(records, path)] if len(stages) > 1 else []):
             notes = ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
-                              if k not in ("path", "stage", "rows", "seconds", "peak_mb"))
+                              if k not in ("path", "stage", "rows", "seconds", "cpu_s", "peak_mb"))
             name = "**total**" if r["stage"] == "total" else r["stage"]
             lines.append(f"| {path} | {name} | {r['rows']:,} | {r['seconds']:.2f} | {r['rows'] / r['seconds']:,.0f} "
-                         f"| {r['peak_mb']:,.0f} | {notes} |")
+                         f"| {r['cpu_s']:.2f} | {r['peak_mb']:,.0f} | {notes} |")
     gf, gf_mem, fl = (total(records, p)["seconds"]
                       for p in ("groupforge parquet", "groupforge memory", "(a) parquet floor"))
+    gf_cpu, fl_cpu = (total(records, p)["cpu_s"] for p in ("groupforge parquet", "(a) parquet floor"))
     verdict = lambda ok: "meets" if ok else "BELOW"  # noqa: E731
     check = {r["path"]: r for r in records if r["stage"] == "check"}
     gf_check = check["groupforge memory"]
@@ -521,14 +526,16 @@ def markdown(records: list[dict], data: dict, pandas_rows: dict[str, int], slowe
               f"The floor (a), a bare read + write of the samples, runs at {n / fl / 1e6:.2f}M rows/s on this machine: "
               f"{TARGET_RATE / 1e6:.0f}M rows/s end to end would need {TARGET_RATE * fl / n:.1f}x the floor's speed",
               f"- **vs (a) Parquet floor: {gf / fl:.2f}x its time** "
-              f"({verdict(gf / fl <= TARGET_FLOOR)} the within-3x target)"]
+              f"({verdict(gf / fl <= TARGET_FLOOR)} the within-3x target); {gf_cpu / fl_cpu:.2f}x its CPU time"]
     for path, label in (("(b) pandas", "(b) pandas, vectorised"), ("(c) pandas apply", "(c) pandas, groupby.apply")):
         scale = n / pandas_rows[path]  # pandas seconds at n rows, extrapolated linearly from its rate
         pd_all = total(records, path)["seconds"] * scale
+        pd_cpu = total(records, path)["cpu_s"] * scale
         pd_compute = total(records, path, ("score", "filter", "label", "pair"))["seconds"] * scale
         lines.append(
-            f"- **vs {label}: pandas time / groupforge time = {pd_all / gf:.2f}x** Parquet to Parquet, "
-            f"{pd_compute / gf_mem:.2f}x in memory ({verdict(pd_all / gf >= TARGET_PANDAS)} the 20x target); "
+            f"- **vs {label}: pandas time / groupforge time = {pd_all / gf:.2f}x** Parquet to Parquet "
+            f"({pd_cpu / gf_cpu:.2f}x in CPU time), {pd_compute / gf_mem:.2f}x in memory "
+            f"({verdict(pd_all / gf >= TARGET_PANDAS)} the 20x target); "
             + (f"pandas ran on {pandas_rows[path]:,} rows, its rate extrapolated to {n:,}" if scale != 1 else
                f"{check[path]['kept']:,} vs {gf_check['kept']:,} kept rows, {check[path]['pairs']:,} vs "
                f"{gf_check['pairs']:,} pairs"))

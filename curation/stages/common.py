@@ -23,7 +23,6 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from curation import schema
 from curation.schema import KEYS, SCHEMAS
 from curation.store import RunStore, fingerprint_file
 
@@ -276,7 +275,7 @@ def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: 
         except DuplicateKeys:
             raise ValueError("scores table: a (run_id, round, prompt_id, sample_idx) appears more than once; "
                              "a sample has one reward") from None
-        reward = pc.take(reward, _nullable_indices(at))
+        reward = pc.take(reward, nullable_indices(at))
     keep = ~index.named(rejects) if rejects.num_rows else None
     rows = np.flatnonzero(keep) if keep is not None else np.arange(samples.num_rows)
 
@@ -290,8 +289,9 @@ def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: 
     return frame
 
 
-def _nullable_indices(at: np.ndarray) -> pa.Array:
-    """int64 indices for take, null (a null result) where `at` < 0; pa.array(mask=) is ~50x slower."""
+def nullable_indices(at: np.ndarray) -> pa.Array:
+    """`at` as an int64 Arrow array, null where `at` < 0 (for take: a null result); pa.array(mask=)
+    is ~50x slower."""
     missing = at < 0
     validity = pa.py_buffer(np.packbits(~missing, bitorder="little")) if missing.any() else None
     return pa.Array.from_buffers(pa.int64(), len(at), [validity, pa.py_buffer(np.where(missing, 0, at))])

@@ -145,6 +145,29 @@ def test_pass_rate_band_is_open_on_both_sides():
     assert detail.column("detail").to_pylist() == ["group mean reward 0.25"] * 4
 
 
+def test_every_detail_text():
+    rows = group_rows({"zeros": [0.0, 0.0], "negative_zeros": [-0.0, -0.0], "halves": [0.5, 0.5], "alone": [1.0, None],
+                       "cut": [1, 0, 1], "dup": [1, 0, 1, 0.25], "long": [1, 0, 1]})
+    for row in rows:
+        row["n_tokens"] = 12 if (row["prompt_id"], row["sample_idx"]) == ("long", 2) else 3
+        row["finish_reason"] = "length" if (row["prompt_id"], row["sample_idx"]) == ("cut", 0) else "stop"
+        row["response"] = "same" if (row["prompt_id"], row["sample_idx"]) in (("dup", 1), ("dup", 3)) else "x" + str(
+            row["sample_idx"])
+    rejects = filter_samples(*samples_and_scores(rows), empty("rejects"),
+                             FilterConfig(drop_truncated=True, max_response_tokens=10))
+    got = {(r["prompt_id"], r["sample_idx"]): (r["reason"], r["detail"]) for r in rejects.to_pylist()}
+    assert got == {
+        ("zeros", 0): ("zero_variance", "every reward is 0.0"), ("zeros", 1): ("zero_variance", "every reward is 0.0"),
+        ("negative_zeros", 0): ("zero_variance", "every reward is -0.0"),
+        ("negative_zeros", 1): ("zero_variance", "every reward is -0.0"),
+        ("halves", 0): ("zero_variance", "every reward is 0.5"), ("halves", 1): ("zero_variance", "every reward is 0.5"),
+        ("alone", 0): ("group_too_small", "1 sample(s) left"), ("alone", 1): ("unscored", None),
+        ("cut", 0): ("truncated", None),
+        ("dup", 3): ("duplicate", "same response as sample_idx 1"),
+        ("long", 2): ("too_long", "12 response tokens"),
+    }
+
+
 def test_earlier_rejects_are_left_out_by_sample_and_by_prompt():
     rows = group_rows({"a": [1, 0, 0], "b": [None, 1, 0], "c": [1, 1, 0]})
     earlier = pa.concat_tables([rejects_of([("a", 1), ("b", 0)]),
