@@ -349,19 +349,20 @@ def _round_row(table: Table, rec: dict) -> None:
                   f"{rec.get('train_tokens_per_s', 0):,.0f}", f"{rec.get('wall_seconds', 0):.1f}")
 
 
-def _run_one(spec: Path, run_dir: Optional[Path], extra: Optional[int], no_wait: bool) -> tuple[Path, list[dict]]:
-    """Run one spec to its last round, printing a line per round; returns (run folder, records)."""
+def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int], no_wait: bool) -> tuple[Path, list[dict]]:
+    """Run one spec (a file or a PipelineSpec) to its last round, printing a line per round;
+    returns (run folder, round records)."""
     from curation.schema import SchemaError
     from curation.store import RunLockedError
     from pipelines.run import run_pipeline
     from pipelines.spec import load_spec
 
     try:
-        parsed = load_spec(spec)
+        parsed = load_spec(spec) if isinstance(spec, Path) else spec
     except ValueError as exc:
         raise _fail(str(exc), EXIT_BAD_INPUT) from None
     folder = run_dir or Path("runs") / parsed.run.name
-    console.print(f"[bold]{spec}[/] -> {folder}")
+    console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
 
     def on_round(rec: dict) -> None:
         reward = rec.get("reward_mean")
@@ -371,7 +372,7 @@ def _run_one(spec: Path, run_dir: Optional[Path], extra: Optional[int], no_wait:
                       f"{rec.get('wall_seconds', 0):.1f}s", highlight=False)
 
     try:
-        records = run_pipeline(spec, run_dir=folder, extra_rounds=extra, wait=not no_wait,
+        records = run_pipeline(parsed, run_dir=folder, extra_rounds=extra, wait=not no_wait,
                                log=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False),
                                on_round=on_round)
     except (SchemaError, FileNotFoundError, ValueError) as exc:
@@ -423,18 +424,16 @@ def compare(
 ) -> None:
     """Run each spec from the same starting model at equal data, then write OUT/report/compare.{png,md}."""
     from pipelines.report import report_compare
-    from pipelines.spec import check_comparable, expand_compare, load_spec
+    from pipelines.spec import load_compare
 
     try:
-        paths, default_out = expand_compare(specs)
-        parsed = [load_spec(p) for p in paths]
-        check_comparable(dict(zip(map(str, paths), parsed)))
+        parsed, default_out = load_compare(specs)
     except ValueError as exc:
         raise _fail(str(exc), EXIT_BAD_INPUT) from None
     out = out or default_out or Path("runs/compare")
     runs = {}
-    for path, spec in zip(paths, parsed):
-        folder, _ = _run_one(path, out / spec.run.name, None, no_wait)
+    for spec in parsed.values():
+        folder, _ = _run_one(spec, out / spec.run.name, None, no_wait)
         runs[spec.run.name] = folder
     report_dir = report_compare(runs, out / "report")
     console.print((report_dir / "compare.md").read_text(), markup=False, highlight=False)

@@ -197,12 +197,19 @@ def dump_toml(data: dict[str, Any]) -> str:
 class CompareSection(_Section):
     specs: list[str] = Field(..., min_length=2, description="Pipeline specs to run and compare.")
     out: str = Field("runs/compare", description="Folder for the runs (out/<run.name>) and out/report.")
+    rounds: int | None = Field(None, ge=1, description="Run every spec for this many rounds instead of its own.")
 
 
-def expand_compare(paths: list[str | Path]) -> tuple[list[Path], Path | None]:
-    """The spec files of a comparison: the given ones, or those a compare file (a TOML with a
-    [compare] section) lists; and that file's output folder, if any."""
+def load_compare(paths: list[str | Path]) -> tuple[dict[str, PipelineSpec], Path | None]:
+    """The specs of a comparison (by file name): the given spec files, or those a compare file
+    (a TOML with a [compare] section) lists, with its `rounds` applied; and its output folder."""
+    section = None
     if len(paths) == 1 and "compare" in read_toml(paths[0]):
         section = validate_model(CompareSection, read_toml(paths[0])["compare"], paths[0], "compare")
-        return [Path(p) for p in section.specs], Path(section.out)
-    return [Path(p) for p in paths], None
+        paths = section.specs
+    specs = {str(p): load_spec(p) for p in paths}
+    if section is not None and section.rounds is not None:
+        specs = {k: s.model_copy(update={"run": s.run.model_copy(update={"rounds": section.rounds})})
+                 for k, s in specs.items()}
+    check_comparable(specs)
+    return specs, Path(section.out) if section is not None else None
