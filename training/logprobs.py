@@ -50,17 +50,16 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int,
                 compute_dtype: torch.dtype):
-        acc = _accum_dtype(weight.dtype)
-        w = weight.to(compute_dtype)
-        b = None if bias is None else bias.to(acc)
-        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        head = _HeadChunks(hidden, weight, bias, temperature, chunk_tokens, compute_dtype)
+        out = torch.empty(hidden.shape[0], dtype=head.acc, device=hidden.device)
         lse = torch.empty_like(out)
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            logits = _chunk_logits(hidden[rows], w, b, temperature, acc)
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            out[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
-            del logits
+        for rows in head.chunks():
+            logits = head.logits(rows)
+            out[rows] = logits.gather(1, targets[rows, None]).squeeze(1)
+            # logsumexp in place on the buffer (torch.logsumexp allocates two more chunk-sized tensors)
+            top = logits.amax(dim=-1, keepdim=True)
+            lse[rows] = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
+        out -= lse
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype = temperature, chunk_tokens, compute_dtype
         return out
@@ -68,35 +67,31 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, chunk_tokens, compute_dtype = ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype
-        acc = _accum_dtype(weight.dtype)
+        head = _HeadChunks(hidden, weight, bias, ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        w = weight.to(compute_dtype)
-        b = None if bias is None else bias.to(acc)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        grad_out = grad_out.to(acc)
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            h = hidden[rows].to(compute_dtype)
-            logits = _chunk_logits(h, w, b, temperature, acc)
+        grad_w = torch.zeros(weight.shape, dtype=head.acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=head.acc, device=bias.device) if need_b else None
+        grad_w_chunk = None if head.low is None or not need_w else torch.empty_like(head.w)
+        g_all = grad_out.to(head.acc) / ctx.temperature
+        for rows in head.chunks():
             # grad_z = (onehot - softmax) * g,  g = grad_out / T: built in place on the logits
             # buffer, three passes over it (these passes, not the matmuls, are memory-bound)
-            g = (grad_out[rows] / temperature)[:, None]
-            grad_z = logits.sub_(lse[rows, None]).exp_().mul_(-g)
+            g = g_all[rows, None]
+            grad_z = head.logits(rows).sub_(lse[rows, None]).exp_().mul_(-g)
             grad_z.scatter_add_(1, targets[rows, None], g)
             if need_b:
                 grad_b += grad_z.sum(0)
-            grad_z = grad_z.to(compute_dtype)
+            h = head.h(rows)
+            if head.low is not None:  # matmuls in the autocast dtype, like autocast's own Linear
+                grad_z = head.low[: grad_z.shape[0]].copy_(grad_z)
             if need_h:
-                grad_h[rows] = (grad_z @ w).to(hidden.dtype)
+                grad_h[rows] = (grad_z @ head.w).to(hidden.dtype)
             if need_w:
-                if compute_dtype == acc:
+                if grad_w_chunk is None:
                     grad_w.addmm_(grad_z.t(), h)
                 else:
-                    grad_w += (grad_z.t() @ h).to(acc)
-            del logits, grad_z
+                    grad_w += torch.mm(grad_z.t(), h, out=grad_w_chunk)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
         if need_b:
@@ -104,14 +99,41 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
-def _chunk_logits(h, w, b, temperature, acc):
-    """(h @ w.T + b) / T in the accumulation dtype, for one chunk of rows."""
-    logits = (h.to(w.dtype) @ w.t()).to(acc)
-    if b is not None:
-        logits += b
-    if temperature != 1.0:
-        logits /= temperature
-    return logits
+class _HeadChunks:
+    """One pass over the rows of the head, `chunk_tokens` at a time, with the chunk's logits
+    (h @ W.T + b) / T written into buffers allocated once per pass: a fresh chunk-sized tensor
+    per chunk costs page faults and zeroing (hundreds of MB per chunk at a 32k+ vocabulary)."""
+
+    def __init__(self, hidden, weight, bias, temperature, chunk_tokens, compute_dtype):
+        self.acc = _accum_dtype(weight.dtype)
+        self.hidden, self.n, self.chunk = hidden, hidden.shape[0], chunk_tokens
+        self.w = weight.to(compute_dtype)
+        self.b = None if bias is None else bias.to(self.acc)
+        self.temperature = temperature
+        rows = min(chunk_tokens, self.n)
+        self.buf = torch.empty(rows, weight.shape[0], dtype=self.acc, device=hidden.device)
+        self.low = (None if compute_dtype == self.acc else
+                    torch.empty(rows, weight.shape[0], dtype=compute_dtype, device=hidden.device))
+
+    def chunks(self):
+        for start in range(0, self.n, self.chunk):
+            yield slice(start, min(start + self.chunk, self.n))
+
+    def h(self, rows: slice) -> torch.Tensor:
+        return self.hidden[rows].to(self.w.dtype)
+
+    def logits(self, rows: slice) -> torch.Tensor:
+        n = rows.stop - rows.start
+        logits = self.buf[:n]
+        if self.low is None:
+            torch.mm(self.h(rows), self.w.t(), out=logits)
+        else:
+            logits.copy_(torch.mm(self.h(rows), self.w.t(), out=self.low[:n]))
+        if self.b is not None:
+            logits += self.b
+        if self.temperature != 1.0:
+            logits /= self.temperature
+        return logits
 
 
 def _lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
