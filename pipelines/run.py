@@ -52,6 +52,7 @@ class RoundContext:
 
     spec: PipelineSpec
     store: RunStore
+    target_rounds: int = 0
     generator: object | None = None
     log: Callable[[str], None] = print
 
@@ -75,7 +76,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
         store.clean_tmp()
         target = _target_rounds(run_dir, spec, extra_rounds)
         _write_atomic(run_dir / "spec.toml", dump_toml(spec.model_dump(mode="json")))
-        ctx = RoundContext(spec=spec, store=store, log=log)
+        ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log)
         try:
             for r in range(target + 1):
                 if _round_record(run_dir, r) is not None:
@@ -115,8 +116,11 @@ def run_round(ctx: RoundContext, r: int) -> dict:
 
     # -- train -------------------------------------------------------------------------------
     rounds = list(range(max(1, r - spec.run.replay_rounds), r + 1))
+    # A cosine schedule spans the whole run unless the spec pins decay_steps (a run extended
+    # with --rounds +K stretches it from there on).
+    decay_steps = spec.train.decay_steps or ctx.target_rounds * spec.run.steps_per_round
     cfg = TrainConfig(**{**spec.train.model_dump(), "rounds": rounds, "seed": spec.run.seed,
-                         "temperature": spec.generator.temperature})
+                         "temperature": spec.generator.temperature, "decay_steps": decay_steps})
     steps, train_tokens_per_s = start_version, 0.0
     if ckpt.latest_checkpoint(run_dir) is None or _latest_step(run_dir) < start_version + spec.run.steps_per_round:
         try:
