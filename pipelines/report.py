@@ -245,10 +245,17 @@ def _write_atomic(path: Path, write) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is for everyone who can read the run
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_text(path: Path, text: str) -> None:
