@@ -252,6 +252,41 @@ def _write_atomic(path: Path, write) -> None:
         raise
 
 
+def table_counts_markdown(run_dir: str | Path) -> str:
+    """A markdown section with the rows of each table per round and the rejects by stage and
+    reason, read from the run's Parquet tables ("" when the run has no tables)."""
+    import duckdb
+
+    from curation.store import ROUND_TABLES, RunStore
+
+    store = RunStore(run_dir)
+    rounds = sorted({r for t in ROUND_TABLES for r in store.rounds(t)})
+    if not rounds:
+        return ""
+    rows, reasons = [], {}
+    for r in rounds:
+        counts = []
+        for table in ROUND_TABLES:
+            files = [str(f) for f in store.files(table, r)]
+            n = duckdb.sql("SELECT count(*) FROM read_parquet($f, hive_partitioning = false, union_by_name = true)",
+                           params={"f": files}).fetchall()[0][0] if files else 0
+            counts.append(n)
+        files = [str(f) for f in store.files("rejects", r)]
+        if files:
+            for stage, reason, n in duckdb.sql(
+                    "SELECT stage, reason, count(*) FROM read_parquet($f, hive_partitioning = false, "
+                    "union_by_name = true) GROUP BY ALL ORDER BY ALL", params={"f": files}).fetchall():
+                reasons.setdefault(f"{stage}: {reason}", {})[r] = n
+        rows.append([r] + counts)
+    reason_names = sorted(reasons)
+    rows = [row + [reasons[k].get(row[0], 0) for k in reason_names] for row in rows]
+    text = ["", "## Tables", "",
+            "Rows per table and round, read from the run's Parquet files, and the rejected rows by "
+            "stage and reason (a whole-prompt reject counts once).", "",
+            markdown_table(["round", *ROUND_TABLES, *reason_names], rows)]
+    return "\n".join(text) + "\n"
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -504,7 +539,8 @@ def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     _save_figure(_progress_figure(rounds, title), out / "progress.png")
     _save_figure(_training_figure(rounds, steps, title, objective), out / "training.png")
-    _write_text(out / "summary.md", _summary_markdown(run_dir, rounds, steps, skipped, objective))
+    _write_text(out / "summary.md", _summary_markdown(run_dir, rounds, steps, skipped, objective)
+                + table_counts_markdown(run_dir))
     return out
 
 

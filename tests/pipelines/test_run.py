@@ -109,6 +109,8 @@ def test_kill_mid_round_resume_extend_and_lock(toy_dir, tmp_path):
     for r in records[1:]:
         assert r["samples"] == 24 * 4 and 0 <= r["eval_accuracy"] <= 1 and r["reward_mean"] is not None
     assert "eval acc" in done.stdout and (run_dir / "report" / "progress.png").is_file()
+    summary = (run_dir / "report" / "summary.md").read_text()  # counts from the tables too
+    assert "## Tables" in summary and "| 2 | 96 | 96 |" in summary
     _check_tables(run_dir)
 
     # Rerunning a finished run does nothing.
