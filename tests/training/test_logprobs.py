@@ -171,7 +171,7 @@ def test_input_errors(toy_float32):
 
 
 _MEMORY_PROBE = textwrap.dedent("""
-    import json, resource, sys, torch
+    import json, sys, torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from training.logprobs import token_logprobs, token_logprobs_reference
     torch.set_num_threads(1)
@@ -182,17 +182,25 @@ _MEMORY_PROBE = textwrap.dedent("""
     ids = torch.randint(0, V, (B, L)); attention = torch.ones_like(ids)
     targets = torch.ones(B, L - 1, dtype=torch.bool)
 
+    def status_kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
     def peak_growth(fn, **kw):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Reset the high-water mark first (Linux: "5" > clear_refs), so that an earlier peak
+        # (imports, bytecode compilation on a fresh checkout) cannot hide this one.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = status_kib("VmRSS")
         fn(model, ids, attention, targets, **kw).sum().backward()
         model.zero_grad(set_to_none=False)
-        return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+        return (status_kib("VmHWM") - before) * 1024
 
     # warm-up on 4 x 8 tokens (small, so that it sets no high-water mark of its own):
     # grads allocated, thread pools up
     token_logprobs(model, ids[:, :8], attention[:, :8], targets[:, :7]).sum().backward()
     model.zero_grad(set_to_none=False)
-    chunked = peak_growth(token_logprobs, chunk_tokens=CHUNK)  # first: ru_maxrss is a high-water mark
+    chunked = peak_growth(token_logprobs, chunk_tokens=CHUNK)
     reference = peak_growth(token_logprobs_reference)
     print(json.dumps({"chunked": chunked, "reference": reference, "full_logits": B * L * V * 4,
                       "chunk_logits": CHUNK * V * 4}))
@@ -200,7 +208,8 @@ _MEMORY_PROBE = textwrap.dedent("""
 
 
 def test_peak_memory_does_not_grow_with_vocab_times_tokens():
-    """Measured: peak RSS growth of one forward+backward in a fresh interpreter. Full logits
+    """Measured: peak RSS growth (VmHWM after a reset, minus VmRSS before) of one
+    forward+backward in a fresh interpreter. Full logits
     would be 4 x 1024 x 32000 x 4 B = 500 MiB; chunked (128 rows = 16 MiB of logits per
     chunk) must stay under a quarter of that, while the reference must exceed it (which
     shows the measurement sees the logits at all)."""
