@@ -62,19 +62,24 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         out -= lse
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype = temperature, chunk_tokens, compute_dtype
+        # Backward reuses the chunk buffers (and the cast weight): no extra peak, since backward
+        # needs them anyway, and the pages are already mapped (first touch of a fresh buffer
+        # costs about as much as a pass over it).
+        ctx.workspace = head.workspace()
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        head = _HeadChunks(hidden, weight, bias, ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype)
+        head = _HeadChunks(hidden, weight, bias, ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype,
+                           workspace=ctx.workspace)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=head.acc, device=weight.device) if need_w else None
+        grad_w = torch.empty(weight.shape, dtype=head.acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=head.acc, device=bias.device) if need_b else None
         grad_w_chunk = None if head.low is None or not need_w else torch.empty_like(head.w)
         g_all = grad_out.to(head.acc) / ctx.temperature
-        for rows in head.chunks():
+        for i, rows in enumerate(head.chunks()):
             # grad_z = (onehot - softmax) * g,  g = grad_out / T: built in place on the logits
             # buffer, three passes over it (these passes, not the matmuls, are memory-bound)
             g = g_all[rows, None]
@@ -88,10 +93,11 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[rows] = (grad_z @ head.w).to(hidden.dtype)
             if need_w:
-                if grad_w_chunk is None:
-                    grad_w.addmm_(grad_z.t(), h)
+                if grad_w_chunk is None:  # same dtype: accumulate in place
+                    torch.mm(grad_z.t(), h, out=grad_w) if i == 0 else grad_w.addmm_(grad_z.t(), h)
                 else:
-                    grad_w += torch.mm(grad_z.t(), h, out=grad_w_chunk)
+                    torch.mm(grad_z.t(), h, out=grad_w_chunk)
+                    grad_w.copy_(grad_w_chunk) if i == 0 else grad_w.add_(grad_w_chunk)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
         if need_b:
@@ -101,19 +107,28 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 
 class _HeadChunks:
     """One pass over the rows of the head, `chunk_tokens` at a time, with the chunk's logits
-    (h @ W.T + b) / T written into buffers allocated once per pass: a fresh chunk-sized tensor
-    per chunk costs page faults and zeroing (hundreds of MB per chunk at a 32k+ vocabulary)."""
+    (h @ W.T + b) / T written into buffers allocated once (per forward/backward pair): a fresh
+    chunk-sized tensor per chunk costs page faults and zeroing (hundreds of MB per chunk at a
+    32k+ vocabulary)."""
 
-    def __init__(self, hidden, weight, bias, temperature, chunk_tokens, compute_dtype):
+    def __init__(self, hidden, weight, bias, temperature, chunk_tokens, compute_dtype, workspace=None):
         self.acc = _accum_dtype(weight.dtype)
         self.hidden, self.n, self.chunk = hidden, hidden.shape[0], chunk_tokens
-        self.w = weight.to(compute_dtype)
         self.b = None if bias is None else bias.to(self.acc)
         self.temperature = temperature
-        rows = min(chunk_tokens, self.n)
-        self.buf = torch.empty(rows, weight.shape[0], dtype=self.acc, device=hidden.device)
-        self.low = (None if compute_dtype == self.acc else
-                    torch.empty(rows, weight.shape[0], dtype=compute_dtype, device=hidden.device))
+        if workspace is None:
+            rows = min(chunk_tokens, self.n)
+            self.w = weight.to(compute_dtype)
+            self.buf = torch.empty(rows, weight.shape[0], dtype=self.acc, device=hidden.device)
+            self.low = (None if compute_dtype == self.acc else
+                        torch.empty(rows, weight.shape[0], dtype=compute_dtype, device=hidden.device))
+        else:
+            w, self.buf, self.low = workspace
+            self.w = weight if w is None else w
+
+    def workspace(self):
+        """(the cast weight, or None when it is the parameter itself; logits buffer; low buffer)."""
+        return (None if self.low is None else self.w), self.buf, self.low
 
     def chunks(self):
         for start in range(0, self.n, self.chunk):
