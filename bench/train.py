@@ -1,12 +1,14 @@
 """Benchmark: training throughput (tokens/s, FLOP/s, MFU) of token_logprobs + grpo + AdamW.
 
-    .venv/bin/python bench/train.py            # toy + ~54M random Llama, fp32 and bf16, ~4 min on 2 cores
+    .venv/bin/python bench/train.py            # toy + ~54M random Llama, fp32 and bf16, ~2.5 min on 2 cores
     .venv/bin/python bench/train.py --quick    # smaller steps: a smoke run of about a minute
+    .venv/bin/python bench/train.py --compare-logprobs REV   # + the 50M runs with logprobs.py as of git REV
 
 Each (model, dtype, variant) runs in its own process (so its peak RSS, ru_maxrss, is its own)
 and does real optimizer steps: policy_batches -> for each micro-batch token_logprobs (chunked
 LM head) + grpo loss (objectives, token-mean, step_normalizer) -> backward -> AdamW step. The
-first step is a warm-up; the fastest of the timed steps is kept (the machine is shared).
+first step is a warm-up; the fastest of the timed steps is kept (the machine is shared: short
+steps, many of them, and the best one is the least disturbed).
 
 FLOPs (model FLOPs, what the maths needs; recompute and the optimizer not counted):
 
@@ -17,7 +19,7 @@ the LM head (V x H) counted only on the T_resp response tokens it is applied to 
 positions never reach it); the last term is causal attention (QK^T and AV, forward +
 backward). The head's backward recompute adds 2 * V * H * T_resp hardware FLOPs on top.
 MFU = model FLOP/s / peak, peak = the best timed 2048^3 torch.mm in the same dtype and thread
-count over the whole run (each process times it before and after its steps): on a shared
+count over the whole run (each process times it before every step and after the last): on a shared
 machine a process's own peak may be measured under load, and dividing by it would flatter.
 The 1-minute load average is printed per configuration: compare rows taken at similar load.
 """
@@ -69,7 +71,7 @@ class Result:
     flops: float  # model FLOPs per step
     step_s: float
     steps_s: list
-    process_peak_flops: float  # best torch.mm FLOP/s in this process (before and after the steps)
+    process_peak_flops: float  # best torch.mm FLOP/s in this process (around its steps)
     peak_rss_mib: float
     threads: int
     load: float = 0.0  # 1-minute load average when the process ended
@@ -174,10 +176,31 @@ def profile_breakdown(step) -> dict[str, float]:
     return out
 
 
+def logprobs_at(rev: str):
+    """training/logprobs.py as of git revision `rev`, imported as its own module (the
+    checkout is left alone), to time an earlier version side by side."""
+    import importlib.util
+    import tempfile
+
+    source = subprocess.run(["git", "show", f"{rev}:training/logprobs.py"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as folder:
+        path = Path(folder) / "logprobs_at_rev.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("logprobs_at_rev", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
 def run_one(spec: dict) -> Result:
     from training.batching import policy_batches, step_normalizer
-    from training.logprobs import token_logprobs
     from training.objectives import ObjectiveConfig, get_policy_loss
+
+    if spec.get("logprobs_rev"):
+        token_logprobs = logprobs_at(spec["logprobs_rev"]).token_logprobs
+    else:
+        from training.logprobs import token_logprobs
 
     torch.set_num_threads(spec["threads"])
     bf16 = spec["dtype"] == "bf16"
@@ -204,6 +227,7 @@ def run_one(spec: dict) -> Result:
     step()  # warm-up: optimizer state, allocator, thread pools
     times = []
     for _ in range(spec["steps"]):
+        peaks.append(matmul_peak(peak_dtype, repeats=2))
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
@@ -273,7 +297,7 @@ def markdown(results: list[Result], settings: str, command: str, load: list[floa
 VARIANTS = {
     # name: overrides of the defaults; "tuned" is the default set
     "tuned": {},
-    "baseline": dict(token_budget=2048, fused_adamw=False),
+    "baseline": dict(token_budget=1024, fused_adamw=False),
 }
 
 
@@ -282,23 +306,25 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="fewer steps and sequences: a smoke run")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
-    parser.add_argument("--steps", type=int, help="timed steps after one warm-up (default 3, quick 1)")
-    parser.add_argument("--seqs", type=int, help="sequences per optimizer step, 50M model (default 8, quick 4)")
-    parser.add_argument("--token-budget", type=int, default=4096, help="padded tokens per micro-batch, 50M model")
+    parser.add_argument("--steps", type=int, help="timed steps after one warm-up (default 6, quick 1)")
+    parser.add_argument("--seqs", type=int, help="sequences per optimizer step, 50M model (default 4, quick 2)")
+    parser.add_argument("--token-budget", type=int, default=2048, help="padded tokens per micro-batch, 50M model")
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="token_logprobs chunk_tokens")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager)")
     parser.add_argument("--no-fused-adamw", action="store_true", help="AdamW's foreach path instead of fused")
     parser.add_argument("--only", choices=sorted(MODELS), help="one model only")
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline variant of the 50M model")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step")
+    parser.add_argument("--compare-logprobs", metavar="REV",
+                        help="also time the 50M tuned variant with training/logprobs.py as of git REV")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(asdict(run_one(json.loads(args.worker)))))
         return
 
-    steps = args.steps or (1 if args.quick else 3)
-    seqs = args.seqs or (4 if args.quick else 8)
+    steps = args.steps or (1 if args.quick else 6)
+    seqs = args.seqs or (2 if args.quick else 4)
     base = dict(threads=args.threads, steps=steps, chunk_tokens=args.chunk_tokens, attn=args.attn,
                 fused_adamw=not args.no_fused_adamw, profile=False)
     specs = []
@@ -314,6 +340,9 @@ def main() -> None:
                 spec.update(VARIANTS[variant])
                 spec["profile"] = variant == "tuned" and not args.no_profile
                 specs.append(spec)
+                if variant == "tuned" and args.compare_logprobs:
+                    specs.append(dict(spec, variant=f"tuned, logprobs.py@{args.compare_logprobs}",
+                                      logprobs_rev=args.compare_logprobs, profile=False))
 
     results, load = [], [os.getloadavg()[0]]
     started = time.perf_counter()
@@ -331,7 +360,7 @@ def main() -> None:
 
     settings = (f"{args.threads} torch threads; grpo token-mean, AdamW; toy: prompt 8 + response 8 tokens, "
                 f"budget 4096; random-llama: {seqs} seqs x (128 prompt + 384 response) a step; tuned = budget "
-                f"{args.token_budget} tokens/micro-batch, fused AdamW = {not args.no_fused_adamw}; baseline = budget 2048, "
+                f"{args.token_budget} tokens/micro-batch, fused AdamW = {not args.no_fused_adamw}; baseline = budget 1024, "
                 f"foreach AdamW; chunk_tokens {args.chunk_tokens}; attn {args.attn}; bf16 = torch.autocast(bfloat16) "
                 f"over fp32 weights; best of {steps} timed step(s) after 1 warm-up")
     command = shlex.join([".venv/bin/python", "bench/train.py", *sys.argv[1:]])
