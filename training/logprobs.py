@@ -16,7 +16,10 @@ one logsumexp per row, and recomputes each chunk's logits in backward:
     grad_h = grad_z @ W,   grad_W += grad_z^T @ h,   grad_b += sum_n grad_z
 
 Peak memory for the head is then O(chunk_tokens * V) in forward and backward alike, at the
-cost of one extra head matmul per chunk in backward (the recompute).
+cost of one extra head matmul per chunk in backward (the recompute). The one chunk-sized
+buffer (two under autocast: the low-precision matmul output and its float32 copy) is kept
+from forward to backward and reused there: backward needs it anyway, so the peak does not
+move, and reusing mapped pages is measurably faster on CPU than allocating fresh ones.
 
 Padding: sequences must be right-padded (what `training.batching` builds). Hugging Face
 Llama-family models number positions 0..L-1 whatever the mask says, which is right for
@@ -41,7 +44,8 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 
     hidden (N, H), weight (V, H), bias (V,) or None, targets (N,) int64. Returns (N,) in
     float32 (float64 when the weight is float64). Never holds more than `chunk_tokens` x V
-    logits; saves only hidden, targets and the per-row logsumexp for backward.
+    logits; saves hidden, targets and the per-row logsumexp for backward, plus the one
+    chunk-sized workspace, whose contents backward overwrites (it holds no forward values).
 
     The head matmuls run in `compute_dtype` (the autocast dtype under autocast, else the
     weight's dtype); softmax, logsumexp and the weight/bias gradient accumulators in float32.
