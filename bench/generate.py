@@ -18,7 +18,6 @@ import argparse
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -137,15 +136,12 @@ def bench_model(name: str, model_dir: Path, prompts: list[list[int]], cfg: Sampl
 
 
 def machine() -> str:
+    from _machine import cpu_name  # bench/ is on sys.path when a bench runs as a script
+
     import transformers
     import vllm
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        pass
+    cpu = cpu_name()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{os.cpu_count()} CPU cores ({cpu}), {gpu}; python {platform.python_version()}, "
             f"torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")

@@ -254,14 +254,11 @@ def run_in_subprocess(spec: dict) -> Result:
 # ---- report -------------------------------------------------------------------------------------
 
 def machine() -> str:
+    from _machine import cpu_name  # bench/ is on sys.path when a bench runs as a script
+
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        cpu = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        pass
+    cpu = cpu_name()
     return (f"{os.cpu_count()} CPU cores ({cpu}), shared; python {platform.python_version()}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}")
 

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation.store import RunStore
 from training import checkpoint as ckpt
-from training.batching import MicroBatch, pair_batches, policy_batches, step_normalizer
+from training.batching import pair_batches, policy_batches, step_normalizer
 from training.data import POLICY_OBJECTIVES, TrainingData, load_training_data
 from training.logprobs import token_logprobs
 from training.objectives import ObjectiveConfig, get_pair_loss, get_policy_loss
@@ -273,7 +273,7 @@ def _accumulate_step(policy, reference, batch: pa.Table, cfg: TrainConfig, ocfg:
     tokens = response_tokens = 0
     gap_sum, gap_tokens = 0.0, 0
     for mb in batches:
-        mb = _to_device(mb, device)
+        mb = mb.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logp = token_logprobs(policy, mb.input_ids, mb.attention_mask, mb.target_mask, temperature=temperature)
             ref_logp = None
@@ -313,13 +313,6 @@ def _accumulate_step(policy, reference, batch: pa.Table, cfg: TrainConfig, ocfg:
     return metrics
 
 
-def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    if device.type == "cpu":
-        return mb
-    moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(mb).items()}
-    return MicroBatch(**moved)
-
-
 def _load_model(folder: str | Path, device: torch.device, trainable: bool = False):
     """A causal LM from a safetensors folder (no remote code), fp32 master weights."""
     from transformers import AutoModelForCausalLM
@@ -355,7 +348,7 @@ def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, sta
         policy.eval()
         with torch.no_grad():
             for mb in policy_batches(table, cfg.token_budget, pad_id=pad_id):
-                mb = _to_device(mb, device)
+                mb = mb.to(device)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                     logp = token_logprobs(policy, mb.input_ids, mb.attention_mask, mb.target_mask,
                                           temperature=temperature)
