@@ -304,7 +304,6 @@ def same_output(rows: int = 4000, seed: int = 7) -> str:
     """Run groupforge's stage functions and both pandas styles on one small synthetic round and
     check that they give the same rejects, groups and pairs (floats to 1e-12); a one-line
     summary, or AssertionError naming the table and column."""
-    import pandas as pd
 
     from curation.stages import filter, label, pair, score
 

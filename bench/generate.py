@@ -136,10 +136,9 @@ def bench_model(name: str, model_dir: Path, prompts: list[list[int]], cfg: Sampl
 
 
 def machine() -> str:
-    from _machine import cpu_name  # bench/ is on sys.path when a bench runs as a script
-
     import transformers
     import vllm
+    from _machine import cpu_name  # bench/ is on sys.path when a bench runs as a script
 
     cpu = cpu_name()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
@@ -199,8 +198,9 @@ def main() -> None:
     max_tokens = args.max_tokens or (8 if args.quick else 32)
 
     import vllm  # noqa: F401  (imported here so that engine start-up times exclude it)
-    from pipelines.toy import build_toy
     from transformers import AutoTokenizer
+
+    from pipelines.toy import build_toy
 
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:

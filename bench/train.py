@@ -254,9 +254,8 @@ def run_in_subprocess(spec: dict) -> Result:
 # ---- report -------------------------------------------------------------------------------------
 
 def machine() -> str:
-    from _machine import cpu_name  # bench/ is on sys.path when a bench runs as a script
-
     import transformers
+    from _machine import cpu_name  # bench/ is on sys.path when a bench runs as a script
 
     cpu = cpu_name()
     return (f"{os.cpu_count()} CPU cores ({cpu}), shared; python {platform.python_version()}, "

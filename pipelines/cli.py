@@ -84,7 +84,7 @@ def generate(
                     out, prompts, sampling, model=model, backend=backend, round=round, force=force,
                     chunk_prompts=chunk_prompts,
                     progress=lambda done, total: bar.update(task, completed=done, total=total),
-                    backend_kwargs={"dtype": dtype, "max_model_len": max_model_len},
+                    generator_kwargs={"dtype": dtype, "max_model_len": max_model_len},
                 )
     except (SchemaError, FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc), EXIT_BAD_INPUT) from None
@@ -212,7 +212,8 @@ def export(
     from pydantic import ValidationError
 
     from curation.schema import SchemaError
-    from curation.stages.export import ExportConfig, run as run_export
+    from curation.stages.export import ExportConfig
+    from curation.stages.export import run as run_export
 
     if not run.is_dir():
         raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
@@ -281,7 +282,8 @@ def train(
     from curation.schema import SchemaError
     from curation.store import RunLockedError, RunStore
     from pipelines.spec import load_section
-    from training.trainer import TrainConfig, train as run_train
+    from training.config import TrainConfig
+    from training.trainer import train as run_train
 
     flags = dict(objective=objective, rounds=_parse_rounds(rounds), max_staleness=max_staleness,
                  sft_min_reward=sft_min_reward, batch_size=batch_size, token_budget=token_budget,

@@ -33,15 +33,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation.generate.base import SamplingConfig, load_prompts
-from curation.generate.stage import generate, make_backend
+from curation.generate.stage import generate, make_generator
 from curation.rewards.registry import get_reward
 from curation.store import RunStore
 from pipelines.curate import STAGES, CurationSpec, run_stage
 from pipelines.report import load_metrics
 from pipelines.spec import PipelineSpec, dump_toml, load_spec
 from training import checkpoint as ckpt
+from training.config import TrainConfig
 from training.data import NoTrainingData
-from training.trainer import METRICS_FILE, TrainConfig, train
+from training.trainer import METRICS_FILE, train
 
 STATE_FILE = "pipeline.json"
 
@@ -246,7 +247,7 @@ def _generator(ctx: RoundContext, policy_version: int):
                           tensor_parallel_size=spec.generator.tensor_parallel_size)
         ctx.log(f"starting the {spec.generator.backend} engine on {folder}")
         # The engine loads tokenizer and config from the base model; weights from the checkpoint.
-        ctx.generator = make_backend(spec.generator.backend, spec.model.path, **kwargs)
+        ctx.generator = make_generator(spec.generator.backend, spec.model.path, **kwargs)
         if policy_version:
             ctx.generator.update_weights(folder, policy_version)
     elif ctx.generator.policy_version != policy_version:

@@ -18,7 +18,7 @@ from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
 from curation.stages.score import ScoreConfig
-from training.trainer import TrainConfig
+from training.config import TrainConfig
 
 M = TypeVar("M", bound=BaseModel)
 

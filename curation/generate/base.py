@@ -67,7 +67,7 @@ class Completion:
     finish_reason: str  # "stop" | "length"
 
 
-class Backend(Protocol):
+class Generator(Protocol):
     """A live generator. `sample` returns, per prompt, `group_size` completions."""
 
     name: str

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from curation.generate.base import Backend, SamplingConfig, load_prompts, prompt_seed
+from curation.generate.base import Generator, SamplingConfig, load_prompts, prompt_seed
 from curation.generate.weights import weights_fingerprint
 from curation.schema import SCHEMAS, validate
 from curation.store import RunStore, config_hash, fingerprint_file
@@ -49,7 +49,7 @@ class GenerateResult:
     manifest: dict = field(default_factory=dict)
 
 
-def make_backend(backend: str, model: str | Path, **kwargs) -> Backend:
+def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
     """Start a generator backend by name: 'vllm' or 'hf'."""
     if backend == "vllm":
         from curation.generate.vllm import VLLMGenerator
@@ -69,13 +69,13 @@ def generate(
     *,
     model: str | Path | None = None,
     backend: str = "vllm",
-    generator: Backend | None = None,
+    generator: Generator | None = None,
     round: int = 0,
     run_id: str | None = None,
     force: bool = False,
     chunk_prompts: int = 256,
     progress=None,
-    backend_kwargs: dict | None = None,
+    generator_kwargs: dict | None = None,
 ) -> GenerateResult:
     """Sample `sampling.group_size` responses for every prompt in `prompts_file`.
 
@@ -105,7 +105,7 @@ def generate(
     started = time.perf_counter()
     owns_generator = generator is None
     if generator is None:
-        generator = make_backend(backend, model, **(backend_kwargs or {}))
+        generator = make_generator(backend, model, **(generator_kwargs or {}))
     try:
         result = _generate(store, generator, prompts, Path(prompts_file), sampling, inputs, config,
                            round, run_id, chunk_prompts, progress)

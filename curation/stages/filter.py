@@ -40,9 +40,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import group_ids  # noqa: F401  (tests and callers import it from here)
-from curation.stages.common import (StageReport, as_dict, drop_counts, input_fingerprints, nullable_indices,
-                                    read_samples, rows_of, unrejected)
+from curation.stages.common import (
+    StageReport,
+    as_dict,
+    drop_counts,
+    group_ids,  # noqa: F401  (tests and callers import it from here)
+    input_fingerprints,
+    nullable_indices,
+    read_samples,
+    rows_of,
+    unrejected,
+)
 from curation.store import RunStore
 
 STAGE = "filter"

@@ -38,8 +38,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import (StageReport, as_dict, group_ids, input_fingerprints, read_samples, rows_of,
-                                    unrejected)
+from curation.stages.common import (
+    StageReport,
+    as_dict,
+    group_ids,
+    input_fingerprints,
+    read_samples,
+    rows_of,
+    unrejected,
+)
 from curation.store import RunStore
 
 STAGE = "label"

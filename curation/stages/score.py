@@ -36,8 +36,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from curation.rewards.pool import default_workers, run_inline, run_isolated
 from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
 from curation.schema import KEYS, SchemaError, read_table_file, validate
-from curation.stages.common import (StageReport, as_dict, drop_counts, input_fingerprints, read_samples, rejects_table,
-                                    rows_of)
+from curation.stages.common import (
+    StageReport,
+    as_dict,
+    drop_counts,
+    input_fingerprints,
+    read_samples,
+    rejects_table,
+    rows_of,
+)
 from curation.store import RunStore
 
 STAGE = "score"

@@ -1,0 +1,253 @@
+"""The run folder's non-table files, in one place: their names, the atomic write, the
+metrics log with its typed round record, and the round loop's state.
+
+    RUN/spec.toml                         the resolved pipeline spec (written by the round loop)
+    RUN/pipeline.json                     the round loop's state: target_rounds, prompt_files
+    RUN/metrics.jsonl                     one JSON object per line: "round" and "step" records
+    RUN/checkpoints/step-<k>/             HF folder + optimizer.safetensors + trainer_state.json
+    RUN/_rounds/round=<n>/prompts.parquet the prompts chosen for round n (written once)
+    RUN/_train/                           the trainer's caches (recomputed old log-probs)
+    RUN/report/                           plots and summary.md
+    RUN/exports/                          datasets written by `groupforge export`
+
+This module imports neither torch nor matplotlib: the spec, the report and the CLI read
+these files without loading a model. The tables and their manifests are `curation.store`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+SPEC_FILE = "spec.toml"
+PIPELINE_FILE = "pipeline.json"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+TRAINER_STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+ROUNDS_DIR = "_rounds"
+TRAIN_CACHE_DIR = "_train"
+REPORT_DIR = "report"
+EXPORTS_DIR = "exports"
+
+
+# ---- atomic writes ----------------------------------------------------------------------
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or a new file in folder `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], None], *,
+                 tmp_dir: str | Path | None = None, mode: int | None = 0o644) -> Path:
+    """Write `data` (text, bytes, or a function that writes to a binary file) to `path`
+    so that a reader sees the old file or the whole new one, never a part: a temporary file
+    in `tmp_dir` (default: next to `path`; it must be on the same filesystem) is written,
+    fsynced and renamed into place, then the folder is fsynced. The parent folder is
+    created. `mode` (default 0644: run files are for everyone who can read the run; None
+    keeps mkstemp's 0600) is applied before the rename. A failed write leaves no temporary
+    file behind and re-raises."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=tmp_dir or path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def to_json(obj: object) -> str:
+    """Indented JSON with sorted keys (Paths as strings): what every run file holds."""
+    return json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{value!r} ({type(value).__name__}) is not JSON-serialisable")
+
+
+def write_json_atomic(path: str | Path, obj: object, **kwargs: Any) -> Path:
+    return write_atomic(path, to_json(obj), **kwargs)
+
+
+def read_json(path: str | Path) -> dict | None:
+    """A JSON object from `path`; None when the file does not exist; a ValueError naming the
+    file when it is not valid JSON (a run file written by hand, or damaged)."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+# ---- the metrics log ----------------------------------------------------------------------
+
+
+@dataclass
+class RoundRecord:
+    """One line `{"event": "round", ...}` of metrics.jsonl: what a round of the loop did.
+    Round 0 evaluates the starting model and trains nothing."""
+
+    round: int
+    eval_accuracy: float
+    """Mean of the eval metric over greedy responses to the eval prompts."""
+    reward_mean: float | None = None
+    """Mean `reward` of the round's scored samples (None: round 0)."""
+    samples: int = 0
+    groups: int = 0
+    kept_groups: int = 0
+    """Groups with group_kept (rewards not all equal)."""
+    pairs: int = 0
+    samples_total: int = 0
+    """Samples generated by this and every earlier round."""
+    policy_version: int = 0
+    """Optimizer step of the weights evaluated at the end of the round."""
+    steps: int = 0
+    """Optimizer steps taken in this round."""
+    objective: str | None = None
+    wall_seconds: float = 0.0
+    elapsed_seconds: float = 0.0
+    """Wall seconds of this and every earlier round."""
+    gen_tokens_per_s: float = 0.0
+    train_tokens_per_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": "round", **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> RoundRecord:
+        """A record read back from metrics.jsonl; keys it does not know are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})
+
+
+class MetricsLog:
+    """RUN/metrics.jsonl: one JSON object per line, appended and fsynced.
+
+    `"event": "round"` records come from the round loop, `"event": "step"` records from the
+    trainer. A killed process can leave a cut last line, so unparsable lines are skipped
+    and counted; a resumed run can write a round or step twice, so the last record of a
+    number wins."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / METRICS_FILE
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def append(self, record: dict[str, Any] | RoundRecord) -> None:
+        line = json.dumps(record.to_dict() if isinstance(record, RoundRecord) else record, sort_keys=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _lines(self) -> Iterator[str]:
+        # errors="replace": a kill can cut a multi-byte character in half, too.
+        yield from self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+
+    def read(self) -> tuple[list[dict], list[dict], int]:
+        """(round records, step records, lines skipped): one record per number (the last
+        written), sorted by number. A missing file raises ValueError naming it."""
+        if not self.exists():
+            raise ValueError(f"{self.path}: no metrics file (is {self.path.parent} a groupforge run folder?)")
+        by_number: dict[str, dict[int, dict]] = {"round": {}, "step": {}}
+        skipped = 0
+        for line in self._lines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                skipped += 1
+                continue
+            if not isinstance(record, dict):
+                skipped += 1
+                continue
+            event = record.get("event")
+            if event not in by_number:
+                continue  # other events are not ours to read
+            number = record.get(event)
+            if isinstance(number, bool) or not isinstance(number, int):
+                skipped += 1
+                continue
+            by_number[event][number] = record
+        return ([by_number["round"][n] for n in sorted(by_number["round"])],
+                [by_number["step"][n] for n in sorted(by_number["step"])], skipped)
+
+    def rounds(self) -> list[dict]:
+        """The round records, sorted ([] when there is no file yet)."""
+        return self.read()[0] if self.exists() else []
+
+    def steps(self) -> list[dict]:
+        """The step records, sorted ([] when there is no file yet)."""
+        return self.read()[1] if self.exists() else []
+
+    def round_record(self, round: int) -> dict | None:
+        return next((r for r in self.rounds() if r["round"] == round), None)
+
+    def drop_steps_after(self, step: int) -> None:
+        """Remove step records after `step` (written by a run killed before its next
+        checkpoint; the resumed run recomputes them identically), and cut lines. Other
+        records are kept, in order."""
+        if not self.exists():
+            return
+        lines = [line for line in self._lines() if line.strip()]
+        kept = [line for line in lines if not _is_step_after(line, step)]
+        if len(kept) < len(lines):
+            write_atomic(self.path, "".join(line + "\n" for line in kept))
+
+
+def _is_step_after(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return True  # a line cut by a kill
+    return isinstance(record, dict) and record.get("event") == "step" and int(record.get("step", 0)) > step
+
+
+# ---- the round loop's state -----------------------------------------------------------------
+
+
+def load_pipeline_state(run_dir: str | Path) -> dict[str, Any]:
+    """RUN/pipeline.json: `target_rounds` (the last round to run) and `prompt_files` (train
+    prompt files the run has seen); {} for a new run."""
+    return read_json(Path(run_dir) / PIPELINE_FILE) or {}
+
+
+def save_pipeline_state(run_dir: str | Path, state: dict[str, Any]) -> None:
+    write_json_atomic(Path(run_dir) / PIPELINE_FILE, state)
+
+
+def round_prompts_path(run_dir: str | Path, round: int) -> Path:
+    """Where the prompts chosen for `round` are kept (written once, reused on resume)."""
+    return Path(run_dir) / ROUNDS_DIR / f"round={round}" / "prompts.parquet"
