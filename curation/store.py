@@ -14,7 +14,7 @@ Layout of a run directory RUN:
 Several stages add rows to one table and round (`rejects` gets rows from generate, score
 and filter), so each stage writes its own part file, named after the stage by default.
 
-A commit writes into `_tmp` (same filesystem), then renames each file into place and writes
+A commit (curation/commit.py) writes into `_tmp` (same filesystem), then renames each file into place and writes
 the manifest last. Readers only glob the table folders, so they never see `_tmp`,
 `_staging` or `_manifests`. The `round=<n>` folder and the `round` column inside the file
 always agree, so every way of reading a table gives the same rounds:
@@ -33,22 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
-import hashlib
-import importlib.metadata
 import json
 import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import duckdb
 import pyarrow as pa
@@ -56,13 +51,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path  # noqa: F401
+from curation.runlog import read_json
+
+if TYPE_CHECKING:
+    from curation.commit import Commit
 
 ROUND_TABLES = ("samples", "scores", "groups", "rejects", "pairs")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # stage and part names
 _ROUND_DIR = re.compile(r"round=(\d+)")
-_MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_version", "outputs",
-                    "output_rows", "rows_in", "rows_out", "drops", "created_at"}
-_COMMIT_ROUND: Any = object()  # default of Commit.write(round=...): the commit's round
 _HELD: dict[Path, int] = {}  # run roots whose lock this process holds, with a nesting count
 
 
@@ -70,105 +67,19 @@ class RunLockedError(RuntimeError):
     """Another process holds the run's writer lock. The message names the run and the holder."""
 
 
-# ---- fingerprints -------------------------------------------------------------------
-
-
-def fingerprint_file(path: str | Path) -> str:
-    """sha256 (hex) of a file's content, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def fingerprint_path(path: str | Path) -> str:
-    """sha256 of a file, or of a folder: its sorted relative paths and their content hashes."""
-    path = Path(path)
-    if path.is_file():
-        return fingerprint_file(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"cannot fingerprint {path}: no such file or folder")
-    digest = hashlib.sha256()
-    for rel in sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()):
-        digest.update(f"{rel}\0{fingerprint_file(path / rel)}\n".encode())
-    return digest.hexdigest()
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise TypeError(f"config value {value!r} ({type(value).__name__}) is not JSON-serialisable")
-
-
-def _canonical_json(config: Mapping) -> str:
-    return json.dumps(dict(config), sort_keys=True, separators=(",", ":"), default=_json_default)
-
-
-def config_hash(config: Mapping) -> str:
-    """sha256 of the canonical JSON of `config` (sorted keys), so key order does not matter."""
-    return hashlib.sha256(_canonical_json(config).encode()).hexdigest()
-
-
-@functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """'groupforge <version> (<short commit>[-dirty])', or without the commit outside a git checkout."""
-    try:
-        version = importlib.metadata.version("groupforge")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    here = Path(__file__).resolve()
-    try:
-        git = ["git", "-C", str(here.parent)]
-        top, commit = subprocess.run(git + ["rev-parse", "--show-toplevel", "--short", "HEAD"],
-                                     capture_output=True, text=True, timeout=10, check=True).stdout.split()
-        if (Path(top) / "curation" / here.name).resolve() != here:
-            return f"groupforge {version}"  # installed inside some other repository
-        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return f"groupforge {version}"
-    return f"groupforge {version} ({commit}{'-dirty' if dirty else ''})"
-
-
 # ---- small helpers ------------------------------------------------------------------
 
 
-def _check_name(name: str, what: str) -> str:
+def check_name(name: str, what: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"invalid {what} name {name!r}: use letters, digits, '_', '-', '.'")
     return name
 
 
-def _check_round(round: int) -> int:
+def check_round(round: int) -> int:
     if isinstance(round, bool) or not isinstance(round, int) or round < 0:
         raise ValueError(f"invalid round {round!r}: expected an integer >= 0")
     return round
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _to_json(obj: object) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True, default=_json_default)
-
-
-def _write_text_atomic(path: Path, text: str, tmp_dir: Path) -> None:
-    tmp = tmp_dir / f"{path.name}.{uuid.uuid4().hex}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -199,7 +110,7 @@ class RunStore:
             return self.table_dir(table)
         if table == "prompts":
             raise ValueError("the prompts table is not partitioned by round")
-        return self.table_dir(table) / f"round={_check_round(round)}"
+        return self.table_dir(table) / f"round={check_round(round)}"
 
     def table_glob(self, table: str) -> str:
         """The glob that reads the whole table, e.g. 'RUN/samples/**/*.parquet'."""
@@ -229,7 +140,7 @@ class RunStore:
                 for f in sorted(self.partition_dir(table, r).glob("*.parquet"))]
 
     def staging_dir(self, stage: str, round: int) -> Path:
-        path = self.root / "_staging" / f"{_check_name(stage, 'stage')}-round={_check_round(round)}"
+        path = self.root / "_staging" / f"{check_name(stage, 'stage')}-round={check_round(round)}"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -338,18 +249,19 @@ class RunStore:
 
     # -- manifests
     def manifest_path(self, stage: str, round: int) -> Path:
-        return self.root / "_manifests" / f"{_check_name(stage, 'stage')}-round={_check_round(round)}.json"
+        return self.root / "_manifests" / f"{check_name(stage, 'stage')}-round={check_round(round)}.json"
 
-    def _pending_path(self, stage: str, round: int) -> Path:
-        return self.manifest_path(stage, round).with_suffix(".pending")  # not *.json: not a manifest
+    def pending_path(self, stage: str, round: int) -> Path:
+        """The journal of a commit being published (not *.json: not a manifest)."""
+        return self.manifest_path(stage, round).with_suffix(".pending")
 
     def load_manifest(self, stage: str, round: int) -> dict | None:
-        return _load_json(self.manifest_path(stage, round))
+        return read_json(self.manifest_path(stage, round))
 
     def is_up_to_date(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> bool:
         """True when the stage's last commit had these inputs and config, and its outputs all exist."""
         manifest = self.load_manifest(stage, round)
-        if manifest is None or self._pending_path(stage, round).exists():
+        if manifest is None or self.pending_path(stage, round).exists():
             return False  # never committed, or a commit died while publishing
         return (manifest.get("inputs") == dict(inputs)
                 and manifest.get("config_hash") == config_hash(config)
@@ -357,7 +269,9 @@ class RunStore:
 
     # -- writing
     def commit(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> Commit:
-        """A context manager that writes a stage's outputs atomically (see `Commit`)."""
+        """A context manager that writes a stage's outputs atomically (see `curation.commit.Commit`)."""
+        from curation.commit import Commit
+
         return Commit(self, stage, round, inputs, config)
 
     @contextlib.contextmanager
@@ -416,164 +330,9 @@ class RunStore:
             time.sleep(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
 
 
-def _load_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-
-
 def _describe_holder(path: Path) -> str:
     try:
         h = json.loads(path.read_text())
         return f"pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"
     except (OSError, ValueError, KeyError, TypeError):
         return "another process"
-
-
-class Commit:
-    """Writes one stage's outputs for one round; nothing is visible until the `with` block ends.
-
-    On success: every part file is renamed into place, the stage's earlier part files that
-    were not rewritten are deleted, the manifest is written last, and the temporary and
-    staging folders are removed. On an exception: nothing is published and it re-raises.
-    A pending journal (`_manifests/<stage>-round=<n>.pending`) lists what is being
-    published, so a process killed half-way leaves no file that the next commit forgets.
-    """
-
-    def __init__(self, store: RunStore, stage: str, round: int, inputs: Mapping[str, str], config: Mapping):
-        self.store, self.stage, self.round = store, _check_name(stage, "stage"), _check_round(round)
-        self.inputs = dict(inputs)
-        self.config = json.loads(_canonical_json(config))  # fails early if not JSON-serialisable
-        self._staged: dict[Path, Path] = {}  # final path -> temporary path
-        self._rows: dict[str, int] = {}
-        self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
-        self._owners: dict[str, str] | None = None
-        self._tmp: Path | None = None
-
-    def __enter__(self) -> Commit:
-        name = f"{self.stage}-round={self.round}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._tmp = self.store.root / "_tmp" / name
-        self._tmp.mkdir(parents=True)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        try:
-            if exc_type is None:
-                self._publish()
-        finally:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-        return False
-
-    def write(self, table: str, data: pa.Table, part: str | None = None,
-              round: int | None = _COMMIT_ROUND) -> None:
-        """Validate `data` as `table` and stage it as `part-<part>.parquet` (default part: the stage).
-
-        `data` is a pyarrow Table or anything `pa.table` accepts (a polars DataFrame, a dict).
-        """
-        if self._tmp is None:
-            raise RuntimeError("Commit.write must be called inside `with store.commit(...)`")
-        if round is _COMMIT_ROUND:
-            round = None if table == "prompts" else self.round
-        if table in ROUND_TABLES and round is None:
-            raise ValueError(f"the {table} table is partitioned by round; give a round")
-        part = _check_name(part or self.stage, "part")
-        final = self.store.partition_dir(table, round) / f"part-{part}.parquet"
-        rel = final.relative_to(self.store.root).as_posix()
-        if final in self._staged:
-            raise ValueError(f"{rel} is written twice in one commit of stage {self.stage!r}")
-        owner = self._owner(rel)
-        if owner is not None and owner != self.stage:
-            raise ValueError(f"{rel} belongs to stage {owner!r}; "
-                             f"stage {self.stage!r} must write another part name")
-        data = data if isinstance(data, pa.Table) else pa.table(data)
-        data = schema.validate(data, table, source=f"{rel}, written by stage {self.stage!r}")
-        if round is not None and data.num_rows:
-            lo, hi = pc.min(data["round"]).as_py(), pc.max(data["round"]).as_py()
-            if (lo, hi) != (round, round):
-                raise schema.SchemaError(f"{table} table ({rel}): column 'round' holds {lo}..{hi}, "
-                                         f"but it is written to round={round}")
-        tmp = self._tmp / rel
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            pq.write_table(data, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        self._staged[final] = tmp
-        self._rows[rel] = data.num_rows
-
-    def record(self, rows_in: int | None = None, rows_out: int | None = None,
-               drops: Mapping[str, int] | None = None, **extra) -> None:
-        """Row counts, drop counts per reason, and any extra JSON fields for the manifest."""
-        clash = _MANIFEST_FIELDS & extra.keys()
-        if clash:
-            raise ValueError(f"extra manifest keys clash with standard fields: {sorted(clash)}")
-        if rows_in is not None:
-            self._record["rows_in"] = int(rows_in)
-        if rows_out is not None:
-            self._record["rows_out"] = int(rows_out)
-        if drops is not None:
-            self._record["drops"] = {str(k): int(v) for k, v in drops.items()}
-        self._record.update(json.loads(_to_json(extra)))  # fails here, not while publishing
-
-    def _owner(self, rel: str) -> str | None:
-        """The stage whose manifest (or pending journal) lists `rel`, if any."""
-        if self._owners is None:
-            self._owners = {}
-            for path in sorted((self.store.root / "_manifests").glob("*")):
-                if path.suffix not in (".json", ".pending"):
-                    continue
-                manifest = _load_json(path) or {}
-                for out in manifest.get("outputs", []):
-                    self._owners[out] = manifest.get("stage")
-        return self._owners.get(rel)
-
-    def _listed_elsewhere(self) -> set[str]:
-        """Outputs that another round's manifest lists too (a prompts part shared by rounds)."""
-        mine = {self.store.manifest_path(self.stage, self.round), self.store._pending_path(self.stage, self.round)}
-        listed: set[str] = set()
-        for path in (self.store.root / "_manifests").glob("*"):
-            if path.suffix in (".json", ".pending") and path not in mine:
-                listed.update((_load_json(path) or {}).get("outputs", []))
-        return listed
-
-    def _publish(self) -> None:
-        store, root = self.store, self.store.root
-        manifest_path = store.manifest_path(self.stage, self.round)
-        journal_path = store._pending_path(self.stage, self.round)
-        before = set()
-        for earlier in (store.load_manifest(self.stage, self.round), _load_json(journal_path)):
-            before.update((earlier or {}).get("outputs", []))
-        before = {rel for rel in before if _is_part_file(rel)}  # never delete anything else
-        outputs = sorted(self._rows)
-        manifest = _to_json({
-            "stage": self.stage, "round": self.round, "inputs": self.inputs, "config": self.config,
-            "config_hash": config_hash(self.config), "code_version": code_version(),
-            "outputs": outputs, "output_rows": self._rows,
-            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
-        })
-        journal = {"stage": self.stage, "round": self.round, "outputs": sorted(before | set(outputs))}
-        _write_text_atomic(journal_path, _to_json(journal), self._tmp)
-        touched = set()
-        for final, tmp in self._staged.items():
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, final)  # overwrites a stale part of an interrupted attempt
-            touched.update((final.parent, final.parent.parent))  # the file, and a new partition
-        for rel in before - set(outputs) - self._listed_elsewhere():
-            (root / rel).unlink(missing_ok=True)
-            if (root / rel).parent.is_dir():
-                touched.add((root / rel).parent)
-        for folder in touched:
-            _fsync_dir(folder)
-        _write_text_atomic(manifest_path, manifest, self._tmp)  # last: the commit point
-        journal_path.unlink()
-        shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)
-
-
-def _is_part_file(rel: str) -> bool:
-    parts = Path(rel).parts
-    return (len(parts) in (2, 3) and parts[0] in schema.SCHEMAS and ".." not in parts
-            and parts[-1].startswith("part-") and parts[-1].endswith(".parquet"))

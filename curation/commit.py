@@ -1,0 +1,182 @@
+"""A stage's commit: its outputs for one round appear all at once, or not at all.
+
+    with store.commit(stage, round, inputs, config) as commit:
+        commit.write("rejects", table)          # validated, staged under RUN/_tmp/<commit>/
+        commit.record(rows_in=..., drops=...)   # counts for the manifest
+    # here: part files renamed into place, stale parts of the stage removed, manifest written
+
+The manifest (`RUN/_manifests/<stage>-round=<n>.json`) is written last: it is the commit
+point. A journal (`<stage>-round=<n>.pending`) lists what is being published, so a process
+killed half-way leaves no file that the next commit forgets (see curation/store.py for the
+run layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from curation import schema
+from curation.fingerprints import canonical_json, code_version, config_hash
+from curation.runlog import fsync_dir, read_json, to_json, write_atomic
+from curation.store import ROUND_TABLES, RunStore, check_name, check_round
+
+_MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_version", "outputs",
+                    "output_rows", "rows_in", "rows_out", "drops", "created_at"}
+_COMMIT_ROUND: Any = object()  # default of Commit.write(round=...): the commit's round
+
+
+class Commit:
+    """Writes one stage's outputs for one round; nothing is visible until the `with` block ends.
+
+    On success: every part file is renamed into place, the stage's earlier part files that
+    were not rewritten are deleted, the manifest is written last, and the temporary and
+    staging folders are removed. On an exception: nothing is published and it re-raises.
+    A pending journal (`_manifests/<stage>-round=<n>.pending`) lists what is being
+    published, so a process killed half-way leaves no file that the next commit forgets.
+    """
+
+    def __init__(self, store: RunStore, stage: str, round: int, inputs: Mapping[str, str], config: Mapping):
+        self.store, self.stage, self.round = store, check_name(stage, "stage"), check_round(round)
+        self.inputs = dict(inputs)
+        self.config = json.loads(canonical_json(config))  # fails early if not JSON-serialisable
+        self._staged: dict[Path, Path] = {}  # final path -> temporary path
+        self._rows: dict[str, int] = {}
+        self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
+        self._owners: dict[str, str] | None = None
+        self._tmp: Path | None = None
+
+    def __enter__(self) -> Commit:
+        name = f"{self.stage}-round={self.round}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._tmp = self.store.root / "_tmp" / name
+        self._tmp.mkdir(parents=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                self._publish()
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+        return False
+
+    def write(self, table: str, data: pa.Table, part: str | None = None,
+              round: int | None = _COMMIT_ROUND) -> None:
+        """Validate `data` as `table` and stage it as `part-<part>.parquet` (default part: the stage).
+
+        `data` is a pyarrow Table or anything `pa.table` accepts (a polars DataFrame, a dict).
+        """
+        if self._tmp is None:
+            raise RuntimeError("Commit.write must be called inside `with store.commit(...)`")
+        if round is _COMMIT_ROUND:
+            round = None if table == "prompts" else self.round
+        if table in ROUND_TABLES and round is None:
+            raise ValueError(f"the {table} table is partitioned by round; give a round")
+        part = check_name(part or self.stage, "part")
+        final = self.store.partition_dir(table, round) / f"part-{part}.parquet"
+        rel = final.relative_to(self.store.root).as_posix()
+        if final in self._staged:
+            raise ValueError(f"{rel} is written twice in one commit of stage {self.stage!r}")
+        owner = self._owner(rel)
+        if owner is not None and owner != self.stage:
+            raise ValueError(f"{rel} belongs to stage {owner!r}; "
+                             f"stage {self.stage!r} must write another part name")
+        data = data if isinstance(data, pa.Table) else pa.table(data)
+        data = schema.validate(data, table, source=f"{rel}, written by stage {self.stage!r}")
+        if round is not None and data.num_rows:
+            lo, hi = pc.min(data["round"]).as_py(), pc.max(data["round"]).as_py()
+            if (lo, hi) != (round, round):
+                raise schema.SchemaError(f"{table} table ({rel}): column 'round' holds {lo}..{hi}, "
+                                         f"but it is written to round={round}")
+        tmp = self._tmp / rel
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            pq.write_table(data, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        self._staged[final] = tmp
+        self._rows[rel] = data.num_rows
+
+    def record(self, rows_in: int | None = None, rows_out: int | None = None,
+               drops: Mapping[str, int] | None = None, **extra) -> None:
+        """Row counts, drop counts per reason, and any extra JSON fields for the manifest."""
+        clash = _MANIFEST_FIELDS & extra.keys()
+        if clash:
+            raise ValueError(f"extra manifest keys clash with standard fields: {sorted(clash)}")
+        if rows_in is not None:
+            self._record["rows_in"] = int(rows_in)
+        if rows_out is not None:
+            self._record["rows_out"] = int(rows_out)
+        if drops is not None:
+            self._record["drops"] = {str(k): int(v) for k, v in drops.items()}
+        self._record.update(json.loads(to_json(extra)))  # fails here, not while publishing
+
+    def _owner(self, rel: str) -> str | None:
+        """The stage whose manifest (or pending journal) lists `rel`, if any."""
+        if self._owners is None:
+            self._owners = {}
+            for path in sorted((self.store.root / "_manifests").glob("*")):
+                if path.suffix not in (".json", ".pending"):
+                    continue
+                manifest = read_json(path) or {}
+                for out in manifest.get("outputs", []):
+                    self._owners[out] = manifest.get("stage")
+        return self._owners.get(rel)
+
+    def _listed_elsewhere(self) -> set[str]:
+        """Outputs that another round's manifest lists too (a prompts part shared by rounds)."""
+        mine = {self.store.manifest_path(self.stage, self.round), self.store.pending_path(self.stage, self.round)}
+        listed: set[str] = set()
+        for path in (self.store.root / "_manifests").glob("*"):
+            if path.suffix in (".json", ".pending") and path not in mine:
+                listed.update((read_json(path) or {}).get("outputs", []))
+        return listed
+
+    def _publish(self) -> None:
+        store, root = self.store, self.store.root
+        manifest_path = store.manifest_path(self.stage, self.round)
+        journal_path = store.pending_path(self.stage, self.round)
+        before = set()
+        for earlier in (store.load_manifest(self.stage, self.round), read_json(journal_path)):
+            before.update((earlier or {}).get("outputs", []))
+        before = {rel for rel in before if _is_part_file(rel)}  # never delete anything else
+        outputs = sorted(self._rows)
+        manifest = to_json({
+            "stage": self.stage, "round": self.round, "inputs": self.inputs, "config": self.config,
+            "config_hash": config_hash(self.config), "code_version": code_version(),
+            "outputs": outputs, "output_rows": self._rows,
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
+        })
+        journal = {"stage": self.stage, "round": self.round, "outputs": sorted(before | set(outputs))}
+        write_atomic(journal_path, to_json(journal), tmp_dir=self._tmp)
+        touched = set()
+        for final, tmp in self._staged.items():
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)  # overwrites a stale part of an interrupted attempt
+            touched.update((final.parent, final.parent.parent))  # the file, and a new partition
+        for rel in before - set(outputs) - self._listed_elsewhere():
+            (root / rel).unlink(missing_ok=True)
+            if (root / rel).parent.is_dir():
+                touched.add((root / rel).parent)
+        for folder in touched:
+            fsync_dir(folder)
+        write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
+        journal_path.unlink()
+        shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)
+
+
+def _is_part_file(rel: str) -> bool:
+    parts = Path(rel).parts
+    return (len(parts) in (2, 3) and parts[0] in schema.SCHEMAS and ".." not in parts
+            and parts[-1].startswith("part-") and parts[-1].endswith(".parquet"))
