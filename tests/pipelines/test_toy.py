@@ -18,15 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.toy import (
-    CHARACTERS,
-    META_FILE,
-    ToyConfig,
-    build_toy,
-    generate_responses,
-    greedy_accuracy,
-    make_problems,
-)
+from pipelines.toy import META_FILE, ToyConfig, build_toy, make_problems
+from pipelines.toy_model import CHARACTERS, generate_responses, greedy_accuracy
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_CPU_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
@@ -52,7 +45,8 @@ def load_tokenizer(model_dir: Path):
 
 def test_build_writes_an_hf_folder_tables_and_meta(toy_dir: Path):
     model_dir = toy_dir / "model"
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    hf_files = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    for name in hf_files:
         assert (model_dir / name).is_file(), name
     assert not list(model_dir.glob("*.bin")) and not list(model_dir.glob("*.pt")), "weights must not be pickled"
     assert (toy_dir / "train.parquet").is_file() and (toy_dir / "eval.parquet").is_file()

@@ -1,0 +1,261 @@
+"""The toy's model side: a character-level tokenizer, a tiny Llama, decoding and accuracy,
+and the supervised warm start (see pipelines/toy.py for the task and the cached build).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+if TYPE_CHECKING:
+    from pipelines.toy import ToyConfig
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+CHARACTERS = "0123456789+-*="
+"""The character vocabulary after the special tokens (ids 4..); `-` and `*` are unused by
+the addition task but keep the tokenizer usable for other arithmetic."""
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenizer and model
+# ---------------------------------------------------------------------------------------
+
+
+def make_tokenizer(model_max_length: int):
+    """A character-level tokenizer: one token per character, BOS prepended, decode() fuses
+    characters without spaces. Saved as tokenizer.json (loads as `TokenizersBackend`, the
+    transformers 5 name of PreTrainedTokenizerFast)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    bos_id = vocab[BOS]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=model_max_length,
+    )
+
+
+def make_model(config: ToyConfig, tokenizer):
+    """A fresh Llama with untied embeddings; initialised from torch's global RNG."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    model_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        head_dim=config.hidden_size // config.num_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    model = LlamaForCausalLM(model_config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+# ---------------------------------------------------------------------------------------
+# Decoding and accuracy
+# ---------------------------------------------------------------------------------------
+
+MAX_NEW_TOKENS = 8  # answers are at most 3 characters + EOS; room to see a non-stopping model
+
+
+@torch.no_grad()
+def generate_responses(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    batch_size: int = 512,
+    generator_seed: int = 0,
+) -> list[list[str]]:
+    """Decode `num_samples` responses per prompt with transformers `generate` (greedy when
+    temperature == 0). Prompts are batched by token length, so nothing is ever padded."""
+    was_training = model.training
+    model.eval()
+    encoded = [tokenizer(p).input_ids for p in prompts]
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(encoded):
+        by_length.setdefault(len(ids), []).append(i)
+    responses: list[list[str]] = [[] for _ in prompts]
+    sampling = temperature > 0
+    with torch.random.fork_rng(devices=[]):  # sampling leaves the caller's RNG untouched
+        torch.manual_seed(generator_seed)
+        for length in sorted(by_length):
+            for chunk in _chunks(by_length[length], batch_size):
+                input_ids = torch.tensor([encoded[i] for i in chunk], dtype=torch.long)
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=sampling,
+                    temperature=temperature if sampling else None,
+                    top_p=None,
+                    top_k=None,
+                    num_return_sequences=num_samples,
+                )
+                texts = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
+                for j, i in enumerate(chunk):
+                    responses[i] = texts[j * num_samples : (j + 1) * num_samples]
+    model.train(was_training)
+    return responses
+
+
+def _chunks(items: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _read_prompts(prompts_parquet: str | Path, limit: int | None) -> tuple[list[str], list[str]]:
+    table = pq.read_table(prompts_parquet, columns=["prompt", "reference"])
+    if limit is not None:
+        table = table.slice(0, limit)
+    return table.column("prompt").to_pylist(), table.column("reference").to_pylist()
+
+
+def _accuracy(responses: list[list[str]], references: list[str]) -> tuple[float, float]:
+    """(mean exact match of the first response, fraction with any exact match)."""
+    first = [r[0].strip() == ref for r, ref in zip(responses, references)]
+    any_ = [any(x.strip() == ref for x in r) for r, ref in zip(responses, references)]
+    return float(np.mean(first)), float(np.mean(any_))
+
+
+def greedy_accuracy(
+    model_dir: str | Path, prompts_parquet: str | Path, limit: int | None = None
+) -> float:
+    """Exact-match accuracy of greedy decoding (transformers, fp32) on the first `limit`
+    rows of a prompt/reference Parquet file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts, references = _read_prompts(prompts_parquet, limit)
+    return _accuracy(generate_responses(model, tokenizer, prompts), references)[0]
+
+
+def pass_at_k(
+    model_dir: str | Path,
+    prompts_parquet: str | Path,
+    k: int = 8,
+    temperature: float = 1.0,
+    limit: int | None = None,
+    seed: int = 0,
+) -> float:
+    """Fraction of prompts with at least one exact match among k samples at `temperature`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts, references = _read_prompts(prompts_parquet, limit)
+    responses = generate_responses(
+        model, tokenizer, prompts, num_samples=k, temperature=temperature, generator_seed=seed
+    )
+    return _accuracy(responses, references)[1]
+
+
+# ---------------------------------------------------------------------------------------
+# Warm start
+# ---------------------------------------------------------------------------------------
+
+
+def _supervised_batch(tokenizer, prompts: list[str], references: list[str]):
+    """input_ids (right-padded) and labels that are -100 except on answer + EOS tokens."""
+    rows, labels = [], []
+    for prompt, reference in zip(prompts, references):
+        prompt_ids = tokenizer(prompt).input_ids
+        answer_ids = tokenizer(reference, add_special_tokens=False).input_ids
+        ids = prompt_ids + answer_ids + [tokenizer.eos_token_id]
+        rows.append(ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids + [tokenizer.eos_token_id])
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    label_ids = torch.tensor([ids + [-100] * (width - len(ids)) for ids in labels])
+    return input_ids, (input_ids != pad).long(), label_ids
+
+
+def warm_start(
+    model, tokenizer, train: pa.Table, eval_: pa.Table, config: ToyConfig, seed: int, progress: bool
+) -> dict:
+    """Teacher-forced SFT on answer + EOS tokens until greedy eval accuracy, checked every
+    `eval_every` steps, reaches `target_accuracy`. Deterministic given the seed: fixed data
+    order, no dropout, fixed thread count (set by the caller)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    input_ids, attention_mask, labels = _supervised_batch(
+        tokenizer, train.column("prompt").to_pylist(), train.column("reference").to_pylist()
+    )
+    eval_prompts = eval_.column("prompt").to_pylist()
+    eval_references = eval_.column("reference").to_pylist()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / max(1, config.warmup_steps))
+    )
+    data_order = torch.Generator().manual_seed(seed)
+    n = len(input_ids)
+    permutation, cursor = torch.randperm(n, generator=data_order), 0
+    history: list[dict] = []
+    accuracy, step, loss = 0.0, 0, float("nan")
+
+    model.train()
+    with Progress(
+        TextColumn("[bold]toy warm start"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}  {task.fields[status]}"),
+        TimeElapsedColumn(),
+        disable=not progress,
+    ) as bar:
+        task = bar.add_task("warm", total=config.max_steps, status="")
+        while step < config.max_steps:
+            if cursor + config.batch_size > n:
+                permutation, cursor = torch.randperm(n, generator=data_order), 0
+            rows = permutation[cursor : cursor + config.batch_size]
+            cursor += config.batch_size
+            out = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows])
+            optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            optimizer.step()
+            schedule.step()
+            step += 1
+            loss = out.loss.item()
+            bar.update(task, completed=step)
+            if step % config.eval_every and step < config.max_steps:
+                continue
+
+            accuracy = _accuracy(generate_responses(model, tokenizer, eval_prompts), eval_references)[0]
+            history.append({"step": step, "loss": round(loss, 4), "eval_accuracy": accuracy})
+            bar.update(task, status=f"loss {loss:.3f}  eval acc {accuracy:.3f}")
+            if accuracy >= config.target_accuracy:
+                break
+    return {"steps": step, "final_loss": round(loss, 4), "eval_accuracy": accuracy, "history": history}
