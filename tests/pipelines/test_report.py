@@ -1,14 +1,19 @@
-"""pipelines/report.py: real metrics.jsonl files (resumed, cut by a kill), real PNGs, table values."""
+"""pipelines/report.py and pipelines/plots.py: real metrics.jsonl files (resumed, cut by a kill),
+real PNGs, table values."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
 
 from pipelines.report import load_metrics, markdown_table, report_compare, report_run
+from tests.conftest import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -114,6 +119,23 @@ def test_report_run_writes_valid_pngs_and_the_right_numbers(grpo_report):
     assert training["mean clip fraction"] == "0.105"  # mean over steps of 0.03 * step
     assert "1 unparsable line(s) skipped" in summary
     assert "](progress.png)" in summary and "](training.png)" in summary
+
+
+def test_report_files_are_readable_by_everyone(grpo_report):
+    _, out = grpo_report
+    for name in ("progress.png", "training.png", "summary.md"):
+        assert (out / name).stat().st_mode & 0o777 == 0o644, name  # not mkstemp's 0600
+
+
+def test_reading_a_run_loads_neither_matplotlib_nor_torch():
+    """The spec, the run-folder files and the report's reading and markdown are light; matplotlib
+    comes with pipelines.plots, imported only when a figure is drawn."""
+    code = ("import sys, pipelines.report, pipelines.spec, curation.runlog; "
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'torch'}); "
+            "assert not heavy, heavy; import pipelines.plots; assert 'matplotlib' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_best_accuracy_is_reported_when_the_last_round_drops(tmp_path):
