@@ -151,7 +151,8 @@ def ratios(results: list[Result]) -> dict[str, tuple[float, float]]:
     out = {}
     for model in dict.fromkeys(r.model for r in results):
         by = {r.backend: r for r in results if r.model == model}
-        out[model] = (by["vllm"].samples_per_s / by["hf"].samples_per_s, by["vllm"].tokens_per_s / by["hf"].tokens_per_s)
+        vllm, hf = by["vllm"], by["hf"]
+        out[model] = (vllm.samples_per_s / hf.samples_per_s, vllm.tokens_per_s / hf.tokens_per_s)
     return out
 
 
@@ -231,7 +232,8 @@ def main() -> None:
 
     settings = (f"G={args.group_size}, temperature 1.0, fp32; toy: {toy_n} eval prompts, max_tokens 8; "
                 + ("" if args.skip_random else f"random: {random_n} prompts x {args.prompt_len} tokens, "
-                   f"max_tokens {max_tokens}; ") + f"best of {repeats} timed call(s) per backend, alternating, after 1 warm-up")
+                   f"max_tokens {max_tokens}; ")
+                + f"best of {repeats} timed call(s) per backend, alternating, after 1 warm-up")
     command = shlex.join([".venv/bin/python", "bench/generate.py", *sys.argv[1:]])
     section = markdown(results, settings, command)
     print("\n" + section)

@@ -137,7 +137,8 @@ def model_flops(model, tokens: int, resp_tokens: int, seq_lens: list[int]) -> tu
     config = model.config
     p_layers = sum(p.numel() for p in model.model.layers.parameters()) + model.model.norm.weight.numel()
     head = model.get_output_embeddings().weight.numel()
-    attention = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * sum(L * L for L in seq_lens)
+    attention = (6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+                 * sum(L * L for L in seq_lens))
     return 6 * p_layers * tokens + 6 * head * resp_tokens + attention, p_layers
 
 
@@ -263,7 +264,8 @@ def machine() -> str:
 
 
 def markdown(results: list[Result], settings: str, command: str, load: list[float]) -> str:
-    lines = [f"## train: tokens/s and MFU of token_logprobs + grpo + AdamW — {datetime.now().strftime('%Y-%m-%d %H:%M')}",
+    when = datetime.now().strftime('%Y-%m-%d %H:%M')
+    lines = [f"## train: tokens/s and MFU of token_logprobs + grpo + AdamW — {when}",
              "", f"- machine: {machine()}; 1-minute load average {min(load):.1f}-{max(load):.1f} during the run "
              "(this benchmark included)", f"- command: `{command}`", f"- settings: {settings}", "",
              "| model | params (layers) | dtype | variant | seqs x len | micro-batches | step s | tokens/s "
@@ -273,7 +275,8 @@ def markdown(results: list[Result], settings: str, command: str, load: list[floa
         lines.append(f"| {r.model} | {r.params / 1e6:.2f}M ({r.params_layers / 1e6:.2f}M) | {r.dtype} | {r.variant} | "
                      f"{r.seqs} x {r.tokens // r.seqs} | {r.micro_batches} | {r.step_s:.2f} | {r.tokens_per_s:,.0f} | "
                      f"{r.flops_per_s / 1e9:.1f} | {r.peak_flops / 1e9:.0f}; {r.process_peak_flops / 1e9:.0f} | "
-                     f"{r.mfu:.0%} | {r.peak_rss_mib:,.0f} | {r.load:.1f} | {', '.join(f'{t:.2f}' for t in r.steps_s)} |")
+                     f"{r.mfu:.0%} | {r.peak_rss_mib:,.0f} | {r.load:.1f} | "
+                     f"{', '.join(f'{t:.2f}' for t in r.steps_s)} |")
     lines.append("")
     for r in results:
         if r.model == "random-llama" and r.variant == "tuned":
@@ -356,7 +359,8 @@ def main() -> None:
 
     settings = (f"{args.threads} torch threads; grpo token-mean, AdamW; toy: prompt 8 + response 8 tokens, "
                 f"budget 4096; random-llama: {seqs} seqs x (128 prompt + 384 response) a step; tuned = budget "
-                f"{args.token_budget} tokens/micro-batch, fused AdamW = {not args.no_fused_adamw}; baseline = budget 1024, "
+                f"{args.token_budget} tokens/micro-batch, fused AdamW = {not args.no_fused_adamw}; "
+                "baseline = budget 1024, "
                 f"foreach AdamW; chunk_tokens {args.chunk_tokens}; attn {args.attn}; bf16 = torch.autocast(bfloat16) "
                 f"over fp32 weights; best of {steps} timed step(s) after 1 warm-up")
     command = shlex.join([".venv/bin/python", "bench/train.py", *sys.argv[1:]])

@@ -45,7 +45,8 @@ class MathVerify:
 
         scores: list[float | None] = []
         for completion, ref in zip(completions, reference):
-            gold = [] if ref is None else parse(_as_latex(ref), parsing_timeout=None) or parse(ref, parsing_timeout=None)
+            gold = [] if ref is None else (parse(_as_latex(ref), parsing_timeout=None)
+                                           or parse(ref, parsing_timeout=None))
             if not gold:
                 scores.append(None)
                 continue

@@ -107,7 +107,8 @@ class _Worker:
         child_in_r, parent_out_w = os.pipe()
         parent_in_r, child_out_w = os.pipe()
         progress_r, progress_w = os.pipe()
-        code = f"from curation.rewards.pool import _worker_main; _worker_main({child_in_r}, {child_out_w}, {progress_w})"
+        code = (f"from curation.rewards.pool import _worker_main; "
+                f"_worker_main({child_in_r}, {child_out_w}, {progress_w})")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.process = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
                                         pass_fds=(child_in_r, child_out_w, progress_w), start_new_session=True)

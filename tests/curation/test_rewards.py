@@ -185,7 +185,8 @@ def build_reward_model(folder: Path, toy_dir: Path, num_labels: int = 1) -> Path
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
                          pad_token_id=tokenizer.pad_token_id, num_labels=num_labels,
-                         id2label={i: ["bad", "good"][i] if num_labels == 2 else f"LABEL_{i}" for i in range(num_labels)})
+                         id2label={i: ["bad", "good"][i] if num_labels == 2 else f"LABEL_{i}"
+                                   for i in range(num_labels)})
     torch.manual_seed(0)
     LlamaForSequenceClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
