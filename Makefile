@@ -9,7 +9,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-fast toy bench lock clean
+.PHONY: install demo test test-fast lint toy bench lock clean
 
 install: $(STAMP)
 
@@ -33,11 +33,15 @@ toy: install
 demo: toy
 	$(VENV)/bin/groupforge run pipelines/specs/toy-grpo.toml
 
-test: install
+# ruff first (seconds), then every test; pytest exits non-zero when no test ran (exit 5).
+test: install lint
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: install lint
 	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 bench: toy
 	$(PY) bench/generate.py

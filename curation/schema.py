@@ -4,7 +4,7 @@ Every stage reads its inputs through `read_table_file` / `validate`, so a wrong 
 at the door with a one-line message that names the table, the file, the column, the
 expected type and the type found.
 
-Columns (see ../shared/DESIGN.md, "Tables"):
+Columns (every one, with its meaning: docs/ARCHITECTURE.md, "Tables"):
 
 - prompts: prompt_id, prompt | messages, reference, metadata
 - samples: one row per sampled response, with `behavior_logprobs` (one float per sampled
