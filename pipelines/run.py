@@ -16,13 +16,16 @@ round's prompt choice is a file written once; generate keeps finished chunks and
 once committed; curation stages skip when their manifests match; the trainer resumes from
 its newest checkpoint. `--rounds +K` extends a finished run by K rounds (the target is kept
 in RUN/pipeline.json). The run's lock keeps a second job off the same run.
+
+The run folder's non-table files (spec.toml, pipeline.json, metrics.jsonl, _rounds/) are
+named, read and written by curation/runlog.py; a round's record is its `RoundRecord`. The
+loop is described in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
+import builtins
 import hashlib
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,19 +35,25 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from curation.generate.base import SamplingConfig, load_prompts
+from curation.generate.base import Generator, SamplingConfig, load_prompts
 from curation.generate.stage import generate, make_generator
 from curation.rewards.registry import get_reward
+from curation.runlog import (
+    SPEC_FILE,
+    MetricsLog,
+    RoundRecord,
+    load_pipeline_state,
+    round_prompts_path,
+    save_pipeline_state,
+    write_atomic,
+)
 from curation.store import RunStore
 from pipelines.curate import STAGES, CurationSpec, run_stage
-from pipelines.report import load_metrics
 from pipelines.spec import PipelineSpec, dump_toml, load_spec
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.data import NoTrainingData
-from training.trainer import METRICS_FILE, train
-
-STATE_FILE = "pipeline.json"
+from training.trainer import train
 
 
 @dataclass
@@ -54,12 +63,16 @@ class RoundContext:
     spec: PipelineSpec
     store: RunStore
     target_rounds: int = 0
-    generator: object | None = None
+    generator: Generator | None = None
     log: Callable[[str], None] = print
 
     @property
     def run_dir(self) -> Path:
         return self.store.root
+
+    @property
+    def metrics(self) -> MetricsLog:
+        return MetricsLog(self.store.root)
 
 
 def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
@@ -76,92 +89,93 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")):
         store.clean_tmp()
         target = _target_rounds(run_dir, spec, extra_rounds)
-        _write_atomic(run_dir / "spec.toml", dump_toml(spec.model_dump(mode="json")))
+        write_atomic(run_dir / SPEC_FILE, dump_toml(spec.model_dump(mode="json")))
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log)
         try:
-            for r in range(target + 1):
-                if _round_record(run_dir, r) is not None:
+            for round in range(target + 1):
+                if ctx.metrics.round_record(round) is not None:
                     continue
-                record = evaluate_start(ctx) if r == 0 else run_round(ctx, r)
-                _append_record(run_dir, record)
+                record = evaluate_start(ctx) if round == 0 else run_round(ctx, round)
+                ctx.metrics.append(record)
                 if on_round is not None:
-                    on_round(record)
+                    on_round(record.to_dict())
         finally:
             if ctx.generator is not None:
                 ctx.generator.close()
-    return load_metrics(run_dir)[0]
+    return ctx.metrics.rounds()
 
 
-def run_round(ctx: RoundContext, r: int) -> dict:
-    """Round r >= 1: generate, curate, train, evaluate; returns its metrics record."""
+def run_round(ctx: RoundContext, round: int) -> RoundRecord:
+    """Round `round` >= 1: generate, curate, train, evaluate; returns its metrics record."""
     spec, run_dir = ctx.spec, ctx.run_dir
     started = time.perf_counter()
-    previous = _round_record(run_dir, r - 1) or {}
-    start_version = int(previous.get("policy_version", 0))
+    # The loop runs rounds in order, so the previous record is there; a missing one counts as
+    # a start from the base model.
+    found = ctx.metrics.round_record(round - 1)
+    previous = RoundRecord.from_dict(found) if found else RoundRecord(round=round - 1, eval_accuracy=0.0)
+    start_version = previous.policy_version
 
     # -- generate with the newest policy ---------------------------------------------------
-    prompts_file = choose_prompts(ctx, r)
+    prompts_file = choose_prompts(ctx, round)
     gen_seconds, gen_tokens = 0.0, 0
-    if ctx.store.load_manifest("generate", r) is None:
+    if ctx.store.load_manifest("generate", round) is None:
         generator = _generator(ctx, start_version)
-        ctx.log(f"round {r}: generate {spec.prompts.per_round} prompts x {spec.generator.group_size} "
+        ctx.log(f"round {round}: generate {spec.prompts.per_round} prompts x {spec.generator.group_size} "
                 f"with policy_version {generator.policy_version}")
-        result = generate(run_dir, prompts_file, _sampling(spec), generator=generator, round=r,
+        result = generate(run_dir, prompts_file, _sampling(spec), generator=generator, round=round,
                           run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts)
         gen_seconds, gen_tokens = result.sample_seconds, result.response_tokens
 
     # -- curate ------------------------------------------------------------------------------
     curation = CurationSpec(score=spec.score, filter=spec.filter, label=spec.label, pair=spec.pair)
     for stage in STAGES:
-        run_stage(stage, run_dir, r, curation)
+        run_stage(stage, run_dir, round, curation)
 
     # -- train -------------------------------------------------------------------------------
-    rounds = list(range(max(1, r - spec.run.replay_rounds), r + 1))
+    rounds = list(range(max(1, round - spec.run.replay_rounds), round + 1))
     # A cosine schedule spans the whole run unless the spec pins decay_steps (a run extended
     # with --rounds +K stretches it from there on).
     decay_steps = spec.train.decay_steps or ctx.target_rounds * spec.run.steps_per_round
     cfg = TrainConfig(**{**spec.train.model_dump(), "rounds": rounds, "seed": spec.run.seed,
                          "temperature": spec.generator.temperature, "decay_steps": decay_steps})
+    end_step = start_version + spec.run.steps_per_round
     steps, train_tokens_per_s = start_version, 0.0
-    if ckpt.latest_checkpoint(run_dir) is None or _latest_step(run_dir) < start_version + spec.run.steps_per_round:
+    if ckpt.latest_checkpoint(run_dir) is None or _latest_step(run_dir) < end_step:
         try:
-            ctx.log(f"round {r}: train {spec.train.objective} steps {start_version + 1}..{start_version + spec.run.steps_per_round}")
-            result = train(run_dir, cfg, steps=start_version + spec.run.steps_per_round, model=spec.model.path)
-            steps = result.end_step
+            ctx.log(f"round {round}: train {spec.train.objective} steps {start_version + 1}..{end_step}")
+            steps = train(run_dir, cfg, steps=end_step, model=spec.model.path).end_step
         except NoTrainingData as exc:
-            ctx.log(f"round {r}: no training ({exc})")
+            ctx.log(f"round {round}: no training ({exc})")
     else:
         steps = _latest_step(run_dir)
-    step_records = [s for s in load_metrics(run_dir)[1] if start_version < s["step"] <= steps]
+    step_records = [s for s in ctx.metrics.steps() if start_version < s["step"] <= steps]
     if step_records:
         train_tokens_per_s = sum(s["tokens_per_s"] for s in step_records) / len(step_records)
 
     # -- evaluate the new policy -------------------------------------------------------------
     accuracy = evaluate(ctx, steps)
-    stats = round_stats(ctx.store, r)
-    manifest = ctx.store.load_manifest("generate", r) or {}
+    stats = round_stats(ctx.store, round)
+    manifest = ctx.store.load_manifest("generate", round) or {}
     gen_seconds = gen_seconds or float(manifest.get("sample_seconds", 0.0))
     gen_tokens = gen_tokens or int(manifest.get("response_tokens", 0))
     wall = time.perf_counter() - started
-    return {
-        "event": "round", "round": r, "eval_accuracy": accuracy, **stats,
-        "samples_total": int(previous.get("samples_total", 0)) + stats["samples"],
-        "policy_version": steps, "steps": steps - start_version, "objective": spec.train.objective,
-        "wall_seconds": round(wall, 2), "elapsed_seconds": round(float(previous.get("elapsed_seconds", 0)) + wall, 2),
-        "gen_tokens_per_s": round(gen_tokens / gen_seconds, 1) if gen_seconds else 0.0,
-        "train_tokens_per_s": round(train_tokens_per_s, 1),
-    }
+    decimals = builtins.round  # `round` is the round number here
+    return RoundRecord(
+        round=round, eval_accuracy=accuracy, **stats,
+        samples_total=previous.samples_total + stats["samples"],
+        policy_version=steps, steps=steps - start_version, objective=spec.train.objective,
+        wall_seconds=decimals(wall, 2), elapsed_seconds=decimals(previous.elapsed_seconds + wall, 2),
+        gen_tokens_per_s=decimals(gen_tokens / gen_seconds, 1) if gen_seconds else 0.0,
+        train_tokens_per_s=decimals(train_tokens_per_s, 1))
 
 
-def evaluate_start(ctx: RoundContext) -> dict:
+def evaluate_start(ctx: RoundContext) -> RoundRecord:
     """Round 0: the starting model's eval accuracy (no samples, no training)."""
     started = time.perf_counter()
     accuracy = evaluate(ctx, 0)
-    wall = time.perf_counter() - started
-    return {"event": "round", "round": 0, "eval_accuracy": accuracy, "reward_mean": None, "samples": 0,
-            "groups": 0, "kept_groups": 0, "pairs": 0, "samples_total": 0, "policy_version": 0, "steps": 0,
-            "objective": ctx.spec.train.objective, "wall_seconds": round(wall, 2),
-            "elapsed_seconds": round(wall, 2), "gen_tokens_per_s": 0.0, "train_tokens_per_s": 0.0}
+    wall = round(time.perf_counter() - started, 2)
+    return RoundRecord(round=0, eval_accuracy=accuracy, objective=ctx.spec.train.objective,
+                       wall_seconds=wall, elapsed_seconds=wall)
 
 
 def evaluate(ctx: RoundContext, policy_version: int) -> float:
@@ -185,39 +199,37 @@ def evaluate(ctx: RoundContext, policy_version: int) -> float:
     return float(sum(scored) / len(scored))
 
 
-def choose_prompts(ctx: RoundContext, r: int) -> Path:
-    """The prompts of round r, written once to RUN/_rounds/round=<r>/prompts.parquet: the
-    `per_round` prompts of the spec's train files used least so far; among those, prompts of
-    files new to the run first (a scheduled refresh that adds a file trains on it next), then
-    a hash of (seed, round, prompt_id)."""
-    path = ctx.run_dir / "_rounds" / f"round={r}" / "prompts.parquet"
+def choose_prompts(ctx: RoundContext, round: int) -> Path:
+    """The prompts of `round`, written once to RUN/_rounds/round=<n>/prompts.parquet: the
+    `per_round` prompts of the spec's train files used least so far (in the samples of earlier
+    rounds); among those, prompts of files new to the run first (a scheduled refresh that adds
+    a file trains on it next), then a hash of (seed, round, prompt_id). The train files are
+    recorded in RUN/pipeline.json (`prompt_files`); on a new run no file counts as new."""
+    path = round_prompts_path(ctx.run_dir, round)
     if path.is_file():
         return path
     spec = ctx.spec
-    state = _load_state(ctx.run_dir)
+    state = load_pipeline_state(ctx.run_dir)
     seen = set(state.get("prompt_files", []))
     pool, is_new = _prompt_pool(spec.prompts.train, seen if seen else None)
     used: dict[str, int] = {}
-    for round_ in ctx.store.rounds("samples"):
-        if round_ < r:
-            for pid in _distinct_prompt_ids(ctx.store, round_):
-                used[pid] = used.get(pid, 0) + 1
+    for earlier in ctx.store.rounds("samples"):
+        if earlier < round:
+            for prompt_id in _distinct_prompt_ids(ctx.store, earlier):
+                used[prompt_id] = used.get(prompt_id, 0) + 1
     ids = pool.column("prompt_id").to_pylist()
     order = sorted(range(len(ids)),
-                   key=lambda i: (used.get(ids[i], 0), not is_new[i], _tiebreak(spec.run.seed, r, ids[i])))
+                   key=lambda i: (used.get(ids[i], 0), not is_new[i], _tiebreak(spec.run.seed, round, ids[i])))
     chosen = pool.take(pa.array(order[: spec.prompts.per_round]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    pq.write_table(chosen, tmp)
-    os.replace(tmp, path)
-    _save_state(ctx.run_dir, {**state, "prompt_files": sorted(seen | {str(f) for f in spec.prompts.train})})
+    write_atomic(path, lambda f: pq.write_table(chosen, f))
+    save_pipeline_state(ctx.run_dir, {**state, "prompt_files": sorted(seen | {str(f) for f in spec.prompts.train})})
     return path
 
 
-def round_stats(store: RunStore, r: int) -> dict:
-    """reward_mean, samples, groups, kept_groups, pairs of round r, from its tables."""
+def round_stats(store: RunStore, round: int) -> dict:
+    """reward_mean, samples, groups, kept_groups, pairs of `round`, from its tables."""
     def query(sql: str, table: str, empty: tuple) -> tuple:
-        files = [str(f) for f in store.files(table, r)]
+        files = [str(f) for f in store.files(table, round)]
         if not files:
             return empty
         source = "read_parquet($f, hive_partitioning = false, union_by_name = true)"
@@ -234,7 +246,7 @@ def round_stats(store: RunStore, r: int) -> dict:
 
 # -- helpers ---------------------------------------------------------------------------------
 
-def _generator(ctx: RoundContext, policy_version: int):
+def _generator(ctx: RoundContext, policy_version: int) -> Generator:
     """The live generator holding the weights of `policy_version` (started on first use;
     new weights are loaded in place from the checkpoint folder)."""
     spec = ctx.spec
@@ -270,21 +282,21 @@ def _prompt_pool(files: list[str], seen: set[str] | None) -> tuple[pa.Table, lis
     is_new = [flag for flags in new_flags for flag in flags]
     ids = table.column("prompt_id").to_pylist()
     seen_ids: set[str] = set()
-    keep = [i for i, pid in enumerate(ids) if not (pid in seen_ids or seen_ids.add(pid))]
+    keep = [i for i, prompt_id in enumerate(ids) if not (prompt_id in seen_ids or seen_ids.add(prompt_id))]
     if len(keep) < len(ids):
         return table.take(pa.array(keep)), [is_new[i] for i in keep]
     return table, is_new
 
 
-def _distinct_prompt_ids(store: RunStore, r: int) -> list[str]:
-    files = [str(f) for f in store.files("samples", r)]
+def _distinct_prompt_ids(store: RunStore, round: int) -> list[str]:
+    files = [str(f) for f in store.files("samples", round)]
     rows = duckdb.sql("SELECT DISTINCT prompt_id FROM read_parquet($f, hive_partitioning = false)",
                       params={"f": files}).fetchall()
     return [row[0] for row in rows]
 
 
-def _tiebreak(seed: int, r: int, prompt_id: str) -> str:
-    return hashlib.sha256(f"{seed}:{r}:{prompt_id}".encode()).hexdigest()
+def _tiebreak(seed: int, round: int, prompt_id: str) -> str:
+    return hashlib.sha256(f"{seed}:{round}:{prompt_id}".encode()).hexdigest()
 
 
 def _latest_step(run_dir: Path) -> int:
@@ -292,44 +304,13 @@ def _latest_step(run_dir: Path) -> int:
     return found[-1][0] if found else 0
 
 
-def _round_record(run_dir: Path, r: int) -> dict | None:
-    if not (run_dir / METRICS_FILE).is_file():
-        return None
-    for record in load_metrics(run_dir)[0]:
-        if record["round"] == r:
-            return record
-    return None
-
-
-def _append_record(run_dir: Path, record: dict) -> None:
-    with open(run_dir / METRICS_FILE, "a") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _load_state(run_dir: Path) -> dict:
-    path = run_dir / STATE_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _save_state(run_dir: Path, state: dict) -> None:
-    _write_atomic(run_dir / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
-
-
 def _target_rounds(run_dir: Path, spec: PipelineSpec, extra_rounds: int | None) -> int:
     """The last round this invocation runs to: the spec's rounds, or the previous target plus
     `extra_rounds` (`--rounds +K`); kept in RUN/pipeline.json."""
-    state = _load_state(run_dir)
+    state = load_pipeline_state(run_dir)
     target = max(int(state.get("target_rounds", 0)), spec.run.rounds)
     if extra_rounds:
-        done = max([rec["round"] for rec in load_metrics(run_dir)[0]], default=0) if (run_dir / METRICS_FILE).is_file() else 0
+        done = max([record["round"] for record in MetricsLog(run_dir).rounds()], default=0)
         target = max(target, done) + extra_rounds
-    _save_state(run_dir, {**state, "target_rounds": target})
+    save_pipeline_state(run_dir, {**state, "target_rounds": target})
     return target
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
