@@ -53,6 +53,9 @@ class MicroBatch:
     """Pairwise: (k,) float32 pair weights."""
     num_pairs: int = 0
     """Pairwise: k (0 for policy batches)."""
+    policy_version: torch.LongTensor | None = None
+    """(b,) the policy_version that sampled each sequence, when the table has the column
+    (policy batches only)."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device`."""
@@ -174,7 +177,8 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[
 
     Columns: prompt_token_ids, response_token_ids (list<int>); optional behavior_logprobs
     (list<float>, one per response token) -> old_logp; optional advantage (float) ->
-    advantages (zeros when absent). Every row lands in exactly one micro-batch.
+    advantages (zeros when absent); optional policy_version (int) -> policy_version. Every
+    row lands in exactly one micro-batch.
     """
     _check_budget(token_budget)
     _require(table, ["prompt_token_ids", "response_token_ids"], "policy_batches")
@@ -187,6 +191,7 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[
         behavior = _ragged(table, "behavior_logprobs")
         _check_logprobs(behavior, "behavior_logprobs", responses, "response_token_ids")
     advantage = _scalars(table, "advantage", default=0.0)
+    versions = table.column("policy_version").to_numpy() if "policy_version" in table.column_names else None
 
     batches = []
     for group in _pack(prompts.lengths + responses.lengths, token_budget, seqs_per_item=1):
@@ -197,7 +202,9 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[
                   j, ids, attention, targets, old)
         batches.append(MicroBatch(*_tensors(ids, attention, targets, old),
                                   advantages=torch.from_numpy(advantage[group].astype(np.float32)),
-                                  rows=torch.from_numpy(group.astype(np.int64))))
+                                  rows=torch.from_numpy(group.astype(np.int64)),
+                                  policy_version=None if versions is None
+                                  else torch.from_numpy(versions[group].astype(np.int64))))
     return batches
 
 

@@ -11,13 +11,12 @@ A checkpoint is written into `RUN/checkpoints/.tmp-step-<k>-<pid>/` and renamed 
 saving leaves only a `.tmp-*` folder, removed by the next save.
 
 Optimizer state is stored as tensors (safetensors) and JSON (param groups), so loading a
-checkpoint from elsewhere never unpickles anything.
+checkpoint from elsewhere never unpickles anything. The file names are `curation.runlog`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -27,9 +26,8 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.safetensors"
+from curation.runlog import CHECKPOINTS_DIR, OPTIMIZER_FILE, TRAINER_STATE_FILE, fsync_dir, read_json, write_json_atomic
+
 _STEP_DIR = re.compile(r"step-(\d+)")
 # Files of a model folder that are not weights: copied so every checkpoint is loadable alone.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -51,7 +49,7 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
+    return Path(run_dir) / CHECKPOINTS_DIR
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
@@ -66,7 +64,7 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     for folder in root.iterdir():
         match = _STEP_DIR.fullmatch(folder.name)
-        if match and (folder / STATE_FILE).is_file():
+        if match and (folder / TRAINER_STATE_FILE).is_file():
             found.append((int(match[1]), folder))
     return sorted(found)
 
@@ -124,19 +122,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
                 shutil.copy2(source, tmp / name)
     tensors, groups = optimizer_to_tensors(optimizer)
     save_file(tensors, tmp / OPTIMIZER_FILE)
-    full_state = {**state, "step": step, "optimizer_param_groups": groups}
-    (tmp / STATE_FILE).write_text(json.dumps(full_state, indent=1, sort_keys=True))
     for path in tmp.iterdir():
         with open(path, "rb") as f:
             os.fsync(f.fileno())
+    # Last: a folder with a trainer_state.json is complete (list_checkpoints relies on it).
+    write_json_atomic(tmp / TRAINER_STATE_FILE, {**state, "step": step, "optimizer_param_groups": groups})
     if final.exists():  # a rerun of the same step (e.g. after a kill between rename and cleanup)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
     if keep_last is not None:
         for old_step, folder in list_checkpoints(run_dir)[:-keep_last]:
             if old_step != step:
@@ -145,11 +139,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
 
 
 def load_trainer_state(folder: str | Path) -> dict[str, Any]:
-    path = Path(folder) / STATE_FILE
+    """trainer_state.json of a checkpoint: step, base_model, data (the segment cursor),
+    config, temperature, optimizer_param_groups."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"checkpoint {folder}: cannot read {STATE_FILE}: {exc}") from None
+        state = read_json(Path(folder) / TRAINER_STATE_FILE)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"checkpoint {folder}: cannot read {TRAINER_STATE_FILE}: {exc}") from None
+    if state is None:
+        raise ValueError(f"checkpoint {folder}: no {TRAINER_STATE_FILE}")
+    return state
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
@@ -157,3 +155,21 @@ def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None
     state = load_trainer_state(folder)
     tensors = load_file(Path(folder) / OPTIMIZER_FILE)
     optimizer_from_tensors(optimizer, tensors, state["optimizer_param_groups"])
+
+
+def load_model(folder: str | Path, device: torch.device | str = "cpu", trainable: bool = False):
+    """A causal LM from a safetensors folder (a checkpoint or a base model; no remote code),
+    fp32 master weights; frozen (eval, no grad) unless `trainable`."""
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"model folder {folder}: no *.safetensors files (pickled weights are not loaded)")
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False,
+                                                     use_safetensors=True)
+    model.to(device)
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    return model

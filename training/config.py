@@ -1,8 +1,9 @@
 """The trainer's configuration: everything `groupforge train` and a spec's [train] section set.
 
-Torch-free, so that reading a spec or building the CLI never loads torch; the loss
-hyperparameters are resolved into a `training.objectives.ObjectiveConfig` only when the
-trainer starts.
+Torch-free, so that reading a spec or building the CLI never loads torch. The loss
+settings left unset (None) take the loss's paper defaults, `training.objectives.loss_defaults`,
+which live beside the loss; they are resolved into a `training.objectives.ObjectiveConfig`
+only when the trainer starts (`objective_config()`).
 """
 
 from __future__ import annotations
@@ -13,12 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from training.objectives import ObjectiveConfig
-
-# Paper defaults where the objective has its own (GSPO's clip ranges are ~1000x GRPO's,
-# because a sequence ratio is a geometric mean of token ratios).
-_DEFAULT_EPS = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "sft": (0.2, 0.2),
-                "pairwise": (0.2, 0.2)}
-_DEFAULT_BETA = {"pairwise": 0.1}
 
 
 class TrainConfig(BaseModel):
@@ -84,22 +79,25 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        if self.objective == "pairwise" and self.resolved_beta() <= 0:
+        # Every registered default beta of pairwise is > 0, so only an explicit one can be bad.
+        if self.objective == "pairwise" and self.beta is not None and self.beta <= 0:
             raise ValueError("pairwise needs beta > 0: h = beta * (log-ratio difference) would be constant")
         return self
 
-    def resolved_beta(self) -> float:
-        return self.beta if self.beta is not None else _DEFAULT_BETA.get(self.objective, 0.0)
-
     def objective_config(self, longest_response: int | None = None) -> ObjectiveConfig:
-        from training.objectives import ObjectiveConfig
+        """The loss hyperparameters: the settings given here, the loss's paper defaults for
+        those left unset; norm_len defaults to `longest_response`."""
+        from training.objectives import ObjectiveConfig, loss_defaults
 
-        eps_low, eps_high = _DEFAULT_EPS[self.objective]
+        defaults = loss_defaults(self.objective)
         return ObjectiveConfig(
-            eps_low=eps_low if self.eps_low is None else self.eps_low,
-            eps_high=eps_high if self.eps_high is None else self.eps_high,
-            dual_clip=self.dual_clip, beta=self.resolved_beta(), kl=self.kl, agg=self.agg,
-            norm_len=self.norm_len or longest_response, gamma=self.gamma, length_normalize=self.length_normalize)
+            eps_low=defaults.eps_low if self.eps_low is None else self.eps_low,
+            eps_high=defaults.eps_high if self.eps_high is None else self.eps_high,
+            beta=defaults.beta if self.beta is None else self.beta,
+            dual_clip=self.dual_clip, kl=self.kl, agg=self.agg, norm_len=self.norm_len or longest_response,
+            gamma=self.gamma, length_normalize=self.length_normalize)
 
     def uses_reference(self) -> bool:
-        return self.reference if self.objective == "pairwise" else self.resolved_beta() > 0
+        """Whether the trainer loads the reference model: pairwise when asked (DPO), policy
+        losses when their KL weight beta > 0."""
+        return self.reference if self.objective == "pairwise" else self.objective_config().beta > 0

@@ -18,6 +18,10 @@ micro-batch's own padded length T.
 
 Padding may hold any finite logp (or anything at all in old_logp / ref_logp): it is masked
 before any exp.
+
+Each loss is registered with its paper's defaults (`loss_defaults(name)`: GSPO's clip ranges
+3e-4 / 4e-4, the pairwise temperature beta = 0.1), which `TrainConfig` uses for the
+settings it leaves unset. The input checks every call gets live in `training.loss_checks`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from training.loss_checks import AGG_MODES, KL_ESTIMATORS, check_config, check_pair_inputs, check_policy_inputs
 
 
 @dataclass(frozen=True)
@@ -72,31 +78,46 @@ class Normalizer:
     """Pairwise: sum of pair weights in the step."""
 
 
+@dataclass(frozen=True)
+class LossDefaults:
+    """A loss's paper hyperparameters, used for the settings a config leaves unset."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    beta: float = 0.0
+
+
 Metrics = dict[str, float]
 PolicyLoss = Callable[..., tuple[Tensor, Metrics]]
 PairLoss = Callable[..., tuple[Tensor, Metrics]]
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 """name -> policy loss as written below (unchecked: call it through get_policy_loss)."""
 PAIR_LOSSES: dict[str, PairLoss] = {}
 """name -> pair loss as written below (unchecked: call it through get_pair_loss)."""
+LOSS_DEFAULTS: dict[str, LossDefaults] = {}
+"""name -> the defaults the loss was registered with (policy and pair losses share names)."""
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    def register(fn: PolicyLoss) -> PolicyLoss:
-        POLICY_LOSSES[name] = fn
+def _register(registry: dict[str, Callable], name: str, defaults: LossDefaults) -> Callable:
+    def register(fn: Callable) -> Callable:
+        registry[name] = fn
+        LOSS_DEFAULTS[name] = defaults
         return fn
     return register
 
 
-def register_pair_loss(name: str) -> Callable[[PairLoss], PairLoss]:
-    def register(fn: PairLoss) -> PairLoss:
-        PAIR_LOSSES[name] = fn
-        return fn
-    return register
+def register_policy_loss(name: str, defaults: LossDefaults = LossDefaults()) -> Callable[[PolicyLoss], PolicyLoss]:
+    return _register(POLICY_LOSSES, name, defaults)
+
+
+def register_pair_loss(name: str, defaults: LossDefaults = LossDefaults()) -> Callable[[PairLoss], PairLoss]:
+    return _register(PAIR_LOSSES, name, defaults)
+
+
+def loss_defaults(name: str) -> LossDefaults:
+    """The paper defaults loss `name` was registered with (eps_low, eps_high, beta)."""
+    return _lookup(LOSS_DEFAULTS, name, "loss")
 
 
 # ---- shared pieces ------------------------------------------------------------------------
@@ -231,7 +252,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     return _finish(loss, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", LossDefaults(eps_low=3e-4, eps_high=4e-4))
 def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
               cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
               norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
@@ -243,7 +264,8 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
 
     advantages must be (B,); per-token advantages need gspo_token. A sequence without response
     tokens adds nothing. Clip fractions and ratio statistics count sequences. The paper's clip
-    ranges are eps_low = 3e-4, eps_high = 4e-4 (the config defaults are GRPO's).
+    ranges, eps_low = 3e-4 and eps_high = 4e-4, are its registered defaults (a sequence ratio is
+    a geometric mean of token ratios, so it moves ~1000x less; ObjectiveConfig's own are GRPO's).
     """
     _require("gspo", old_logp=old_logp, advantages=advantages)
     if advantages.dim() != 1:
@@ -259,7 +281,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     return _finish(pg.sum() / num_seqs, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
 
 
-@register_policy_loss("gspo_token")
+@register_policy_loss("gspo_token", LossDefaults(eps_low=3e-4, eps_high=4e-4))
 def gspo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                     cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
                     norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
@@ -299,7 +321,7 @@ def sft_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor | None, m
 
 # ---- pair loss ----------------------------------------------------------------------------
 
-@register_pair_loss("pairwise")
+@register_pair_loss("pairwise", LossDefaults(beta=0.1))
 def pairwise_loss(chosen_logp: Tensor, rejected_logp: Tensor, chosen_mask: Tensor,
                   rejected_mask: Tensor, soft_label: Tensor, weight: Tensor,
                   cfg: ObjectiveConfig, ref_chosen_logp: Tensor | None = None,
@@ -348,36 +370,6 @@ def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
     return registry[name]
 
 
-def _check_config(cfg: ObjectiveConfig, pairwise: bool) -> None:
-    problems = []
-    if cfg.agg not in AGG_MODES:
-        problems.append(f"unknown agg mode {cfg.agg!r} (known: {', '.join(AGG_MODES)})")
-    if cfg.kl not in KL_ESTIMATORS:
-        problems.append(f"unknown kl estimator {cfg.kl!r} (known: {', '.join(KL_ESTIMATORS)})")
-    if cfg.eps_low < 0 or cfg.eps_high < 0:
-        problems.append(f"eps_low and eps_high must be >= 0, got {cfg.eps_low}, {cfg.eps_high}")
-    if cfg.dual_clip is not None and cfg.dual_clip <= 1:
-        problems.append(f"dual_clip must be > 1 (or None), got {cfg.dual_clip}")
-    if cfg.norm_len is not None and cfg.norm_len <= 0:
-        problems.append(f"norm_len must be > 0 (or None), got {cfg.norm_len}")
-    if pairwise and cfg.beta <= 0:
-        problems.append(f"pairwise needs beta > 0 (the preference temperature; with beta = "
-                        f"{cfg.beta} h = -gamma is constant and nothing is learned)")
-    if not pairwise and cfg.beta < 0:
-        problems.append(f"beta (the KL weight) must be >= 0, got {cfg.beta}")
-    if problems:
-        raise ValueError("invalid ObjectiveConfig: " + "; ".join(problems))
-
-
-def _check_like(like: str, reference: Tensor, **tensors: Tensor | None) -> None:
-    if reference.dim() != 2:
-        raise ValueError(f"{like} must be 2-D (rows, T), got shape {tuple(reference.shape)}")
-    for name, t in tensors.items():
-        if t is not None and t.shape != reference.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected "
-                             f"{tuple(reference.shape)} (the shape of {like})")
-
-
 def get_policy_loss(name: str) -> PolicyLoss:
     """The policy loss `name` (grpo, gspo, gspo_token, sft). Each call first checks cfg and
     the shapes: logp (B, T); mask, old_logp, ref_logp like logp; advantages (B,) or (B, T)."""
@@ -387,12 +379,8 @@ def get_policy_loss(name: str) -> PolicyLoss:
     def checked(logp: Tensor, old_logp: Tensor | None, advantages: Tensor | None, mask: Tensor,
                 cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
                 norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
-        _check_config(cfg, pairwise=False)
-        _check_like("logp", logp, mask=mask, old_logp=old_logp, ref_logp=ref_logp)
-        shape = tuple(logp.shape)
-        if advantages is not None and tuple(advantages.shape) not in (shape[:1], shape):
-            raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "
-                             f"{shape[:1]} or {shape} (logp is {shape})")
+        check_config(cfg, pairwise=False)
+        check_policy_inputs(logp, old_logp, advantages, mask, ref_logp)
         return fn(logp, old_logp, advantages, mask.to(logp.dtype), cfg, ref_logp, norm)
 
     return checked
@@ -408,18 +396,9 @@ def get_pair_loss(name: str) -> PairLoss:
                 rejected_mask: Tensor, soft_label: Tensor, weight: Tensor, cfg: ObjectiveConfig,
                 ref_chosen_logp: Tensor | None = None, ref_rejected_logp: Tensor | None = None,
                 norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
-        _check_config(cfg, pairwise=True)
-        if (ref_chosen_logp is None) != (ref_rejected_logp is None):
-            raise ValueError("pass both ref_chosen_logp and ref_rejected_logp, or neither")
-        _check_like("chosen_logp", chosen_logp, chosen_mask=chosen_mask,
-                    ref_chosen_logp=ref_chosen_logp)
-        _check_like("rejected_logp", rejected_logp, rejected_mask=rejected_mask,
-                    ref_rejected_logp=ref_rejected_logp)
-        pairs = chosen_logp.shape[:1]
-        if rejected_logp.shape[:1] != pairs or soft_label.shape != pairs or weight.shape != pairs:
-            raise ValueError(f"chosen_logp has K = {pairs[0]} pairs; rejected_logp "
-                             f"{tuple(rejected_logp.shape)}, soft_label {tuple(soft_label.shape)} "
-                             f"and weight {tuple(weight.shape)} must have K rows ((K,) for both)")
+        check_config(cfg, pairwise=True)
+        check_pair_inputs(chosen_logp, rejected_logp, chosen_mask, rejected_mask, soft_label, weight,
+                          ref_chosen_logp, ref_rejected_logp)
         dtype = chosen_logp.dtype
         return fn(chosen_logp, rejected_logp, chosen_mask.to(dtype), rejected_mask.to(dtype),
                   soft_label.to(dtype), weight.to(dtype), cfg, ref_chosen_logp,

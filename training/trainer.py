@@ -22,30 +22,31 @@ dropped before they are recomputed. Callers hold the run's lock (`RunStore.lock(
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from curation.store import RunStore
+from curation.runlog import METRICS_FILE, TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
-from training.batching import pair_batches, policy_batches, step_normalizer
+from training.batching import MicroBatch, pair_batches, policy_batches, step_normalizer
 from training.config import TrainConfig
 from training.data import POLICY_OBJECTIVES, load_training_data
 from training.logprobs import token_logprobs
-from training.objectives import ObjectiveConfig, get_pair_loss, get_policy_loss
+from training.objectives import Metrics, Normalizer, ObjectiveConfig, get_pair_loss, get_policy_loss
 
-METRICS_FILE = "metrics.jsonl"
+__all__ = ["KILL_AFTER_STEP_ENV", "METRICS_FILE", "TrainConfig", "TrainResult", "lr_at", "step_rows", "train"]
+
 # Fault injection for resume tests: SIGKILL this process right after step k is logged.
 KILL_AFTER_STEP_ENV = "GROUPFORGE_KILL_AFTER_STEP"
+
 
 @dataclass
 class TrainResult:
@@ -91,7 +92,6 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     when there is none, from the model folder `model`."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
-    store = RunStore(run_dir)
 
     # -- resume or start ------------------------------------------------------------------
     latest = ckpt.latest_checkpoint(run_dir)
@@ -104,117 +104,173 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     if start_step >= steps:
         return TrainResult(start_step, start_step, skipped=True, checkpoint=latest,
                            seconds=time.perf_counter() - started)
-    _drop_metrics_after(run_dir / METRICS_FILE, start_step)
+    metrics_log = MetricsLog(run_dir)
+    metrics_log.drop_steps_after(start_step)
 
     # -- data -------------------------------------------------------------------------------
     data = load_training_data(run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
-    temperature = cfg.temperature or data.temperature or 1.0
     segment = state.get("data") or {}
-    if segment.get("fingerprint") != data.fingerprint:
+    if segment.get("fingerprint") != data.fingerprint:  # new rows: a new segment starts here
         segment = {"fingerprint": data.fingerprint, "start_step": start_step, "rounds": data.rounds,
                    "rows": data.num_rows}
 
-    # -- model and optimizer -------------------------------------------------------------
+    # -- model, optimizer, the step's context -------------------------------------------
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
-    policy = _load_model(latest or base_model, device, trainable=True)
+    policy = ckpt.load_model(latest or base_model, device, trainable=True)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
                                   weight_decay=cfg.weight_decay)
     if latest is not None:
         ckpt.load_optimizer(optimizer, latest)
-    autocast = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    reference = _load_model(cfg.ref_model or base_model, device) if cfg.uses_reference() else None
-    pad_id = policy.config.pad_token_id if isinstance(policy.config.pad_token_id, int) else 0
+    reference = ckpt.load_model(cfg.ref_model or base_model, device) if cfg.uses_reference() else None
+    if cfg.objective == "pairwise":
+        loss, micro_batches, micro_step = get_pair_loss(cfg.objective), pair_batches, pair_micro_step
+    else:
+        loss, micro_batches, micro_step = get_policy_loss(cfg.objective), policy_batches, policy_micro_step
+    ctx = StepContext(
+        policy=policy, reference=reference, loss=loss,
+        objective=cfg.objective_config(longest_response=_longest_response(data.table)),
+        temperature=cfg.temperature or data.temperature or 1.0,
+        pad_id=policy.config.pad_token_id if isinstance(policy.config.pad_token_id, int) else 0,
+        device=device, autocast=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"),
+        measure_gap=cfg.old_logprobs == "generator")
     table = data.table
-    ocfg = cfg.objective_config(longest_response=_longest_response(table))
     if cfg.old_logprobs == "recompute" and cfg.objective in POLICY_OBJECTIVES:
-        table = _with_recomputed_logprobs(run_dir, table, segment, start_step, policy, cfg, temperature,
-                                          pad_id, device, autocast)
+        table = _with_recomputed_logprobs(run_dir, table, segment, start_step, ctx, cfg.token_budget)
 
     # -- the loop ---------------------------------------------------------------------------
     metrics: dict[str, Any] = {}
     kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
     saved = None
-    with open(run_dir / METRICS_FILE, "a") as log:
-        for step in range(start_step + 1, steps + 1):
-            tic = time.perf_counter()
-            rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step)
-            batch = table.take(pa.array(rows))
-            lr = lr_at(step, cfg, steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            metrics = _accumulate_step(policy, reference, batch, cfg, ocfg, temperature, pad_id, device,
-                                       autocast, policy_version=step - 1)
-            params = [p for p in policy.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-            optimizer.step()
-            seconds = time.perf_counter() - tic
-            metrics.update(event="step", step=step, objective=cfg.objective, lr=lr, grad_norm=float(grad_norm),
-                           rows=len(rows), seconds=round(seconds, 4),
-                           tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=data.rounds)
-            log.write(json.dumps(metrics, sort_keys=True) + "\n")
-            log.flush()
-            if step == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if step == steps or (cfg.save_every and step % cfg.save_every == 0):
-                saved = ckpt.save_checkpoint(
-                    run_dir, step, policy, optimizer,
-                    {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
-                     "temperature": temperature},
-                    tokenizer_from=base_model, keep_last=cfg.keep_last or None)
-            if progress is not None:
-                progress(step - start_step, steps - start_step, metrics)
+    for step in range(start_step + 1, steps + 1):
+        tic = time.perf_counter()
+        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step)
+        batch = micro_batches(table.take(pa.array(rows)), cfg.token_budget, pad_id=ctx.pad_id)
+        lr = lr_at(step, cfg, steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        metrics = accumulate_gradients(ctx, micro_step, batch, policy_version=step - 1)
+        params = [p for p in policy.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+        optimizer.step()
+        seconds = time.perf_counter() - tic
+        metrics.update(event="step", step=step, objective=cfg.objective, lr=lr, grad_norm=float(grad_norm),
+                       rows=len(rows), seconds=round(seconds, 4),
+                       tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=data.rounds)
+        metrics_log.append(metrics)
+        if step == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        # -- checkpoint -----------------------------------------------------------------------
+        if step == steps or (cfg.save_every and step % cfg.save_every == 0):
+            saved = ckpt.save_checkpoint(
+                run_dir, step, policy, optimizer,
+                {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
+                 "temperature": ctx.temperature},
+                tokenizer_from=base_model, keep_last=cfg.keep_last or None)
+        if progress is not None:
+            progress(step - start_step, steps - start_step, metrics)
     return TrainResult(start_step, steps, skipped=False, checkpoint=saved, rows=table.num_rows,
                        rounds=data.rounds, last_metrics=metrics, seconds=time.perf_counter() - started)
 
 
-def _accumulate_step(policy, reference, batch: pa.Table, cfg: TrainConfig, ocfg: ObjectiveConfig,
-                     temperature: float, pad_id: int, device, autocast: bool, policy_version: int) -> dict:
-    """Forward and backward over the step's micro-batches; returns the step's metrics (the
-    loss is the full-batch loss; objective metrics are averaged, weighted by sequences)."""
-    pairwise = cfg.objective == "pairwise"
-    batches = (pair_batches if pairwise else policy_batches)(batch, cfg.token_budget, pad_id=pad_id)
+# ---- one optimizer step's gradient ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every micro-step of a run needs; fixed for the run."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    """The frozen reference model (pairwise with `reference`, policy losses with beta > 0)."""
+    loss: Callable[..., tuple[torch.Tensor, Metrics]]
+    """The checked loss of the objective (get_policy_loss / get_pair_loss)."""
+    objective: ObjectiveConfig
+    temperature: float
+    """logp = log softmax(z / temperature): the rounds' sampling temperature."""
+    pad_id: int
+    device: torch.device
+    autocast: bool
+    """Forward passes under bfloat16 autocast."""
+    measure_gap: bool
+    """Report behavior_logp_gap (old_logp are the generator's behavior log-probs)."""
+
+    def logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """(b, L-1) log-probs of `model` at mb's positions (0 where target_mask is False)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask,
+                                  temperature=self.temperature)
+
+    def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self.logprobs(self.reference, mb)
+
+
+class MicroStep(NamedTuple):
+    """A micro-batch's loss (its share of the step loss, not yet backpropagated) and metrics."""
+
+    loss: torch.Tensor
+    metrics: Metrics
+    weight: int
+    """Sequences (pairwise: pairs) the metrics describe; the step averages them by it."""
+    logp: torch.Tensor
+    """The policy's log-probs of the micro-batch, for behavior_logp_gap."""
+
+
+def policy_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
+    """grpo, gspo, gspo_token, sft: loss(logp, old_logp, advantages, mask) on b sequences."""
+    logp = ctx.logprobs(ctx.policy, mb)
+    ref_logp = ctx.reference_logprobs(mb)
+    mask = mb.target_mask.to(logp.dtype)
+    loss, metrics = ctx.loss(logp, mb.old_logp, mb.advantages, mask, ctx.objective, ref_logp=ref_logp, norm=norm)
+    return MicroStep(loss, metrics, weight=mb.input_ids.shape[0], logp=logp)
+
+
+def pair_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
+    """pairwise: rows 0..k-1 of the micro-batch are the chosen sequences, k..2k-1 the
+    rejected ones of the same k pairs."""
+    k = mb.num_pairs
+    logp = ctx.logprobs(ctx.policy, mb)
+    ref_logp = ctx.reference_logprobs(mb)
+    mask = mb.target_mask.to(logp.dtype)
+    loss, metrics = ctx.loss(logp[:k], logp[k:], mask[:k], mask[k:], mb.soft_label, mb.weight, ctx.objective,
+                             ref_chosen_logp=None if ref_logp is None else ref_logp[:k],
+                             ref_rejected_logp=None if ref_logp is None else ref_logp[k:], norm=norm)
+    return MicroStep(loss, metrics, weight=k, logp=logp)
+
+
+def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, MicroBatch, Normalizer], MicroStep],
+                         batches: list[MicroBatch], policy_version: int) -> dict[str, float]:
+    """Forward and backward over the step's micro-batches, each loss normalised by the
+    step's totals (so the gradient is the one-batch gradient however the step is split).
+    Returns the step's metrics: loss is the full-batch loss; the objective's metrics are
+    averaged, weighted by sequences (pairs); behavior_logp_gap is the mean |logp - old_logp|
+    over response tokens of samples drawn by these very weights (policy_version)."""
     norm = step_normalizer(batches)
-    loss_fn = get_pair_loss("pairwise") if pairwise else get_policy_loss(cfg.objective)
-    versions = None if pairwise else batch.column("policy_version").to_numpy()
     totals: dict[str, float] = {}
     weight_total = 0.0
     loss_total = 0.0
     tokens = response_tokens = 0
     gap_sum, gap_tokens = 0.0, 0
     for mb in batches:
-        mb = mb.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logp = token_logprobs(policy, mb.input_ids, mb.attention_mask, mb.target_mask, temperature=temperature)
-            ref_logp = None
-            if reference is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(reference, mb.input_ids, mb.attention_mask, mb.target_mask,
-                                              temperature=temperature)
-        mask = mb.target_mask.to(logp.dtype)
-        if pairwise:
-            k = mb.num_pairs
-            loss, m = loss_fn(logp[:k], logp[k:], mask[:k], mask[k:], mb.soft_label, mb.weight, ocfg,
-                              ref_chosen_logp=None if ref_logp is None else ref_logp[:k],
-                              ref_rejected_logp=None if ref_logp is None else ref_logp[k:], norm=norm)
-            share = k
-        else:
-            loss, m = loss_fn(logp, mb.old_logp, mb.advantages, mask, ocfg, ref_logp=ref_logp, norm=norm)
-            share = mb.input_ids.shape[0]
-            if mb.old_logp is not None and cfg.old_logprobs == "generator":
-                # The known train/sample mismatch (top-p not re-applied, kernels differ), measured
-                # where the weights are the ones that sampled: samples of this policy version.
-                same = torch.from_numpy(versions[mb.rows.cpu().numpy()] == policy_version).to(device)
-                if same.any():
-                    sel = mb.target_mask & same[:, None]
-                    gap_sum += float((logp.detach() - mb.old_logp).abs()[sel].sum())
-                    gap_tokens += int(sel.sum())
-        loss.backward()
-        loss_total += float(loss.detach())
-        for key, value in m.items():
-            totals[key] = totals.get(key, 0.0) + float(value) * share
-        weight_total += share
+        mb = mb.to(ctx.device)
+        out = micro_step(ctx, mb, norm)
+        if ctx.measure_gap and mb.old_logp is not None and mb.policy_version is not None:
+            # The known train/sample mismatch (top-p not re-applied, kernels differ), measured
+            # where the weights are the ones that sampled: samples of this policy version.
+            same = mb.policy_version == policy_version
+            if same.any():
+                sel = mb.target_mask & same[:, None]
+                gap_sum += float((out.logp.detach() - mb.old_logp).abs()[sel].sum())
+                gap_tokens += int(sel.sum())
+        out.loss.backward()
+        loss_total += float(out.loss.detach())
+        for key, value in out.metrics.items():
+            totals[key] = totals.get(key, 0.0) + float(value) * out.weight
+        weight_total += out.weight
         tokens += int(mb.attention_mask.sum())
         response_tokens += int(mb.target_mask.sum())
     metrics = {key: value / weight_total for key, value in totals.items()}
@@ -224,31 +280,17 @@ def _accumulate_step(policy, reference, batch: pa.Table, cfg: TrainConfig, ocfg:
     return metrics
 
 
-def _load_model(folder: str | Path, device: torch.device, trainable: bool = False):
-    """A causal LM from a safetensors folder (no remote code), fp32 master weights."""
-    from transformers import AutoModelForCausalLM
+# ---- helpers ----------------------------------------------------------------------------------
 
-    folder = Path(folder)
-    if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"model folder {folder}: no *.safetensors files (pickled weights are not loaded)")
-    with ckpt.quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False,
-                                                     use_safetensors=True)
-    model.to(device)
-    model.train(trainable)
-    if not trainable:
-        model.requires_grad_(False)
-    return model
-
-
-def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, start_step: int, policy, cfg,
-                              temperature: float, pad_id: int, device, autocast: bool) -> pa.Table:
+def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
+                              token_budget: int) -> pa.Table:
     """`table` with behavior_logprobs replaced by the log-probs of the policy at the start of
     this segment. Computed once and cached under RUN/_train/, so a resumed run uses the same
     values rather than those of its (already updated) weights."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
-    cache = run_dir / "_train" / f"old_logprobs-{segment['fingerprint'][:16]}-step{segment['start_step']}.safetensors"
+    cache = (run_dir / TRAIN_CACHE_DIR /
+             f"old_logprobs-{segment['fingerprint'][:16]}-step{segment['start_step']}.safetensors")
     if cache.is_file():
         flat = load_file(cache)["logprobs"]
     elif segment["start_step"] != start_step:
@@ -256,21 +298,16 @@ def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, sta
                          f"{segment['start_step']} cannot be rebuilt from step {start_step}'s weights")
     else:
         flat_parts = [None] * table.num_rows
-        policy.eval()
+        ctx.policy.eval()
         with torch.no_grad():
-            for mb in policy_batches(table, cfg.token_budget, pad_id=pad_id):
-                mb = mb.to(device)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                    logp = token_logprobs(policy, mb.input_ids, mb.attention_mask, mb.target_mask,
-                                          temperature=temperature)
+            for mb in policy_batches(table, token_budget, pad_id=ctx.pad_id):
+                mb = mb.to(ctx.device)
+                logp = ctx.logprobs(ctx.policy, mb)
                 for i, row in enumerate(mb.rows.tolist()):
                     flat_parts[row] = logp[i][mb.target_mask[i]].float().cpu()
-        policy.train()
+        ctx.policy.train()
         flat = torch.cat(flat_parts)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        save_file({"logprobs": flat.contiguous()}, tmp)
-        os.replace(tmp, cache)
+        write_atomic(cache, save({"logprobs": flat.contiguous()}))
     lengths = [len(x) for x in table.column("response_token_ids").to_pylist()]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.numpy(), pa.float32()))
@@ -284,25 +321,3 @@ def _longest_response(table: pa.Table) -> int:
     columns = ["chosen_token_ids", "rejected_token_ids"] if "chosen_token_ids" in table.column_names \
         else ["response_token_ids"]
     return max(int(pc.max(pc.list_value_length(table.column(c))).as_py() or 1) for c in columns)
-
-
-def _drop_metrics_after(path: Path, step: int) -> None:
-    """Remove step records after `step` (written by a run killed before its next checkpoint);
-    they are recomputed, identically, by the resumed run. Other records are kept."""
-    if not path.is_file():
-        return
-    lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and not _is_step_after(line, step)]
-    if len(kept) == len([line for line in lines if line.strip()]):
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-
-
-def _is_step_after(line: str, step: int) -> bool:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return True  # a line cut by a kill
-    return record.get("event") == "step" and int(record.get("step", 0)) > step
