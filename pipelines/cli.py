@@ -1,4 +1,9 @@
-"""`groupforge ...`: the command line. Flags map 1:1 to function arguments; no hidden globals.
+"""`groupforge ...`: the command line; no hidden globals.
+
+The flags of `generate` and `train` are built from the pydantic models they fill
+(`curation.generate.base.SamplingConfig` and `GeneratorConfig`, `training.config.TrainConfig`)
+by `pipelines.cli_options`, so each maps 1:1 to a spec field with the field's type, default
+and help text.
 
 Exit codes: 0 ok, 2 bad input (a table, file or flag is wrong: the message says which),
 3 the run is locked by another job (with --no-wait), 1 anything unexpected.
@@ -8,13 +13,21 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from curation.generate.base import GeneratorConfig, SamplingConfig
+from curation.store import RunLockedError, RunStore
+from pipelines.cli_options import OVERRIDES, build, model_options
+from training.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_LOCKED = 3
@@ -31,6 +44,29 @@ def _fail(message: str, code: int) -> "typer.Exit":
     return typer.Exit(code)
 
 
+@contextmanager
+def _exit_codes() -> Iterator[None]:
+    """Bad input (a table, file, flag or spec: SchemaError and pydantic's ValidationError are
+    ValueErrors) -> one error line, exit 2; a run locked by another job -> exit 3."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    except RunLockedError as exc:
+        raise _fail(str(exc), EXIT_LOCKED) from None
+
+
+def _run_folder(run: Path) -> Path:
+    if not run.is_dir():
+        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    return run
+
+
+def _lock(run: Path, no_wait: bool):
+    """The run's writer lock, waiting (and saying so) unless --no-wait."""
+    return RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}"))
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -44,52 +80,36 @@ def _progress() -> Progress:
 
 
 @app.command()
+@model_options(SamplingConfig, GeneratorConfig, aliases={"group_size": ["-G"]})
 def generate(
     model: Path = typer.Option(..., "--model", help="Hugging Face model folder (safetensors)."),
     prompts: Path = typer.Option(..., "--prompts", help="Parquet or JSONL file with a 'prompt' or 'messages' column."),
-    group_size: int = typer.Option(8, "--group-size", "-G", help="Responses sampled per prompt."),
     out: Path = typer.Option(..., "--out", help="Run folder to write tables into."),
-    backend: str = typer.Option("vllm", "--backend", help="vllm | hf"),
     round: int = typer.Option(0, "--round", help="Round number (hive partition round=<n>)."),
-    max_tokens: int = typer.Option(64, "--max-tokens", help="Longest response in tokens."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1.0 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Top-k sampling (0 = off)."),
-    seed: int = typer.Option(0, "--seed", help="Base seed; per-prompt seeds derive from it, the round and prompt_id."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length (default: the model's)."),
-    chunk_prompts: int = typer.Option(256, "--chunk-prompts", help="Prompts per engine call; finished chunks survive a kill."),
     force: bool = typer.Option(False, "--force", help="Regenerate even if the round is up to date."),
-    no_wait: bool = typer.Option(False, "--no-wait", help="Exit (code 3) instead of waiting when another job holds the run."),
+    no_wait: bool = typer.Option(False, "--no-wait",
+                                 help="Exit (code 3) instead of waiting when another job holds the run."),
+    overrides: dict = OVERRIDES,
 ) -> None:
     """Sample G responses per prompt and write samples (with behavior_logprobs) to RUN/samples/round=<n>/."""
-    from curation.generate.base import SamplingConfig, load_prompts
+    from curation.generate.base import load_prompts
     from curation.generate.stage import generate as run_generate
-    from curation.schema import SchemaError
-    from curation.store import RunLockedError, RunStore
 
-    if backend not in {"vllm", "hf"}:
-        raise _fail(f"--backend must be 'vllm' or 'hf', got {backend!r}", EXIT_BAD_INPUT)
     if not (model / "config.json").is_file():
         raise _fail(f"--model {model}: not a Hugging Face model folder (no config.json)", EXIT_BAD_INPUT)
-    try:
-        sampling = SamplingConfig(group_size=group_size, max_tokens=max_tokens, temperature=temperature,
-                                  top_p=top_p, top_k=top_k, seed=seed)
-        load_prompts(prompts)  # fail on a bad prompts file before any lock, engine or progress bar
-        store = RunStore(out)
-        with store.lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}")):
+    with _exit_codes():
+        sampling = build(SamplingConfig, overrides)
+        settings = build(GeneratorConfig, overrides)
+        load_prompts(prompts)  # fail on a bad prompts file before any lock, generator or progress bar
+        with _lock(out, no_wait):
             with _progress() as bar:
                 task = bar.add_task(f"generate round {round}", total=None)
                 result = run_generate(
-                    out, prompts, sampling, model=model, backend=backend, round=round, force=force,
-                    chunk_prompts=chunk_prompts,
+                    out, prompts, sampling, model=model, backend=settings.backend, round=round, force=force,
+                    chunk_prompts=settings.chunk_prompts,
                     progress=lambda done, total: bar.update(task, completed=done, total=total),
-                    generator_kwargs={"dtype": dtype, "max_model_len": max_model_len},
+                    generator_kwargs=settings.generator_kwargs(),
                 )
-    except (SchemaError, FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
-    except RunLockedError as exc:
-        raise _fail(str(exc), EXIT_LOCKED) from None
     if result.skipped:
         m = result.manifest
         console.print(
@@ -99,7 +119,8 @@ def generate(
         return
     tokens_per_s = result.response_tokens / result.sample_seconds if result.sample_seconds else 0.0
     summary = Table(title=f"generate round {round}", show_header=True)
-    for column in ("prompts", "rejected (too long)", "samples", "response tokens", "resumed chunks", "seconds", "sampling tokens/s"):
+    for column in ("prompts", "rejected (too long)", "samples", "response tokens", "resumed chunks", "seconds",
+                   "sampling tokens/s"):
         summary.add_column(column, justify="right")
     summary.add_row(str(result.prompts), str(result.rejected_prompts), str(result.samples), str(result.response_tokens),
                     str(result.resumed_chunks), f"{result.seconds:.1f}", f"{tokens_per_s:,.0f}")
@@ -110,43 +131,38 @@ def generate(
 def inspect(
     run: Path = typer.Argument(..., help="Run folder."),
     rows: int = typer.Option(3, "--rows", help="Example rows to show per table."),
+    stages: bool = typer.Option(False, "--stages", help="Print the stage graph instead: each stage, the tables "
+                                                          "it reads and writes, its last run, rows in and out."),
 ) -> None:
-    """Row counts per table and round, stage manifests, and a few example rows."""
-    from pipelines.inspect import inspect_run
+    """Rows per table and round, stage manifests and example rows; with --stages, the stage graph."""
+    from pipelines import inspect as inspect_module
 
-    if not run.is_dir():
-        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
-    try:
-        inspect_run(run, rows, console)
-    except ValueError as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    _run_folder(run)
+    with _exit_codes():
+        if stages:
+            inspect_module.print_stage_graph(run, console)
+        else:
+            inspect_module.inspect_run(run, rows, console)
 
 
-def _curate(stages: tuple[str, ...], run: Path, round: Optional[int], config: Optional[Path], force: bool,
+def _curate(stages: tuple[str, ...], run: Path, only_round: Optional[int], config: Optional[Path], force: bool,
             no_wait: bool) -> None:
     """Run curation stages over rounds under the run's lock, then print one summary table."""
-    from curation.schema import SchemaError
-    from curation.store import RunLockedError, RunStore
     from pipelines.curate import load_curation_spec, rounds_to_process, run_stage
 
-    if not run.is_dir():
-        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    _run_folder(run)
     reports = []
-    try:
+    with _exit_codes():
         spec = load_curation_spec(config)
-        rounds = rounds_to_process(run, round)
-        with RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}")):
+        rounds = rounds_to_process(run, only_round)
+        with _lock(run, no_wait):
             with _progress() as bar:
                 task = bar.add_task("curate", total=len(rounds) * len(stages))
-                for r in rounds:
+                for round in rounds:
                     for stage in stages:
-                        bar.update(task, description=f"{stage} round {r}")
-                        reports.append(run_stage(stage, run, r, spec, force=force))
+                        bar.update(task, description=f"{stage} round {round}")
+                        reports.append(run_stage(stage, run, round, spec, force=force))
                         bar.advance(task)
-    except (SchemaError, FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
-    except RunLockedError as exc:
-        raise _fail(str(exc), EXIT_LOCKED) from None
     table = Table(title=f"{run}: curation")
     for column in ("stage", "round", "rows in", "rows out", "dropped", "drops by reason", "seconds"):
         table.add_column(column, justify="left" if column in ("stage", "drops by reason") else "right")
@@ -159,45 +175,33 @@ def _curate(stages: tuple[str, ...], run: Path, round: Optional[int], config: Op
 
 
 _ROUND = typer.Option(None, "--round", help="Only this round (default: every round with samples).")
-_CONFIG = typer.Option(None, "--config", help="TOML spec with [score] [filter] [label] [pair] sections.")
+_CONFIG = typer.Option(None, "--config", help=escape("TOML spec with [score] [filter] [label] [pair] sections."))
 _FORCE = typer.Option(False, "--force", help="Rerun even if up to date.")
 _NO_WAIT = typer.Option(False, "--no-wait", help="Exit (code 3) instead of waiting for another job's lock.")
 
 
-@app.command()
-def score(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
-          config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
-    """Apply reward functions: RUN/scores (one column per reward + the weighted `reward`)."""
-    _curate(("score",), run, round, config, force, no_wait)
+_CURATE_COMMANDS = {
+    "score": (("score",), "Apply reward functions: RUN/scores (one column per reward + the weighted `reward`)."),
+    "filter": (("filter",), "Drop zero-variance groups, duplicates, ... : every dropped row lands in RUN/rejects "
+                            "with a reason."),
+    "label": (("label",), "Group statistics and advantages: RUN/groups."),
+    "pair": (("pair",), "Preference pairs inside groups, with soft labels: RUN/pairs."),
+    "curate": (("score", "filter", "label", "pair"), "score, filter, label and pair in order (defaults: "
+               "exact_match, zero-variance and duplicate filters, grpo advantages, max_min soft-label pairs)."),
+}
 
 
-@app.command("filter")
-def filter_(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
-            config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
-    """Drop zero-variance groups, duplicates, ... : every dropped row lands in RUN/rejects with a reason."""
-    _curate(("filter",), run, round, config, force, no_wait)
+def _curate_command(stages: tuple[str, ...], doc: str):
+    def command(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
+                config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
+        _curate(stages, run, round, config, force, no_wait)
+
+    command.__doc__ = doc
+    return command
 
 
-@app.command()
-def label(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
-          config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
-    """Group statistics and advantages: RUN/groups."""
-    _curate(("label",), run, round, config, force, no_wait)
-
-
-@app.command()
-def pair(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
-         config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
-    """Preference pairs inside groups, with soft labels: RUN/pairs."""
-    _curate(("pair",), run, round, config, force, no_wait)
-
-
-@app.command()
-def curate(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
-           config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = _NO_WAIT) -> None:
-    """score, filter, label and pair in order (defaults: exact_match, zero-variance and
-    duplicate filters, grpo advantages, max_min soft-label pairs)."""
-    _curate(("score", "filter", "label", "pair"), run, round, config, force, no_wait)
+for _name, (_stages, _doc) in _CURATE_COMMANDS.items():
+    app.command(_name)(_curate_command(_stages, _doc))
 
 
 @app.command()
@@ -206,101 +210,45 @@ def export(
     format: str = typer.Option("preference", "--format", help="preference | prompt_only | unpaired | sft"),
     style: str = typer.Option("standard", "--style", help="standard (text) | conversational (messages)"),
     round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Parquet file (default RUN/exports/<format>-<style>.parquet)."),
+    out: Optional[Path] = typer.Option(None, "--out",
+                                       help="Parquet file (default RUN/exports/<format>-<style>.parquet)."),
 ) -> None:
     """Write a TRL-format dataset (Parquet, loadable with datasets.load_dataset)."""
     from pydantic import ValidationError
 
-    from curation.schema import SchemaError
     from curation.stages.export import ExportConfig
     from curation.stages.export import run as run_export
 
-    if not run.is_dir():
-        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    _run_folder(run)
     try:
         cfg = ExportConfig(format=format, style=style, rounds=round or None)
-        path, rows = run_export(run, cfg, out)
     except ValidationError as exc:
         raise _fail("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors()), EXIT_BAD_INPUT) from None
-    except (SchemaError, ValueError) as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
+    with _exit_codes():
+        path, rows = run_export(run, cfg, out)
     console.print(f"wrote {rows} rows ({format}, {style}) to {path}")
 
 
-def _parse_rounds(text: Optional[str]) -> Optional[list[int]]:
-    """'0,1,3' or '2-5' or '0,2-4' -> a list of rounds; None stays None."""
-    if text is None:
-        return None
-    rounds: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            rounds.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
-    except ValueError:
-        raise _fail(f"--rounds {text!r}: expected numbers like 0,1,3 or 2-5", EXIT_BAD_INPUT) from None
-    return rounds
-
-
 @app.command()
+@model_options(TrainConfig)
 def train(
     run: Path = typer.Argument(..., help="Run folder with curated tables."),
     steps: int = typer.Option(..., "--steps", help="Train until this optimizer step (total, across calls)."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Base model folder (needed when RUN has no checkpoint)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with a [train] section; flags override it."),
-    objective: Optional[str] = typer.Option(None, "--objective", help="grpo | gspo | gspo_token | pairwise | sft"),
-    rounds: Optional[str] = typer.Option(None, "--rounds", help="Rounds to train on, e.g. 0,1 or 0-3 (default: all)."),
-    max_staleness: Optional[int] = typer.Option(None, "--max-staleness", help="Drop rounds older than this (in rounds)."),
-    sft_min_reward: Optional[float] = typer.Option(None, "--sft-min-reward", help="sft: reward >= this (default: advantage > 0)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sequences (pairwise: pairs) per step."),
-    token_budget: Optional[int] = typer.Option(None, "--token-budget", help="Padded tokens per micro-batch."),
-    old_logprobs: Optional[str] = typer.Option(None, "--old-logprobs", help="generator | recompute"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Default: the rounds' sampling temperature."),
-    eps_low: Optional[float] = typer.Option(None, "--eps-low", help="Lower clip range."),
-    eps_high: Optional[float] = typer.Option(None, "--eps-high", help="Upper clip range."),
-    dual_clip: Optional[float] = typer.Option(None, "--dual-clip", help="Dual-clip constant c > 1."),
-    beta: Optional[float] = typer.Option(None, "--beta", help="KL weight, or pairwise temperature."),
-    kl: Optional[str] = typer.Option(None, "--kl", help="k1 | k2 | k3"),
-    agg: Optional[str] = typer.Option(None, "--agg", help="token-mean | seq-mean-token-mean | seq-mean-token-sum-norm"),
-    norm_len: Optional[int] = typer.Option(None, "--norm-len", help="seq-mean-token-sum-norm constant."),
-    gamma: Optional[float] = typer.Option(None, "--gamma", help="Pairwise margin."),
-    length_normalize: Optional[bool] = typer.Option(None, "--length-normalize/--no-length-normalize", help="Pairwise: mean log-prob."),
-    reference: Optional[bool] = typer.Option(None, "--reference/--no-reference", help="Pairwise: use the reference model (DPO)."),
-    ref_model: Optional[str] = typer.Option(None, "--ref-model", help="Reference model folder (default: the base model)."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate."),
-    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", help="AdamW weight decay."),
-    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warmup steps."),
-    lr_schedule: Optional[str] = typer.Option(None, "--lr-schedule", help="constant | cosine"),
-    decay_steps: Optional[int] = typer.Option(None, "--decay-steps", help="cosine: step of the final lr."),
-    max_grad_norm: Optional[float] = typer.Option(None, "--max-grad-norm", help="Gradient clipping norm (0: off)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto | float32 | bfloat16"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the row order."),
-    save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps."),
-    keep_last: Optional[int] = typer.Option(None, "--keep-last", help="Checkpoints kept (0: all)."),
+    model: Optional[Path] = typer.Option(None, "--model",
+                                         help="Base model folder (needed when RUN has no checkpoint)."),
+    config: Optional[Path] = typer.Option(None, "--config", help=escape("TOML file with a [train] section; the "
+                                                                        "flags given override its keys.")),
     no_wait: bool = _NO_WAIT,
+    overrides: dict = OVERRIDES,
 ) -> None:
     """Train on the run's curated tables; checkpoints in RUN/checkpoints, one line per step in RUN/metrics.jsonl."""
-    from curation.schema import SchemaError
-    from curation.store import RunLockedError, RunStore
     from pipelines.spec import load_section
-    from training.config import TrainConfig
     from training.trainer import train as run_train
 
-    flags = dict(objective=objective, rounds=_parse_rounds(rounds), max_staleness=max_staleness,
-                 sft_min_reward=sft_min_reward, batch_size=batch_size, token_budget=token_budget,
-                 old_logprobs=old_logprobs, temperature=temperature, eps_low=eps_low, eps_high=eps_high,
-                 dual_clip=dual_clip, beta=beta, kl=kl, agg=agg, norm_len=norm_len, gamma=gamma,
-                 length_normalize=length_normalize, reference=reference, ref_model=ref_model, lr=lr,
-                 weight_decay=weight_decay, warmup_steps=warmup_steps, lr_schedule=lr_schedule,
-                 decay_steps=decay_steps, max_grad_norm=max_grad_norm, dtype=dtype, seed=seed,
-                 save_every=save_every, keep_last=keep_last)
-    if not run.is_dir():
-        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
-    try:
-        cfg = load_section(TrainConfig, config, "train", overrides=flags)
-    except ValueError as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
-    try:
-        with RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}")):
+    _run_folder(run)
+    with _exit_codes():
+        cfg = load_section(TrainConfig, config, "train", overrides=overrides)
+        with _lock(run, no_wait):
             with _progress() as bar:
                 task = bar.add_task(f"train {cfg.objective}", total=None)
 
@@ -309,10 +257,6 @@ def train(
                                description=f"train {cfg.objective} step {metrics['step']} loss {metrics['loss']:.4f}")
 
                 result = run_train(run, cfg, steps=steps, model=model, progress=progress)
-    except (SchemaError, FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
-    except RunLockedError as exc:
-        raise _fail(str(exc), EXIT_LOCKED) from None
     if result.skipped:
         console.print(f"{run}: already at step {result.end_step} (>= --steps {steps}); nothing to do")
         return
@@ -351,18 +295,15 @@ def _round_row(table: Table, rec: dict) -> None:
                   f"{rec.get('train_tokens_per_s', 0):,.0f}", f"{rec.get('wall_seconds', 0):.1f}")
 
 
-def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int], no_wait: bool) -> tuple[Path, list[dict]]:
+def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int],
+             no_wait: bool) -> tuple[Path, list[dict]]:
     """Run one spec (a file or a PipelineSpec) to its last round, printing a line per round;
     returns (run folder, round records)."""
-    from curation.schema import SchemaError
-    from curation.store import RunLockedError
     from pipelines.run import run_pipeline
     from pipelines.spec import load_spec
 
-    try:
+    with _exit_codes():
         parsed = load_spec(spec) if isinstance(spec, Path) else spec
-    except ValueError as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
     folder = run_dir or Path("runs") / parsed.run.name
     console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
 
@@ -373,14 +314,10 @@ def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int
                       f"pairs {rec.get('pairs', 0)}  policy {rec.get('policy_version', 0)}  "
                       f"{rec.get('wall_seconds', 0):.1f}s", highlight=False)
 
-    try:
+    with _exit_codes():
         records = run_pipeline(parsed, run_dir=folder, extra_rounds=extra, wait=not no_wait,
                                log=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False),
                                on_round=on_round)
-    except (SchemaError, FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
-    except RunLockedError as exc:
-        raise _fail(str(exc), EXIT_LOCKED) from None
     return folder, records
 
 
@@ -411,27 +348,24 @@ def report(run: Path = typer.Argument(..., help="Run folder.")) -> None:
     """Rebuild RUN/report/ (plots and summary.md) from RUN/metrics.jsonl."""
     from pipelines.report import report_run
 
-    try:
+    with _exit_codes():
         folder = report_run(run)
-    except ValueError as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
     console.print(f"wrote {folder}")
 
 
 @app.command()
 def compare(
     specs: list[Path] = typer.Argument(..., help="Pipeline specs, or one compare file (pipelines/specs/compare.toml)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Folder for the runs and the report (default: runs/compare)."),
+    out: Optional[Path] = typer.Option(None, "--out",
+                                       help="Folder for the runs and the report (default: runs/compare)."),
     no_wait: bool = _NO_WAIT,
 ) -> None:
     """Run each spec from the same starting model at equal data, then write OUT/report/compare.{png,md}."""
     from pipelines.report import report_compare
     from pipelines.spec import load_compare
 
-    try:
+    with _exit_codes():
         parsed, default_out = load_compare(specs)
-    except ValueError as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
     out = out or default_out or Path("runs/compare")
     runs = {}
     for spec in parsed.values():

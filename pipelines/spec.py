@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from curation.generate.base import GeneratorConfig, SamplingConfig, SamplingSettings
 from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
@@ -88,19 +89,15 @@ class PromptsSection(_Section):
     eval_limit: int | None = Field(None, ge=1, description="Evaluate on the first N eval prompts (default: all).")
 
 
-class GeneratorSection(_Section):
-    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (a live engine kept across rounds) or hf.")
-    group_size: int = Field(8, ge=1, description="G: responses per prompt.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer uses the same).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1.0 = off).")
-    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
-    max_tokens: int = Field(64, ge=1, description="Longest response in tokens.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Engine dtype.")
-    max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on CUDA: share of GPU memory "
-                                                                      "for the engine (the trainer needs the rest).")
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
-    chunk_prompts: int = Field(256, ge=1, description="Prompts per engine call; finished chunks survive a kill.")
+class GeneratorSection(GeneratorConfig, SamplingSettings):
+    """How groups are sampled: `curation.generate.base`'s sampling settings and generator
+    settings in one section (the seed is run.seed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def sampling(self, seed: int) -> SamplingConfig:
+        """The sampling settings of this section with `seed` (the spec's run.seed)."""
+        return SamplingConfig(**self.model_dump(include=set(SamplingSettings.model_fields)), seed=seed)
 
 
 class EvalSection(_Section):
@@ -127,6 +124,9 @@ class PipelineSpec(_Section):
     def _check(self) -> "PipelineSpec":
         if self.train.rounds is not None:
             raise ValueError("train.rounds is set by the round loop (this round plus run.replay_rounds); remove it")
+        if "seed" in self.train.model_fields_set:
+            raise ValueError("train.seed is set by the round loop from run.seed (one seed for prompt choice, "
+                             "sampling and row order); remove it and set run.seed")
         if self.train.temperature not in (None, self.generator.temperature):
             raise ValueError(f"train.temperature {self.train.temperature} differs from generator.temperature "
                              f"{self.generator.temperature}: log-probs must use the sampling temperature")

@@ -1,62 +1,117 @@
-"""What every generator backend shares: sampling settings, prompt loading and seeds.
+"""What every generator shares: its settings, the `Generator` protocol, prompt loading and seeds.
 
-A backend turns token-id prompts into G completions each, with one log-prob per sampled
-token under the *sampling* distribution (logits / temperature, after top-p/top-k), so the
-trainer can use them as `old_logp` directly:
+A generator (`Generator`, started by `curation.generate.stage.make_generator`; its backend is
+"vllm" or "hf") turns token-id prompts into G completions each, with one log-prob per
+sampled token under the *sampling* distribution (logits / temperature, after top-p/top-k),
+so the trainer can use them as `old_logp` directly:
 
     behavior_logprobs[t] = log softmax(processed_logits_t)[y_t]
 
 Both backends return the EOS token (when the response stopped on it) as the last
 response token, with its log-prob: the trainer must learn to stop too.
+
+The settings are written once, here: `SamplingConfig` (how to sample, recorded in the
+generate manifest) and `GeneratorConfig` (which backend, dtype, memory, chunking). A spec's
+[generator] section (`pipelines.spec.GeneratorSection`) is both but the seed, and the
+`groupforge generate` flags are built from these fields.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Literal, Mapping, Protocol, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from curation.schema import SchemaError, validate
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How responses are sampled. Recorded in the generate manifest."""
+class SamplingSettings(BaseModel):
+    """How responses are sampled, but for the seed (a spec's seed is run.seed)."""
 
-    group_size: int = 8
-    """G: responses sampled per prompt."""
-    max_tokens: int = 64
-    """Longest response in tokens; longer ones end with finish_reason = 'length'."""
-    temperature: float = 1.0
-    """Logits are divided by this before sampling (and before behavior_logprobs)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass; 1.0 = off."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 = off."""
-    seed: int = 0
-    """Base seed; each prompt's seed is derived from (seed, round, prompt_id)."""
+    model_config = ConfigDict(extra="forbid")
 
-    def __post_init__(self) -> None:
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature} (greedy decoding is not sampling)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    group_size: int = Field(8, description="G: responses sampled per prompt.")
+    max_tokens: int = Field(64, description="Longest response in tokens; longer ones end with finish_reason "
+                                            "'length'.")
+    temperature: float = Field(1.0, description="Logits are divided by this before sampling and before "
+                                                "behavior_logprobs (the trainer uses the same).")
+    top_p: float = Field(1.0, description="Nucleus sampling mass (1.0 = off).")
+    top_k: int = Field(0, description="Keep the k most likely tokens (0 = off).")
+
+    @field_validator("group_size", "max_tokens")
+    @classmethod
+    def _positive(cls, value: int, info: ValidationInfo) -> int:
+        if value < 1:
+            raise ValueError(f"{info.field_name} must be >= 1, got {value}")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _sampling_temperature(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(f"temperature must be > 0, got {value} (greedy decoding is not sampling)")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _nucleus(cls, value: float) -> float:
+        if not 0 < value <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"top_k must be >= 0, got {value}")
+        return value
+
+
+class SamplingConfig(SamplingSettings):
+    """How responses are sampled, with the seed. Recorded in the generate manifest."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seed: int = Field(0, description="Base seed; each prompt's seed is derived from (seed, round, prompt_id).")
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return self.model_dump()
+
+
+class GeneratorConfig(BaseModel):
+    """Which generator runs and how: what a spec's [generator] section holds besides sampling."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (a live engine kept across rounds) or hf "
+                                                               "(transformers).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and activations "
+                                                                                    "of the generator.")
+    max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on CUDA: share of GPU memory for "
+                                                                       "the engine (the trainer needs the rest).")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
+    chunk_prompts: int = Field(256, ge=1, description="Prompts per sampling call; finished chunks survive a kill.")
+
+    def generator_kwargs(self) -> dict:
+        """The keyword arguments of this backend's generator class (`make_generator`)."""
+        kwargs: dict = {"dtype": self.dtype, "max_model_len": self.max_model_len}
+        if self.backend == "vllm":
+            kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization,
+                          tensor_parallel_size=self.tensor_parallel_size)
+        return kwargs
+
+
+GENERATOR_DEFAULTS = GeneratorConfig()
+"""The defaults the generators and `generate()` take when not told otherwise."""
 
 
 @dataclass
@@ -68,7 +123,9 @@ class Completion:
 
 
 class Generator(Protocol):
-    """A live generator. `sample` returns, per prompt, `group_size` completions."""
+    """A live generator: a model loaded once and sampled many times (kept across rounds;
+    `update_weights` loads a new policy in place). `sample` returns, per prompt,
+    `cfg.group_size` completions; `greedy` the greedy response text, for evaluation."""
 
     name: str
     max_model_len: int

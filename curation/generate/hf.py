@@ -1,5 +1,5 @@
-"""The transformers backend: batched `generate` with sampling — the fallback where vLLM
-does not run, and the reference the vLLM backend is benchmarked against.
+"""The transformers generator (backend "hf"): batched `generate` with sampling — the fallback
+where vLLM does not run, and the reference the vLLM generator is benchmarked against.
 
 Prompts are left-padded into batches; each batch draws its G samples per prompt with
 `num_return_sequences=G` under a torch seed derived from its first prompt's seed (the
@@ -15,25 +15,26 @@ from typing import Sequence
 
 import torch
 
-from curation.generate.base import Completion, SamplingConfig, tokenize_prompt
+from curation.generate.base import GENERATOR_DEFAULTS, Completion, SamplingConfig, tokenize_prompt
 from curation.generate.weights import load_state_dict, weights_fingerprint
 
 
 class HFGenerator:
-    """transformers AutoModelForCausalLM sampling in batches of prompts."""
+    """A `Generator` on a transformers AutoModelForCausalLM, sampling in batches of prompts
+    (defaults: `GENERATOR_DEFAULTS`)."""
 
     name = "hf"
 
     def __init__(
         self,
         model: str | Path,
-        dtype: str = "float32",
+        dtype: str = GENERATOR_DEFAULTS.dtype,
         device: str | None = None,
         batch_size: int = 64,
         scores_budget_bytes: int = 1 << 30,
         trust_remote_code: bool = False,
         policy_version: int = 0,
-        max_model_len: int | None = None,
+        max_model_len: int | None = GENERATOR_DEFAULTS.max_model_len,
     ) -> None:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -3,7 +3,7 @@
     prompts file ──load_prompts──> prompt_id, prompt|messages, reference, metadata
         │ tokenize; len(prompt) >= max_model_len  ──> rejects (generate, prompt_too_long)
         ▼
-    backend.sample(chunk of prompts, per-prompt seeds, n=G) ──> RUN/_staging/generate-round=<n>/chunk-*.parquet
+    generator.sample(chunk of prompts, per-prompt seeds, n=G) ──> RUN/_staging/generate-round=<n>/chunk-*.parquet
         ▼ (all chunks done)
     one atomic commit: samples/round=<n>/part-generate.parquet, rejects/..., prompts/part-<fp>.parquet,
     then _manifests/generate-round=<n>.json
@@ -11,12 +11,16 @@
 Finished chunks survive a kill and are reused by the rerun (when inputs and config are
 unchanged); nothing reaches a table folder before the last chunk is done. A rerun of a
 finished round with the same inputs and config does nothing (the manifest says it is up to
-date), without starting an engine. Callers hold the run's lock (`RunStore.lock()`).
+date), without starting a generator. Callers hold the run's lock (`RunStore.lock()`).
+
+A generator is started here by `make_generator(backend, model)` (backend "vllm" or "hf"),
+or passed in live (the round loop keeps one across rounds); its defaults are
+`curation.generate.base.GENERATOR_DEFAULTS`.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -26,12 +30,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from curation.generate.base import Generator, SamplingConfig, load_prompts, prompt_seed
+from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
 from curation.generate.weights import weights_fingerprint
+from curation.runlog import read_json, write_atomic, write_json_atomic
 from curation.schema import SCHEMAS, validate
+from curation.stages.common import rejects_table
 from curation.store import RunStore, config_hash, fingerprint_file
 
 STAGE = "generate"
+READS = ("prompts file", "model weights")
+WRITES = ("samples", "rejects", "prompts")
 
 
 @dataclass
@@ -45,12 +53,13 @@ class GenerateResult:
     seconds: float = 0.0
     resumed_chunks: int = 0
     sample_seconds: float = 0.0
-    """Time inside the engine's sampling calls (no start-up, no I/O)."""
+    """Time inside the generator's sampling calls (no start-up, no I/O)."""
     manifest: dict = field(default_factory=dict)
 
 
 def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
-    """Start a generator backend by name: 'vllm' or 'hf'."""
+    """Start a generator of `backend` ('vllm' or 'hf') on a model folder; `kwargs` go to
+    its class (`GeneratorConfig.generator_kwargs()` gives them from a spec's settings)."""
     if backend == "vllm":
         from curation.generate.vllm import VLLMGenerator
 
@@ -68,20 +77,20 @@ def generate(
     sampling: SamplingConfig,
     *,
     model: str | Path | None = None,
-    backend: str = "vllm",
+    backend: str = GENERATOR_DEFAULTS.backend,
     generator: Generator | None = None,
     round: int = 0,
     run_id: str | None = None,
     force: bool = False,
-    chunk_prompts: int = 256,
+    chunk_prompts: int = GENERATOR_DEFAULTS.chunk_prompts,
     progress=None,
     generator_kwargs: dict | None = None,
 ) -> GenerateResult:
     """Sample `sampling.group_size` responses for every prompt in `prompts_file`.
 
-    Pass a live `generator` (kept across rounds) or a `model` folder and `backend` name (an
-    engine is started only when there is work to do). `progress(done, total)` is called as
-    prompts finish.
+    Pass a live `generator` (kept across rounds) or a `model` folder and `backend` name (a
+    generator is started, with `generator_kwargs`, only when there is work to do).
+    `progress(done, total)` is called as prompts finish.
     """
     if generator is None and model is None:
         raise ValueError("generate needs a model folder or a live generator")
@@ -126,19 +135,9 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
     # A prompt as long as the context would abort a whole vLLM batch: reject it up front.
     too_long = [i for i, ids in enumerate(token_ids) if len(ids) >= generator.max_model_len]
     todo = [i for i, ids in enumerate(token_ids) if len(ids) < generator.max_model_len]
-    rejects = pa.table(
-        {
-            "run_id": [run_id] * len(too_long),
-            "round": pa.array([round] * len(too_long), pa.int32()),
-            "prompt_id": [prompt_ids[i] for i in too_long],
-            "sample_idx": pa.nulls(len(too_long), pa.int32()),
-            "stage": [STAGE] * len(too_long),
-            "reason": ["prompt_too_long"] * len(too_long),
-            "detail": [
-                f"{len(token_ids[i])} prompt tokens >= max_model_len {generator.max_model_len}" for i in too_long
-            ],
-        }
-    )
+    rejects = rejects_table(
+        run_id, round, [prompt_ids[i] for i in too_long], [None] * len(too_long), STAGE, "prompt_too_long",
+        [f"{len(token_ids[i])} prompt tokens >= max_model_len {generator.max_model_len}" for i in too_long])
 
     staging = _staging(store, round, inputs, config)
     chunks = [todo[s : s + chunk_prompts] for s in range(0, len(todo), chunk_prompts)]
@@ -156,9 +155,7 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
             sample_seconds += time.perf_counter() - tic
             table = _samples_table(run_id, round, sampling, generator, [prompt_ids[i] for i in chunk],
                                    [token_ids[i] for i in chunk], seeds, groups)
-            tmp = path.with_suffix(".tmp")
-            pq.write_table(table, tmp)
-            tmp.replace(path)
+            write_atomic(path, functools.partial(pq.write_table, table))
         done_prompts += len(chunk)
         if progress is not None:
             progress(done_prompts + len(too_long), len(prompt_ids))
@@ -200,11 +197,11 @@ def _staging(store: RunStore, round: int, inputs: dict, config: dict) -> Path:
     staging = store.staging_dir(STAGE, round)
     key = {"inputs": inputs, "config_hash": config_hash(config)}
     meta = staging / "staging.json"
-    if meta.exists() and json.loads(meta.read_text()) == key:
+    if read_json(meta) == key:
         return staging
     shutil.rmtree(staging)
     staging.mkdir(parents=True)
-    meta.write_text(json.dumps(key))
+    write_json_atomic(meta, key)
     return staging
 
 

@@ -1,4 +1,4 @@
-"""The vLLM backend: one in-process engine kept alive across calls and rounds.
+"""The vLLM generator (backend "vllm"): one in-process vLLM engine kept alive across calls and rounds.
 
 - `SamplingParams(n=G, logprobs=0, seed=prompt_seed)` per prompt: the sampled token's
   log-prob comes back with every token; vLLM gives child i of a group seed + i.
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from curation.generate.base import Completion, SamplingConfig, tokenize_prompt
+from curation.generate.base import GENERATOR_DEFAULTS, Completion, SamplingConfig, tokenize_prompt
 from curation.generate.weights import load_state_dict, weights_fingerprint
 
 
@@ -30,24 +30,25 @@ def _set_cpu_defaults() -> None:
 
 
 class VLLMGenerator:
-    """A live vLLM engine for one model."""
+    """A `Generator` on a live vLLM engine for one model (defaults: `GENERATOR_DEFAULTS`;
+    `seed` is the engine's, each prompt's group gets its own from `prompt_seed`)."""
 
     name = "vllm"
 
     def __init__(
         self,
         model: str | Path,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
+        dtype: str = GENERATOR_DEFAULTS.dtype,
+        max_model_len: int | None = GENERATOR_DEFAULTS.max_model_len,
         seed: int = 0,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = GENERATOR_DEFAULTS.tensor_parallel_size,
+        gpu_memory_utilization: float = GENERATOR_DEFAULTS.gpu_memory_utilization,
         trust_remote_code: bool = False,
         policy_version: int = 0,
         enforce_eager: bool = False,
     ) -> None:
         _set_cpu_defaults()
-        import vllm  # heavy import: only when this backend is used
+        import vllm  # heavy import: only when this generator is used
 
         self.model_path = Path(model)
         kwargs = dict(
