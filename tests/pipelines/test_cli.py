@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.store import RunStore
+from tests.conftest import make_toy_run
 
 GROUPFORGE = str(Path(sys.executable).parent / "groupforge")
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -65,7 +66,8 @@ def test_generate_rejects_wrong_prompt_tables(tmp_path, toy_dir, kind):
 def test_inspect_rejects_wrong_run_tables(tmp_path):
     """A samples partition with a wrong column type, a missing column, an empty or non-Parquet file."""
     good = {
-        "run_id": ["r"], "round": pa.array([0], pa.int32()), "prompt_id": ["p"], "sample_idx": pa.array([0], pa.int32()),
+        "run_id": ["r"], "round": pa.array([0], pa.int32()), "prompt_id": ["p"],
+        "sample_idx": pa.array([0], pa.int32()),
         "group_size": pa.array([1], pa.int32()), "prompt_token_ids": pa.array([[1, 2]], pa.list_(pa.int32())),
         "response": ["3"], "response_token_ids": pa.array([[5, 2]], pa.list_(pa.int32())),
         "behavior_logprobs": pa.array([[-0.1, -0.2]], pa.list_(pa.float32())), "finish_reason": ["stop"],
@@ -143,3 +145,24 @@ def test_generate_second_job_on_locked_run_exits_3(tmp_path, toy_dir):
                           "--out", tmp_path / "run", "--no-wait", "--backend", "hf")
     assert proc.returncode == 3, proc.stderr
     assert "locked" in error_line(proc).lower()
+
+
+def test_generate_bad_sampling_flag_is_one_error_line_naming_the_flag(tmp_path, toy_dir):
+    proc = groupforge("generate", "--model", toy_dir / "model", "--prompts", toy_dir / "eval.parquet",
+                      "--out", tmp_path / "run", "--backend", "hf", "-G", 0, "--top-p", 1.5)
+    assert proc.returncode == 2, proc.stderr
+    assert error_line(proc) == ("error: --group-size: group_size must be >= 1, got 0; "
+                                "--top-p: top_p must be in (0, 1], got 1.5")
+    assert not (tmp_path / "run").exists()
+
+
+def test_inspect_stages_prints_the_stage_graph(tmp_path, toy_dir):
+    from pipelines import inspect as inspect_module
+
+    if not hasattr(inspect_module, "print_stage_graph"):
+        pytest.skip("pipelines.inspect.print_stage_graph is not written yet")
+    run = make_toy_run(toy_dir, tmp_path, "eval", n_prompts=4, group_size=2, max_tokens=4, rounds=(0,))
+    shown = groupforge("inspect", run, "--stages")
+    assert shown.returncode == 0, shown.stderr
+    for word in ("generate", "score", "filter", "label", "pair", "samples", "rejects", "prompts file"):
+        assert word in shown.stdout, word

@@ -64,6 +64,12 @@ eval = "runs/toy/eval.parquet"
     ("[filter]\nmin_group_size = -1\n", "filter.min_group_size"),
     ("[colour]\nx = 1\n", "colour: Extra inputs are not permitted"),
     ("[train]\nrounds = [1]\n", "train.rounds is set by the round loop"),
+    ("[train]\nseed = 1\n", "train.seed is set by the round loop from run.seed"),
+    ("[train]\nseed = 0\n", "train.seed is set by the round loop from run.seed"),  # even at the default
+    ("[generator]\nseed = 1\n", "generator.seed: Extra inputs are not permitted"),
+    ("[generator]\ngroup_size = 0\n", "generator.group_size: Value error, group_size must be >= 1, got 0"),
+    ("[generator]\ntemperature = 0.0\n", "generator.temperature: Value error, temperature must be > 0"),
+    ("[generator]\ngpu_memory_utilization = 1.5\n", "generator.gpu_memory_utilization: Input should be less"),
 ])
 def test_bad_specs_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, extra, message):
     monkeypatch.chdir(REPO)
@@ -91,3 +97,26 @@ def test_compare_rejects_unequal_budgets(toy_dir, monkeypatch):
     b = a.model_copy(update={"run": a.run.model_copy(update={"name": "other", "rounds": a.run.rounds + 1})})
     with pytest.raises(ValueError, match="differs from a in run.rounds"):
         check_comparable({"a": a, "b": b})
+
+
+def test_generator_section_gives_the_sampling_and_generator_settings(toy_dir, monkeypatch):
+    from curation.generate.base import GENERATOR_DEFAULTS, SamplingConfig
+
+    monkeypatch.chdir(REPO)
+    spec = load_spec(REPO / "pipelines/specs/toy-grpo.toml")
+    sampling = spec.generator.sampling(spec.run.seed)
+    assert sampling == SamplingConfig(group_size=8, max_tokens=8, temperature=1.0, seed=spec.run.seed)
+    # the values a generate manifest records are those of before (existing runs stay up to date)
+    assert sampling.as_dict() == {"group_size": 8, "max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                                  "seed": 0}
+    assert spec.generator.generator_kwargs() == {"dtype": "float32", "max_model_len": None,
+                                                 "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1}
+    assert spec.generator.gpu_memory_utilization == GENERATOR_DEFAULTS.gpu_memory_utilization
+
+
+def test_importing_the_spec_loads_neither_torch_nor_matplotlib():
+    code = ("import sys, pipelines.spec, pipelines.cli; "
+            "print(sorted(m for m in ('torch', 'matplotlib', 'vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

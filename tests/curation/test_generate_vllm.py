@@ -1,0 +1,73 @@
+"""The vLLM generator on the real toy model: behavior_logprobs equal a fresh transformers fp32
+forward over the same token ids, at temperature 1.0 and 0.7, and after update_weights.
+"""
+
+from __future__ import annotations
+
+from safetensors.torch import load_file
+
+from curation.generate.base import SamplingConfig
+from curation.generate.stage import generate
+from curation.store import RunStore
+from tests.curation import generate_helpers as helpers
+from tests.curation.generate_helpers import (
+    SAMPLING,
+    check_samples_table,
+    load_fp32,
+    mean_abs_diff,
+    perturbed_model,
+    transformers_logprobs,
+)
+
+prompts_file = helpers.prompts_file  # fixtures
+vllm_generator = helpers.vllm_generator
+
+
+def test_vllm_behavior_logprobs_match_transformers(tmp_path, toy_dir, prompts_file, vllm_generator):
+    result = generate(tmp_path / "run", prompts_file, SAMPLING, generator=vllm_generator)
+    assert not result.skipped and result.samples == 24 * 4
+    samples = RunStore(tmp_path / "run").read("samples")
+    check_samples_table(samples, 24, 4)
+    diff = mean_abs_diff(samples.column("behavior_logprobs").to_pylist(),
+                         transformers_logprobs(load_fp32(toy_dir / "model"), samples))
+    assert diff < 1e-4, f"vLLM behavior_logprobs differ from transformers by {diff:.2e} on average"
+
+
+def test_behavior_logprobs_follow_temperature(tmp_path, toy_dir, prompts_file, vllm_generator):
+    """At temperature 0.7 the log-probs are those of logits / 0.7 (the sampling distribution)."""
+    sampling = SamplingConfig(group_size=2, max_tokens=8, temperature=0.7, seed=1)
+    generate(tmp_path / "run", prompts_file, sampling, generator=vllm_generator)
+    samples = RunStore(tmp_path / "run").read("samples")
+    model = load_fp32(toy_dir / "model")
+    got = samples.column("behavior_logprobs").to_pylist()
+    assert mean_abs_diff(got, transformers_logprobs(model, samples, temperature=0.7)) < 1e-4
+    assert mean_abs_diff(got, transformers_logprobs(model, samples, temperature=1.0)) > 1e-3
+
+
+def test_vllm_update_weights_from_folder_and_state_dict(tmp_path, toy_dir, prompts_file, vllm_generator):
+    """After update_weights the logprobs are the new model's; a stale LM head would fail this."""
+    old_model = load_fp32(toy_dir / "model")
+    new_dir = perturbed_model(toy_dir, tmp_path / "new-model")
+    new_model = load_fp32(new_dir)
+    try:
+        vllm_generator.update_weights(new_dir, policy_version=5)
+        generate(tmp_path / "run", prompts_file, SAMPLING, generator=vllm_generator, round=1)
+        samples = RunStore(tmp_path / "run").read("samples", rounds=1)
+        got = samples.column("behavior_logprobs").to_pylist()
+        assert set(samples.column("policy_version").to_pylist()) == {5}
+        assert mean_abs_diff(got, transformers_logprobs(new_model, samples)) < 1e-4
+        assert mean_abs_diff(got, transformers_logprobs(old_model, samples)) > 1e-2  # the test can tell
+
+        # Only the LM head differs from the new model: a stale head is caught too.
+        head_only = dict(load_file(new_dir / "model.safetensors"))
+        head_only["lm_head.weight"] = old_model.lm_head.weight.detach().clone()
+        head_model = load_fp32(new_dir)
+        head_model.lm_head.weight.data.copy_(head_only["lm_head.weight"])
+        vllm_generator.update_weights(head_only, policy_version=6)
+        generate(tmp_path / "run", prompts_file, SAMPLING, generator=vllm_generator, round=2)
+        samples = RunStore(tmp_path / "run").read("samples", rounds=2)
+        got = samples.column("behavior_logprobs").to_pylist()
+        assert mean_abs_diff(got, transformers_logprobs(head_model, samples)) < 1e-4
+        assert mean_abs_diff(got, transformers_logprobs(new_model, samples)) > 1e-2
+    finally:
+        vllm_generator.update_weights(toy_dir / "model", policy_version=0)
