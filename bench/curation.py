@@ -134,7 +134,8 @@ def stage(name: str, rows: int, **notes):
     started, cpu_started = time.perf_counter(), time.process_time()
     yield record
     hwm_kib = int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text())[1])
-    record.update(seconds=time.perf_counter() - started, cpu_s=time.process_time() - cpu_started, peak_mb=hwm_kib / 1024)
+    record.update(seconds=time.perf_counter() - started, cpu_s=time.process_time() - cpu_started,
+                  peak_mb=hwm_kib / 1024)
 
 
 # ---- the paths (each runs in its own process) ----------------------------------------------
@@ -144,52 +145,60 @@ def configs(drop_duplicates: bool | None):
     from curation.stages.filter import FilterConfig
     from curation.stages.label import LabelConfig
     from curation.stages.pair import PairConfig
-    from curation.stages.score import RewardSpec
+    from curation.stages.score import RewardSpec, ScoreConfig
 
     filter_cfg = FilterConfig() if drop_duplicates is None else FilterConfig(drop_duplicates=drop_duplicates)
-    return [RewardSpec(name="exact_match")], filter_cfg, LabelConfig(), PairConfig()
+    return ScoreConfig(rewards=[RewardSpec(name="exact_match")]), filter_cfg, LabelConfig(), PairConfig()
+
+
+def in_memory(samples: pa.Table, prompts: pa.Table, cfgs, timed=None) -> dict[str, pa.Table]:
+    """score -> filter -> label -> pair through the stages' pure transforms on tables in memory
+    (no run folder); `timed(stage, rows)` is entered around each. {scores, rejects, groups, pairs}."""
+    from curation.stages import filter, label, pair, score
+
+    timed = timed or untimed
+    score_cfg, filter_cfg, label_cfg, pair_cfg = cfgs
+    n = samples.num_rows
+    with timed("score", n) as r:
+        scored = score.transform({"samples": samples, "prompts": prompts}, score_cfg).tables
+        scores, rejects = scored["scores"], scored["rejects"]
+        r["out_rows"] = scores.num_rows
+    with timed("filter", n) as r:
+        filtered = filter.transform({"samples": samples, "scores": scores, "rejects": rejects}, filter_cfg)
+        rejects = pa.concat_tables([rejects, filtered.tables["rejects"]])
+        r["out_rows"] = n - rejects.num_rows
+    with timed("label", n) as r:
+        groups = label.transform({"samples": samples, "scores": scores, "rejects": rejects}, label_cfg).tables["groups"]
+        r["out_rows"] = groups.num_rows
+    with timed("pair", groups.num_rows) as r:
+        pairs = pair.transform({"groups": groups}, pair_cfg).tables["pairs"]
+        r["out_rows"] = pairs.num_rows
+    return {"scores": scores, "rejects": rejects, "groups": groups, "pairs": pairs}
 
 
 def gf_memory(run: Path, drop_duplicates: bool | None) -> None:
-    from curation.stages import filter, label, pair, score
-
-    rewards, filter_cfg, label_cfg, pair_cfg = configs(drop_duplicates)
     samples, prompts = pq.read_table(run / SAMPLES), pq.read_table(run / PROMPTS)
-    n = samples.num_rows
-    with stage("score", n) as r:
-        scores, rejects = score.score(samples, prompts, rewards)
-        r["out_rows"] = scores.num_rows
-    with stage("filter", n) as r:
-        rejects = pa.concat_tables([rejects, filter.filter_samples(samples, scores, rejects, filter_cfg)])
-        r["out_rows"] = n - rejects.num_rows
-    with stage("label", n) as r:
-        groups = label.label(label.kept_with_rewards(samples, scores, rejects), label_cfg)
-        r["out_rows"] = groups.num_rows
-    with stage("pair", groups.num_rows) as r:
-        pairs = pair.pair(groups, pair_cfg)
-        r["out_rows"] = pairs.num_rows
-    RECORDS.append({"path": PATH, "stage": "check", "kept": groups.num_rows, "pairs": pairs.num_rows})
+    out = in_memory(samples, prompts, configs(drop_duplicates), stage)
+    RECORDS.append({"path": PATH, "stage": "check", "kept": out["groups"].num_rows, "pairs": out["pairs"].num_rows})
 
 
 def gf_parquet(run: Path, drop_duplicates: bool | None, only: str | None = None) -> None:
-    """The stages' run(), as the CLI calls them; `only`: cProfile that stage and report its top calls."""
-    from curation.stages import filter, label, pair, score
+    """The stages through run_stage, as the CLI calls them; `only`: cProfile that stage and report its top calls."""
+    from curation.stages.runner import CURATION_STAGES, run_stage
     from curation.store import RunStore
 
-    rewards, filter_cfg, label_cfg, pair_cfg = configs(drop_duplicates)
-    stages = [(score, score.ScoreConfig(rewards=rewards)), (filter, filter_cfg), (label, label_cfg), (pair, pair_cfg)]
     rows = pq.ParquetFile(run / SAMPLES).metadata.num_rows
     profile = cProfile.Profile()
     with RunStore(run).lock():
-        for module, cfg in stages:
-            with stage(module.STAGE, rows) as r:
-                call = profile.runcall if module.STAGE == only else (lambda f, *a, **k: f(*a, **k))
-                r["out_rows"] = call(module.run, run, 0, cfg, force=True).rows_out
-            rows = r["out_rows"] if module.STAGE == "label" else rows  # pair reads the groups
-    if only:  # groupforge's own functions by cumulative time, below the stage's run()
+        for name, cfg in zip(CURATION_STAGES, configs(drop_duplicates)):
+            with stage(name, rows) as r:
+                call = profile.runcall if name == only else (lambda f, *a, **k: f(*a, **k))
+                r["out_rows"] = call(run_stage, name, run, 0, cfg, force=True).rows_out
+            rows = r["out_rows"] if name == "label" else rows  # pair reads the groups
+    if only:  # groupforge's own functions by cumulative time, below run_stage
         stats = pstats.Stats(profile).stats.items()
         own = sorted(((cum, f"{Path(f).stem}.{name}") for (f, _, name), (_, _, _, cum, _) in stats
-                      if "/curation/" in f and name != "run"), reverse=True)
+                      if "/curation/" in f and name != "run_stage"), reverse=True)
         RECORDS.append({"path": PATH, "stage": "profile", "top": [f"{w} {c:.2f}s" for c, w in own[:8]]})
 
 
@@ -278,7 +287,8 @@ def pandas_curate(s, p, drop_duplicates: bool, style: str, timed=untimed) -> dic
     with timed("pair", len(kept)):
         if style == "vectorised":
             rewards = kept[kept["group_kept"]].groupby(GROUP, sort=False)["reward"]
-            best, worst = kept.loc[rewards.idxmax()].reset_index(drop=True), kept.loc[rewards.idxmin()].reset_index(drop=True)
+            best = kept.loc[rewards.idxmax()].reset_index(drop=True)
+            worst = kept.loc[rewards.idxmin()].reset_index(drop=True)
             pairs = best[GROUP].assign(chosen_idx=best["sample_idx"], rejected_idx=worst["sample_idx"],
                                        chosen_reward=best["reward"], rejected_reward=worst["reward"])
             pairs["margin"] = pairs["chosen_reward"] - pairs["rejected_reward"]
@@ -305,16 +315,13 @@ def same_output(rows: int = 4000, seed: int = 7) -> str:
     check that they give the same rejects, groups and pairs (floats to 1e-12); a one-line
     summary, or AssertionError naming the table and column."""
 
-    from curation.stages import filter, label, pair, score
-
-    rewards, filter_cfg, label_cfg, pair_cfg = configs(None)
+    cfgs = configs(None)
     with tempfile.TemporaryDirectory() as tmp:
         make_run(Path(tmp), rows, seed=seed)
         samples, prompts = pq.read_table(Path(tmp) / SAMPLES), pq.read_table(Path(tmp) / PROMPTS)
-    scores, rejects = score.score(samples, prompts, rewards)
-    rejects = pa.concat_tables([rejects, filter.filter_samples(samples, scores, rejects, filter_cfg)])
-    groups = label.label(label.kept_with_rewards(samples, scores, rejects), label_cfg)
-    pairs = pair.pair(groups, pair_cfg)
+    out = in_memory(samples, prompts, cfgs)
+    rejects, groups, pairs = out["rejects"], out["groups"], out["pairs"]
+    filter_cfg = cfgs[1]
     ours = {"rejects": rejects.select([*KEYS, "reason"]).to_pandas(), "groups": groups.to_pandas(),
             "pairs": pairs.to_pandas()}
     s = samples.select([*KEYS, "response"]).to_pandas()
@@ -431,7 +438,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000_000, help="samples, in groups of 8 (default 10M)")
     parser.add_argument("--quick", action="store_true", help="1M rows: a smoke run")
-    parser.add_argument("--pandas-rows", type=int, help="rows for (b) pandas (default: --rows); its rate is extrapolated")
+    parser.add_argument("--pandas-rows", type=int,
+                        help="rows for (b) pandas (default: --rows); its rate is extrapolated")
     parser.add_argument("--pandas-apply-rows", type=int, default=250_000,
                         help="rows for (c) pandas apply (default 250,000, about a minute); its rate is extrapolated")
     parser.add_argument("--memory-limit", default="256MB", help="DuckDB memory_limit of the spilling run")

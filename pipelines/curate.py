@@ -1,50 +1,66 @@
-"""Curation from the command line: the spec sections the stages read, and running them.
+"""Curation from a config: the spec sections the stages read, and running them.
 
 A curation config is a TOML file with any of the sections [score], [filter], [label],
 [pair], [export]; each maps 1:1 to its stage's pydantic config, and an unknown key inside a
-section is an error naming the key and the file. Other top-level sections (a full pipeline
-spec's [model], [generator], ...) are left to their readers. With no file, every stage
-uses its defaults: exact_match against the prompts' reference, zero-variance and duplicate
-filters, grpo advantages, max_min pairs with soft labels.
+section is an error naming the key and the file. A full pipeline spec is a curation config
+too: its other sections ([run], [model], [generator], [train], ...; the fields of
+`pipelines.spec.PipelineSpec`) are left to their readers. Any other section (a typo such as
+[filte]) is an error naming the section and the file. With no file, every stage uses its
+defaults: exact_match against the prompts' reference, zero-variance and duplicate filters,
+grpo advantages, max_min pairs with soft labels.
+
+    import groupforge as gf
+    gf.curate("runs/r")                                  # every round with samples
+    gf.curate("runs/r", "my-curation.toml", rounds=[3])  # one round, a config file
 """
 
 from __future__ import annotations
 
+import difflib
 import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from curation.stages import filter as filter_stage
-from curation.stages import label as label_stage
-from curation.stages import pair as pair_stage
-from curation.stages import score as score_stage
-from curation.stages.common import StageReport
 from curation.stages.export import ExportConfig
+from curation.stages.filter import FilterConfig
+from curation.stages.label import LabelConfig
+from curation.stages.pair import PairConfig
+from curation.stages.runner import CURATION_STAGES, StageReport
+from curation.stages.runner import run_stage as run_stage_module
+from curation.stages.score import ScoreConfig
 from curation.store import RunStore
-from pipelines.spec import read_toml, validate_model
+from pipelines.spec import PipelineSpec, read_toml, validate_model
 
-STAGES = ("score", "filter", "label", "pair")
-_MODULES = {"score": score_stage, "filter": filter_stage, "label": label_stage, "pair": pair_stage}
+STAGES = CURATION_STAGES  # score, filter, label, pair: the order they run in
 
 
 class CurationSpec(BaseModel):
     """The curation sections of a spec."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    score: score_stage.ScoreConfig = Field(default_factory=score_stage.ScoreConfig)
-    filter: filter_stage.FilterConfig = Field(default_factory=filter_stage.FilterConfig)
-    label: label_stage.LabelConfig = Field(default_factory=label_stage.LabelConfig)
-    pair: pair_stage.PairConfig = Field(default_factory=pair_stage.PairConfig)
+    score: ScoreConfig = Field(default_factory=ScoreConfig)
+    filter: FilterConfig = Field(default_factory=FilterConfig)
+    label: LabelConfig = Field(default_factory=LabelConfig)
+    pair: PairConfig = Field(default_factory=PairConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
 
 
 def load_curation_spec(path: str | Path | None) -> CurationSpec:
-    """Read the curation sections of a TOML spec (defaults when `path` is None)."""
+    """Read the curation sections of a TOML spec (defaults when `path` is None). A section
+    that is neither a curation section nor one of a pipeline spec is an error."""
     if path is None:
         return CurationSpec()
-    return validate_model(CurationSpec, read_toml(path), path)
+    data = read_toml(path)
+    known = set(CurationSpec.model_fields) | set(PipelineSpec.model_fields)
+    for section in data:
+        if section not in known:
+            close = difflib.get_close_matches(section, sorted(known), n=1)
+            hint = f"did you mean [{close[0]}]? " if close else ""
+            raise ValueError(f"config {path}: unknown section [{section}]; {hint}"
+                             f"known sections: {', '.join(sorted(known))}")
+    return validate_model(CurationSpec, {k: v for k, v in data.items() if k in CurationSpec.model_fields}, path)
 
 
 def rounds_to_process(run_dir: str | Path, round: int | None) -> list[int]:
@@ -62,7 +78,25 @@ def rounds_to_process(run_dir: str | Path, round: int | None) -> list[int]:
 
 
 def run_stage(stage: str, run_dir: str | Path, round: int, spec: CurationSpec, force: bool = False) -> StageReport:
+    """One stage on one round with its section of `spec`; seconds include the up-to-date check."""
     started = time.perf_counter()
-    report = _MODULES[stage].run(run_dir, round, getattr(spec, stage), force=force)
+    report = run_stage_module(stage, run_dir, round, getattr(spec, stage), force=force)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def curate(run_dir: str | Path, config: CurationSpec | str | Path | None = None,
+           rounds: list[int] | int | None = None, force: bool = False) -> list[StageReport]:
+    """score -> filter -> label -> pair on each round (default: every round with samples),
+    under the run's writer lock (waits for another writer). `config`: a CurationSpec, a TOML
+    file (a curation config or a whole pipeline spec), or None for the defaults. Rounds
+    whose stages are up to date are skipped (their reports say so); `force` reruns them."""
+    spec = config if isinstance(config, CurationSpec) else load_curation_spec(config)
+    asked = [None] if rounds is None else [rounds] if isinstance(rounds, int) else rounds
+    todo = [round for one in asked for round in rounds_to_process(run_dir, one)]  # checks each asked round
+    reports = []
+    with RunStore(run_dir).lock():
+        for round in todo:
+            for stage in STAGES:
+                reports.append(run_stage(stage, run_dir, round, spec, force=force))
+    return reports

@@ -1,22 +1,13 @@
-"""What every curation stage shares: input fingerprints, the rejects helper, the report.
+"""What the curation stages share: the rejects helper and groups as integers.
 
-A stage file holds two things:
-
-- a pure function `(tables, config) -> tables` with the SQL/expressions inline (no I/O),
-  which is what the tests and benchmarks call, and
-- `run(run_dir, round, config, force=False) -> StageReport`, which reads its inputs from the
-  run store (validated), skips when its manifest is up to date, calls the pure function and
-  commits the outputs (with drop counts per reason) atomically.
-
-Callers hold the run's lock (`RunStore.lock()`).
+Each stage file (score.py, filter.py, label.py, pair.py) declares the tables it reads and
+writes and one pure transform; runner.py runs any of them (fingerprints, up-to-date check,
+read, transform, validate, atomic commit). This module holds the table helpers their
+transforms use: `rejects_table`, `drop_counts`, group ids, `SampleIndex` and `unrejected`
+(the samples no rejects row names, with their rewards).
 """
 
 from __future__ import annotations
-
-import os
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Mapping
 
 import numpy as np
 import polars as pl
@@ -24,30 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from curation.schema import KEYS, SCHEMAS
-from curation.store import RunStore, fingerprint_file
 
 GROUP = ("run_id", "round", "prompt_id")
-
-
-@dataclass
-class StageReport:
-    stage: str
-    round: int
-    skipped: bool
-    rows_in: int = 0
-    rows_out: int = 0
-    drops: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
-
-
-def input_fingerprints(store: RunStore, tables: list[str], round: int, exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
-    """{relative path: sha256} of every part file the stage reads for `round` (prompts: all
-    parts). `exclude_parts` leaves out the stage's own outputs (e.g. filter's rejects part)."""
-    paths = [path for table in tables for path in (store.files(table) if table == "prompts" else store.files(table, round))
-             if path.stem.removeprefix("part-") not in exclude_parts]
-    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:  # hashlib lets go of the GIL
-        digests = list(pool.map(fingerprint_file, paths))
-    return {path.relative_to(store.root).as_posix(): digest for path, digest in zip(paths, digests)}
 
 
 def rejects_table(run_id: list[str] | str, round: list[int] | int, prompt_id: list[str], sample_idx: list[int | None],
@@ -76,25 +45,6 @@ def drop_counts(rejects: pa.Table) -> dict[str, int]:
     """{reason: rows} of a rejects table."""
     counts = pc.value_counts(rejects.column("reason")).to_pylist()
     return {c["values"]: c["counts"] for c in counts}
-
-
-def as_dict(config) -> Mapping:
-    """A pydantic model or dataclass config as a plain dict (for manifests)."""
-    if hasattr(config, "model_dump"):
-        return config.model_dump(mode="json")
-    if hasattr(config, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        return asdict(config)
-    return dict(config)
-
-
-def read_samples(store: RunStore, round: int, columns: list[str]) -> pa.Table:
-    """`columns` of the round's samples, without reading the token and log-prob lists that
-    filter and label never look at. Each part file's schema (from its Parquet footer) is
-    validated against the samples contract; the columns read are checked for nulls, and
-    `round` against the folder (see RunStore.read_columns)."""
-    return store.read_columns("samples", columns, round)
 
 
 # ---- groups as integers ----------------------------------------------------------------

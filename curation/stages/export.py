@@ -18,7 +18,6 @@ unpaired labels a response desirable when its advantage is > 0 (better than its 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -27,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.runlog import EXPORTS_DIR, write_atomic
 from curation.store import RunStore
 
 FORMATS = ("preference", "prompt_only", "unpaired", "sft")
@@ -76,7 +76,8 @@ _QUERIES = {
         ORDER BY g.round, g.prompt_id, g.sample_idx""",
 }
 
-_NEEDS = {
+# The run tables each format reads (prompts: every round's; the others: ExportConfig.rounds).
+READS = {
     "preference": ("pairs", "samples", "prompts"),
     "prompt_only": ("prompts",),
     "unpaired": ("groups", "samples", "prompts"),
@@ -87,7 +88,7 @@ _NEEDS = {
 def export_table(tables: dict[str, pa.Table], cfg: ExportConfig) -> pa.Table:
     """The pure part: run tables in, one TRL-format table out."""
     con = duckdb.connect()
-    for name in _NEEDS[cfg.format]:
+    for name in READS[cfg.format]:
         con.register(name, tables[name])
     out = con.sql(_QUERIES[cfg.format]).to_arrow_table()
     return _styled(out, cfg)
@@ -116,16 +117,14 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
     atomically. Returns the path and the row count."""
     store = RunStore(run_dir)
     tables = {}
-    for name in _NEEDS[cfg.format]:
+    for name in READS[cfg.format]:
         rounds: Sequence[int] | None = None if name == "prompts" else cfg.rounds
         tables[name] = store.read(name, rounds=rounds)
         if tables[name].num_rows == 0:
-            raise ValueError(f"{store.root}: the {name} table is empty{f' in rounds {cfg.rounds}' if cfg.rounds else ''}; "
+            where = f" in rounds {cfg.rounds}" if cfg.rounds else ""
+            raise ValueError(f"{store.root}: the {name} table is empty{where}; "
                              f"run the stage that writes it before exporting {cfg.format}")
     table = export_table(tables, cfg)
-    path = Path(out) if out else store.root / "exports" / f"{cfg.format}-{cfg.style}.parquet"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+    path = Path(out) if out else store.root / EXPORTS_DIR / f"{cfg.format}-{cfg.style}.parquet"
+    write_atomic(path, lambda f: pq.write_table(table, f, compression="zstd"))
     return path, table.num_rows

@@ -29,9 +29,6 @@ group mean away from what the policy samples), no length or pass-rate bounds.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -40,20 +37,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import (
-    StageReport,
-    as_dict,
-    drop_counts,
-    group_ids,  # noqa: F401  (tests and callers import it from here)
-    input_fingerprints,
-    nullable_indices,
-    read_samples,
-    rows_of,
-    unrejected,
-)
-from curation.store import RunStore
+from curation.stages.common import nullable_indices, rows_of, unrejected
+from curation.stages.runner import StageOutput
 
 STAGE = "filter"
+READS = ("samples", "scores", "rejects")  # rejects: the earlier stages' parts, not its own
+WRITES = ("rejects",)
 
 
 class FilterConfig(BaseModel):
@@ -68,7 +57,8 @@ class FilterConfig(BaseModel):
     max_response_tokens: int | None = Field(
         None, ge=0, description="Drop responses with more response tokens than this (reason too_long); None: no bound.")
     min_response_tokens: int | None = Field(
-        None, ge=0, description="Drop responses with fewer response tokens than this (reason too_short); None: no bound.")
+        None, ge=0,
+        description="Drop responses with fewer response tokens than this (reason too_short); None: no bound.")
     drop_duplicates: bool = Field(
         True, description="Drop responses whose exact text an earlier sample_idx of the group has (reason duplicate). "
         "On by default (distinct pairs and datasets); for GRPO on short-answer tasks consider turning it off: "
@@ -91,7 +81,18 @@ class FilterConfig(BaseModel):
         return self
 
 
-# ---- the pure function ---------------------------------------------------------------------
+CONFIG = FilterConfig
+
+
+def columns(cfg: FilterConfig) -> dict[str, list[str]]:
+    """The keys, and of the samples only the columns the enabled filters look at."""
+    bounds = cfg.max_response_tokens is not None or cfg.min_response_tokens is not None
+    return {"samples": [*KEYS, *(["finish_reason"] if cfg.drop_truncated else []),
+                        *(["response_token_ids"] if bounds else []), *(["response"] if cfg.drop_duplicates else [])],
+            "scores": [*KEYS, "reward"], "rejects": [*KEYS, "stage"]}
+
+
+# ---- the transform ---------------------------------------------------------------------------
 
 
 def _first_reason(checks: list[tuple[str, pl.Expr]]) -> pl.Expr:
@@ -102,17 +103,15 @@ def _first_reason(checks: list[tuple[str, pl.Expr]]) -> pl.Expr:
     return reason
 
 
-def filter_samples(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: FilterConfig) -> pa.Table:
+def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
     """The rejects (stage "filter") of every sample that an earlier stage did not reject and
     that a filter drops; one row and one reason per dropped sample, in samples order.
 
-    `samples` needs the keys and the columns the enabled filters look at: finish_reason
-    (drop_truncated), response_token_ids (response token bounds), response (drop_duplicates)."""
-    return _filter(samples, scores, rejects_so_far, cfg)[0]
-
-
-def _filter(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: FilterConfig) -> tuple[pa.Table, int]:
-    """(filter_samples' rejects, the number of samples no earlier stage rejected)."""
+    tables["samples"] needs the keys and the columns the enabled filters look at (see
+    `columns`); tables["rejects"]: the rejects so far (rows of stage "filter" are ignored:
+    they are this stage's own). rows_in: the samples no earlier stage rejected."""
+    samples, scores, rejects_so_far = tables["samples"], tables["scores"], tables["rejects"]
+    rejects_so_far = rejects_so_far.filter(pc.not_equal(rejects_so_far.column("stage"), STAGE))
     view = samples.select(list(KEYS))
     if cfg.drop_truncated:
         view = view.append_column("truncated", pc.equal(samples.column("finish_reason"), "length"))
@@ -162,14 +161,14 @@ def _filter(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: 
     rows = rows.with_columns(reason=pl.coalesce("reason", pl.when(kept_reward.is_not_null())
                                                 .then(_first_reason(group_checks))))
 
+    n_tokens_shown = ["n_tokens"] if "n_tokens" in view.column_names else []  # what DETAILS show
     dropped = rows.filter(pl.col("reason").is_not_null()).select(
-        "row", "reason", "first_idx", "n_left", "lo", "mean", *(["n_tokens"] if "n_tokens" in view.column_names else []),
-    ).collect()
+        "row", "reason", "first_idx", "n_left", "lo", "mean", *n_tokens_shown).collect()
     keys = rows_of(samples.select(list(KEYS)), dropped.get_column("row"))
     out = keys.append_column("stage", pa.repeat(STAGE, len(dropped)))
     out = out.append_column("reason", dropped.get_column("reason").to_arrow())
     out = out.append_column("detail", _details(dropped))
-    return schema.validate(out, "rejects"), rows_in
+    return StageOutput({"rejects": schema.validate(out, "rejects")}, rows_in=rows_in, rows_out=rows_in - len(dropped))
 
 
 # reason -> (the detail's template, the column it shows); other reasons have no detail
@@ -198,41 +197,9 @@ def _details(dropped: pl.DataFrame) -> pa.Array:
             numbers = values.to_numpy()
             encoded = pc.dictionary_encode(pa.array(numbers.view(f"i{numbers.itemsize}")))
             codes[where] = n_texts + encoded.indices.to_numpy(zero_copy_only=False)
-            distinct = pl.Series(encoded.dictionary.to_numpy(zero_copy_only=False).view(numbers.dtype), dtype=values.dtype)
+            distinct = encoded.dictionary.to_numpy(zero_copy_only=False).view(numbers.dtype)
+            distinct = pl.Series(distinct, dtype=values.dtype)
         texts.append(pl.select(pl.format(template, pl.lit(distinct))).to_series())
         n_texts += len(distinct)
     dictionary = pl.concat(texts).to_arrow().cast(pa.string()) if texts else pa.array([], pa.string())
     return pa.DictionaryArray.from_arrays(nullable_indices(codes), dictionary).cast(pa.string())
-
-
-# ---- the stage -----------------------------------------------------------------------------
-
-
-def run(run_dir: str | Path, round: int, config: FilterConfig | None = None, force: bool = False) -> StageReport:
-    """Filter one round: read samples, scores and the earlier stages' rejects, commit
-    rejects/round=<n>/part-filter.parquet. Skipped when the manifest is up to date."""
-    cfg = config or FilterConfig()
-    store = RunStore(run_dir)
-    inputs = input_fingerprints(store, ["samples", "scores", "rejects"], round, exclude_parts=(STAGE,))
-    if not force and store.is_up_to_date(STAGE, round, inputs, as_dict(cfg)):
-        manifest = store.load_manifest(STAGE, round) or {}
-        return StageReport(STAGE, round, skipped=True, rows_in=manifest.get("rows_in") or 0,
-                           rows_out=manifest.get("rows_out") or 0, drops=manifest.get("drops", {}))
-
-    started = time.perf_counter()
-    columns = [*KEYS, *(["finish_reason"] if cfg.drop_truncated else []),
-               *(["response_token_ids"] if cfg.max_response_tokens is not None or cfg.min_response_tokens is not None
-                 else []),
-               *(["response"] if cfg.drop_duplicates else [])]
-    samples = read_samples(store, round, columns)
-    scores = store.read("scores", round, columns=[*KEYS, "reward"])
-    # not our own part (its rows are all ours), as the manifest's inputs leave it out
-    rejects_so_far = store.read_columns("rejects", [*KEYS, "stage"], round, exclude_parts=(STAGE,))
-    rejects_so_far = rejects_so_far.filter(pc.not_equal(rejects_so_far.column("stage"), STAGE))
-    rejects, rows_in = _filter(samples, scores, rejects_so_far, cfg)
-    drops = drop_counts(rejects)
-    with store.commit(STAGE, round, inputs=inputs, config=as_dict(cfg)) as commit:
-        commit.write("rejects", rejects, part=STAGE)
-        commit.record(rows_in=rows_in, rows_out=rows_in - rejects.num_rows, drops=drops)
-    return StageReport(STAGE, round, skipped=False, rows_in=rows_in, rows_out=rows_in - rejects.num_rows,
-                       drops=drops, seconds=time.perf_counter() - started)

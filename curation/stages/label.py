@@ -27,8 +27,6 @@ Every sample of the round ends in exactly one of groups (here) or rejects (earli
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -38,18 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import (
-    StageReport,
-    as_dict,
-    group_ids,
-    input_fingerprints,
-    read_samples,
-    rows_of,
-    unrejected,
-)
-from curation.store import RunStore
+from curation.stages.common import group_ids, rows_of, unrejected
+from curation.stages.runner import StageOutput
 
 STAGE = "label"
+READS = ("samples", "scores", "rejects")
+WRITES = ("groups",)
 
 
 class LabelConfig(BaseModel):
@@ -63,17 +55,30 @@ class LabelConfig(BaseModel):
         1e-4, ge=0, description="Added to the std before dividing (grpo, batch); TRL's default.")
 
 
-def kept_with_rewards(samples: pa.Table, scores: pa.Table, rejects: pa.Table) -> pa.Table:
-    """Keys and reward of every sample that no rejects row names, in samples order.
+CONFIG = LabelConfig
+
+
+def columns(cfg: LabelConfig) -> dict[str, list[str]]:
+    return {"samples": list(KEYS), "scores": [*KEYS, "reward"], "rejects": list(KEYS)}
+
+
+def transform(tables: dict[str, pa.Table], cfg: LabelConfig) -> StageOutput:
+    """The groups table of the samples that no stage rejected. rows_in = rows_out = those
+    samples (label drops nothing); the manifest adds rows_in_kept_groups (group_kept rows)."""
+    kept, gid = kept_with_rewards(tables["samples"], tables["scores"], tables["rejects"])
+    groups = label(kept, cfg, gid)
+    in_kept_groups = int(groups.column("group_kept").to_numpy(zero_copy_only=False).sum())
+    return StageOutput({"groups": groups}, rows_in=kept.num_rows, rows_out=groups.num_rows,
+                       extra={"rows_in_kept_groups": in_kept_groups})
+
+
+def kept_with_rewards(samples: pa.Table, scores: pa.Table, rejects: pa.Table) -> tuple[pa.Table, np.ndarray]:
+    """(keys and reward of every sample that no rejects row names, in samples order; the
+    group id of each of its rows, see common.SampleIndex).
 
     Raises ValueError when such a sample has no reward: the filter stage rejects those as
     unscored, so this means it has not run on these tables.
     """
-    return _kept_with_rewards(samples, scores, rejects)[0]
-
-
-def _kept_with_rewards(samples: pa.Table, scores: pa.Table, rejects: pa.Table) -> tuple[pa.Table, np.ndarray]:
-    """(kept_with_rewards, the group id of each of its rows)."""
     rows = unrejected(samples, scores, rejects)
     unscored = rows.get_column("reward").null_count()
     if unscored:
@@ -83,17 +88,15 @@ def _kept_with_rewards(samples: pa.Table, scores: pa.Table, rejects: pa.Table) -
     return kept.append_column("reward", rows.get_column("reward").to_arrow()), rows.get_column("gid").to_numpy()
 
 
-def label(samples_kept_with_rewards: pa.Table, cfg: LabelConfig) -> pa.Table:
+def label(table: pa.Table, cfg: LabelConfig, gid: np.ndarray | None = None) -> pa.Table:
     """The groups table: keys, reward, advantage, group_mean, group_std, group_kept; one row
-    per input row, in input order. Input: keys + reward (non-null) of the kept samples."""
-    return _label(samples_kept_with_rewards, group_ids(samples_kept_with_rewards).to_numpy(), cfg)
-
-
-def _label(table: pa.Table, gid: np.ndarray, cfg: LabelConfig) -> pa.Table:
-    """label(), given a group id per row (equal for rows of one run_id, round, prompt_id)."""
+    per input row, in input order. Input: keys + reward (non-null) of the kept samples, and
+    optionally a group id per row (equal for rows of one run_id, round, prompt_id; default:
+    common.group_ids)."""
     if table.column("reward").null_count:
         raise ValueError(f"label needs a reward for every row; {table.column('reward').null_count} are null")
     reward = pl.Series("reward", table.column("reward"), dtype=pl.Float64)
+    gid = group_ids(table).to_numpy() if gid is None else gid
     rows = pl.DataFrame([pl.Series("gid", gid), reward]).lazy()
     if cfg.estimator == "batch":
         rows = rows.with_columns(group_ids(table, by=("run_id", "round")).alias("batch"))
@@ -122,29 +125,3 @@ def _label(table: pa.Table, gid: np.ndarray, cfg: LabelConfig) -> pa.Table:
     for column in out.columns:
         groups = groups.append_column(column, out.get_column(column).to_arrow())
     return schema.validate(groups, "groups")
-
-
-def run(run_dir: str | Path, round: int, config: LabelConfig | None = None, force: bool = False) -> StageReport:
-    """Label one round: read samples (keys), scores and all rejects, commit
-    groups/round=<n>/part-label.parquet. Skipped when the manifest is up to date.
-    rows_in = rows_out = the samples no stage rejected (label drops nothing)."""
-    cfg = config or LabelConfig()
-    store = RunStore(run_dir)
-    inputs = input_fingerprints(store, ["samples", "scores", "rejects"], round)
-    if not force and store.is_up_to_date(STAGE, round, inputs, as_dict(cfg)):
-        manifest = store.load_manifest(STAGE, round) or {}
-        return StageReport(STAGE, round, skipped=True, rows_in=manifest.get("rows_in") or 0,
-                           rows_out=manifest.get("rows_out") or 0)
-
-    started = time.perf_counter()
-    samples = read_samples(store, round, list(KEYS))
-    scores = store.read("scores", round, columns=[*KEYS, "reward"])
-    kept, gid = _kept_with_rewards(samples, scores, store.read("rejects", round, columns=list(KEYS)))
-    groups = _label(kept, gid, cfg)
-    kept_rows = groups.column("group_kept").to_numpy(zero_copy_only=False)
-    with store.commit(STAGE, round, inputs=inputs, config=as_dict(cfg)) as commit:
-        commit.write("groups", groups, part=STAGE)
-        commit.record(rows_in=kept.num_rows, rows_out=groups.num_rows, drops={},
-                      rows_in_kept_groups=int(kept_rows.sum()))
-    return StageReport(STAGE, round, skipped=False, rows_in=kept.num_rows, rows_out=groups.num_rows,
-                       seconds=time.perf_counter() - started)

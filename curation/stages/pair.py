@@ -26,8 +26,6 @@ chosen_idx, rejected_idx.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Literal
 
 import duckdb
@@ -36,10 +34,12 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from curation import schema
-from curation.stages.common import StageReport, as_dict, group_ids, input_fingerprints
-from curation.store import RunStore
+from curation.stages.common import group_ids
+from curation.stages.runner import StageOutput
 
 STAGE = "pair"
+READS = ("groups",)
+WRITES = ("pairs",)
 
 
 class PairConfig(BaseModel):
@@ -60,6 +60,13 @@ class PairConfig(BaseModel):
     weight: Literal["uniform", "margin", "group"] = Field(
         "uniform", description="Pair weight: 1.0, the margin, or 1 / (pairs of its group).")
     seed: int = Field(0, description="max_random: the draw is a function of (seed, prompt_id) only.")
+
+
+CONFIG = PairConfig
+
+
+def columns(cfg: PairConfig) -> dict[str, list[str]]:
+    return {"groups": ["run_id", "round", "prompt_id", "sample_idx", "reward", "group_kept"]}
 
 
 # Candidate pairs of each strategy, from `kept` (the rows of kept groups); the margin rule
@@ -109,9 +116,10 @@ _WEIGHT = {
 }
 
 
-def pair(groups: pa.Table, cfg: PairConfig) -> pa.Table:
-    """The pairs table of the kept rows (group_kept) of `groups`, ordered by group (as they
-    first appear in `groups`), chosen_idx, rejected_idx."""
+def transform(tables: dict[str, pa.Table], cfg: PairConfig) -> StageOutput:
+    """The pairs table of the kept rows (group_kept) of tables["groups"], ordered by group (as
+    they first appear in the groups table), chosen_idx, rejected_idx. rows_in: the kept rows."""
+    groups = tables["groups"]
     sql = f"""
         WITH kept AS (SELECT gid, row, prompt_id, sample_idx, reward FROM groups WHERE group_kept),
         candidates AS ({_CANDIDATES[cfg.strategy]})
@@ -140,26 +148,5 @@ def pair(groups: pa.Table, cfg: PairConfig) -> pa.Table:
     keys = groups.select(["run_id", "round", "prompt_id"]).take(pairs.column("row"))
     for column in pairs.column_names[1:]:
         keys = keys.append_column(column, pairs.column(column))
-    return schema.validate(keys, "pairs")
-
-
-def run(run_dir: str | Path, round: int, config: PairConfig | None = None, force: bool = False) -> StageReport:
-    """Pair one round: read groups, commit pairs/round=<n>/part-pair.parquet. Skipped when
-    the manifest is up to date."""
-    cfg = config or PairConfig()
-    store = RunStore(run_dir)
-    inputs = input_fingerprints(store, ["groups"], round)
-    if not force and store.is_up_to_date(STAGE, round, inputs, as_dict(cfg)):
-        manifest = store.load_manifest(STAGE, round) or {}
-        return StageReport(STAGE, round, skipped=True, rows_in=manifest.get("rows_in") or 0,
-                           rows_out=manifest.get("rows_out") or 0)
-
-    started = time.perf_counter()
-    groups = store.read("groups", round, columns=["run_id", "round", "prompt_id", "sample_idx", "reward", "group_kept"])
-    pairs = pair(groups, cfg)
-    rows_in = groups.column("group_kept").to_numpy(zero_copy_only=False).sum()
-    with store.commit(STAGE, round, inputs=inputs, config=as_dict(cfg)) as commit:
-        commit.write("pairs", pairs, part=STAGE)
-        commit.record(rows_in=int(rows_in), rows_out=pairs.num_rows, drops={})
-    return StageReport(STAGE, round, skipped=False, rows_in=int(rows_in), rows_out=pairs.num_rows,
-                       seconds=time.perf_counter() - started)
+    rows_in = int(groups.column("group_kept").to_numpy(zero_copy_only=False).sum())
+    return StageOutput({"pairs": schema.validate(keys, "pairs")}, rows_in=rows_in, rows_out=keys.num_rows)

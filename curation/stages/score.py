@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,18 +35,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from curation.rewards.pool import default_workers, run_inline, run_isolated
 from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
 from curation.schema import KEYS, SchemaError, read_table_file, validate
-from curation.stages.common import (
-    StageReport,
-    as_dict,
-    drop_counts,
-    input_fingerprints,
-    read_samples,
-    rejects_table,
-    rows_of,
-)
+from curation.stages.common import rejects_table, rows_of
+from curation.stages.runner import StageOutput, as_dict
 from curation.store import RunStore
 
 STAGE = "score"
+READS = ("samples", "prompts")
+WRITES = ("scores", "rejects")
 RESERVED_COLUMNS = set(KEYS) | {"reward", "scorer"}
 
 
@@ -96,32 +90,34 @@ class ScoreConfig(BaseModel):
         return self
 
 
-# ---- the pure function --------------------------------------------------------------
-
-
-def score(samples: pa.Table, prompts: pa.Table, rewards: list[RewardSpec],
-          existing: pa.Table | None = None, workers: int | None = None) -> tuple[pa.Table, pa.Table]:
-    """(scores, rejects) of `samples`, reusing the matching values of `existing` scores."""
-    scores, rejects, _ = _score(samples, prompts, rewards, existing, workers)
-    return scores, rejects
-
+CONFIG = ScoreConfig
 
 # The samples columns rewards see (TRL_COLUMNS and the response); the token-id and log-prob
 # lists of the prompt are never read, which is most of a samples file's bytes.
 SAMPLE_COLUMNS = list(KEYS) + ["response", "group_size", "finish_reason", "policy_version", "response_token_ids"]
 
 
-def _score(samples, prompts, rewards, existing, workers, samples_validated=False) -> tuple[pa.Table, pa.Table, dict]:
-    rewards = ScoreConfig(rewards=rewards).rewards  # checks the columns
-    rows = _inputs(samples if samples_validated else validate(samples, "samples"), validate(prompts, "prompts"))
+def columns(cfg: ScoreConfig) -> dict[str, list[str] | None]:
+    return {"samples": SAMPLE_COLUMNS, "prompts": None}
+
+
+# ---- the transform ------------------------------------------------------------------
+
+
+def transform(tables: dict[str, pa.Table], cfg: ScoreConfig) -> StageOutput:
+    """scores and rejects of tables["samples"] (SAMPLE_COLUMNS at least, contract types) with
+    their prompts (tables["prompts"]), reusing the values of tables["scores"] (earlier scores,
+    optional) whose scorer fingerprint is unchanged."""
+    samples, existing = tables["samples"], tables.get("scores")
+    rows = _inputs(samples, validate(tables["prompts"], "prompts"))
     n = rows.num_rows
     in_existing = _existing_rows(rows, existing)
     failed = np.zeros(n, dtype=bool)
     details: dict[int, str] = {}
-    columns: dict[str, pa.Array] = {}
+    arrays: dict[str, pa.Array] = {}  # reward column -> its values
     fingerprints: dict[str, str] = {}
     stats: dict[str, dict[str, float]] = {}
-    for spec in rewards:
+    for spec in cfg.rewards:
         tic = time.perf_counter()
         fn = get_reward(spec.name, **spec.kwargs)
         column = spec.column_name
@@ -134,19 +130,19 @@ def _score(samples, prompts, rewards, existing, workers, samples_validated=False
         todo = np.flatnonzero(~reused & ~failed)  # rows that failed an earlier reward are rejected anyway
         if len(todo):
             part = rows if len(todo) == n else rows_of(rows, todo)
-            got_values, got_null, errors = _compute(fn, part, spec.timeout_s, workers)
+            got_values, got_null, errors = _compute(fn, part, spec.timeout_s, cfg.workers)
             where = slice(None) if len(todo) == n else todo  # a slice: no fancy indexing of all rows
             values[where], null[where] = got_values, got_null
             for i, error in errors.items():
                 failed[todo[i]] = True
                 details[int(todo[i])] = f"{column}: {error}"
-        columns[column] = _from_numpy(values, null)
+        arrays[column] = _from_numpy(values, null)
         stats[column] = {"computed": int(len(todo)), "reused": int(reused.sum()),
                          "seconds": round(time.perf_counter() - tic, 3)}
 
-    total = _weighted_total(columns, {s.column_name: s.weight for s in rewards})
+    total = _weighted_total(arrays, {s.column_name: s.weight for s in cfg.rewards})
     scores = rows.select(list(KEYS))
-    for column, array in columns.items():
+    for column, array in arrays.items():
         scores = scores.append_column(pa.field(column, pa.float64()), array)
     scores = scores.append_column("reward", total)
     if failed.any():
@@ -157,10 +153,12 @@ def _score(samples, prompts, rewards, existing, workers, samples_validated=False
     lost = rows_of(rows.select(list(KEYS)), np.array(bad_rows, dtype=np.int64)).to_pydict()
     rejects = rejects_table(lost["run_id"], lost["round"], lost["prompt_id"], lost["sample_idx"],
                             STAGE, "invalid_reward", [details[i] for i in bad_rows])
-    return scores, rejects, {"scorer": fingerprints, "reward_columns": stats}
+    return StageOutput({"scores": scores, "rejects": rejects}, rows_in=n, rows_out=scores.num_rows,
+                       extra={"scorer": fingerprints, "reward_columns": stats})
 
 
-def _compute(fn, part: pa.Table, timeout_s: float, workers: int | None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+def _compute(fn, part: pa.Table, timeout_s: float,
+             workers: int | None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
     """(values, null mask, {row: error}) of one reward function over the rows of `part`."""
     if hasattr(fn, "vectorized"):
         got = fn.vectorized(part.column("response"), **{c: part.column(c) for c in TRL_COLUMNS})
@@ -269,49 +267,24 @@ def _weighted_total(columns: dict[str, pa.Array], weights: dict[str, float]) -> 
     return _from_numpy(total, ~present)
 
 
-# ---- the stage ----------------------------------------------------------------------
+# ---- the runner's hooks: its own earlier scores, and `workers` left out of the hash ------------
 
 
-def _hashed_config(config: ScoreConfig) -> dict:
-    config_dict = dict(as_dict(config))
-    config_dict.pop("workers", None)
-    return config_dict
+def hashed_config(cfg: ScoreConfig) -> dict:
+    """The config as hashed and recorded: `workers` changes no result, so it is left out."""
+    config = dict(as_dict(cfg))
+    config.pop("workers", None)
+    return config
 
 
-def run(run_dir: str | Path, round: int, config: ScoreConfig | None = None, force: bool = False) -> StageReport:
-    """Score round `round` of the run; a no-op when its manifest matches the inputs and config."""
-    config = config or ScoreConfig()
-    store = RunStore(run_dir)
-    inputs = input_fingerprints(store, ["samples", "prompts"], round)
-    hashed = _hashed_config(config)
-    if not force and store.is_up_to_date(STAGE, round, inputs, hashed):
-        manifest = store.load_manifest(STAGE, round) or {}
-        return StageReport(STAGE, round, skipped=True, rows_in=manifest.get("rows_in") or 0,
-                           rows_out=manifest.get("rows_out") or 0, drops=manifest.get("drops", {}))
-    if not store.files("samples", round):
-        raise FileNotFoundError(f"run {store.root} has no samples for round {round}; run generate first")
-    started = time.perf_counter()
-    # only the columns rewards see; read_samples checks each file's footer against the contract
-    samples, prompts = read_samples(store, round, SAMPLE_COLUMNS), store.read("prompts")
-    existing = None if force else _reusable_scores(store, round, inputs)
-    scores, rejects, stats = _score(samples, prompts, config.rewards, existing, config.workers,
-                                    samples_validated=True)
-    drops = drop_counts(rejects)
-    with store.commit(STAGE, round, inputs, hashed) as commit:
-        commit.write("scores", scores, part=STAGE)
-        commit.write("rejects", rejects, part=STAGE)
-        commit.record(rows_in=samples.num_rows, rows_out=scores.num_rows, drops=drops, **stats)
-    return StageReport(STAGE, round, skipped=False, rows_in=samples.num_rows, rows_out=scores.num_rows,
-                       drops=drops, seconds=time.perf_counter() - started)
-
-
-def _reusable_scores(store: RunStore, round: int, inputs: dict[str, str]) -> pa.Table | None:
-    """This round's committed scores, if they were computed from the same samples files."""
+def reused_tables(store: RunStore, round: int, inputs: dict[str, str]) -> dict[str, pa.Table]:
+    """{"scores": this round's committed scores} when they were computed from the same
+    samples files (a regenerated round is rescored), else {}."""
     manifest = store.load_manifest(STAGE, round)
     if manifest is None:
-        return None
+        return {}
     samples_of = lambda fingerprints: {k: v for k, v in fingerprints.items() if k.startswith("samples/")}  # noqa: E731
     path = store.partition_dir("scores", round) / f"part-{STAGE}.parquet"
     if samples_of(manifest.get("inputs", {})) != samples_of(inputs) or not path.is_file():
-        return None
-    return read_table_file(path, "scores")
+        return {}
+    return {"scores": read_table_file(path, "scores")}

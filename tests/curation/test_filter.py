@@ -11,7 +11,9 @@ from pydantic import ValidationError
 
 from curation.schema import KEYS, SCHEMAS, SchemaError, empty
 from curation.stages import filter as filter_stage
-from curation.stages.filter import FilterConfig, filter_samples, group_ids
+from curation.stages.common import group_ids
+from curation.stages.filter import FilterConfig
+from curation.stages.runner import run_stage
 from curation.store import RunStore, fingerprint_file
 
 # ---- builders (label and pair tests use them too) -----------------------------------------
@@ -57,6 +59,13 @@ def commit_inputs(store: RunStore, round: int, samples: pa.Table, scores: pa.Tab
     with store.commit("score", round, inputs={}, config={}) as commit:
         commit.write("scores", scores, part="score")
         commit.write("rejects", score_rejects if score_rejects is not None else empty("rejects"), part="score")
+
+
+def filter_samples(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: FilterConfig) -> pa.Table:
+    """The rejects the filter's transform writes for these tables."""
+    out = filter_stage.transform({"samples": samples, "scores": scores, "rejects": rejects_so_far}, cfg)
+    assert out.rows_out == out.rows_in - out.tables["rejects"].num_rows
+    return out.tables["rejects"]
 
 
 def reasons(rejects: pa.Table) -> dict[tuple[str, int], str]:
@@ -160,7 +169,8 @@ def test_every_detail_text():
         ("zeros", 0): ("zero_variance", "every reward is 0.0"), ("zeros", 1): ("zero_variance", "every reward is 0.0"),
         ("negative_zeros", 0): ("zero_variance", "every reward is -0.0"),
         ("negative_zeros", 1): ("zero_variance", "every reward is -0.0"),
-        ("halves", 0): ("zero_variance", "every reward is 0.5"), ("halves", 1): ("zero_variance", "every reward is 0.5"),
+        ("halves", 0): ("zero_variance", "every reward is 0.5"),
+        ("halves", 1): ("zero_variance", "every reward is 0.5"),
         ("alone", 0): ("group_too_small", "1 sample(s) left"), ("alone", 1): ("unscored", None),
         ("cut", 0): ("truncated", None),
         ("dup", 3): ("duplicate", "same response as sample_idx 1"),
@@ -233,7 +243,7 @@ def test_run_commits_rejects_with_counts_and_is_idempotent(tmp_path):
     store = RunStore(tmp_path / "run")
     rows = group_rows({"a": [1, 1], "b": [1, 0, None], "c": [0.5, 0.0, 0.2]})
     commit_inputs(store, 0, *samples_and_scores(rows), score_rejects=rejects_of([("c", 2)]))
-    report = filter_stage.run(store.root, 0)
+    report = run_stage(filter_stage, store.root, 0)
     assert not report.skipped and report.rows_in == 7 and report.rows_out == 4
     assert report.drops == {"zero_variance": 2, "unscored": 1}
     manifest = store.load_manifest("filter", 0)
@@ -243,25 +253,25 @@ def test_run_commits_rejects_with_counts_and_is_idempotent(tmp_path):
                                                   ("b", 2): "unscored", ("c", 2): "invalid_reward"}
     part = store.partition_dir("rejects", 0) / "part-filter.parquet"
     before = (part.stat().st_mtime_ns, fingerprint_file(part))
-    again = filter_stage.run(store.root, 0)
+    again = run_stage(filter_stage, store.root, 0)
     assert again.skipped and again.drops == report.drops
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == before
     # its own output is not an input: the next run is still a skip; a new config is not
-    assert filter_stage.run(store.root, 0, FilterConfig()).skipped
-    assert not filter_stage.run(store.root, 0, FilterConfig(min_group_size=3)).skipped
-    assert not filter_stage.run(store.root, 0, FilterConfig(min_group_size=3), force=True).skipped
+    assert run_stage(filter_stage, store.root, 0, FilterConfig()).skipped
+    assert not run_stage(filter_stage, store.root, 0, FilterConfig(min_group_size=3)).skipped
+    assert not run_stage(filter_stage, store.root, 0, FilterConfig(min_group_size=3), force=True).skipped
 
 
 def test_a_new_round_leaves_the_old_one_untouched(tmp_path):
     store = RunStore(tmp_path / "run")
     commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 1], "b": [1, 0]})))
-    filter_stage.run(store.root, 0)
+    run_stage(filter_stage, store.root, 0)
     manifest = store.load_manifest("filter", 0)
     part = store.partition_dir("rejects", 0) / "part-filter.parquet"
     stamp = part.stat().st_mtime_ns
     commit_inputs(store, 1, *samples_and_scores(group_rows({"a": [0, 0, 1]}), round=1))
-    assert filter_stage.run(store.root, 0).skipped
-    report = filter_stage.run(store.root, 1)
+    assert run_stage(filter_stage, store.root, 0).skipped
+    report = run_stage(filter_stage, store.root, 1)
     assert not report.skipped and report.rows_in == 3 and report.drops == {}
     assert store.load_manifest("filter", 0) == manifest and part.stat().st_mtime_ns == stamp
     assert store.read("rejects", 1).num_rows == 0
@@ -274,7 +284,7 @@ def test_run_reads_only_valid_samples(tmp_path):
     bad = store.partition_dir("samples", 0) / "part-other.parquet"
     pq.write_table(samples.drop(["finish_reason"]), bad)
     with pytest.raises(SchemaError, match=r"part-other\.parquet.*finish_reason"):
-        filter_stage.run(store.root, 0)
+        run_stage(filter_stage, store.root, 0)
 
 
 def test_empty_round():

@@ -17,6 +17,7 @@ from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
 from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig, kept_with_rewards, label
+from curation.stages.runner import run_stage
 from curation.store import RunStore, fingerprint_file
 from tests.curation.test_filter import commit_inputs, group_rows, rejects_of, samples_and_scores
 
@@ -27,7 +28,8 @@ def rewards_table(rewards: dict[str, list[float]], round: int = 0) -> pa.Table:
     rows = group_rows(rewards)
     return pa.table({
         "run_id": ["r"] * len(rows), "round": pa.array([round] * len(rows), pa.int32()),
-        "prompt_id": [r["prompt_id"] for r in rows], "sample_idx": pa.array([r["sample_idx"] for r in rows], pa.int32()),
+        "prompt_id": [r["prompt_id"] for r in rows],
+        "sample_idx": pa.array([r["sample_idx"] for r in rows], pa.int32()),
         "reward": pa.array([r["reward"] for r in rows], pa.float64()),
     })
 
@@ -171,8 +173,8 @@ def test_every_row_ends_in_exactly_one_of_groups_or_rejects(groups, cfg, estimat
     with tempfile.TemporaryDirectory() as tmp:
         store = RunStore(tmp)
         commit_inputs(store, 0, *samples_and_scores(rows), score_rejects=rejects_of(earlier))
-        filtered = filter_stage.run(store.root, 0, cfg)
-        labelled = label_stage.run(store.root, 0, LabelConfig(estimator=estimator))
+        filtered = run_stage(filter_stage, store.root, 0, cfg)
+        labelled = run_stage(label_stage, store.root, 0, LabelConfig(estimator=estimator))
         groups_keys = [(g["prompt_id"], g["sample_idx"]) for g in store.read("groups", 0).to_pylist()]
         rejects = store.read("rejects", 0).to_pylist()
 
@@ -192,39 +194,52 @@ def test_kept_with_rewards_needs_the_filter_first():
     samples, scores = samples_and_scores(group_rows({"a": [1, None, 0]}))
     with pytest.raises(ValueError, match="run the filter stage first"):
         kept_with_rewards(samples, scores, empty("rejects"))
-    kept = kept_with_rewards(samples, scores, rejects_of([("a", 1)], stage="filter", reason="unscored"))
+    kept, gid = kept_with_rewards(samples, scores, rejects_of([("a", 1)], stage="filter", reason="unscored"))
+    assert gid.tolist() == [0, 0]
     assert kept.column("sample_idx").to_pylist() == [0, 2] and kept.column("reward").to_pylist() == [1.0, 0.0]
 
 
 def test_run_is_idempotent_and_a_new_round_leaves_the_old_one_alone(tmp_path):
     store = RunStore(tmp_path / "run")
     commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0, 0, 1], "b": [1, 1]})))
-    filter_stage.run(store.root, 0)
-    report = label_stage.run(store.root, 0)
+    run_stage(filter_stage, store.root, 0)
+    report = run_stage(label_stage, store.root, 0)
     assert not report.skipped and report.rows_in == report.rows_out == 4
     part = store.partition_dir("groups", 0) / "part-label.parquet"
     stamp = (part.stat().st_mtime_ns, fingerprint_file(part))
     manifest = store.load_manifest("label", 0)
     assert manifest["rows_in"] == 4 and manifest["drops"] == {} and manifest["outputs"] == [
         "groups/round=0/part-label.parquet"]
-    assert label_stage.run(store.root, 0).skipped
+    assert run_stage(label_stage, store.root, 0).skipped
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == stamp
 
     commit_inputs(store, 1, *samples_and_scores(group_rows({"c": [0.2, 0.5, 0.9]}), round=1))
-    filter_stage.run(store.root, 1)
-    assert not label_stage.run(store.root, 1).skipped
-    assert label_stage.run(store.root, 0).skipped and store.load_manifest("label", 0) == manifest
+    run_stage(filter_stage, store.root, 1)
+    assert not run_stage(label_stage, store.root, 1).skipped
+    assert run_stage(label_stage, store.root, 0).skipped and store.load_manifest("label", 0) == manifest
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == stamp
     assert store.read("groups").num_rows == 7
 
     # new rejects (the filter rerun with another config) make label rerun
-    filter_stage.run(store.root, 0, FilterConfig(min_group_size=5))
-    rerun = label_stage.run(store.root, 0)
+    run_stage(filter_stage, store.root, 0, FilterConfig(min_group_size=5))
+    rerun = run_stage(label_stage, store.root, 0)
     assert not rerun.skipped and rerun.rows_out == 0
-    assert not label_stage.run(store.root, 0, LabelConfig(estimator="rloo")).skipped
+    assert not run_stage(label_stage, store.root, 0, LabelConfig(estimator="rloo")).skipped
 
 
 def test_empty_inputs_give_empty_tables():
     assert label(rewards_table({}), LabelConfig()).num_rows == 0
     samples, scores = samples_and_scores([])
-    assert kept_with_rewards(samples, scores, empty("rejects")).num_rows == 0
+    assert kept_with_rewards(samples, scores, empty("rejects"))[0].num_rows == 0
+
+
+def test_transform_labels_the_unrejected_samples_and_counts_kept_groups():
+    samples, scores = samples_and_scores(group_rows({"a": [1, 0, 0.5], "b": [1, 1], "c": [0.2, 0.9]}))
+    rejects = rejects_of([("a", 2), ("c", None)], stage="filter", reason="duplicate")
+    out = label_stage.transform({"samples": samples, "scores": scores, "rejects": rejects}, LabelConfig())
+    groups = out.tables["groups"]
+    assert list(out.tables) == ["groups"] and (out.rows_in, out.rows_out) == (4, 4)
+    assert out.extra == {"rows_in_kept_groups": 2} and out.drops == {}
+    assert [(g["prompt_id"], g["sample_idx"], g["group_kept"]) for g in groups.to_pylist()] == [
+        ("a", 0, True), ("a", 1, True), ("b", 0, False), ("b", 1, False)]
+    assert groups.equals(label(kept_with_rewards(samples, scores, rejects)[0], LabelConfig()))

@@ -18,10 +18,18 @@ from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
 from curation.stages import pair as pair_stage
 from curation.stages.label import LabelConfig, label
-from curation.stages.pair import PairConfig, pair
+from curation.stages.pair import PairConfig
+from curation.stages.runner import run_stage
 from curation.store import RunStore, fingerprint_file
 from tests.curation.test_filter import commit_inputs, group_rows, samples_and_scores
 from tests.curation.test_label import rewards_table
+
+
+def pair(groups: pa.Table, cfg: PairConfig) -> pa.Table:
+    """The pairs the pair stage's transform makes of `groups`."""
+    out = pair_stage.transform({"groups": groups}, cfg)
+    assert out.rows_in == sum(groups.column("group_kept").to_pylist()) and out.rows_out == out.tables["pairs"].num_rows
+    return out.tables["pairs"]
 
 
 def groups_of(rewards: dict[str, list[float]], round: int = 0) -> pa.Table:
@@ -169,26 +177,26 @@ def test_pair_rules_hold(rewards, cfg):
 def test_run_is_idempotent_and_a_new_round_leaves_the_old_one_alone(tmp_path):
     store = RunStore(tmp_path / "run")
     commit_inputs(store, 0, *samples_and_scores(group_rows(GOLDEN)))
-    filter_stage.run(store.root, 0)
-    label_stage.run(store.root, 0)
-    report = pair_stage.run(store.root, 0)
+    run_stage(filter_stage, store.root, 0)
+    run_stage(label_stage, store.root, 0)
+    report = run_stage(pair_stage, store.root, 0)
     assert not report.skipped and report.rows_in == 7 and report.rows_out == 2
     part = store.partition_dir("pairs", 0) / "part-pair.parquet"
     stamp = (part.stat().st_mtime_ns, fingerprint_file(part))
     manifest = store.load_manifest("pair", 0)
     assert manifest["rows_out"] == 2 and manifest["outputs"] == ["pairs/round=0/part-pair.parquet"]
-    assert pair_stage.run(store.root, 0).skipped
+    assert run_stage(pair_stage, store.root, 0).skipped
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == stamp
 
     commit_inputs(store, 1, *samples_and_scores(group_rows({"c": [0, 1, 1]}), round=1))
-    filter_stage.run(store.root, 1)
-    label_stage.run(store.root, 1)
-    assert pair_stage.run(store.root, 1).rows_out == 1
-    assert pair_stage.run(store.root, 0).skipped and store.load_manifest("pair", 0) == manifest
+    run_stage(filter_stage, store.root, 1)
+    run_stage(label_stage, store.root, 1)
+    assert run_stage(pair_stage, store.root, 1).rows_out == 1
+    assert run_stage(pair_stage, store.root, 0).skipped and store.load_manifest("pair", 0) == manifest
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == stamp
     assert [p["prompt_id"] for p in store.read("pairs").to_pylist()] == ["a", "b", "c"]
 
-    again = pair_stage.run(store.root, 0, PairConfig(strategy="all_pairs"))
+    again = run_stage(pair_stage, store.root, 0, PairConfig(strategy="all_pairs"))
     assert not again.skipped and again.rows_out == 7
 
 

@@ -21,7 +21,9 @@ import pytest
 from pydantic import ValidationError
 
 from curation.schema import SCHEMAS, SchemaError
-from curation.stages.score import RewardSpec, ScoreConfig, run, score
+from curation.stages import score as score_stage
+from curation.stages.runner import run_stage
+from curation.stages.score import RewardSpec, ScoreConfig
 from curation.store import RunStore
 from tests.conftest import make_toy_run
 
@@ -79,6 +81,15 @@ def user_module(tmp_path_factory) -> str:
     sys.modules.pop(USER_MODULE, None)
 
 
+def score(samples: pa.Table, prompts: pa.Table, rewards: list[RewardSpec], existing: pa.Table | None = None,
+          workers: int | None = None) -> tuple[pa.Table, pa.Table]:
+    """(scores, rejects) of the score stage's transform, reusing `existing` scores."""
+    tables = {"samples": samples, "prompts": prompts, **({"scores": existing} if existing is not None else {})}
+    out = score_stage.transform(tables, ScoreConfig(rewards=rewards, workers=workers))
+    assert (out.rows_in, out.rows_out) == (samples.num_rows, out.tables["scores"].num_rows)
+    return out.tables["scores"], out.tables["rejects"]
+
+
 def tables(responses: list[str], references: dict[str, str | None], group_size: int = 2,
            round: int = 0) -> tuple[pa.Table, pa.Table]:
     """samples (groups of `group_size` in prompt order) and prompts tables."""
@@ -89,7 +100,8 @@ def tables(responses: list[str], references: dict[str, str | None], group_size: 
         "prompt_id": [prompt_ids[i // group_size] for i in range(n)],
         "sample_idx": [i % group_size for i in range(n)], "group_size": [group_size] * n,
         "prompt_token_ids": [[1, 2]] * n, "response": responses,
-        "response_token_ids": [[5] * (1 + i) for i in range(n)], "behavior_logprobs": [[-0.5] * (1 + i) for i in range(n)],
+        "response_token_ids": [[5] * (1 + i) for i in range(n)],
+        "behavior_logprobs": [[-0.5] * (1 + i) for i in range(n)],
         "finish_reason": ["stop"] * n, "policy_version": [0] * n, "generator": ["test"] * n, "seed": [1] * n,
     }, schema=SCHEMAS["samples"])
     prompts = pa.table({"prompt_id": prompt_ids, "prompt": [f"{p}?" for p in prompt_ids],
@@ -103,7 +115,8 @@ def tables(responses: list[str], references: dict[str, str | None], group_size: 
 def test_exact_match_scores_and_weighted_total():
     samples, prompts = tables(["4", " 4 ", "5", "x", "y", "z"], {"a": "4", "b": "5", "c": None})
     specs = [RewardSpec(name="exact_match", weight=2.0),
-             RewardSpec(name="length_penalty", column="brevity", weight=0.5, kwargs={"target_tokens": 2, "per_token": 1.0})]
+             RewardSpec(name="length_penalty", column="brevity", weight=0.5,
+                        kwargs={"target_tokens": 2, "per_token": 1.0})]
     scores, rejects = score(samples, prompts, specs)
     assert rejects.num_rows == 0
     assert scores.column("exact_match").to_pylist() == [1.0, 1.0, 1.0, 0.0, None, None]
@@ -114,7 +127,8 @@ def test_exact_match_scores_and_weighted_total():
         {"brevity": "length_penalty@1#" + config_digest({"per_token": 1.0, "target_tokens": 2}),
          "exact_match": "exact_match@1#44136fa355b3"}, sort_keys=True)}
     assert scores.schema.field("exact_match").type == pa.float64()
-    assert scores.select(["prompt_id", "sample_idx"]).to_pylist() == samples.select(["prompt_id", "sample_idx"]).to_pylist()
+    keys = ["prompt_id", "sample_idx"]
+    assert scores.select(keys).to_pylist() == samples.select(keys).to_pylist()
 
 
 def test_reward_is_null_only_when_every_column_is_null():
@@ -221,7 +235,7 @@ def file_states(run_dir: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_run_scores_a_round_with_exact_match(run_dir):
-    report = run(run_dir, 0)
+    report = run_stage(score_stage, run_dir, 0)
     assert (report.skipped, report.rows_in, report.rows_out, report.drops) == (False, 48, 48, {})
     got = duckdb.sql(f"""
         SELECT s.prompt_id, s.sample_idx, s.response, p.reference, c.exact_match, c.reward
@@ -243,9 +257,9 @@ def test_run_scores_a_round_with_exact_match(run_dir):
 
 
 def test_rerun_is_a_no_op(run_dir):
-    run(run_dir, 0)
+    run_stage(score_stage, run_dir, 0)
     before = file_states(run_dir)
-    report = run(run_dir, 0)
+    report = run_stage(score_stage, run_dir, 0)
     assert report.skipped and report.rows_out == 48
     assert file_states(run_dir) == before  # no file rewritten
 
@@ -258,11 +272,11 @@ def test_new_reward_new_kwargs_and_new_round_compute_only_what_is_missing(run_di
 
     exact = RewardSpec(name="exact_match")
     counting = RewardSpec(name=f"{user_module}:counting", column="length", kwargs={"log": str(log)}, weight=0.0)
-    run(run_dir, 0, ScoreConfig(rewards=[exact]))
+    run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=[exact]))
     assert calls() == []
 
     # a second reward: only its column is computed, once per row
-    run(run_dir, 0, ScoreConfig(rewards=[exact, counting], workers=2))
+    run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=[exact, counting], workers=2))
     assert len(calls()) == 48 and len(set(calls())) == 48
     manifest = RunStore(run_dir).load_manifest("score", 0)
     counts = {c: (v["computed"], v["reused"]) for c, v in manifest["reward_columns"].items()}
@@ -272,7 +286,7 @@ def test_new_reward_new_kwargs_and_new_round_compute_only_what_is_missing(run_di
 
     # a weight change recomputes `reward` only
     heavier = counting.model_copy(update={"weight": 0.5})
-    run(run_dir, 0, ScoreConfig(rewards=[exact, heavier]))
+    run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=[exact, heavier]))
     assert len(calls()) == 48
     scores = pq.read_table(run_dir / "scores/round=0/part-score.parquet")
     for em, n, total in zip(*(scores.column(c).to_pylist() for c in ("exact_match", "length", "reward"))):
@@ -284,14 +298,14 @@ def test_new_reward_new_kwargs_and_new_round_compute_only_what_is_missing(run_di
 
     before = scorer()
     changed = heavier.model_copy(update={"kwargs": {"log": str(log), "unused": 1}})
-    run(run_dir, 0, ScoreConfig(rewards=[exact, changed]))
+    run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=[exact, changed]))
     assert len(calls()) == 96
     after = scorer()
     assert after["exact_match"] == before["exact_match"] and after["length"] != before["length"]
 
     # a new round: only its rows are scored, round 0 stays as it is
     round0 = {k: v for k, v in file_states(run_dir).items() if "round=0" in k}
-    report = run(run_dir, 1, ScoreConfig(rewards=[exact, changed]))
+    report = run_stage(score_stage, run_dir, 1, ScoreConfig(rewards=[exact, changed]))
     assert report.rows_out == 48 and not report.skipped
     assert len(calls()) == 144 and {c.split("/")[0] for c in calls()[96:]} == {"1"}
     assert {k: v for k, v in file_states(run_dir).items() if "round=0" in k} == round0
@@ -304,14 +318,14 @@ def test_regenerated_samples_are_rescored(run_dir, user_module, tmp_path):
     log = tmp_path / "calls.txt"
     specs = [RewardSpec(name=f"{user_module}:counting", column="length", kwargs={"log": str(log)}),
              RewardSpec(name="exact_match")]
-    run(run_dir, 0, ScoreConfig(rewards=specs, workers=1))
+    run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=specs, workers=1))
     path = run_dir / "samples/round=0/part-generate.parquet"
     samples = pq.read_table(path)
     reference = pq.read_table(next((run_dir / "prompts").glob("*.parquet")))
     ref_of = dict(zip(reference.column("prompt_id").to_pylist(), reference.column("reference").to_pylist()))
     right = [ref_of[p] for p in samples.column("prompt_id").to_pylist()]  # every response now correct
     pq.write_table(samples.set_column(samples.schema.get_field_index("response"), "response", pa.array(right)), path)
-    run(run_dir, 0, ScoreConfig(rewards=specs, workers=1))
+    run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=specs, workers=1))
     assert len(log.read_text().splitlines()) == 96  # same keys, new samples file: all rescored
     scores = pq.read_table(run_dir / "scores/round=0/part-score.parquet")
     assert scores.column("exact_match").to_pylist() == [1.0] * 48
@@ -320,9 +334,9 @@ def test_regenerated_samples_are_rescored(run_dir, user_module, tmp_path):
 def test_force_rescored_everything(run_dir, user_module, tmp_path):
     log = tmp_path / "calls.txt"
     config = ScoreConfig(rewards=[RewardSpec(name=f"{user_module}:counting", kwargs={"log": str(log)})], workers=1)
-    run(run_dir, 0, config)
-    assert run(run_dir, 0, config).skipped
-    assert not run(run_dir, 0, config, force=True).skipped
+    run_stage(score_stage, run_dir, 0, config)
+    assert run_stage(score_stage, run_dir, 0, config).skipped
+    assert not run_stage(score_stage, run_dir, 0, config, force=True).skipped
     assert len(log.read_text().splitlines()) == 96
 
 
@@ -335,7 +349,7 @@ def test_run_writes_rejects_and_drop_counts(run_dir, user_module):
     responses[:3] = ["NAN", "RAISE", "HANG"]
     pq.write_table(samples.set_column(samples.schema.get_field_index("response"), "response", pa.array(responses)),
                    samples_path)
-    report = run(run_dir, 0, config)
+    report = run_stage(score_stage, run_dir, 0, config)
     assert (report.rows_in, report.rows_out, report.drops) == (48, 45, {"invalid_reward": 3})
     rejects = pq.read_table(run_dir / "rejects/round=0/part-score.parquet").to_pylist()
     assert [r["detail"] for r in rejects] == ["bad: nan", "bad: RuntimeError: reward exploded", "bad: timeout after 1s"]
@@ -346,18 +360,20 @@ def test_run_writes_rejects_and_drop_counts(run_dir, user_module):
 
 def test_run_needs_samples(tmp_path):
     with pytest.raises(FileNotFoundError, match="no samples for round 3"):
-        run(tmp_path / "empty", 3)
+        run_stage(score_stage, tmp_path / "empty", 3)
 
 
 def test_reward_model_through_the_stage(run_dir, toy_dir, tmp_path):
     from tests.curation.test_rewards import build_reward_model, plain_forward
 
     folder = build_reward_model(tmp_path / "rm", toy_dir)
-    run(run_dir, 0, ScoreConfig(rewards=[RewardSpec(name="reward_model", column="rm", kwargs={"path": str(folder)})]))
+    reward_model = RewardSpec(name="reward_model", column="rm", kwargs={"path": str(folder)})
+    run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=[reward_model]))
     got = duckdb.sql(f"""
         SELECT p.prompt || s.response AS text, c.rm FROM read_parquet('{run_dir}/scores/**/*.parquet') c
         JOIN read_parquet('{run_dir}/samples/**/*.parquet') s USING (run_id, round, prompt_id, sample_idx)
-        JOIN read_parquet('{run_dir}/prompts/*.parquet') p USING (prompt_id) ORDER BY prompt_id, sample_idx""").fetchall()
+        JOIN read_parquet('{run_dir}/prompts/*.parquet') p USING (prompt_id)
+        ORDER BY prompt_id, sample_idx""").fetchall()
     expected = plain_forward(folder, [text for text, _ in got[:6]], 0)
     assert [rm for _, rm in got[:6]] == pytest.approx(expected, abs=1e-5)
     assert all(math.isfinite(rm) for _, rm in got)

@@ -1,0 +1,156 @@
+"""One runner for every curation stage: fingerprints -> up-to-date check -> read -> transform
+-> validate -> atomic commit -> report.
+
+A stage is a module (score.py, filter.py, label.py, pair.py) that declares:
+
+    STAGE = "filter"                          its name: manifest, part files, rejects.stage
+    READS = ("samples", "scores", "rejects")  the tables it reads; READS[0] is its main input
+    WRITES = ("rejects",)                     the tables it writes, each as part-<STAGE>.parquet
+    CONFIG = FilterConfig                     its pydantic config (a spec section)
+    def columns(cfg) -> {table: [column, ...] | None}    what it reads of each (None: all)
+    def transform(tables, cfg) -> StageOutput            pure: no I/O, the SQL inline
+
+and, where it needs them, two hooks (only score has them):
+
+    def hashed_config(cfg) -> dict            the config as hashed and recorded (default: all
+                                              of it; score leaves out `workers`)
+    def reused_tables(store, round, inputs) -> {table: pa.Table}
+                                              earlier outputs the transform may reuse (score:
+                                              its own scores of the same samples); not with force
+
+`run_stage` does the rest. The inputs are the part files of READS for the round (prompts:
+all parts), each fingerprinted; a stage that also reads a table it writes (filter reads
+rejects) leaves its own part files out of both its fingerprints and its read, so its own
+commit never makes it out of date. A round without its main input is an error. Only the
+columns the stage uses are read (a samples file is mostly token ids the filter never
+looks at), each file's footer checked against the contract. Callers hold the run's lock
+(`RunStore.lock()`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping
+
+import pyarrow as pa
+
+from curation.stages.common import drop_counts
+from curation.store import RunStore, fingerprint_file
+
+CURATION_STAGES = ("score", "filter", "label", "pair")
+
+
+@dataclass
+class StageOutput:
+    """What a transform returns: the tables to commit and the counts for the manifest."""
+
+    tables: dict[str, pa.Table]
+    """One table per name in WRITES, committed as part-<STAGE>.parquet of the round."""
+    rows_in: int
+    """Rows the stage looked at (e.g. the samples no earlier stage rejected)."""
+    rows_out: int
+    """Rows that went on (e.g. the samples that survived the filter)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More manifest fields (score: scorer, reward_columns; label: rows_in_kept_groups)."""
+
+    @property
+    def drops(self) -> dict[str, int]:
+        """{reason: rows} of the rejects this stage wrote ({} when it writes none)."""
+        return drop_counts(self.tables["rejects"]) if "rejects" in self.tables else {}
+
+
+@dataclass
+class StageReport:
+    stage: str
+    round: int
+    skipped: bool
+    rows_in: int = 0
+    rows_out: int = 0
+    drops: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def stage_module(stage: str | ModuleType) -> ModuleType:
+    """The module of a curation stage, by name ('score', 'filter', 'label', 'pair') or as is."""
+    if isinstance(stage, ModuleType):
+        return stage
+    if stage not in CURATION_STAGES:
+        raise ValueError(f"unknown curation stage {stage!r}; known: {', '.join(CURATION_STAGES)}")
+    return importlib.import_module(f"curation.stages.{stage}")
+
+
+def as_dict(config) -> Mapping:
+    """A pydantic model or dataclass config as a plain dict (for manifests)."""
+    if hasattr(config, "model_dump"):
+        return config.model_dump(mode="json")
+    if hasattr(config, "__dataclass_fields__"):
+        return asdict(config)
+    return dict(config)
+
+
+def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int,
+                       exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
+    """{relative path: sha256} of every part file of `tables` for `round` (prompts: all
+    parts), leaving out the parts named in `exclude_parts`."""
+    paths = [path for table in tables for path in store.files(table, None if table == "prompts" else round)
+             if path.stem.removeprefix("part-") not in exclude_parts]
+    # hashlib lets go of the GIL: files are hashed in parallel
+    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:
+        digests = list(pool.map(fingerprint_file, paths))
+    return {path.relative_to(store.root).as_posix(): digest for path, digest in zip(paths, digests)}
+
+
+def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None, force: bool = False) -> StageReport:
+    """Run one curation stage on one round of the run (`cfg`: the stage's CONFIG, default
+    its defaults); skipped, with the counts of its manifest, when the manifest matches the
+    inputs and config (unless `force`)."""
+    module = stage_module(stage)
+    name, cfg = module.STAGE, cfg if cfg is not None else module.CONFIG()
+    store = RunStore(run_dir)
+    own = (name,) if set(module.READS) & set(module.WRITES) else ()
+    inputs = input_fingerprints(store, module.READS, round, exclude_parts=own)
+    config = module.hashed_config(cfg) if hasattr(module, "hashed_config") else as_dict(cfg)
+    if not force and store.is_up_to_date(name, round, inputs, config):
+        manifest = store.load_manifest(name, round) or {}
+        return StageReport(name, round, skipped=True, rows_in=manifest.get("rows_in") or 0,
+                           rows_out=manifest.get("rows_out") or 0, drops=manifest.get("drops", {}))
+    main = module.READS[0]
+    if not store.files(main, round):
+        raise FileNotFoundError(f"run {store.root} has no {main} for round {round}; run {_writer_of(main)} first")
+
+    started = time.perf_counter()
+    tables = {table: _read(store, table, round, columns, own) for table, columns in module.columns(cfg).items()}
+    if not force and hasattr(module, "reused_tables"):
+        tables.update(module.reused_tables(store, round, inputs))
+    out = module.transform(tables, cfg)
+    if set(out.tables) != set(module.WRITES):
+        raise RuntimeError(f"stage {name!r} returned tables {sorted(out.tables)}, declared {list(module.WRITES)}")
+    drops = out.drops
+    with store.commit(name, round, inputs, config) as commit:
+        for table in module.WRITES:
+            commit.write(table, out.tables[table], part=name)  # validated against the table's contract
+        commit.record(rows_in=out.rows_in, rows_out=out.rows_out, drops=drops, **out.extra)
+    return StageReport(name, round, skipped=False, rows_in=out.rows_in, rows_out=out.rows_out, drops=drops,
+                       seconds=time.perf_counter() - started)
+
+
+def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...]) -> pa.Table:
+    """`columns` of the round's `table` (every column, through RunStore.read, when None;
+    prompts: every round), without the stage's `own` part files."""
+    rounds = None if table == "prompts" else round
+    if columns is None:
+        if own:
+            raise ValueError(f"a stage that reads its own table {table!r} must name the columns it reads")
+        return store.read(table, rounds)
+    return store.read_columns(table, columns, rounds, exclude_parts=own)
+
+
+def _writer_of(table: str) -> str:
+    """The stage that writes `table` (samples: generate)."""
+    return next((name for name in CURATION_STAGES if table in stage_module(name).WRITES), "generate")
