@@ -55,13 +55,13 @@ def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max
     source = "pairs" if objective == "pairwise" else "groups"
     available = store.rounds(source)
     chosen = available if rounds is None else sorted(set(rounds))
-    missing = [r for r in chosen if r not in available]
+    missing = [round for round in chosen if round not in available]
     if missing:
         raise ValueError(f"{store.root}: no {source} table for round(s) {missing}; rounds with {source}: "
                          f"{available or 'none'} (run `groupforge curate` first)")
     if max_staleness is not None and chosen:
         newest = max(store.rounds("samples") or chosen)
-        chosen = [r for r in chosen if newest - r <= max_staleness]
+        chosen = [round for round in chosen if newest - round <= max_staleness]
     return chosen
 
 
@@ -74,8 +74,8 @@ def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[str]:
 
 def _temperature(store: RunStore, rounds: list[int]) -> float | None:
     temperatures = set()
-    for r in rounds:
-        manifest = store.load_manifest("generate", r) or {}
+    for round in rounds:
+        manifest = store.load_manifest("generate", round) or {}
         sampling = (manifest.get("config") or {}).get("sampling") or {}
         if "temperature" in sampling:
             temperatures.add(float(sampling["temperature"]))

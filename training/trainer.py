@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from curation.runlog import METRICS_FILE, TRAIN_CACHE_DIR, MetricsLog, write_atomic
+from curation.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
 from training.batching import MicroBatch, pair_batches, policy_batches, step_normalizer
 from training.config import TrainConfig
@@ -42,7 +42,7 @@ from training.data import POLICY_OBJECTIVES, load_training_data
 from training.logprobs import token_logprobs
 from training.objectives import Metrics, Normalizer, ObjectiveConfig, get_pair_loss, get_policy_loss
 
-__all__ = ["KILL_AFTER_STEP_ENV", "METRICS_FILE", "TrainConfig", "TrainResult", "lr_at", "step_rows", "train"]
+__all__ = ["KILL_AFTER_STEP_ENV", "TrainConfig", "TrainResult", "lr_at", "step_rows", "train"]
 
 # Fault injection for resume tests: SIGKILL this process right after step k is logged.
 KILL_AFTER_STEP_ENV = "GROUPFORGE_KILL_AFTER_STEP"

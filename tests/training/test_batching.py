@@ -80,6 +80,17 @@ def test_policy_right_padding_with_pad_id_and_optional_columns():
     assert batch.target_mask.tolist() == [[False, True, False], [True, True, True]]
     assert batch.old_logp is None  # no behavior_logprobs column
     assert batch.advantages.tolist() == [0.0, 0.0]  # no advantage column
+    assert batch.policy_version is None  # no policy_version column
+
+
+def test_policy_version_follows_its_rows():
+    table = _policy_table(prompts=[[1, 2, 3], [1], [1, 2]], responses=[[4], [5], [6]])
+    table = table.append_column("policy_version", pa.array([7, 0, 3], pa.int64()))
+    first, second = policy_batches(table, token_budget=6, pad_id=0)  # lengths 4, 2, 3: rows [1, 2] then [0]
+    assert first.rows.tolist() == [1, 2] and second.rows.tolist() == [0]
+    assert first.policy_version.tolist() == [0, 3] and second.policy_version.tolist() == [7]
+    assert all(b.policy_version is None for b in pair_batches(
+        _pair_table([[1]], [[2]], [[3]], soft_label=[1.0], weight=[1.0]), token_budget=100))
 
 
 def test_pair_placement_exact():
@@ -330,7 +341,8 @@ def test_policy_split_invariance_clips_something(toy64, policy_step_table):
     assert metrics["clip_frac_low"] > 0 and metrics["clip_frac_high"] > 0
 
 
-@pytest.mark.parametrize("cfg", [ObjectiveConfig(beta=0.5), ObjectiveConfig(beta=2.0, gamma=0.3, length_normalize=True)],
+@pytest.mark.parametrize("cfg", [ObjectiveConfig(beta=0.5),
+                                 ObjectiveConfig(beta=2.0, gamma=0.3, length_normalize=True)],
                          ids=["sum", "length-normalized"])
 def test_pairwise_split_invariance(toy64, cfg):
     rng = np.random.default_rng(1)

@@ -10,13 +10,16 @@ import pytest
 import torch
 
 from training.objectives import (
+    LOSS_DEFAULTS,
     PAIR_LOSSES,
     POLICY_LOSSES,
+    LossDefaults,
     Normalizer,
     ObjectiveConfig,
     agg_loss,
     get_pair_loss,
     get_policy_loss,
+    loss_defaults,
 )
 
 F64 = torch.float64
@@ -325,17 +328,17 @@ POLICY_CFGS = [
 @pytest.mark.parametrize("cfg", POLICY_CFGS, ids=lambda c: f"{c.agg}-b{c.beta}-{c.kl}")
 def test_policy_losses_match_loops(seed, cfg):
     logp, old, ref, adv, token_adv, mask = random_batch(seed)
-    L, O, R, A, TA, M = (x.tolist() for x in (logp.detach(), old, ref, adv, token_adv, mask))
+    L, OLD, R, A, TA, M = (x.tolist() for x in (logp.detach(), old, ref, adv, token_adv, mask))
     cases = {
-        "grpo": (adv, loop_grpo(L, O, R, A, M, cfg)),
-        "gspo": (adv, loop_gspo(L, O, R, A, M, cfg)),
-        "gspo_token": (token_adv, loop_gspo_token(L, O, R, TA, M, cfg)),
+        "grpo": (adv, loop_grpo(L, OLD, R, A, M, cfg)),
+        "gspo": (adv, loop_gspo(L, OLD, R, A, M, cfg)),
+        "gspo_token": (token_adv, loop_gspo_token(L, OLD, R, TA, M, cfg)),
     }
     for name, (a, expected) in cases.items():
         loss, _ = get_policy_loss(name)(logp, old, a, mask, cfg, ref_logp=ref)
         assert loss.item() == pytest.approx(expected, abs=1e-6), name
     token_grpo, _ = get_policy_loss("grpo")(logp, old, token_adv, mask, cfg, ref_logp=ref)
-    assert token_grpo.item() == pytest.approx(loop_grpo(L, O, R, TA, M, cfg), abs=1e-6)
+    assert token_grpo.item() == pytest.approx(loop_grpo(L, OLD, R, TA, M, cfg), abs=1e-6)
     sft, _ = get_policy_loss("sft")(logp, None, None, mask, cfg, ref_logp=ref)
     assert sft.item() == pytest.approx(loop_sft(L, M, R, cfg), abs=1e-6)
 
@@ -523,6 +526,16 @@ def test_pairwise_split_invariance():
 def test_registries():
     assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo_token", "sft"}
     assert set(PAIR_LOSSES) == {"pairwise"}
+
+
+def test_each_loss_is_registered_with_its_papers_defaults():
+    assert set(LOSS_DEFAULTS) == set(POLICY_LOSSES) | set(PAIR_LOSSES)
+    assert loss_defaults("grpo") == loss_defaults("sft") == LossDefaults(eps_low=0.2, eps_high=0.2, beta=0.0)
+    # GSPO's sequence ratio is a geometric mean of token ratios: its clip ranges are ~1000x smaller.
+    assert loss_defaults("gspo") == loss_defaults("gspo_token") == LossDefaults(eps_low=3e-4, eps_high=4e-4)
+    assert loss_defaults("pairwise").beta == 0.1  # pairwise needs beta > 0, so its default must be
+    with pytest.raises(ValueError, match=r"unknown loss 'ppo'; known: grpo, gspo, gspo_token, pairwise, sft"):
+        loss_defaults("ppo")
 
 
 @pytest.mark.parametrize("call, match", [

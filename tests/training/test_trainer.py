@@ -1,4 +1,5 @@
-"""The trainer on a real curated toy run: data, objectives end to end, resume after kill -9."""
+"""training/trainer.py on a real curated toy run: the row stream, the lr schedule, every objective
+end to end, resume after kill -9, CLI errors. (Fixtures: tests/training/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -11,31 +12,10 @@ import sys
 import pytest
 import torch
 
-from pipelines.curate import STAGES, CurationSpec, run_stage
-from tests.conftest import REPO, make_toy_run
+from tests.conftest import REPO
 from training import checkpoint as ckpt
-from training.data import NoTrainingData, load_training_data
-from training.trainer import KILL_AFTER_STEP_ENV, TrainConfig, lr_at, step_rows, train
-
-
-@pytest.fixture(scope="module")
-def curated_run(toy_dir, tmp_path_factory):
-    """Two rounds of 24 toy prompts x 8 (transformers backend, T=1), curated with the defaults
-    (exact_match, zero-variance and duplicate filters, grpo advantages, max_min soft pairs)."""
-    run_dir = make_toy_run(toy_dir, tmp_path_factory.mktemp("train"), "train", n_prompts=24, group_size=8,
-                           max_tokens=6)
-    for r in (0, 1):
-        for stage in STAGES:
-            run_stage(stage, run_dir, r, CurationSpec())
-    return run_dir
-
-
-@pytest.fixture
-def run_copy(curated_run, tmp_path):
-    """A fresh copy of the curated run (training writes checkpoints and metrics into it)."""
-    dst = tmp_path / "run"
-    shutil.copytree(curated_run, dst)
-    return dst
+from training.config import TrainConfig
+from training.trainer import KILL_AFTER_STEP_ENV, lr_at, step_rows, train
 
 
 def step_records(run_dir):
@@ -62,33 +42,6 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(12, cfg, 12) == pytest.approx(0.1)
     assert lr_at(50, cfg, 12) == pytest.approx(0.1)
     assert lr_at(9, TrainConfig(lr=0.3), 12) == 0.3
-
-
-def test_training_data_joins_samples_and_labels(curated_run):
-    import duckdb
-
-    policy = load_training_data(curated_run, "grpo")
-    kept = duckdb.sql(f"SELECT count(*) FROM read_parquet('{curated_run}/groups/**/*.parquet') WHERE group_kept"
-                      ).fetchall()[0][0]
-    assert policy.num_rows == kept > 0 and policy.rounds == [0, 1] and policy.temperature == 1.0
-    t = policy.table
-    lengths = [(len(a), len(b)) for a, b in zip(t.column("response_token_ids").to_pylist(),
-                                                 t.column("behavior_logprobs").to_pylist())]
-    assert all(a == b for a, b in lengths)
-    pairs = load_training_data(curated_run, "pairwise", rounds=[1])
-    n_pairs = duckdb.sql(f"SELECT count(*) FROM read_parquet('{curated_run}/pairs/round=1/*.parquet')").fetchall()[0][0]
-    assert pairs.num_rows == n_pairs and pairs.rounds == [1]
-    assert all(c != r for c, r in zip(pairs.table.column("chosen_token_ids").to_pylist(),
-                                      pairs.table.column("rejected_token_ids").to_pylist()))
-    sft = load_training_data(curated_run, "sft")
-    assert all(a > 0 for a in sft.table.column("advantage").to_pylist())
-    assert load_training_data(curated_run, "grpo", max_staleness=0).rounds == [1]
-    assert load_training_data(curated_run, "grpo").fingerprint == policy.fingerprint
-    assert pairs.fingerprint != load_training_data(curated_run, "pairwise").fingerprint
-    with pytest.raises(ValueError, match=r"round\(s\) \[7\]"):
-        load_training_data(curated_run, "grpo", rounds=[7])
-    with pytest.raises(NoTrainingData, match="nothing to train on"):
-        load_training_data(curated_run, "sft", sft_min_reward=2.0)
 
 
 def test_grpo_steps_write_metrics_and_a_loadable_checkpoint(run_copy, toy_dir):
@@ -181,43 +134,6 @@ def test_kill_during_training_then_resume_reproduces_the_loss_sequence(curated_r
     wa = ckpt.load_trainer_state(ckpt.latest_checkpoint(straight))
     wb = ckpt.load_trainer_state(ckpt.latest_checkpoint(killed))
     assert wa["step"] == wb["step"] == 5 and wa["data"] == wb["data"]
-
-
-def test_optimizer_state_round_trips_without_pickle(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(5, 4)).pow(2).sum().backward()
-        opt.step()
-    from safetensors.torch import load_file, save_file
-
-    tensors, groups = ckpt.optimizer_to_tensors(opt)
-    save_file(tensors, tmp_path / "opt.safetensors")  # as a checkpoint stores them (on CPU the
-    tensors = load_file(tmp_path / "opt.safetensors")  # exported tensors alias the live state)
-    groups = json.loads(json.dumps(groups))
-    twin = torch.nn.Linear(4, 3)
-    twin.load_state_dict(model.state_dict())
-    opt2 = torch.optim.AdamW(twin.parameters(), lr=5.0)
-    ckpt.optimizer_from_tensors(opt2, tensors, groups)
-    x = torch.randn(5, 4)
-    for m, o in ((model, opt), (twin, opt2)):
-        o.zero_grad()
-        m(x).pow(2).sum().backward()
-        o.step()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
-    with pytest.raises(ValueError, match="different parameter groups"):
-        ckpt.optimizer_from_tensors(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]), tensors, groups)
-
-
-def test_incomplete_checkpoints_are_ignored_and_old_ones_pruned(run_copy, toy_dir):
-    train(run_copy, TrainConfig(batch_size=8, lr=1e-4, save_every=1, keep_last=2), steps=3, model=toy_dir / "model")
-    assert [s for s, _ in ckpt.list_checkpoints(run_copy)] == [2, 3]
-    half = ckpt.checkpoint_dir(run_copy, 9)  # a folder without trainer_state.json: a kill mid-save
-    half.mkdir()
-    (half / "model.safetensors").write_bytes(b"partial")
-    assert ckpt.latest_checkpoint(run_copy) == ckpt.checkpoint_dir(run_copy, 3)
 
 
 def test_cli_errors_are_clear(run_copy, toy_dir, tmp_path):

@@ -1,0 +1,151 @@
+"""training/data.py: the rows each objective trains on, round selection, the dataset
+fingerprint, and errors that name the file or round."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from curation.schema import SchemaError
+from curation.store import RunStore
+from training.data import NoTrainingData, load_training_data, select_rounds
+
+
+def _sql(query: str) -> list[tuple]:
+    return duckdb.sql(query).fetchall()
+
+
+def test_training_data_joins_samples_and_labels(curated_run):
+    policy = load_training_data(curated_run, "grpo")
+    kept = _sql(f"SELECT count(*) FROM read_parquet('{curated_run}/groups/**/*.parquet') WHERE group_kept")[0][0]
+    assert policy.num_rows == kept > 0 and policy.rounds == [0, 1] and policy.temperature == 1.0
+    t = policy.table
+    lengths = [(len(a), len(b)) for a, b in zip(t.column("response_token_ids").to_pylist(),
+                                                 t.column("behavior_logprobs").to_pylist())]
+    assert all(a == b for a, b in lengths)
+    pairs = load_training_data(curated_run, "pairwise", rounds=[1])
+    n_pairs = _sql(f"SELECT count(*) FROM read_parquet('{curated_run}/pairs/round=1/*.parquet')")[0][0]
+    assert pairs.num_rows == n_pairs and pairs.rounds == [1]
+    assert all(c != r for c, r in zip(pairs.table.column("chosen_token_ids").to_pylist(),
+                                      pairs.table.column("rejected_token_ids").to_pylist()))
+    sft = load_training_data(curated_run, "sft")
+    assert all(a > 0 for a in sft.table.column("advantage").to_pylist())
+    assert load_training_data(curated_run, "grpo", max_staleness=0).rounds == [1]
+    assert load_training_data(curated_run, "grpo").fingerprint == policy.fingerprint
+    assert pairs.fingerprint != load_training_data(curated_run, "pairwise").fingerprint
+    with pytest.raises(ValueError, match=r"round\(s\) \[7\]"):
+        load_training_data(curated_run, "grpo", rounds=[7])
+    with pytest.raises(NoTrainingData, match="nothing to train on"):
+        load_training_data(curated_run, "sft", sft_min_reward=2.0)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "gspo", "gspo_token"])
+def test_policy_rows_are_the_kept_groups_in_key_order(curated_run, objective):
+    data = load_training_data(curated_run, objective)
+    expected = _sql(f"""
+        SELECT s.round, s.prompt_id, s.sample_idx, g.advantage, g.reward, s.response_token_ids, s.policy_version
+        FROM read_parquet('{curated_run}/samples/**/*.parquet', hive_partitioning = false) s
+        JOIN read_parquet('{curated_run}/groups/**/*.parquet', hive_partitioning = false) g
+          USING (run_id, round, prompt_id, sample_idx)
+        WHERE g.group_kept ORDER BY 1, 2, 3""")
+    t = data.table
+    got = list(zip(*(t.column(c).to_pylist() for c in ("round", "prompt_id", "sample_idx", "advantage", "reward",
+                                                       "response_token_ids", "policy_version"))))
+    assert got == [tuple(row) for row in expected]
+    assert {"prompt_token_ids", "behavior_logprobs"} <= set(t.column_names)
+
+
+def test_sft_rows_by_advantage_or_by_reward(curated_run):
+    groups = f"read_parquet('{curated_run}/groups/**/*.parquet', hive_partitioning = false)"
+    by_advantage = load_training_data(curated_run, "sft")
+    assert by_advantage.num_rows == _sql(f"SELECT count(*) FROM {groups} WHERE advantage > 0")[0][0] > 0
+    by_reward = load_training_data(curated_run, "sft", sft_min_reward=1.0)
+    assert by_reward.num_rows == _sql(f"SELECT count(*) FROM {groups} WHERE reward >= 1.0")[0][0] > 0
+    assert set(by_reward.table.column("reward").to_pylist()) == {1.0}
+    assert by_reward.fingerprint != by_advantage.fingerprint  # the selection is part of the dataset's name
+
+
+def test_pair_rows_carry_both_sides_of_each_pair(curated_run):
+    data = load_training_data(curated_run, "pairwise")
+    t = data.table
+    expected = _sql(f"""
+        SELECT p.round, p.prompt_id, p.chosen_idx, p.rejected_idx, p.soft_label, p.weight,
+               c.response_token_ids, r.response_token_ids, c.behavior_logprobs
+        FROM read_parquet('{curated_run}/pairs/**/*.parquet', hive_partitioning = false) p
+        JOIN read_parquet('{curated_run}/samples/**/*.parquet', hive_partitioning = false) c
+          ON c.round = p.round AND c.prompt_id = p.prompt_id AND c.sample_idx = p.chosen_idx
+        JOIN read_parquet('{curated_run}/samples/**/*.parquet', hive_partitioning = false) r
+          ON r.round = p.round AND r.prompt_id = p.prompt_id AND r.sample_idx = p.rejected_idx
+        ORDER BY 1, 2, 3, 4""")
+    columns = ("round", "prompt_id", "chosen_idx", "rejected_idx", "soft_label", "weight", "chosen_token_ids",
+               "rejected_token_ids", "chosen_logprobs")
+    assert list(zip(*(t.column(c).to_pylist() for c in columns))) == [tuple(row) for row in expected]
+    assert len(expected) > 0 and data.rounds == [0, 1]
+
+
+def test_select_rounds(curated_run):
+    store = RunStore(curated_run)
+    assert select_rounds(store, "grpo", None, None) == [0, 1]
+    assert select_rounds(store, "pairwise", [1, 0, 1], None) == [0, 1]  # sorted, once each
+    assert select_rounds(store, "grpo", None, 0) == [1]  # round 0 is one round older than the newest
+    assert select_rounds(store, "grpo", None, 1) == [0, 1]
+    assert select_rounds(store, "sft", [0], 0) == []  # asked for, but too stale
+    with pytest.raises(ValueError, match=r"no groups table for round\(s\) \[3\]; rounds with groups: \[0, 1\] "
+                                         r"\(run `groupforge curate` first\)"):
+        select_rounds(store, "grpo", [1, 3], None)
+    with pytest.raises(ValueError, match=r"no pairs table for round\(s\) \[2\]"):
+        select_rounds(store, "pairwise", [2], None)
+
+
+def test_max_staleness_zero_against_a_newer_round_of_samples(curated_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(curated_run, run)
+    # Round 2 sampled but not curated yet: rounds 0 and 1 are now 2 and 1 rounds old.
+    (run / "samples" / "round=2").mkdir()
+    shutil.copy(run / "samples" / "round=1" / "part-generate.parquet", run / "samples" / "round=2")
+    assert load_training_data(run, "grpo", max_staleness=1).rounds == [1]
+    with pytest.raises(NoTrainingData, match=r"in rounds none .*within max_staleness=0"):
+        load_training_data(run, "grpo", max_staleness=0)
+
+
+def test_fingerprint_names_the_rows(curated_run, tmp_path):
+    first = load_training_data(curated_run, "grpo").fingerprint
+    assert load_training_data(curated_run, "grpo").fingerprint == first
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(curated_run, moved)
+    assert load_training_data(moved, "grpo").fingerprint == first  # content and relative paths, not where
+    others = {load_training_data(curated_run, "gspo").fingerprint, load_training_data(curated_run, "sft").fingerprint,
+              load_training_data(curated_run, "grpo", rounds=[1]).fingerprint}
+    assert len(others | {first}) == 4
+    # Relabelled groups (one advantage changed): a different dataset.
+    part = moved / "groups" / "round=1" / "part-label.parquet"
+    table = pq.read_table(part)
+    advantage = table.column("advantage").to_pylist()
+    advantage[0] += 1.0
+    pq.write_table(table.set_column(table.schema.get_field_index("advantage"), "advantage",
+                                    pa.array(advantage, table.schema.field("advantage").type)), part)
+    assert load_training_data(moved, "grpo").fingerprint != first
+
+
+def test_errors_name_the_file_or_round(curated_run, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown objective 'ppo'; known: grpo, gspo, gspo_token, pairwise, sft"):
+        load_training_data(curated_run, "ppo")
+    run = tmp_path / "run"
+    shutil.copytree(curated_run, run)
+    bad = run / "groups" / "round=1" / "part-bad.parquet"
+    pq.write_table(pa.table({"prompt_id": ["p"], "advantage": ["high"]}), bad)
+    with pytest.raises(SchemaError, match=str(bad)):
+        load_training_data(run, "grpo")
+    bad.unlink()
+    manifest = run / "_manifests" / "generate-round=1.json"
+    record = json.loads(manifest.read_text())
+    record["config"]["sampling"]["temperature"] = 0.7
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"rounds \[0, 1\] were sampled at different temperatures \[0.7, 1.0\]"):
+        load_training_data(run, "grpo")
+    assert load_training_data(run, "grpo", rounds=[1]).temperature == 0.7
