@@ -11,8 +11,13 @@ step count is the policy_version of the weights, continued across calls and roun
     loop     per step: `batch_size` rows from a seeded permutation of the rows, token-budget
              micro-batches, gradient accumulation normalised by the step's totals (so any
              split gives the one-batch gradient), grad clipping, one optimizer step, one line
-             in RUN/metrics.jsonl
+             in RUN/metrics.jsonl (curation.runlog.MetricsLog)
     save     RUN/checkpoints/step-<k>/ every `save_every` steps and at the end
+
+A micro-batch's forward and loss is `policy_micro_step` (grpo, gspo, gspo_token, sft) or
+`pair_micro_step` (pairwise), chosen once per run; both read a frozen `StepContext` (the
+models, the loss and its ObjectiveConfig, temperature, pad id, device, autocast), and
+`accumulate_gradients` runs one of them over a step's micro-batches.
 
 Resume reproduces an uninterrupted run: which rows a step uses depends only on (seed, the
 step, the step at which these rows were first trained on); the optimizer state and the
@@ -50,6 +55,8 @@ KILL_AFTER_STEP_ENV = "GROUPFORGE_KILL_AFTER_STEP"
 
 @dataclass
 class TrainResult:
+    """What one `train` call did: steps (start_step, end_step], or nothing when skipped."""
+
     start_step: int
     end_step: int
     skipped: bool
