@@ -57,8 +57,8 @@ def load_curation_spec(path: str | Path | None) -> CurationSpec:
     for section in data:
         if section not in known:
             close = difflib.get_close_matches(section, sorted(known), n=1)
-            hint = f"did you mean [{close[0]}]? " if close else ""
-            raise ValueError(f"config {path}: unknown section [{section}]; {hint}"
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"config {path}: unknown section {section!r}; {hint}"
                              f"known sections: {', '.join(sorted(known))}")
     return validate_model(CurationSpec, {k: v for k, v in data.items() if k in CurationSpec.model_fields}, path)
 

@@ -1,8 +1,11 @@
-"""`groupforge inspect RUN`: what a run holds — rows per table and round, manifests, examples."""
+"""`groupforge inspect RUN`: what a run holds — rows per table and round, manifests, examples;
+with `--stages`, the stage graph: each stage, the tables it reads and writes, its last run."""
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from curation.schema import SCHEMAS, empty, read_table_file, validate
+from curation.stages.runner import CURATION_STAGES, stage_module
 from curation.store import RunStore
 
 _SHOWN_COLUMNS = {
@@ -46,8 +50,8 @@ def table_counts(run: str | Path) -> dict[str, dict[int | None, int]]:
             continue
         per_round: dict[int | None, int] = {}
         for path in files:
-            r = None if name == "prompts" else int(path.parent.name.removeprefix("round="))
-            per_round[r] = per_round.get(r, 0) + pq.ParquetFile(path).metadata.num_rows
+            round = None if name == "prompts" else int(path.parent.name.removeprefix("round="))
+            per_round[round] = per_round.get(round, 0) + pq.ParquetFile(path).metadata.num_rows
         counts[name] = dict(sorted(per_round.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
     return counts
 
@@ -58,14 +62,14 @@ def inspect_run(run: Path, rows: int, console: Console) -> None:
     if not counts:
         console.print(f"{run}: no tables yet")
         return
-    rounds = sorted({r for per in counts.values() for r in per if r is not None})
+    rounds = sorted({round for per in counts.values() for round in per if round is not None})
     overview = Table(title=f"{run}: rows per table and round")
     overview.add_column("table")
-    for r in rounds:
-        overview.add_column(f"round {r}", justify="right")
+    for round in rounds:
+        overview.add_column(f"round {round}", justify="right")
     overview.add_column("all", justify="right")
     for name, per in counts.items():
-        cells = [str(per.get(r, "")) if name != "prompts" else "" for r in rounds]
+        cells = [str(per.get(round, "")) if name != "prompts" else "" for round in rounds]
         overview.add_row(name, *cells, str(sum(per.values())))
     console.print(overview)
 
@@ -99,3 +103,67 @@ def _short(value, column: str = "") -> str:
         return str(value)[:12]  # a sha256: the first 12 hex digits identify it in practice
     text = "null" if value is None else str(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+# ---- the stage graph ------------------------------------------------------------------------
+
+
+@dataclass
+class StageRow:
+    """One stage of the graph, with what its manifests say about this run."""
+
+    stage: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    rounds: list[int]
+    """Rounds the stage has committed (a manifest each)."""
+    last_run: str | None
+    """created_at of its newest manifest (UTC, ISO 8601); None: never ran."""
+    rows_in: int
+    """Summed over its rounds."""
+    rows_out: int
+
+
+def stage_graph(run_dir: str | Path) -> list[StageRow]:
+    """generate, score, filter, label, pair: each stage's declared reads and writes, and its
+    manifests' rounds, newest created_at and rows in/out (summed over rounds)."""
+    from curation.generate import stage as generate_stage  # its module loads torch: only when asked
+
+    store = RunStore(run_dir)
+    modules = [generate_stage, *(stage_module(name) for name in CURATION_STAGES)]
+    rows = []
+    for module in modules:
+        name = module.STAGE
+        pattern = re.compile(rf"{re.escape(name)}-round=(\d+)\.json")
+        rounds = sorted(int(m[1]) for path in (store.root / "_manifests").glob(f"{name}-round=*.json")
+                        if (m := pattern.fullmatch(path.name)))
+        manifests = [store.load_manifest(name, round) or {} for round in rounds]
+        stamps = [str(m["created_at"]) for m in manifests if m.get("created_at")]
+        rows.append(StageRow(name, tuple(getattr(module, "READS", ())), tuple(getattr(module, "WRITES", ())), rounds,
+                             max(stamps) if stamps else None, sum(m.get("rows_in") or 0 for m in manifests),
+                             sum(m.get("rows_out") or 0 for m in manifests)))
+    return rows
+
+
+def print_stage_graph(run_dir: Path, console: Console) -> None:
+    """The stage graph of `run_dir` as one table (see stage_graph)."""
+    table = Table(title=f"{run_dir}: stages, in the order they run")
+    for column in ("stage", "reads", "writes", "rounds", "last run", "rows in", "rows out"):
+        table.add_column(column, justify="right" if column.startswith("rows ") else "left")
+    for row in stage_graph(run_dir):
+        ran = bool(row.rounds)
+        table.add_row(row.stage, ", ".join(row.reads) or "-", ", ".join(row.writes) or "-",
+                      _ranges(row.rounds) or "-", (row.last_run or "never")[:19].replace("T", " "),
+                      str(row.rows_in) if ran else "-", str(row.rows_out) if ran else "-")
+    console.print(table)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in spans)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from curation.runlog import EXPORTS_DIR
 from curation.stages.export import ExportConfig, run
 from curation.store import RunStore
 
@@ -60,6 +61,9 @@ def test_preference_standard_and_conversational(tmp_path):
     path, rows = run(tmp_path / "run", ExportConfig(format="preference"))
     ds = load(path)
     assert rows == 2 and ds.num_rows == 2
+    # written atomically (runlog.write_atomic): no temporary file left, readable by everyone
+    assert path == tmp_path / "run" / EXPORTS_DIR / "preference-standard.parquet"
+    assert [p.name for p in path.parent.iterdir()] == [path.name] and path.stat().st_mode & 0o777 == 0o644
     assert ds[0]["prompt"] == "12+30=" and ds[0]["chosen"] == "42" and ds[0]["rejected"] == "40"
     assert ds[1]["prompt"] == "40+2=" and ds[1]["chosen"] == "42" and ds[1]["rejected"] == "7"
     path, _ = run(tmp_path / "run", ExportConfig(format="preference", style="conversational"))
@@ -87,3 +91,4 @@ def test_export_of_missing_table_is_a_clear_error(tmp_path):
         run(store.root, ExportConfig(format="preference"))
     with pytest.raises(Exception, match="format"):
         ExportConfig(format="dpo")
+

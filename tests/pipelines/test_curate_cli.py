@@ -1,12 +1,19 @@
-"""`groupforge curate|score|filter|label|pair|export` end to end on toy samples, in a subprocess."""
+"""`groupforge curate|score|filter|label|pair|export` end to end on toy samples, in a subprocess;
+pipelines/curate.py's config loading and `curate()` on a hand-made run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import duckdb
+import pyarrow as pa
 import pytest
 
+from curation.schema import empty
 from curation.store import RunStore
-from tests.conftest import make_toy_run
+from pipelines.curate import CurationSpec, curate, load_curation_spec
+from tests.conftest import REPO, make_toy_run
+from tests.curation.test_filter import samples_and_scores
 from tests.pipelines.test_cli import error_line, groupforge
 
 
@@ -34,7 +41,8 @@ def test_curate_defaults_cover_every_sample_then_rerun_is_noop(toy_run):
     store = RunStore(toy_run)
     pairs = store.read("pairs")
     assert pairs.num_rows > 0
-    assert all(c > r for c, r in zip(pairs.column("chosen_reward").to_pylist(), pairs.column("rejected_reward").to_pylist()))
+    chosen, rejected = pairs.column("chosen_reward").to_pylist(), pairs.column("rejected_reward").to_pylist()
+    assert all(c > r for c, r in zip(chosen, rejected))
 
     mtimes = {p: p.stat().st_mtime_ns for p in toy_run.rglob("*.parquet")}
     again = groupforge("curate", toy_run)
@@ -59,13 +67,14 @@ def test_curate_bad_config_and_missing_round(toy_run, tmp_path):
     assert "estimator_typo" in line and str(bad) in line
     proc = groupforge("score", toy_run, "--round", 7)
     assert proc.returncode == 2 and "no samples in round 7" in error_line(proc)
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[filte]\ndrop_duplicates = false\n")
+    proc = groupforge("curate", toy_run, "--config", typo)
+    assert proc.returncode == 2 and "unknown section 'filte'" in error_line(proc) and str(typo) in error_line(proc)
 
 
 def test_readme_curation_config_is_valid(tmp_path):
     """The TOML example in README.md is a config the stages accept."""
-    from pipelines.curate import load_curation_spec
-    from tests.conftest import REPO
-
     readme = (REPO / "README.md").read_text()
     block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "readme.toml"
@@ -73,3 +82,68 @@ def test_readme_curation_config_is_valid(tmp_path):
     spec = load_curation_spec(path)
     assert [r.name for r in spec.score.rewards] == ["exact_match", "overlong_penalty"]
     assert spec.filter.drop_duplicates and spec.pair.min_margin == 0.5
+
+
+# ---- the config and curate() without a subprocess ---------------------------------------------
+
+RESPONSES = {"p0": ["4", "4", "4", "4"], "p1": ["4", "5", "4", "6"], "p2": ["5", "4", "5", "5"]}
+
+
+def hand_made_run(run: Path, rounds=(0,)) -> Path:
+    """A run as generate leaves it, without a model: 3 prompts (reference "4") x 4 samples per round."""
+    store = RunStore(run)
+    prompts = pa.table({"prompt_id": list(RESPONSES), "prompt": ["2+2=", "1+3=", "0+4="], "reference": ["4"] * 3})
+    for round in rounds:
+        rows = [{"prompt_id": p, "sample_idx": i, "reward": 0.0, "response": text}
+                for p, texts in RESPONSES.items() for i, text in enumerate(texts)]
+        samples, _ = samples_and_scores(rows, round=round)
+        with store.commit("generate", round, inputs={"prompts": "sha"}, config={}) as commit:
+            commit.write("samples", samples, part="generate")
+            commit.write("rejects", empty("rejects"), part="generate")
+            commit.write("prompts", prompts, part="hand-made", round=None)
+            commit.record(rows_in=len(RESPONSES), rows_out=samples.num_rows)
+    return run
+
+
+def test_unknown_sections_are_errors_naming_the_section_and_the_file(tmp_path):
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[filter]\nmin_group_size = 3\n\n[filte]\ndrop_duplicates = false\n")
+    with pytest.raises(ValueError, match="unknown section 'filte'; did you mean 'filter'") as error:
+        load_curation_spec(typo)
+    assert str(typo) in str(error.value)
+    other = tmp_path / "other.toml"
+    other.write_text("[xyz]\n")
+    with pytest.raises(ValueError, match="unknown section 'xyz'; known sections: eval, export, filter"):
+        load_curation_spec(other)
+    # a whole pipeline spec is a curation config; [export] is a curation section
+    spec = load_curation_spec(REPO / "pipelines" / "specs" / "toy-grpo.toml")
+    assert isinstance(spec, CurationSpec)
+    export = tmp_path / "export.toml"
+    export.write_text("[export]\nformat = 'sft'\n")
+    assert load_curation_spec(export).export.format == "sft"
+
+
+def test_curate_runs_every_stage_of_every_round_once(tmp_path):
+    run = hand_made_run(tmp_path / "run", rounds=(0, 1))
+    reports = curate(run)
+    assert [(r.stage, r.round, r.skipped) for r in reports] == [
+        (stage, round, False) for round in (0, 1) for stage in ("score", "filter", "label", "pair")]
+    by_stage = {r.stage: r for r in reports if r.round == 0}
+    assert (by_stage["score"].rows_in, by_stage["score"].rows_out) == (12, 12)
+    # duplicates first: p0 keeps one "4" (then too small), p1 drops its second "4", p2 its second and third "5"
+    assert by_stage["filter"].drops == {"duplicate": 6, "group_too_small": 1}
+    assert (by_stage["label"].rows_out, by_stage["pair"].rows_out) == (5, 2)
+    assert (run / ".lock").exists()  # curate takes the run's writer lock
+    assert all(r.skipped for r in curate(run, rounds=[0, 1]))
+
+    config = tmp_path / "curation.toml"
+    config.write_text("[filter]\ndrop_duplicates = false\n")
+    again = curate(run, config, rounds=1)
+    assert [(r.stage, r.skipped) for r in again] == [("score", True), ("filter", False), ("label", False),
+                                                    ("pair", False)]
+    assert again[1].drops == {"zero_variance": 4}  # p0: all right
+    spec = CurationSpec.model_validate({"filter": {"drop_duplicates": False}, "pair": {"strategy": "all_pairs"}})
+    assert [r.skipped for r in curate(run, spec, rounds=[1])] == [True, True, False, False]
+    assert all(not r.skipped for r in curate(run, spec, rounds=[1], force=True))
+    with pytest.raises(ValueError, match="no samples in round 5"):
+        curate(run, rounds=[5])

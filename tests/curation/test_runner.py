@@ -1,0 +1,116 @@
+"""curation/stages/runner.py: what every stage declares, and run_stage's steps (up-to-date
+check, main input, column reads, hooks, declared outputs) on real run folders."""
+
+from __future__ import annotations
+
+import types
+
+import pyarrow as pa
+import pytest
+from pydantic import BaseModel
+
+from curation.schema import KEYS, SCHEMAS
+from curation.stages.common import rejects_table
+from curation.stages.runner import CURATION_STAGES, StageOutput, run_stage, stage_module
+from curation.store import RunStore
+from tests.curation.test_filter import commit_inputs, group_rows, samples_and_scores
+
+
+@pytest.mark.parametrize("name", CURATION_STAGES)
+def test_every_stage_declares_its_tables_config_columns_and_transform(name):
+    module = stage_module(name)
+    assert module.STAGE == name and module.__name__ == f"curation.stages.{name}"
+    assert isinstance(module.READS, tuple) and isinstance(module.WRITES, tuple)
+    assert set(module.READS) <= set(SCHEMAS) and set(module.WRITES) <= set(SCHEMAS)
+    assert issubclass(module.CONFIG, BaseModel) and callable(module.transform)
+    columns = module.columns(module.CONFIG())
+    assert list(columns) == list(module.READS)
+    for table, names in columns.items():
+        assert names is None or set(names) <= set(SCHEMAS[table].names), (table, names)
+
+
+def test_filter_reads_only_the_columns_its_filters_use():
+    from curation.stages.filter import FilterConfig, columns
+
+    assert columns(FilterConfig(drop_duplicates=False))["samples"] == list(KEYS)
+    every = FilterConfig(drop_truncated=True, min_response_tokens=1)
+    assert columns(every)["samples"] == [*KEYS, "finish_reason", "response_token_ids", "response"]
+
+
+def test_unknown_stage_and_missing_main_input(tmp_path):
+    with pytest.raises(ValueError, match="unknown curation stage 'filte'"):
+        run_stage("filte", tmp_path, 0)
+    with pytest.raises(FileNotFoundError, match="has no samples for round 0; run generate first"):
+        run_stage("filter", tmp_path / "run", 0)
+    store = RunStore(tmp_path / "run")
+    commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0]})))
+    with pytest.raises(FileNotFoundError, match="has no groups for round 0; run label first"):
+        run_stage("pair", store.root, 0)
+
+
+def fake_stage(**attributes) -> types.ModuleType:
+    """A stage module that reads the keys of samples and rejects every sample (reason 'fake')."""
+    module = types.ModuleType("fake_stage")
+    module.STAGE, module.READS, module.WRITES = "fake", ("samples",), ("rejects",)
+    module.CONFIG = dict
+    module.columns = lambda cfg: {"samples": list(KEYS)}
+    module.seen = []
+
+    def transform(tables, cfg):
+        module.seen.append(tables)
+        keys = tables["samples"].to_pydict()
+        rejects = rejects_table(keys["run_id"], keys["round"], keys["prompt_id"], keys["sample_idx"], "fake", "fake")
+        return StageOutput({"rejects": rejects}, rows_in=len(keys["run_id"]), rows_out=0, extra={"note": cfg.get("a")})
+
+    module.transform = transform
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    return module
+
+
+def test_run_stage_reads_transforms_commits_and_then_skips(tmp_path):
+    store = RunStore(tmp_path / "run")
+    commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0]})))
+    stage = fake_stage()
+    report = run_stage(stage, store.root, 0, {"a": 1})
+    assert (report.stage, report.skipped, report.rows_in, report.rows_out, report.drops) == ("fake", False, 5, 0,
+                                                                                           {"fake": 5})
+    assert stage.seen[0]["samples"].column_names == list(KEYS)  # only the declared columns
+    manifest = store.load_manifest("fake", 0)
+    assert manifest["config"] == {"a": 1} and manifest["note"] == 1 and manifest["drops"] == {"fake": 5}
+    assert list(manifest["inputs"]) == ["samples/round=0/part-generate.parquet"]
+    assert manifest["outputs"] == ["rejects/round=0/part-fake.parquet"]
+    again = run_stage(stage, store.root, 0, {"a": 1})
+    assert (again.skipped, again.rows_in, again.rows_out, again.drops) == (True, 5, 0, {"fake": 5})
+    assert len(stage.seen) == 1
+    assert not run_stage(stage, store.root, 0, {"a": 2}).skipped and len(stage.seen) == 2
+
+
+def test_hooks_hashed_config_and_reused_tables(tmp_path):
+    store = RunStore(tmp_path / "run")
+    commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0]})))
+    earlier = pa.table({"x": [1]})
+    calls = []
+
+    def reused_tables(store_, round, inputs):
+        calls.append((store_.root, round, sorted(inputs)))
+        return {"earlier": earlier}
+
+    stage = fake_stage(hashed_config=lambda cfg: {k: v for k, v in cfg.items() if k != "workers"},
+                       reused_tables=reused_tables)
+    run_stage(stage, store.root, 0, {"a": 1, "workers": 4})
+    assert store.load_manifest("fake", 0)["config"] == {"a": 1}
+    assert stage.seen[-1]["earlier"] is earlier
+    assert calls == [(store.root, 0, ["samples/round=0/part-generate.parquet"])]
+    assert run_stage(stage, store.root, 0, {"a": 1, "workers": 2}).skipped  # workers are not hashed
+    run_stage(stage, store.root, 0, {"a": 1}, force=True)
+    assert "earlier" not in stage.seen[-1] and len(calls) == 1  # force: nothing reused
+
+
+def test_a_transform_must_return_the_tables_it_declares(tmp_path):
+    store = RunStore(tmp_path / "run")
+    commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0]})))
+    stage = fake_stage(WRITES=("rejects", "pairs"))
+    with pytest.raises(RuntimeError, match=r"returned tables \['rejects'\], declared \['rejects', 'pairs'\]"):
+        run_stage(stage, store.root, 0, {})
+    assert store.load_manifest("fake", 0) is None
