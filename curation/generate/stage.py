@@ -44,14 +44,21 @@ WRITES = ("samples", "rejects", "prompts")
 
 @dataclass
 class GenerateResult:
+    """What one `generate` call did (its manifest records the same counts)."""
+
     round: int
     skipped: bool
+    """The round was up to date: nothing was sampled or written."""
     prompts: int = 0
+    """Distinct prompts of the prompts file."""
     samples: int = 0
     rejected_prompts: int = 0
+    """Prompts as long as the generator's context (rejects, reason prompt_too_long)."""
     response_tokens: int = 0
     seconds: float = 0.0
+    """Wall seconds of the call, generator start-up included."""
     resumed_chunks: int = 0
+    """Chunks reused from an interrupted earlier call (RUN/_staging)."""
     sample_seconds: float = 0.0
     """Time inside the generator's sampling calls (no start-up, no I/O)."""
     manifest: dict = field(default_factory=dict)
