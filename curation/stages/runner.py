@@ -67,6 +67,8 @@ class StageOutput:
 
 @dataclass
 class StageReport:
+    """What run_stage did to one round: skipped (up to date, counts from the manifest) or ran."""
+
     stage: str
     round: int
     skipped: bool
