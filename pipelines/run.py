@@ -35,7 +35,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from curation.generate.base import Generator, SamplingConfig, load_prompts
+from curation.generate.base import Generator, load_prompts
 from curation.generate.stage import generate, make_generator
 from curation.rewards.registry import get_reward
 from curation.runlog import (
@@ -122,7 +122,8 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
         generator = _generator(ctx, start_version)
         ctx.log(f"round {round}: generate {spec.prompts.per_round} prompts x {spec.generator.group_size} "
                 f"with policy_version {generator.policy_version}")
-        result = generate(run_dir, prompts_file, _sampling(spec), generator=generator, round=round,
+        sampling = spec.generator.sampling(spec.run.seed)
+        result = generate(run_dir, prompts_file, sampling, generator=generator, round=round,
                           run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts)
         gen_seconds, gen_tokens = result.sample_seconds, result.response_tokens
 
@@ -252,11 +253,9 @@ def _generator(ctx: RoundContext, policy_version: int) -> Generator:
     spec = ctx.spec
     if ctx.generator is None:
         folder = ckpt.checkpoint_dir(ctx.run_dir, policy_version) if policy_version else Path(spec.model.path)
-        kwargs = {"dtype": spec.generator.dtype, "max_model_len": spec.generator.max_model_len,
-                  "policy_version": policy_version}
+        kwargs = {**spec.generator.generator_kwargs(), "policy_version": policy_version}
         if spec.generator.backend == "vllm":
-            kwargs.update(seed=spec.run.seed, gpu_memory_utilization=spec.generator.gpu_memory_utilization,
-                          tensor_parallel_size=spec.generator.tensor_parallel_size)
+            kwargs["seed"] = spec.run.seed  # the engine's own seed; every group also has its own
         ctx.log(f"starting the {spec.generator.backend} engine on {folder}")
         # The engine loads tokenizer and config from the base model; weights from the checkpoint.
         ctx.generator = make_generator(spec.generator.backend, spec.model.path, **kwargs)
@@ -265,12 +264,6 @@ def _generator(ctx: RoundContext, policy_version: int) -> Generator:
     elif ctx.generator.policy_version != policy_version:
         ctx.generator.update_weights(ckpt.checkpoint_dir(ctx.run_dir, policy_version), policy_version)
     return ctx.generator
-
-
-def _sampling(spec: PipelineSpec) -> SamplingConfig:
-    g = spec.generator
-    return SamplingConfig(group_size=g.group_size, max_tokens=g.max_tokens, temperature=g.temperature,
-                          top_p=g.top_p, top_k=g.top_k, seed=spec.run.seed)
 
 
 def _prompt_pool(files: list[str], seen: set[str] | None) -> tuple[pa.Table, list[bool]]:

@@ -44,7 +44,7 @@ def test_readme_example_runs(toy_dir: Path, tmp_path: Path):
     samples = pq.read_table(run / "samples" / "round=2" / "part-generate.parquet")
     assert samples.num_rows == 64 * 8
     assert set(samples.column("policy_version").to_pylist()) == {2}
-    n_groups = int(done.stdout.split()[0])
+    n_groups = int(done.stdout.strip().splitlines()[-1].split()[0])  # the example's own line comes last
     assert 0 < n_groups <= 64 * 8
 
 
