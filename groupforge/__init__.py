@@ -44,7 +44,10 @@ _EXPORTS = {
     "run_pipeline": "pipelines.run",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [  # the same names as _EXPORTS (a test checks), written out for readers and linters
+    "__version__", "RunStore", "SamplingConfig", "generate", "make_generator", "register_reward", "curate",
+    "TrainConfig", "train", "get_policy_loss", "get_pair_loss", "load_spec", "run_pipeline",
+]
 
 if TYPE_CHECKING:
     from curation.generate.base import SamplingConfig

@@ -40,7 +40,8 @@ err_console = Console(stderr=True)
 
 
 def _fail(message: str, code: int) -> "typer.Exit":
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # escaped: a message may quote TOML like "[filte]", which rich would take for markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -57,3 +57,9 @@ def test_front_door_is_light_and_complete():
     assert done.returncode == 0, done.stderr[-2000:]
     version, count = done.stdout.split()
     assert version[0].isdigit() and int(count) == 12
+
+
+def test_all_lists_every_export():
+    import groupforge
+
+    assert sorted(groupforge.__all__) == sorted(["__version__", *groupforge._EXPORTS])

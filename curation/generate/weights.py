@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -22,13 +24,13 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str | Path) -> dict[str, "torch.Tensor"]:
     """All tensors of a safetensors file, or of every *.safetensors file in a folder."""
     from safetensors.torch import load_file
 
     path = Path(path)
     files = _safetensors_files(path) if path.is_dir() else [path]
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, "torch.Tensor"] = {}
     for file in files:
         state_dict.update(load_file(file))
     return state_dict
@@ -49,6 +51,8 @@ def weights_fingerprint(weights: "Mapping[str, torch.Tensor] | str | Path") -> s
                 for block in iter(lambda: f.read(1 << 20), b""):
                     h.update(block)
         return h.hexdigest()
+    import torch  # a state dict holds tensors: torch is loaded already
+
     for name in sorted(weights):
         tensor = weights[name].detach().to("cpu").contiguous()
         h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())

@@ -71,7 +71,8 @@ def _rounds(run_dir):
 def _check_tables(run_dir):
     """Every (round, prompt_id, sample_idx) once in samples; groups + rejects cover samples exactly."""
     glob = lambda t: f"'{run_dir}/{t}/**/*.parquet'"  # noqa: E731
-    dup = duckdb.sql(f"SELECT count(*) - count(DISTINCT (round, prompt_id, sample_idx)) FROM read_parquet({glob('samples')})")
+    dup = duckdb.sql("SELECT count(*) - count(DISTINCT (round, prompt_id, sample_idx)) "
+                     f"FROM read_parquet({glob('samples')})")
     assert dup.fetchall()[0][0] == 0
     uncovered = duckdb.sql(f"""
         WITH covered AS (
