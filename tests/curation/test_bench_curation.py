@@ -8,7 +8,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "curation.py"
 
 
-def test_pandas_baselines_give_the_stages_output():
+def test_pandas_baselines_give_the_stages_output(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # as when the bench runs as a script: its helpers import
     spec = importlib.util.spec_from_file_location("bench_curation", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
