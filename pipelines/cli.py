@@ -27,6 +27,7 @@ from rich.table import Table
 from curation.generate.base import GeneratorConfig, SamplingConfig
 from curation.store import RunLockedError, RunStore
 from pipelines.cli_options import OVERRIDES, build, model_options
+from pipelines.toy import VARIANTS, ToyConfig
 from training.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
@@ -378,15 +379,22 @@ def compare(
 
 
 @toy_app.command("build")
+@model_options(ToyConfig)
 def toy_build(
-    out: Path = typer.Option(Path("runs/toy"), "--out", help="Folder for model/, train.parquet, eval.parquet."),
+    variant: str = typer.Option("default", "--variant", help=f"Named config to start from ({', '.join(VARIANTS)}); "
+                                                             "the ToyConfig flags given override its fields."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for model/, train.parquet, eval.parquet "
+                                       "(default: runs/toy, runs/toy-<variant>, or runs/toy-<config hash>)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the data split and the warm start."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if a matching toy is cached."),
+    overrides: dict = OVERRIDES,
 ) -> None:
     """Build the embedded arithmetic task and its warm-started Llama model (cached)."""
-    from pipelines.toy import build_toy
+    from pipelines.toy import build_toy, default_out, variant_config
 
-    path = build_toy(out, seed=seed, force=force, progress=True)
+    with _exit_codes():
+        config = build(ToyConfig, {**variant_config(variant).model_dump(), **overrides})
+        path = build_toy(out or default_out(config), seed=seed, force=force, progress=True, config=config)
     console.print(f"toy ready in {path}")
 
 

@@ -38,11 +38,12 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipelines.toy_model import greedy_accuracy, make_model, make_tokenizer, pass_at_k, warm_start
-from training.checkpoint import quiet_transformers
+from curation.fingerprints import config_hash
+
+# torch, transformers and pipelines.toy_model are imported by the build only: the CLI
+# generates `groupforge toy build`'s flags from ToyConfig and must stay light.
 
 TOY_VERSION = 1
 """Bump when the build changes in a way `ToyConfig` does not capture (invalidates caches)."""
@@ -51,6 +52,9 @@ MODEL_DIR = "model"
 TRAIN_FILE = "train.parquet"
 EVAL_FILE = "eval.parquet"
 META_FILE = "toy.json"
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The head sizes vLLM's CPU attention supports (`CPUAttentionBackend.get_supported_head_sizes`)."""
 
 
 class ToyConfig(BaseModel):
@@ -62,6 +66,15 @@ class ToyConfig(BaseModel):
     operand_min: int = Field(10, description="Smallest operand (inclusive).")
     operand_max: int = Field(99, description="Largest operand (inclusive).")
     n_eval: int = Field(400, description="Prompts held out for eval; the rest are train.")
+    # Fields added after TOY_VERSION 1 leave the dump (the cache key) while at their default,
+    # so the default toy's key is what it always was and its existing caches stay valid.
+    n_train: int | None = Field(
+        None,
+        ge=1,
+        exclude_if=lambda v: v is None,
+        description="Train prompts: the first n of the seeded shuffle after the eval prompts "
+        "(512 to 7,700 with the default operands); unset: all of them.",
+    )
 
     # --- model ---
     hidden_size: int = Field(128, description="Width of the residual stream.")
@@ -85,7 +98,41 @@ class ToyConfig(BaseModel):
     target_accuracy: float = Field(
         0.30, description="Stop at the first check whose greedy eval accuracy reaches this."
     )
+    label_noise: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        exclude_if=lambda v: v == 0.0,
+        description="Fraction of the warm start's supervised answers replaced by a wrong one "
+        "(off by 1-10, chosen by the seed); train.parquet keeps the right references.",
+    )
     num_threads: int = Field(2, description="torch intra-op threads (fixed for determinism).")
+
+    @model_validator(mode="after")
+    def _buildable(self) -> ToyConfig:
+        check_config(self)
+        return self
+
+
+def check_config(config: ToyConfig) -> None:
+    """One-line ValueError unless vLLM can load the model and the prompts can be split as
+    asked (also run on configs that skipped validation, e.g. `model_copy(update=...)`)."""
+    head_dim, rem = divmod(config.hidden_size, config.num_heads)
+    if rem:
+        raise ValueError(f"hidden_size {config.hidden_size} not divisible by num_heads {config.num_heads}")
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ValueError(
+            f"head_dim = hidden_size / num_heads = {config.hidden_size} / {config.num_heads} = {head_dim} "
+            f"is not a head size vLLM's CPU attention supports: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}"
+        )
+    n_problems = (config.operand_max - config.operand_min + 1) ** 2
+    if not 0 < config.n_eval < n_problems:
+        raise ValueError(f"n_eval={config.n_eval} must be between 1 and {n_problems - 1}")
+    if config.n_train is not None and config.n_train > n_problems - config.n_eval:
+        raise ValueError(
+            f"n_train={config.n_train} is more than the {n_problems - config.n_eval} prompts left after "
+            f"n_eval={config.n_eval} (operands {config.operand_min}..{config.operand_max})"
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -94,12 +141,14 @@ class ToyConfig(BaseModel):
 
 
 def make_problems(config: ToyConfig, seed: int) -> tuple[pa.Table, pa.Table]:
-    """All `a+b=` prompts over the operand range, split into (train, eval) by the seed."""
+    """All `a+b=` prompts over the operand range, split into (train, eval) by the seed: eval
+    is the first `n_eval` of a seeded shuffle, train the next `n_train` (all the rest when
+    unset), so every train-set size shares the same eval prompts."""
+    check_config(config)
     operands = np.arange(config.operand_min, config.operand_max + 1)
     a, b = (x.ravel() for x in np.meshgrid(operands, operands, indexing="ij"))
     order = np.random.default_rng(seed).permutation(len(a))
-    if not 0 < config.n_eval < len(a):
-        raise ValueError(f"n_eval={config.n_eval} must be between 1 and {len(a) - 1}")
+    n_train = config.n_train or len(a) - config.n_eval
 
     def table(idx: np.ndarray) -> pa.Table:
         return pa.table(
@@ -109,7 +158,57 @@ def make_problems(config: ToyConfig, seed: int) -> tuple[pa.Table, pa.Table]:
             }
         )
 
-    return table(order[config.n_eval :]), table(order[: config.n_eval])
+    return table(order[config.n_eval : config.n_eval + n_train]), table(order[: config.n_eval])
+
+
+def supervised_answers(train: pa.Table, config: ToyConfig, seed: int) -> list[str]:
+    """The answers the warm start learns: the references, except for a seeded `label_noise`
+    fraction of rows whose answer is off by 1-10 (a plausible slip, never the right one)."""
+    answers = train.column("reference").to_pylist()
+    n_wrong = round(config.label_noise * len(answers))
+    if n_wrong == 0:
+        return answers
+    rng = np.random.default_rng([seed, 1])  # a stream apart from the split's
+    rows = rng.choice(len(answers), size=n_wrong, replace=False)
+    offsets = rng.integers(1, 11, size=n_wrong) * rng.choice([-1, 1], size=n_wrong)
+    for row, offset in zip(rows.tolist(), offsets.tolist()):
+        right = int(answers[row])
+        answers[row] = str(right + offset if right + offset >= 0 else right - offset)
+    return answers
+
+
+# ---------------------------------------------------------------------------------------
+# Named variants: the same task with another model, train set or warm start
+# ---------------------------------------------------------------------------------------
+
+VARIANTS: dict[str, ToyConfig] = {
+    # today's toy: 2 layers x 128, all 7,700 train prompts, clean warm start to 30%
+    "default": ToyConfig(),
+    # twice the depth: a model with more capacity, warm-started to the same accuracy
+    "deep": ToyConfig(num_layers=4),
+    # a quarter of the supervised answers wrong: a miscalibrated start, ~25% greedy
+    "noisy": ToyConfig(label_noise=0.25, target_accuracy=0.25),
+    # 768 train prompts and a weaker start: RL must generalise from few prompts
+    "small": ToyConfig(n_train=768, target_accuracy=0.20),
+}
+"""Task variants for benchmarks: recipe defaults are chosen on these together, never on one."""
+
+
+def variant_config(variant: str) -> ToyConfig:
+    """The config of a named variant; a one-line error naming the variants otherwise."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown toy variant {variant!r}: one of {', '.join(VARIANTS)}")
+    return VARIANTS[variant]
+
+
+def default_out(config: ToyConfig, runs: str | Path = "runs") -> Path:
+    """Where a config is built unless told: runs/toy for "default", runs/toy-<variant> for
+    another variant, runs/toy-<config hash> for any other config (so a config of its own
+    never replaces a variant's cached build)."""
+    for name, known in VARIANTS.items():
+        if config == known:
+            return Path(runs) / ("toy" if name == "default" else f"toy-{name}")
+    return Path(runs) / f"toy-{config_hash(config.model_dump())[:10]}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -139,6 +238,8 @@ def _is_cached(out: Path, config: ToyConfig, seed: int) -> bool:
 
 @contextmanager
 def _torch_threads(n: int) -> Iterator[None]:
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -161,6 +262,7 @@ def build_toy(
     toy.json records the same config, seed and TOY_VERSION (unless `force`)."""
     out = Path(out)
     config = config or ToyConfig()
+    check_config(config)
     if not force and _is_cached(out, config, seed):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +270,8 @@ def build_toy(
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out, "building"), dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the toy is an ordinary folder
+        from training.checkpoint import quiet_transformers
+
         with quiet_transformers():
             meta = _build_into(tmp, config, seed, progress)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -216,20 +320,23 @@ def _replace_dir(new: Path, out: Path) -> None:
 
 
 def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> dict:
-    started = time.perf_counter()
-    head_dim, rem = divmod(config.hidden_size, config.num_heads)
-    if rem:
-        raise ValueError(f"hidden_size {config.hidden_size} not divisible by num_heads {config.num_heads}")
+    import torch
 
+    from pipelines.toy_model import greedy_accuracy, make_model, make_tokenizer, pass_at_k, warm_start
+
+    started = time.perf_counter()
     train, eval_ = make_problems(config, seed)
     pq.write_table(train, folder / TRAIN_FILE)
     pq.write_table(eval_, folder / EVAL_FILE)
+    answers = supervised_answers(train, config, seed)
+    supervised = train.set_column(1, "reference", pa.array(answers, pa.string()))
+    n_wrong = sum(a != r for a, r in zip(answers, train.column("reference").to_pylist()))
 
     with _torch_threads(config.num_threads):
         torch.manual_seed(seed)
         tokenizer = make_tokenizer(config.max_position_embeddings)
         model = make_model(config, tokenizer)
-        warm = warm_start(model, tokenizer, train, eval_, config, seed, progress)
+        warm = warm_start(model, tokenizer, supervised, eval_, config, seed, progress)
         model_dir = folder / MODEL_DIR
         model.save_pretrained(model_dir, safe_serialization=True)
         tokenizer.save_pretrained(model_dir)
@@ -250,10 +357,11 @@ def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> d
         "model": {
             "architecture": "LlamaForCausalLM",
             "parameters": sum(p.numel() for p in model.parameters()),
-            "head_dim": head_dim,
+            "head_dim": config.hidden_size // config.num_heads,
             "vocab_size": len(tokenizer),
         },
         "rows": {"train": train.num_rows, "eval": eval_.num_rows},
+        **({"wrong_supervised_answers": n_wrong} if n_wrong else {}),  # absent when clean, as before
         "warm_start": warm,
         "eval_greedy_accuracy": eval_accuracy,
         "eval_pass_at_8": eval_pass_at_8,
