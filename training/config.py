@@ -8,12 +8,23 @@ only when the trainer starts (`objective_config()`).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
     from training.objectives import ObjectiveConfig
+
+
+def steps_for_passes(num_rows: int, batch_size: int, passes: float) -> int:
+    """Optimizer steps that draw `passes` * `num_rows` rows: ceil(passes * rows / b), with b =
+    min(batch_size, rows) because a step never takes a row twice (training.trainer.step_rows).
+    0 without rows."""
+    if num_rows <= 0:
+        return 0
+    # round(): 0.3 * 10 is 3.0000000000000004 in floating point, which is 3 steps, not 4.
+    return max(1, math.ceil(round(passes * num_rows / min(batch_size, num_rows), 9)))
 
 
 class TrainConfig(BaseModel):
@@ -31,6 +42,11 @@ class TrainConfig(BaseModel):
     sft_min_reward: float | None = Field(
         None, description="sft: train on samples with reward >= this (default: advantage > 0).")
     batch_size: int = Field(256, ge=1, description="Sequences (pairwise: pairs) per optimizer step.")
+    passes: float | None = Field(
+        None, gt=0, description="Optimizer passes over each new set of training rows (TRL's num_iterations): "
+                                "train stops ceil(passes * rows / batch_size) steps after these rows were first "
+                                "trained on, or at --steps if sooner; the round loop trains that many steps per "
+                                "round. Passes after the first are off-policy and clipped like any stale sample.")
     token_budget: int = Field(16384, ge=1, description="Padded tokens per micro-batch (memory knob; "
                                                         "does not change the gradient).")
     old_logprobs: Literal["generator", "recompute"] = Field(

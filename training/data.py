@@ -88,54 +88,86 @@ def _temperature(store: RunStore, rounds: list[int]) -> float | None:
 _SAMPLE_COLUMNS = ("s.run_id, s.round, s.prompt_id, s.sample_idx, s.prompt_token_ids, s.response_token_ids, "
                    "s.behavior_logprobs, s.policy_version")
 
-_POLICY_SQL = f"""
-SELECT {_SAMPLE_COLUMNS}, g.advantage, g.reward
+# The selections, as FROM ... WHERE clauses: load_training_data reads their columns in key
+# order, count_training_rows only counts them.
+_POLICY_FROM = """
 FROM read_parquet($samples, hive_partitioning = false, union_by_name = true) AS s
 JOIN read_parquet($groups, hive_partitioning = false, union_by_name = true) AS g
   USING (run_id, round, prompt_id, sample_idx)
-WHERE {{where}}
-ORDER BY s.round, s.prompt_id, s.sample_idx
+WHERE {where}
 """
+_POLICY_SQL = f"SELECT {_SAMPLE_COLUMNS}, g.advantage, g.reward {{from_where}} ORDER BY s.round, s.prompt_id, " \
+              "s.sample_idx"
 
-_PAIRS_SQL = """
-SELECT p.run_id, p.round, p.prompt_id, p.chosen_idx, p.rejected_idx,
-       c.prompt_token_ids,
-       c.response_token_ids AS chosen_token_ids, c.behavior_logprobs AS chosen_logprobs,
-       r.response_token_ids AS rejected_token_ids, r.behavior_logprobs AS rejected_logprobs,
-       p.chosen_reward, p.rejected_reward, p.soft_label, p.weight
+_PAIRS_FROM = """
 FROM read_parquet($pairs, hive_partitioning = false, union_by_name = true) AS p
 JOIN read_parquet($samples, hive_partitioning = false, union_by_name = true) AS c
   ON c.run_id = p.run_id AND c.round = p.round AND c.prompt_id = p.prompt_id AND c.sample_idx = p.chosen_idx
 JOIN read_parquet($samples, hive_partitioning = false, union_by_name = true) AS r
   ON r.run_id = p.run_id AND r.round = p.round AND r.prompt_id = p.prompt_id AND r.sample_idx = p.rejected_idx
+"""
+_PAIRS_SQL = f"""
+SELECT p.run_id, p.round, p.prompt_id, p.chosen_idx, p.rejected_idx,
+       c.prompt_token_ids,
+       c.response_token_ids AS chosen_token_ids, c.behavior_logprobs AS chosen_logprobs,
+       r.response_token_ids AS rejected_token_ids, r.behavior_logprobs AS rejected_logprobs,
+       p.chosen_reward, p.rejected_reward, p.soft_label, p.weight
+{_PAIRS_FROM}
 ORDER BY p.round, p.prompt_id, p.chosen_idx, p.rejected_idx
 """
 
 
-def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | None = None,
-                       max_staleness: int | None = None, sft_min_reward: float | None = None) -> TrainingData:
-    """The rows `objective` trains on from `rounds` of the run (see the module docstring)."""
+def _selection(objective: str, sft_min_reward: float | None) -> str:
+    """The FROM ... WHERE clause of the objective's rows (objective checked by `_inputs`)."""
+    if objective == "pairwise":
+        return _PAIRS_FROM
+    if objective == "sft":
+        where = "g.advantage > 0" if sft_min_reward is None else f"g.reward >= {float(sft_min_reward)!r}"
+    else:
+        where = "g.group_kept"
+    return _POLICY_FROM.format(where=where)
+
+
+def _query(sql: str, files: dict[str, list[str]]) -> pa.Table:
+    con = duckdb.connect()
+    try:
+        return con.sql(sql, params=files).to_arrow_table()
+    finally:
+        con.close()
+
+
+def _inputs(run_dir: str | Path, objective: str, rounds: list[int] | None,
+            max_staleness: int | None) -> tuple[RunStore, list[int], dict[str, list[str]]]:
+    """The run, the chosen rounds and their checked part files per table."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
     store = RunStore(run_dir)
     chosen = select_rounds(store, objective, rounds, max_staleness)
     source = "pairs" if objective == "pairwise" else "groups"
-    files = {"samples": _checked_files(store, "samples", chosen), source: _checked_files(store, source, chosen)}
+    return store, chosen, {"samples": _checked_files(store, "samples", chosen),
+                           source: _checked_files(store, source, chosen)}
+
+
+def count_training_rows(run_dir: str | Path, objective: str, rounds: list[int] | None = None,
+                        max_staleness: int | None = None, sft_min_reward: float | None = None) -> int:
+    """How many rows `load_training_data` would return, without reading token lists or hashing
+    files (DuckDB reads only the key and filter columns): the round loop sizes a round's
+    training (`training.config.steps_for_passes`) before it starts. 0 when there are none."""
+    _, chosen, files = _inputs(run_dir, objective, rounds, max_staleness)
+    if not (chosen and all(files.values())):
+        return 0
+    return int(_query(f"SELECT count(*) AS n {_selection(objective, sft_min_reward)}", files).column(0)[0].as_py())
+
+
+def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | None = None,
+                       max_staleness: int | None = None, sft_min_reward: float | None = None) -> TrainingData:
+    """The rows `objective` trains on from `rounds` of the run (see the module docstring)."""
+    store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness)
     if objective == "pairwise":
         sql = _PAIRS_SQL
-    elif objective == "sft":
-        where = "g.advantage > 0" if sft_min_reward is None else f"g.reward >= {float(sft_min_reward)!r}"
-        sql = _POLICY_SQL.format(where=where)
     else:
-        sql = _POLICY_SQL.format(where="g.group_kept")
-    if chosen and all(files.values()):
-        con = duckdb.connect()
-        try:
-            table = con.sql(sql, params=files).to_arrow_table()
-        finally:
-            con.close()
-    else:
-        table = None
+        sql = _POLICY_SQL.format(from_where=_selection(objective, sft_min_reward))
+    table = _query(sql, files) if chosen and all(files.values()) else None
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
         for path in files[table_name]:

@@ -5,35 +5,41 @@
 `train(run_dir, config, model=..., steps=N)` trains until global optimizer step N (the
 step count is the policy_version of the weights, continued across calls and rounds):
 
-    resume   the newest complete checkpoint in RUN/checkpoints/ (or the base model at step 0)
+    resume   the session's live weights when it holds them (TrainSession), else the newest
+             complete checkpoint in RUN/checkpoints/ (or the base model at step 0)
     data     training.data: the rows of the objective in the chosen rounds
     model    Hugging Face causal LM (safetensors), AdamW, warmup then constant or cosine lr
     loop     per step: `batch_size` rows from a seeded permutation of the rows, token-budget
              micro-batches, gradient accumulation normalised by the step's totals (so any
-             split gives the one-batch gradient), grad clipping, one optimizer step, one line
-             in RUN/metrics.jsonl (curation.runlog.MetricsLog)
-    save     RUN/checkpoints/step-<k>/ every `save_every` steps and at the end
+             split gives the one-batch gradient; training/step.py), grad clipping, one
+             optimizer step, one line in RUN/metrics.jsonl (curation.runlog.MetricsLog)
+    save     RUN/checkpoints/step-<k>/ every `save_every` steps and at the end (unless `save=False`)
 
-A micro-batch's forward and loss is `policy_micro_step` (grpo, gspo, gspo_token, sft) or
-`pair_micro_step` (pairwise), chosen once per run; both read a frozen `StepContext` (the
-models, the loss and its ObjectiveConfig, temperature, pad id, device, autocast), and
-`accumulate_gradients` runs one of them over a step's micro-batches.
+With `passes` set, a call also stops once the current rows have been drawn `passes` times:
+ceil(passes * rows / batch_size) steps after the step where they were first trained on.
 
 Resume reproduces an uninterrupted run: which rows a step uses depends only on (seed, the
 step, the step at which these rows were first trained on); the optimizer state and the
 weights are restored exactly; and the metrics lines of steps after the checkpoint are
 dropped before they are recomputed. Callers hold the run's lock (`RunStore.lock()`).
+
+Skipping checkpoints (`save=False`, with a `TrainSession` carrying the weights to the next
+call and `return_state=True` handing them to the engine) is safe for resume because of the
+same rule: a killed run restarts from the newest checkpoint, and re-training each call
+since then (same rows, same target steps, in order) recomputes the same weights and the
+same metrics lines. The caller must replay those calls before training on anything new.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -41,13 +47,13 @@ import torch
 
 from curation.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
-from training.batching import MicroBatch, pair_batches, policy_batches, step_normalizer
-from training.config import TrainConfig
+from training.batching import pair_batches, policy_batches
+from training.config import TrainConfig, steps_for_passes
 from training.data import POLICY_OBJECTIVES, load_training_data
-from training.logprobs import token_logprobs
-from training.objectives import Metrics, Normalizer, ObjectiveConfig, get_pair_loss, get_policy_loss
+from training.objectives import get_pair_loss, get_policy_loss
+from training.step import StepContext, accumulate_gradients, pair_micro_step, policy_micro_step
 
-__all__ = ["KILL_AFTER_STEP_ENV", "TrainConfig", "TrainResult", "lr_at", "step_rows", "train"]
+__all__ = ["KILL_AFTER_STEP_ENV", "TrainConfig", "TrainResult", "TrainSession", "lr_at", "step_rows", "train"]
 
 # Fault injection for resume tests: SIGKILL this process right after step k is logged.
 KILL_AFTER_STEP_ENV = "GROUPFORGE_KILL_AFTER_STEP"
@@ -61,10 +67,48 @@ class TrainResult:
     end_step: int
     skipped: bool
     checkpoint: Path | None = None
+    """The checkpoint written at the end of this call, or the newest one when skipped."""
     rows: int = 0
     rounds: list[int] = field(default_factory=list)
     last_metrics: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    """Wall seconds of the whole call."""
+    load_seconds: float = 0.0
+    """Reading the resume state, the data query, loading model, optimizer and reference (and,
+    with old_logprobs = "recompute", the forward pass that recomputes them)."""
+    step_seconds: float = 0.0
+    """Sum of the optimizer steps' times (micro-batching, forward, backward, clip, update)."""
+    checkpoint_seconds: float = 0.0
+    """Writing checkpoints (save_every and the final one)."""
+    state_dict: dict[str, torch.Tensor] | None = None
+    """With return_state=True: the policy's weights at end_step, CPU tensors, a copy (safe to
+    keep while training goes on); for `Generator.update_weights`. None when skipped without a
+    live session (the weights are then in `checkpoint`)."""
+
+
+@dataclass
+class TrainSession:
+    """The trainer's live state between `train` calls of one process (the round loop): the
+    policy, its optimizer, the reference and the data segment at optimizer step `step`. A
+    call given a session continues from it (no model or optimizer load) when it is at least
+    as new as the newest checkpoint, and leaves its end state in it. A call that fails
+    leaves it empty, so the next one loads from disk."""
+
+    step: int = 0
+    policy: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    reference: torch.nn.Module | None = None
+    reference_from: str | None = None
+    base_model: Path | None = None
+    segment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        return self.policy is not None
+
+    def clear(self) -> None:
+        self.policy = self.optimizer = self.reference = None
+        self.reference_from = None
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -94,42 +138,67 @@ def step_rows(num_rows: int, batch_size: int, seed: int, segment_start: int, ste
 
 
 def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
-          progress: Callable[[int, int, dict], None] | None = None) -> TrainResult:
-    """Train until optimizer step `steps`, starting from the newest checkpoint of the run or,
-    when there is none, from the model folder `model`."""
+          progress: Callable[[int, int, dict], None] | None = None, session: TrainSession | None = None,
+          save: bool = True, return_state: bool = False) -> TrainResult:
+    """Train until optimizer step `steps` (sooner with `cfg.passes`), starting from the live
+    `session`, else the newest checkpoint of the run, else the model folder `model`.
+    `save=False` writes no checkpoint at the end (save_every still does); `return_state`
+    puts the final weights in `TrainResult.state_dict`."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
+    timing = _Timing()
 
-    # -- resume or start ------------------------------------------------------------------
+    # -- resume: the session's weights, a checkpoint, or the base model ------------------------
     latest = ckpt.latest_checkpoint(run_dir)
     state = ckpt.load_trainer_state(latest) if latest else {}
-    start_step = int(state.get("step", 0))
-    base_model = Path(state.get("base_model") or model or "")
-    if latest is None and (model is None or not (Path(model) / "config.json").is_file()):
+    live = session is not None and session.live and session.step >= int(state.get("step", 0))
+    start_step = session.step if live else int(state.get("step", 0))
+    base_model = session.base_model if live else Path(state.get("base_model") or model or "")
+    if not live and latest is None and (model is None or not (Path(model) / "config.json").is_file()):
         raise ValueError(f"{run_dir}: no checkpoint to resume and no base model folder (got {model!r}; "
                          "it needs a config.json)")
+
+    def skipped() -> TrainResult:
+        weights = _cpu_state_dict(session.policy) if return_state and live else None
+        return TrainResult(start_step, start_step, skipped=True, checkpoint=latest, state_dict=weights,
+                           seconds=time.perf_counter() - started, load_seconds=timing.load)
+
     if start_step >= steps:
-        return TrainResult(start_step, start_step, skipped=True, checkpoint=latest,
-                           seconds=time.perf_counter() - started)
+        return skipped()
     metrics_log = MetricsLog(run_dir)
     metrics_log.drop_steps_after(start_step)
 
     # -- data -------------------------------------------------------------------------------
-    data = load_training_data(run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
-    segment = state.get("data") or {}
+    with timing("load"):
+        data = load_training_data(run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
+    segment = (session.segment if live else state.get("data")) or {}
     if segment.get("fingerprint") != data.fingerprint:  # new rows: a new segment starts here
         segment = {"fingerprint": data.fingerprint, "start_step": start_step, "rounds": data.rounds,
                    "rows": data.num_rows}
+    if cfg.passes is not None:
+        steps = min(steps, segment["start_step"] + steps_for_passes(data.num_rows, cfg.batch_size, cfg.passes))
+        if start_step >= steps:
+            return skipped()
 
     # -- model, optimizer, the step's context -------------------------------------------
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
-    policy = ckpt.load_model(latest or base_model, device, trainable=True)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
-                                  weight_decay=cfg.weight_decay)
-    if latest is not None:
-        ckpt.load_optimizer(optimizer, latest)
-    reference = ckpt.load_model(cfg.ref_model or base_model, device) if cfg.uses_reference() else None
+    reference_from = str(cfg.ref_model or base_model) if cfg.uses_reference() else None
+    with timing("load"):
+        if live:
+            policy, optimizer = session.policy, session.optimizer
+        else:
+            policy = ckpt.load_model(latest or base_model, device, trainable=True)
+            optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
+                                          weight_decay=cfg.weight_decay)
+            if latest is not None:
+                ckpt.load_optimizer(optimizer, latest)
+        if live and session.reference_from == reference_from:
+            reference = session.reference
+        else:
+            reference = ckpt.load_model(reference_from, device) if reference_from else None
+    if session is not None:
+        session.clear()  # the weights change in place from here on; a failure must not leave them live
     if cfg.objective == "pairwise":
         loss, micro_batches, micro_step = get_pair_loss(cfg.objective), pair_batches, pair_micro_step
     else:
@@ -143,12 +212,14 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         measure_gap=cfg.old_logprobs == "generator")
     table = data.table
     if cfg.old_logprobs == "recompute" and cfg.objective in POLICY_OBJECTIVES:
-        table = _with_recomputed_logprobs(run_dir, table, segment, start_step, ctx, cfg.token_budget)
+        with timing("load"):
+            table = _with_recomputed_logprobs(run_dir, table, segment, start_step, ctx, cfg.token_budget)
 
     # -- the loop ---------------------------------------------------------------------------
     metrics: dict[str, Any] = {}
     kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
     saved = None
+    size = min(cfg.batch_size, table.num_rows)
     for step in range(start_step + 1, steps + 1):
         tic = time.perf_counter()
         rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step)
@@ -162,132 +233,58 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
         optimizer.step()
         seconds = time.perf_counter() - tic
+        timing.step += seconds
+        # pass: which pass over the segment's rows this step's first row belongs to (1-based)
         metrics.update(event="step", step=step, objective=cfg.objective, lr=lr, grad_norm=float(grad_norm),
                        rows=len(rows), seconds=round(seconds, 4),
-                       tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=data.rounds)
+                       tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=data.rounds,
+                       **{"pass": (step - segment["start_step"] - 1) * size // table.num_rows + 1})
         metrics_log.append(metrics)
         if step == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
 
         # -- checkpoint -----------------------------------------------------------------------
-        if step == steps or (cfg.save_every and step % cfg.save_every == 0):
-            saved = ckpt.save_checkpoint(
-                run_dir, step, policy, optimizer,
-                {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
-                 "temperature": ctx.temperature},
-                tokenizer_from=base_model, keep_last=cfg.keep_last or None)
+        if (save and step == steps) or (cfg.save_every and step % cfg.save_every == 0):
+            with timing("checkpoint"):
+                saved = ckpt.save_checkpoint(
+                    run_dir, step, policy, optimizer,
+                    {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
+                     "temperature": ctx.temperature},
+                    tokenizer_from=base_model, keep_last=cfg.keep_last or None)
         if progress is not None:
             progress(step - start_step, steps - start_step, metrics)
+    if session is not None:
+        session.step, session.policy, session.optimizer, session.base_model = steps, policy, optimizer, base_model
+        session.reference, session.reference_from, session.segment = reference, reference_from, segment
     return TrainResult(start_step, steps, skipped=False, checkpoint=saved, rows=table.num_rows,
-                       rounds=data.rounds, last_metrics=metrics, seconds=time.perf_counter() - started)
-
-
-# ---- one optimizer step's gradient ------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StepContext:
-    """What every micro-step of a run needs; fixed for the run."""
-
-    policy: torch.nn.Module
-    reference: torch.nn.Module | None
-    """The frozen reference model (pairwise with `reference`, policy losses with beta > 0)."""
-    loss: Callable[..., tuple[torch.Tensor, Metrics]]
-    """The checked loss of the objective (get_policy_loss / get_pair_loss)."""
-    objective: ObjectiveConfig
-    temperature: float
-    """logp = log softmax(z / temperature): the rounds' sampling temperature."""
-    pad_id: int
-    device: torch.device
-    autocast: bool
-    """Forward passes under bfloat16 autocast."""
-    measure_gap: bool
-    """Report behavior_logp_gap (old_logp are the generator's behavior log-probs)."""
-
-    def logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        """(b, L-1) log-probs of `model` at mb's positions (0 where target_mask is False)."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask,
-                                  temperature=self.temperature)
-
-    def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
-        if self.reference is None:
-            return None
-        with torch.no_grad():
-            return self.logprobs(self.reference, mb)
-
-
-class MicroStep(NamedTuple):
-    """A micro-batch's loss (its share of the step loss, not yet backpropagated) and metrics."""
-
-    loss: torch.Tensor
-    metrics: Metrics
-    weight: int
-    """Sequences (pairwise: pairs) the metrics describe; the step averages them by it."""
-    logp: torch.Tensor
-    """The policy's log-probs of the micro-batch, for behavior_logp_gap."""
-
-
-def policy_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
-    """grpo, gspo, gspo_token, sft: loss(logp, old_logp, advantages, mask) on b sequences."""
-    logp = ctx.logprobs(ctx.policy, mb)
-    ref_logp = ctx.reference_logprobs(mb)
-    mask = mb.target_mask.to(logp.dtype)
-    loss, metrics = ctx.loss(logp, mb.old_logp, mb.advantages, mask, ctx.objective, ref_logp=ref_logp, norm=norm)
-    return MicroStep(loss, metrics, weight=mb.input_ids.shape[0], logp=logp)
-
-
-def pair_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
-    """pairwise: rows 0..k-1 of the micro-batch are the chosen sequences, k..2k-1 the
-    rejected ones of the same k pairs."""
-    k = mb.num_pairs
-    logp = ctx.logprobs(ctx.policy, mb)
-    ref_logp = ctx.reference_logprobs(mb)
-    mask = mb.target_mask.to(logp.dtype)
-    loss, metrics = ctx.loss(logp[:k], logp[k:], mask[:k], mask[k:], mb.soft_label, mb.weight, ctx.objective,
-                             ref_chosen_logp=None if ref_logp is None else ref_logp[:k],
-                             ref_rejected_logp=None if ref_logp is None else ref_logp[k:], norm=norm)
-    return MicroStep(loss, metrics, weight=k, logp=logp)
-
-
-def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, MicroBatch, Normalizer], MicroStep],
-                         batches: list[MicroBatch], policy_version: int) -> dict[str, float]:
-    """Forward and backward over the step's micro-batches, each loss normalised by the
-    step's totals (so the gradient is the one-batch gradient however the step is split).
-    Returns the step's metrics: loss is the full-batch loss; the objective's metrics are
-    averaged, weighted by sequences (pairs); behavior_logp_gap is the mean |logp - old_logp|
-    over response tokens of samples drawn by these very weights (policy_version)."""
-    norm = step_normalizer(batches)
-    totals: dict[str, float] = {}
-    weight_total = 0.0
-    loss_total = 0.0
-    tokens = response_tokens = 0
-    gap_sum, gap_tokens = 0.0, 0
-    for mb in batches:
-        mb = mb.to(ctx.device)
-        out = micro_step(ctx, mb, norm)
-        if ctx.measure_gap and mb.old_logp is not None and mb.policy_version is not None:
-            # The known train/sample mismatch (top-p not re-applied, kernels differ), measured
-            # where the weights are the ones that sampled: samples of this policy version.
-            same = mb.policy_version == policy_version
-            if same.any():
-                sel = mb.target_mask & same[:, None]
-                gap_sum += float((out.logp.detach() - mb.old_logp).abs()[sel].sum())
-                gap_tokens += int(sel.sum())
-        out.loss.backward()
-        loss_total += float(out.loss.detach())
-        for key, value in out.metrics.items():
-            totals[key] = totals.get(key, 0.0) + float(value) * out.weight
-        weight_total += out.weight
-        tokens += int(mb.attention_mask.sum())
-        response_tokens += int(mb.target_mask.sum())
-    metrics = {key: value / weight_total for key, value in totals.items()}
-    metrics.update(loss=loss_total, tokens=tokens, response_tokens=response_tokens, micro_batches=len(batches))
-    if gap_tokens:
-        metrics["behavior_logp_gap"] = gap_sum / gap_tokens
-    return metrics
+                       rounds=data.rounds, last_metrics=metrics, seconds=time.perf_counter() - started,
+                       load_seconds=timing.load, step_seconds=timing.step, checkpoint_seconds=timing.checkpoint,
+                       state_dict=_cpu_state_dict(policy) if return_state else None)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+@dataclass
+class _Timing:
+    """Seconds spent per part of a call; `with timing("load"): ...` adds to `timing.load`."""
+
+    load: float = 0.0
+    step: float = 0.0
+    checkpoint: float = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self, part: str) -> Iterator[None]:
+        tic = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, part, getattr(self, part) + time.perf_counter() - tic)
+
+
+def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's weights on the CPU (the live ones keep changing in a session)."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
+
 
 def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
                               token_budget: int) -> pa.Table:

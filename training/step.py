@@ -1,0 +1,123 @@
+"""One optimizer step's gradient: the step's context, the micro-steps, gradient accumulation.
+
+A micro-batch's forward and loss is `policy_micro_step` (grpo, gspo, gspo_token, sft) or
+`pair_micro_step` (pairwise), chosen once per run; both read a frozen `StepContext` (the
+models, the loss and its ObjectiveConfig, temperature, pad id, device, autocast), and
+`accumulate_gradients` runs one of them over a step's micro-batches, each loss normalised by
+the step's totals, so any split into micro-batches gives the one-batch gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from training.batching import MicroBatch, step_normalizer
+from training.logprobs import token_logprobs
+from training.objectives import Metrics, Normalizer, ObjectiveConfig
+
+__all__ = ["MicroStep", "StepContext", "accumulate_gradients", "pair_micro_step", "policy_micro_step"]
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every micro-step of a run needs; fixed for the run."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    """The frozen reference model (pairwise with `reference`, policy losses with beta > 0)."""
+    loss: Callable[..., tuple[torch.Tensor, Metrics]]
+    """The checked loss of the objective (get_policy_loss / get_pair_loss)."""
+    objective: ObjectiveConfig
+    temperature: float
+    """logp = log softmax(z / temperature): the rounds' sampling temperature."""
+    pad_id: int
+    device: torch.device
+    autocast: bool
+    """Forward passes under bfloat16 autocast."""
+    measure_gap: bool
+    """Report behavior_logp_gap (old_logp are the generator's behavior log-probs)."""
+
+    def logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """(b, L-1) log-probs of `model` at mb's positions (0 where target_mask is False)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask,
+                                  temperature=self.temperature)
+
+    def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self.logprobs(self.reference, mb)
+
+
+class MicroStep(NamedTuple):
+    """A micro-batch's loss (its share of the step loss, not yet backpropagated) and metrics."""
+
+    loss: torch.Tensor
+    metrics: Metrics
+    weight: int
+    """Sequences (pairwise: pairs) the metrics describe; the step averages them by it."""
+    logp: torch.Tensor
+    """The policy's log-probs of the micro-batch, for behavior_logp_gap."""
+
+
+def policy_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
+    """grpo, gspo, gspo_token, sft: loss(logp, old_logp, advantages, mask) on b sequences."""
+    logp = ctx.logprobs(ctx.policy, mb)
+    ref_logp = ctx.reference_logprobs(mb)
+    mask = mb.target_mask.to(logp.dtype)
+    loss, metrics = ctx.loss(logp, mb.old_logp, mb.advantages, mask, ctx.objective, ref_logp=ref_logp, norm=norm)
+    return MicroStep(loss, metrics, weight=mb.input_ids.shape[0], logp=logp)
+
+
+def pair_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
+    """pairwise: rows 0..k-1 of the micro-batch are the chosen sequences, k..2k-1 the
+    rejected ones of the same k pairs."""
+    k = mb.num_pairs
+    logp = ctx.logprobs(ctx.policy, mb)
+    ref_logp = ctx.reference_logprobs(mb)
+    mask = mb.target_mask.to(logp.dtype)
+    loss, metrics = ctx.loss(logp[:k], logp[k:], mask[:k], mask[k:], mb.soft_label, mb.weight, ctx.objective,
+                             ref_chosen_logp=None if ref_logp is None else ref_logp[:k],
+                             ref_rejected_logp=None if ref_logp is None else ref_logp[k:], norm=norm)
+    return MicroStep(loss, metrics, weight=k, logp=logp)
+
+
+def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, MicroBatch, Normalizer], MicroStep],
+                         batches: list[MicroBatch], policy_version: int) -> dict[str, float]:
+    """Forward and backward over the step's micro-batches, each loss normalised by the
+    step's totals (so the gradient is the one-batch gradient however the step is split).
+    Returns the step's metrics: loss is the full-batch loss; the objective's metrics are
+    averaged, weighted by sequences (pairs); behavior_logp_gap is the mean |logp - old_logp|
+    over response tokens of samples drawn by these very weights (policy_version)."""
+    norm = step_normalizer(batches)
+    totals: dict[str, float] = {}
+    weight_total = 0.0
+    loss_total = 0.0
+    tokens = response_tokens = 0
+    gap_sum, gap_tokens = 0.0, 0
+    for mb in batches:
+        mb = mb.to(ctx.device)
+        out = micro_step(ctx, mb, norm)
+        if ctx.measure_gap and mb.old_logp is not None and mb.policy_version is not None:
+            # The known train/sample mismatch (top-p not re-applied, kernels differ), measured
+            # where the weights are the ones that sampled: samples of this policy version.
+            same = mb.policy_version == policy_version
+            if same.any():
+                sel = mb.target_mask & same[:, None]
+                gap_sum += float((out.logp.detach() - mb.old_logp).abs()[sel].sum())
+                gap_tokens += int(sel.sum())
+        out.loss.backward()
+        loss_total += float(out.loss.detach())
+        for key, value in out.metrics.items():
+            totals[key] = totals.get(key, 0.0) + float(value) * out.weight
+        weight_total += out.weight
+        tokens += int(mb.attention_mask.sum())
+        response_tokens += int(mb.target_mask.sum())
+    metrics = {key: value / weight_total for key, value in totals.items()}
+    metrics.update(loss=loss_total, tokens=tokens, response_tokens=response_tokens, micro_batches=len(batches))
+    if gap_tokens:
+        metrics["behavior_logp_gap"] = gap_sum / gap_tokens
+    return metrics
