@@ -1,5 +1,6 @@
-"""pipelines/run.py `choose_prompts`: which prompts a round samples, on real prompt files and a
-real RunStore with small hand-built samples tables (no model, no engine)."""
+"""pipelines/prompts.py `choose_prompts` with the default strategy (least_used): which prompts a
+round samples, on real prompt files and a real RunStore with small hand-built samples tables (no
+model, no engine). The informative strategy: tests/pipelines/test_prompts.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from curation.generate.base import prompt_id_of
 from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state
 from curation.schema import SCHEMAS
 from curation.store import RunStore
-from pipelines.run import RoundContext, choose_prompts
+from pipelines.prompts import choose_prompts
+from pipelines.run import RoundContext
 from pipelines.spec import PipelineSpec
 
 

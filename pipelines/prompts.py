@@ -1,0 +1,174 @@
+"""Which prompts a round samples: `choose_prompts(ctx, round)`, written once per round.
+
+The pool is every prompt of the spec's train files (a prompt in two files counts once, as
+its first occurrence), ordered by the strategy of `PromptChoice`; the first `per_round` are
+the round's prompts. Prompts of files new to the run come early (a scheduled refresh that
+adds a file trains on it next); h = sha256(f"{seed}:{round}:{prompt_id}"):
+
+    least_used    (default) sort by (times used, not from a new file, h): times used = the
+                  earlier rounds whose samples hold the prompt
+    informative   sort by (not from a new file, -ln(u) / weight, h), u in (0, 1) from h: a
+                  weighted draw without replacement (Efraimidis-Spirakis), weight 1 for
+                  prompts worth training on and `floor` for saturated ones; a pure function of
+                  (seed, round, the earlier rounds' scores)
+
+A prompt is saturated when every reward of its samples in the last `window` rounds it was
+sampled in (the scores tables of earlier rounds) is the same: recent pass rate p = 0 or 1
+for a 0/1 reward, a group that filter drops as zero_variance and that costs sampling but
+teaches nothing. Prompts never sampled count as worth training on. A saturated prompt is
+drawn less, never dropped: its weight stays `floor` > 0, and a round that samples it again
+refreshes its pass rate.
+
+Only rounds before `round` count (a rerun after a kill, with this round's samples already
+on disk, chooses the same); the choice is written to RUN/_rounds/round=<n>/prompts.parquet
+once and reused on resume. Train files are recorded in RUN/pipeline.json (`prompt_files`);
+on a new run no file counts as new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal, Protocol
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+
+from curation.generate.base import load_prompts
+from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
+from curation.store import RunStore
+
+__all__ = ["PromptChoice", "choose_prompts", "pass_rates", "ranked_prompts", "times_used"]
+
+
+class PromptChoice(BaseModel):
+    """How a round picks its `per_round` prompts from the pool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["least_used", "informative"] = Field(
+        "least_used", description="least_used: fewest earlier rounds first, then a seeded order. informative: a "
+                                  "seeded weighted draw that favours prompts whose recent pass rate is between 0 "
+                                  "and 1 (saturated prompts weigh `floor`; unseen prompts count as informative).")
+    window: int = Field(
+        2, ge=1, description="informative: a prompt's recent pass rate is over its samples in the last `window` "
+                             "rounds it was sampled in.")
+    floor: float = Field(
+        0.1, gt=0, le=1, description="informative: weight of a saturated prompt (all recent rewards equal: pass "
+                                     "rate 0 or 1) against 1 for the others; > 0, so none is dropped for good.")
+
+
+class _Context(Protocol):
+    """What prompt choice reads of the round loop's RoundContext."""
+
+    spec: object
+    store: RunStore
+
+    @property
+    def run_dir(self) -> Path: ...
+
+
+def choose_prompts(ctx: _Context, round: int) -> Path:
+    """The prompts of `round` (see the module docstring), written once to
+    RUN/_rounds/round=<n>/prompts.parquet; returns that file."""
+    path = round_prompts_path(ctx.run_dir, round)
+    if path.is_file():
+        return path
+    state = load_pipeline_state(ctx.run_dir)
+    chosen = ranked_prompts(ctx, round, state).slice(0, ctx.spec.prompts.per_round)
+    write_atomic(path, lambda f: pq.write_table(chosen, f))
+    seen = set(state.get("prompt_files", []))
+    save_pipeline_state(ctx.run_dir, {**state, "prompt_files": sorted(seen | {str(f) for f in ctx.spec.prompts.train})})
+    return path
+
+
+def ranked_prompts(ctx: _Context, round: int, state: dict | None = None,
+                   exclude: set[str] | None = None) -> pa.Table:
+    """The whole pool in the order `round` takes it (choose_prompts takes the first
+    `per_round`; a round that needs more prompts can take the next ones), minus the prompt
+    ids in `exclude`. `state` is RUN/pipeline.json (read when not given)."""
+    spec = ctx.spec
+    choice = prompt_choice(spec)
+    state = load_pipeline_state(ctx.run_dir) if state is None else state
+    seen = set(state.get("prompt_files", []))
+    pool, is_new = _prompt_pool(spec.prompts.train, seen if seen else None)
+    ids = pool.column("prompt_id").to_pylist()
+    hashes = [_tiebreak(spec.run.seed, round, prompt_id) for prompt_id in ids]
+    if choice.strategy == "least_used":
+        used = times_used(ctx.store, round)
+        order = sorted(range(len(ids)), key=lambda i: (used.get(ids[i], 0), not is_new[i], hashes[i]))
+    else:
+        saturated = {prompt_id for prompt_id, (_, flat) in pass_rates(ctx.store, round, choice.window).items() if flat}
+        weight = np.array([choice.floor if prompt_id in saturated else 1.0 for prompt_id in ids])
+        u = (np.array([int(h[:13], 16) for h in hashes], dtype=np.float64) + 0.5) / 16**13
+        key = -np.log(u) / weight
+        order = sorted(range(len(ids)), key=lambda i: (not is_new[i], key[i], hashes[i]))
+    if exclude:
+        order = [i for i in order if ids[i] not in exclude]
+    return pool.take(pa.array(order, type=pa.int64()))
+
+
+def prompt_choice(spec: object) -> PromptChoice:
+    """The spec's `[prompts] choice` (the default PromptChoice while the spec has none)."""
+    choice = getattr(spec.prompts, "choice", None)
+    if choice is None:
+        return PromptChoice()
+    return choice if isinstance(choice, PromptChoice) else PromptChoice.model_validate(choice)
+
+
+def times_used(store: RunStore, round: int) -> dict[str, int]:
+    """Per prompt_id: how many rounds before `round` sampled it (one query over their samples)."""
+    files = [str(f) for f in store.files("samples", [r for r in store.rounds("samples") if r < round])]
+    if not files:
+        return {}
+    rows = duckdb.sql("SELECT prompt_id, count(DISTINCT round) FROM read_parquet($f, hive_partitioning = false) "
+                      "GROUP BY prompt_id", params={"f": files}).fetchall()
+    return dict(rows)
+
+
+_PASS_RATE_SQL = """
+WITH per_round AS (
+    SELECT prompt_id, round, min(reward) AS lo, max(reward) AS hi, sum(reward) AS total, count(reward) AS n
+    FROM read_parquet($f, hive_partitioning = false)
+    WHERE reward IS NOT NULL
+    GROUP BY prompt_id, round
+), recent AS (
+    SELECT *, row_number() OVER (PARTITION BY prompt_id ORDER BY round DESC) AS age FROM per_round
+)
+SELECT prompt_id, sum(total) / sum(n) AS pass_rate, min(lo) = max(hi) AS saturated
+FROM recent WHERE age <= $window
+GROUP BY prompt_id
+"""
+
+
+def pass_rates(store: RunStore, round: int, window: int) -> dict[str, tuple[float, bool]]:
+    """Per prompt_id sampled (and scored) before `round`: (recent pass rate, saturated) over
+    its samples in the last `window` rounds it was sampled in. Recent pass rate: the mean
+    reward; saturated: all those rewards are equal."""
+    files = [str(f) for f in store.files("scores", [r for r in store.rounds("scores") if r < round])]
+    if not files:
+        return {}
+    rows = duckdb.sql(_PASS_RATE_SQL, params={"f": files, "window": window}).fetchall()
+    return {prompt_id: (float(rate), bool(saturated)) for prompt_id, rate, saturated in rows}
+
+
+def _prompt_pool(files: list[str], seen: set[str] | None) -> tuple[pa.Table, list[bool]]:
+    """Every prompt of the spec's train files (first occurrence of each prompt_id kept), and
+    whether it comes from a file the run has not seen before (None: nothing is new)."""
+    tables = [load_prompts(f) for f in files]
+    new_flags = [[seen is not None and str(f) not in seen] * t.num_rows for f, t in zip(files, tables)]
+    table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+    is_new = [flag for flags in new_flags for flag in flags]
+    ids = table.column("prompt_id").to_pylist()
+    seen_ids: set[str] = set()
+    keep = [i for i, prompt_id in enumerate(ids) if not (prompt_id in seen_ids or seen_ids.add(prompt_id))]
+    if len(keep) < len(ids):
+        return table.take(pa.array(keep)), [is_new[i] for i in keep]
+    return table, is_new
+
+
+def _tiebreak(seed: int, round: int, prompt_id: str) -> str:
+    return hashlib.sha256(f"{seed}:{round}:{prompt_id}".encode()).hexdigest()
