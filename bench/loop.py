@@ -1,0 +1,293 @@
+"""Benchmark: groupforge's round loop vs TRL's GRPOTrainer, time to accuracy on the same work, one run.
+
+    make bench-trl                               # installs trl==1.16.0 (the `bench` extra) and runs this
+    .venv/bin/python bench/loop.py               # 3 toy variants x 2 seeds x 2 frameworks + TRL lr sweep, ~75 min
+    .venv/bin/python bench/loop.py --quick       # 1 variant, 1 seed, 2 min per framework, lr 1e-4: a smoke run
+    .venv/bin/python bench/loop.py --append      # also append the section to BENCHMARKS.md
+
+Both frameworks start from the same toy model folder and train on its train.parquet with the
+same reward (exact match of response.strip() with the reference, groupforge's `exact_match`),
+G = 8, temperature 1, max 8 response tokens, and are evaluated greedily on the same
+eval.parquet. Each run is its own process, one after the other:
+
+    TRL         bench/_trl_run.py: GRPOTrainer, 64 prompts x 8 per generation batch, 4 steps of 128
+                (--trl-prompts, --trl-batch), constant lr, bf16/gradient checkpointing off,
+                TRL's transformers generate (use_vllm=False); eval every --trl-eval-every steps
+    groupforge  bench/_gf_run.py: run_pipeline on --spec (pipelines/specs/toy-grpo.toml) with the
+                toy's paths and --gf-set overrides, as shipped otherwise; eval every round (or as
+                the spec's [eval] says)
+
+Clocks: training wall seconds, start-up (model load, engine start, round 0 / step 0 eval) and
+every eval excluded for both (see the two helpers), plus samples generated. TRL's lr is
+swept first (--trl-lrs, --sweep-minutes, on the first variant and seed) and the best (highest
+smoothed accuracy) is used for its real runs. Summaries (bench/_curves.py): time to each
+--levels accuracy and to TRL's best accuracy within its budget, on a trailing mean of
+--smooth evals; the plateau, the mean of the last --plateau-evals evals; samples/s.
+
+Budget of the default run: sweep 3 x 1.5 min, TRL 3 x 2 x 7 min, groupforge 3 x 2 x 3 min of
+training seconds, ~70 min of wall with start-ups and evals on 2 cores. Output: the markdown
+section (printed, runs/bench/loop.md), runs/bench/loop-<variant>.png, each run's curve as
+JSON under runs/bench/loop/<variant>/ (--reuse summarises those without running again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import warnings
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # before bench/ (the script's folder): bench/curation.py is not the package
+if str(ROOT / "bench") not in sys.path:
+    sys.path.append(str(ROOT / "bench"))  # imported as a module (tests): its helpers still import
+
+from _curves import Curve, best, mean, plateau, samples_per_s, time_to  # noqa: E402
+from _report import machine, plot_variant, write_section  # noqa: E402
+
+OUT = ROOT / "runs" / "bench"
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "HF_HUB_OFFLINE": "1"}
+
+
+# ---- toys and runs ------------------------------------------------------------------------------
+
+def toy_variants(names: list[str] | None) -> dict[str, Path]:
+    """The toy folder of each variant (built once, cached by the toy's own build cache)."""
+    import pipelines.toy as toy
+
+    known = getattr(toy, "VARIANTS", {"default": toy.ToyConfig()})
+    names = names or list(known)[:3]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown toy variant(s) {', '.join(unknown)}: one of {', '.join(known)}")
+    folders = {}
+    for name in names:
+        out = toy.default_out(known[name], ROOT / "runs") if hasattr(toy, "default_out") else \
+            ROOT / "runs" / ("toy" if name == "default" else f"toy-{name}")
+        print(f"toy {name}: {out}", flush=True)
+        folders[name] = toy.build_toy(out, config=known[name], progress=False)
+    return folders
+
+
+def run_job(kind: str, job: dict, reuse: bool) -> Curve:
+    """One run in its own process (its memory, threads and engine are its own); its curve."""
+    result = Path(job["result"])
+    if not (reuse and result.is_file()):
+        result.parent.mkdir(parents=True, exist_ok=True)
+        limit = job["minutes"] * 60 * 4 + 600  # evals and start-up come on top of the training budget
+        subprocess.run([sys.executable, __file__, "--worker", kind, json.dumps(job)], check=True, timeout=limit,
+                       cwd=ROOT, env={**ENV, **os.environ})
+    return Curve.from_dict(json.loads(result.read_text()))
+
+
+def worker(kind: str, job: dict) -> None:
+    warnings.filterwarnings("ignore", message=".*TRL currently supports vLLM.*")
+    if kind == "trl":
+        from _trl_run import run_trl as run
+    else:
+        from _gf_run import run_groupforge as run
+    Path(job["result"]).write_text(json.dumps(run(job)))
+
+
+def trl_job(args, variant: str, toy: Path, seed: int, lr: float, minutes: float, name: str) -> dict:
+    folder = OUT / "loop" / variant
+    return dict(toy=str(toy), variant=variant, seed=seed, lr=lr, minutes=minutes, eval_every=args.trl_eval_every,
+                prompts_per_generation=args.trl_prompts, group_size=8, batch_size=args.trl_batch, max_tokens=8,
+                temperature=1.0, out_dir=str(folder / "trl-out"), result=str(folder / f"{name}.json"))
+
+
+def gf_job(args, variant: str, toy: Path, seed: int) -> dict:
+    folder = OUT / "loop" / variant
+    return dict(toy=str(toy), variant=variant, seed=seed, minutes=args.gf_minutes, spec=str(args.spec),
+                set=args.gf_set, rounds=args.gf_rounds, out_dir=str(folder / f"gf-seed{seed}"),
+                result=str(folder / f"groupforge-seed{seed}.json"))
+
+
+def sweep_lr(args, variant: str, toy: Path) -> tuple[float, list[Curve]]:
+    """TRL's best lr on the first variant and seed: the highest smoothed accuracy in a short run."""
+    curves = [run_job("trl", trl_job(args, variant, toy, args.seeds[0], lr, args.sweep_minutes, f"trl-sweep-lr{lr:g}"),
+                      args.reuse) for lr in args.trl_lrs]
+    chosen = max(curves, key=lambda c: (best(c, args.smooth), plateau(c, args.plateau_evals)))
+    return float(chosen.extra["lr"]), curves
+
+
+# ---- summary ------------------------------------------------------------------------------------
+
+def summarize(curves: list[Curve], levels: list[float], window: int, last: int) -> list[dict]:
+    """One row per curve: times to each level and to TRL's best (same variant and seed), best, plateau, samples/s."""
+    trl_best = {(c.variant, c.seed): best(c, window) for c in curves if c.framework == "trl"}
+    rows = []
+    for c in curves:
+        target = trl_best.get((c.variant, c.seed))
+        reached = time_to(c, target, window) if target is not None else None
+        rows.append({"variant": c.variant, "framework": c.framework, "seed": c.seed, "start": c.accuracy[0],
+                     "levels": {level: (time_to(c, level, window) or (None, None))[0] for level in levels},
+                     "target": target, "target_seconds": reached[0] if reached else None,
+                     "target_samples": reached[1] if reached else None, "best": best(c, window),
+                     "plateau": plateau(c, last), "samples_per_s": samples_per_s(c), "evals": len(c.accuracy),
+                     "seconds": c.seconds[-1], "samples": c.samples[-1]})
+    return rows
+
+
+def _s(value: float | None, digits: int = 0) -> str:
+    return "never" if value is None else f"{value:,.{digits}f}"
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """Per variant: groupforge vs TRL at TRL's best, plateaus, samples/s (means over seeds)."""
+    lines = []
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        by = {fw: [r for r in rows if r["variant"] == variant and r["framework"] == fw] for fw in ("groupforge", "trl")}
+        if not by["groupforge"] or not by["trl"]:
+            continue
+        pairs = [(g, t) for g in by["groupforge"] for t in by["trl"] if g["seed"] == t["seed"]]
+        ratios = [None if g["target_seconds"] is None or not t["target_seconds"] else
+                  g["target_seconds"] / t["target_seconds"] for g, t in pairs]
+        meets = all(r is not None and r <= 1 / 3 for r in ratios)
+        gf_plateau, trl_plateau = (mean([r["plateau"] for r in by[fw]]) for fw in ("groupforge", "trl"))
+        speed = mean([r["samples_per_s"] for r in by["groupforge"]]) / mean([r["samples_per_s"] for r in by["trl"]])
+        lines.append(
+            f"- **{variant}**: time to TRL's best (groupforge / TRL, per seed): "
+            f"{', '.join('never' if r is None else f'{r:.2f}' for r in ratios)} "
+            f"({'meets' if meets else 'BELOW'} the <= 0.33 target); plateau groupforge {gf_plateau:.3f} vs TRL "
+            f"{trl_plateau:.3f} ({'higher' if gf_plateau > trl_plateau else 'NOT higher'}); samples/s "
+            f"groupforge / TRL = {speed:.2f}x ({'meets' if speed >= 1 else 'BELOW'} >= 1)")
+    return lines
+
+
+def breakdown(curves: list[Curve]) -> list[str]:
+    """groupforge's round time by phase (RoundRecord.phase_seconds, when the loop records it)."""
+    lines = []
+    for variant in dict.fromkeys(c.variant for c in curves):
+        rounds = [r for c in curves if c.variant == variant and c.framework == "groupforge"
+                  for r in c.extra.get("rounds", [])]
+        if not rounds or not rounds[0].get("phase_seconds"):
+            continue
+        wall = sum(r["wall_seconds"] for r in rounds)
+        phases: dict[str, float] = {}
+        for r in rounds:
+            for name, seconds in r["phase_seconds"].items():
+                phases[name] = phases.get(name, 0.0) + seconds
+        model = sum(r.get("model_seconds", 0.0) for r in rounds)
+        parts = ", ".join(f"{name} {seconds / len(rounds):.2f}" for name, seconds in phases.items())
+        lines.append(f"- groupforge round, {variant} (mean of {len(rounds)} rounds, {wall / len(rounds):.2f} s): "
+                     f"{parts} s; model work (engine calls + optimizer steps) {model / wall:.0%} of the wall, "
+                     f"the rest {1 - model / wall:.0%}")
+    return lines
+
+
+def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: float, args, figures: list[Path]) -> str:
+    levels = args.levels
+    lines = [f"## loop: groupforge vs TRL GRPOTrainer, time to accuracy — {datetime.now():%Y-%m-%d %H:%M}", "",
+             f"- machine: {machine()}",
+             f"- command: `{shlex.join(['.venv/bin/python', 'bench/loop.py', *sys.argv[1:]])}`",
+             f"- TRL: GRPOTrainer, {args.trl_prompts} prompts x 8 per generation batch, steps of {args.trl_batch}, "
+             f"lr {lr:g} constant, beta 0, num_iterations 1, bf16 and gradient checkpointing off, transformers "
+             f"generate (use_vllm=False), {args.trl_minutes:g} min of training seconds per run",
+             f"- groupforge: `groupforge run {os.path.relpath(args.spec, ROOT)}`"
+             f"{' with ' + ', '.join(args.gf_set) if args.gf_set else ''}, up to {args.gf_minutes:g} min of training "
+             "seconds per run",
+             "- clock: training wall seconds; start-up (model load, engine start, the start model's eval) and every "
+             "greedy eval excluded for both; samples = responses generated",
+             f"- accuracy: greedy exact match on the toy's eval.parquet; times are read off a trailing mean of "
+             f"{args.smooth} evals; plateau = mean of the last {args.plateau_evals} evals", ""]
+    if sweep:
+        lines += [f"TRL lr sweep ({sweep[0].variant}, seed {sweep[0].seed}, {args.sweep_minutes:g} min each):", "",
+                  "| lr | best | plateau | samples/s |", "|--:|--:|--:|--:|"]
+        lines += [f"| {c.extra['lr']:g}{' (chosen)' if c.extra['lr'] == lr else ''} | {best(c, args.smooth):.3f} | "
+                  f"{plateau(c, args.plateau_evals):.3f} | {samples_per_s(c):.0f} |" for c in sweep]
+        lines.append("")
+    head = " | ".join(f"s to {level:.0%}" for level in levels)
+    lines += [f"| variant | framework | seed | start | {head} | s to TRL best | samples to TRL best | TRL best "
+              "| best | plateau | samples/s | evals | train s |",
+              "|---|---|--:|--:|" + "--:|" * len(levels) + "--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        times = " | ".join(_s(r["levels"][level]) for level in levels)
+        lines.append(f"| {r['variant']} | {r['framework']} | {r['seed']} | {r['start']:.3f} | {times} | "
+                     f"{_s(r['target_seconds'])} | {_s(r['target_samples'])} | "
+                     f"{'-' if r['target'] is None else format(r['target'], '.3f')} | {r['best']:.3f} | "
+                     f"{r['plateau']:.3f} | {r['samples_per_s']:.0f} | {r['evals']} | {r['seconds']:.0f} |")
+    lines += ["", *verdicts(rows), *breakdown(curves)]
+    lines += [f"- figure: `{f.relative_to(ROOT)}`" for f in figures]
+    return "\n".join(lines) + "\n"
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="1 variant, 1 seed, 2 min per framework, no sweep")
+    parser.add_argument("--variants", help="toy variants, comma-separated (default: the first 3 of pipelines.toy."
+                                           "VARIANTS; quick: default)")
+    parser.add_argument("--seeds", help="run seeds, comma-separated (default 0,1; quick 0)")
+    parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 7, quick 2)")
+    parser.add_argument("--gf-minutes", type=float, help="groupforge training minutes per run (default 3, quick 2)")
+    parser.add_argument("--trl-lrs", type=floats, default=[3e-5, 1e-4, 3e-4], help="TRL lrs to sweep")
+    parser.add_argument("--trl-lr", type=float, help="use this TRL lr, no sweep (quick: 1e-4)")
+    parser.add_argument("--sweep-minutes", type=float, default=1.5, help="training minutes per sweep run")
+    parser.add_argument("--trl-prompts", type=int, default=64, help="TRL prompts per generation batch (x 8)")
+    parser.add_argument("--trl-batch", type=int, default=128, help="TRL completions per optimizer step")
+    parser.add_argument("--trl-eval-every", type=int, default=4, help="TRL optimizer steps between evals")
+    parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-grpo.toml"), help="groupforge spec")
+    parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a spec key (TOML value), repeatable")
+    parser.add_argument("--gf-rounds", type=int, help="groupforge rounds (default: the spec's, cut by --gf-minutes)")
+    parser.add_argument("--only", choices=["trl", "groupforge"], help="run one framework only")
+    parser.add_argument("--levels", type=floats, default=[0.5, 0.6, 0.7], help="accuracy levels to time")
+    parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
+    parser.add_argument("--plateau-evals", type=int, default=5, help="the plateau is the mean of the last N evals")
+    parser.add_argument("--reuse", action="store_true", help="reuse finished runs' JSON under runs/bench/loop/")
+    parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker[0], json.loads(args.worker[1]))
+
+    args.seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
+    args.trl_minutes = args.trl_minutes or (2.0 if args.quick else 7.0)
+    args.gf_minutes = args.gf_minutes or (2.0 if args.quick else 3.0)
+    if args.quick and args.trl_lr is None:
+        args.trl_lr = 1e-4
+    frameworks = [args.only] if args.only else ["trl", "groupforge"]
+    if "trl" in frameworks and importlib.util.find_spec("trl") is None:
+        raise SystemExit("trl is not installed: run `make bench-trl` (pip install -e '.[bench]')")
+    toys = toy_variants(args.variants.split(",") if args.variants else (["default"] if args.quick else None))
+    sweep_min = 0 if args.trl_lr is not None or "trl" not in frameworks else len(args.trl_lrs) * args.sweep_minutes
+    planned = sweep_min + len(toys) * len(args.seeds) * sum(
+        {"trl": args.trl_minutes, "groupforge": args.gf_minutes}[fw] for fw in frameworks)
+    print(f"planned: {planned:.0f} min of training seconds (+ start-ups and evals, ~20% more wall)", flush=True)
+
+    lr, sweep = args.trl_lr, []
+    if lr is None and "trl" in frameworks:
+        lr, sweep = sweep_lr(args, *next(iter(toys.items())))
+        print(f"TRL lr: {lr:g} (best of {', '.join(f'{x:g}' for x in args.trl_lrs)})", flush=True)
+    curves, figures = [], []
+    for variant, toy in toys.items():
+        for seed in args.seeds:
+            if "trl" in frameworks:
+                curves.append(run_job("trl", trl_job(args, variant, toy, seed, lr, args.trl_minutes,
+                                                     f"trl-seed{seed}"), args.reuse))
+            if "groupforge" in frameworks:
+                curves.append(run_job("groupforge", gf_job(args, variant, toy, seed), args.reuse))
+        mine = [c for c in curves if c.variant == variant]
+        target = mean([best(c, args.smooth) for c in mine if c.framework == "trl"])
+        figures.append(plot_variant(mine, target, OUT / f"loop-{variant}.png"))
+    rows = summarize(curves, args.levels, args.smooth, args.plateau_evals)
+    section = markdown(rows, curves, sweep, lr or 0.0, args, figures)
+    print("\n" + section)
+    print(f"written to {write_section(section, 'loop', OUT, args.append)}")
+
+
+if __name__ == "__main__":
+    main()
