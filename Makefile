@@ -47,6 +47,15 @@ bench: toy
 	$(PY) bench/generate.py
 	$(PY) bench/train.py
 
+# groupforge vs TRL's GRPOTrainer, time to accuracy on the toy variants (bench/loop.py; ~75 min
+# on 2 cores, BENCH_ARGS=--quick for a ~5 min smoke run). Installs the `bench` extra (trl,
+# accelerate, pinned there: not in the lock) under the lock's constraints for everything else.
+.PHONY: bench-trl
+BENCH_ARGS ?=
+bench-trl: toy
+	$(PY) -m pip install -q -c requirements/cpu.lock -e ".[bench]"
+	$(PY) bench/loop.py $(BENCH_ARGS)
+
 # Regenerate the lock after changing dependencies (run inside a working venv).
 lock:
 	$(PY) -m pip freeze --exclude-editable | grep -viE '^(torch|torchvision|torchaudio|torchcodec)==' > requirements/cpu.lock
