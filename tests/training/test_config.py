@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.conftest import REPO
-from training.config import TrainConfig
+from training.config import TrainConfig, steps_for_passes
 
 
 def test_config_is_torch_free():
@@ -69,3 +69,14 @@ def test_uses_reference():
     assert TrainConfig(objective="grpo", beta=0.05).uses_reference()  # the KL term needs ref_logp
     assert not TrainConfig(objective="pairwise").uses_reference()  # beta 0.1 is a temperature, not a KL weight
     assert TrainConfig(objective="pairwise", reference=True).uses_reference()
+
+
+def test_steps_for_passes():
+    assert steps_for_passes(512, 128, 1) == 4 and steps_for_passes(512, 128, 2) == 8
+    assert steps_for_passes(500, 128, 1) == 4  # ceil: the last step wraps into the next pass
+    assert steps_for_passes(100, 256, 2) == 2  # a step takes at most every row once
+    assert steps_for_passes(10, 1, 0.3) == 3  # not 4 from 0.3 * 10 = 3.0000000000000004
+    assert steps_for_passes(10, 4, 0.01) == 1 and steps_for_passes(0, 128, 2) == 0
+    assert TrainConfig().passes is None and TrainConfig(passes=1.5).passes == 1.5
+    with pytest.raises(ValidationError):
+        TrainConfig(passes=0)

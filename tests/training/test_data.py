@@ -13,7 +13,7 @@ import pytest
 
 from curation.schema import SchemaError
 from curation.store import RunStore
-from training.data import NoTrainingData, load_training_data, select_rounds
+from training.data import NoTrainingData, count_training_rows, load_training_data, select_rounds
 
 
 def _sql(query: str) -> list[tuple]:
@@ -111,6 +111,23 @@ def test_max_staleness_zero_against_a_newer_round_of_samples(curated_run, tmp_pa
     assert load_training_data(run, "grpo", max_staleness=1).rounds == [1]
     with pytest.raises(NoTrainingData, match=r"in rounds none .*within max_staleness=0"):
         load_training_data(run, "grpo", max_staleness=0)
+
+
+@pytest.mark.parametrize("selection", [{}, {"rounds": [1]}, {"max_staleness": 0}, {"sft_min_reward": 1.0}])
+def test_count_training_rows_counts_what_load_returns(curated_run, tmp_path, selection):
+    for objective in ("grpo", "gspo", "sft", "pairwise"):
+        if "sft_min_reward" in selection and objective != "sft":
+            continue
+        counted = count_training_rows(curated_run, objective, **selection)
+        assert counted == load_training_data(curated_run, objective, **selection).num_rows > 0, objective
+    # Nothing to train on is 0 rows (load raises NoTrainingData); bad input fails the same way.
+    run = tmp_path / "run"
+    shutil.copytree(curated_run, run)
+    (run / "samples" / "round=2").mkdir()
+    shutil.copy(run / "samples" / "round=1" / "part-generate.parquet", run / "samples" / "round=2")
+    assert count_training_rows(run, "grpo", max_staleness=0) == 0
+    with pytest.raises(ValueError, match="unknown objective 'ppo'"):
+        count_training_rows(run, "ppo")
 
 
 def test_fingerprint_names_the_rows(curated_run, tmp_path):
