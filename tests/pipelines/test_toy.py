@@ -18,11 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.toy import META_FILE, ToyConfig, build_toy, make_problems
+from pipelines.toy import META_FILE, VLLM_CPU_HEAD_SIZES, ToyConfig, build_toy, make_problems
 from pipelines.toy_model import CHARACTERS, generate_responses, greedy_accuracy
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_CPU_HEAD_SIZES = {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}
 # A build that stops after a few steps: the whole pipeline (data, warm start, save,
 # measure) in a few seconds, for the determinism and atomicity checks.
 TINY = ToyConfig(max_steps=3, eval_every=3, n_eval=50)
