@@ -95,6 +95,8 @@ class TrainSession:
     leaves it empty, so the next one loads from disk."""
 
     step: int = 0
+    run_dir: Path | None = None
+    """The run these weights belong to (a session given another run's folder is not used)."""
     policy: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     reference: torch.nn.Module | None = None
@@ -149,9 +151,11 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     timing = _Timing()
 
     # -- resume: the session's weights, a checkpoint, or the base model ------------------------
-    latest = ckpt.latest_checkpoint(run_dir)
-    state = ckpt.load_trainer_state(latest) if latest else {}
-    live = session is not None and session.live and session.step >= int(state.get("step", 0))
+    with timing("load"):
+        latest = ckpt.latest_checkpoint(run_dir)
+        state = ckpt.load_trainer_state(latest) if latest else {}
+    live = (session is not None and session.live and session.run_dir == run_dir.resolve()
+            and session.step >= int(state.get("step", 0)))
     start_step = session.step if live else int(state.get("step", 0))
     base_model = session.base_model if live else Path(state.get("base_model") or model or "")
     if not live and latest is None and (model is None or not (Path(model) / "config.json").is_file()):
@@ -254,7 +258,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         if progress is not None:
             progress(step - start_step, steps - start_step, metrics)
     if session is not None:
-        session.step, session.policy, session.optimizer, session.base_model = steps, policy, optimizer, base_model
+        session.step, session.run_dir, session.base_model = steps, run_dir.resolve(), base_model
+        session.policy, session.optimizer = policy, optimizer
         session.reference, session.reference_from, session.segment = reference, reference_from, segment
     return TrainResult(start_step, steps, skipped=False, checkpoint=saved, rows=table.num_rows,
                        rounds=data.rounds, last_metrics=metrics, seconds=time.perf_counter() - started,
