@@ -6,9 +6,11 @@
     # here: part files renamed into place, stale parts of the stage removed, manifest written
 
 The manifest (`RUN/_manifests/<stage>-round=<n>.json`) is written last: it is the commit
-point. A journal (`<stage>-round=<n>.pending`) lists what is being published, so a process
-killed half-way leaves no file that the next commit forgets (see curation/store.py for the
-run layout).
+point. It records each output file's sha256 (hashed while it was written), size and mtime_ns
+(`output_files`), so the next stage fingerprints its inputs without reading them again
+(`curation.fingerprints.known_fingerprint`). A journal (`<stage>-round=<n>.pending`) lists
+what is being published, so a process killed half-way leaves no file that the next commit
+forgets (see curation/store.py for the run layout).
 """
 
 from __future__ import annotations
@@ -27,12 +29,19 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.fingerprints import canonical_json, code_version, config_hash
+from curation.fingerprints import (
+    HashingWriter,
+    canonical_json,
+    code_version,
+    config_hash,
+    file_stat,
+    remember_fingerprint,
+)
 from curation.runlog import fsync_dir, read_json, to_json, write_atomic
 from curation.store import ROUND_TABLES, RunStore, check_name, check_round
 
 _MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_version", "outputs",
-                    "output_rows", "rows_in", "rows_out", "drops", "created_at"}
+                    "output_rows", "output_files", "rows_in", "rows_out", "drops", "created_at"}
 _COMMIT_ROUND: Any = object()  # default of Commit.write(round=...): the commit's round
 
 
@@ -52,8 +61,9 @@ class Commit:
         self.config = json.loads(canonical_json(config))  # fails early if not JSON-serialisable
         self._staged: dict[Path, Path] = {}  # final path -> temporary path
         self._rows: dict[str, int] = {}
+        self._sha256: dict[str, str] = {}
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
-        self._owners: dict[str, str] | None = None
+        self._owners: dict[bool, dict[str, str]] | None = None  # round table or prompts -> {output: stage}
         self._tmp: Path | None = None
 
     def __enter__(self) -> Commit:
@@ -102,11 +112,13 @@ class Commit:
         tmp = self._tmp / rel
         tmp.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            pq.write_table(data, f, compression="zstd")
+            writer = HashingWriter(f)
+            pq.write_table(data, writer, compression="zstd")
             f.flush()
             os.fsync(f.fileno())
         self._staged[final] = tmp
         self._rows[rel] = data.num_rows
+        self._sha256[rel] = writer.hexdigest()
 
     def record(self, rows_in: int | None = None, rows_out: int | None = None,
                drops: Mapping[str, int] | None = None, **extra) -> None:
@@ -122,26 +134,42 @@ class Commit:
             self._record["drops"] = {str(k): int(v) for k, v in drops.items()}
         self._record.update(json.loads(to_json(extra)))  # fails here, not while publishing
 
+    def _manifests(self, round_table: bool) -> list[Path]:
+        """The manifests and pending journals that can list a file of this commit: those of
+        its round for a round table (a part file of round n is only ever written in round n),
+        every one for prompts (not partitioned by round)."""
+        pattern = f"*-round={self.round}.*" if round_table else "*"
+        return [path for path in sorted((self.store.root / "_manifests").glob(pattern))
+                if path.suffix in (".json", ".pending")]
+
     def _owner(self, rel: str) -> str | None:
-        """The stage whose manifest (or pending journal) lists `rel`, if any."""
-        if self._owners is None:
-            self._owners = {}
-            for path in sorted((self.store.root / "_manifests").glob("*")):
-                if path.suffix not in (".json", ".pending"):
-                    continue
+        """The stage whose manifest (or pending journal) lists `rel`, if any. A prompts part
+        is looked up only when it exists or a journal is pending: a new file has no owner."""
+        round_table = Path(rel).parts[0] != "prompts"
+        if not round_table and not (self.store.root / rel).exists() \
+                and not any((self.store.root / "_manifests").glob("*.pending")):
+            return None
+        if self._owners is None or round_table not in self._owners:
+            self._owners = self._owners or {}
+            found: dict[str, str] = {}
+            for path in self._manifests(round_table):
                 manifest = read_json(path) or {}
                 for out in manifest.get("outputs", []):
-                    self._owners[out] = manifest.get("stage")
-        return self._owners.get(rel)
+                    found[out] = manifest.get("stage")
+            self._owners[round_table] = found
+        return self._owners[round_table].get(rel)
 
-    def _listed_elsewhere(self) -> set[str]:
-        """Outputs that another round's manifest lists too (a prompts part shared by rounds)."""
+    def _listed_elsewhere(self, candidates: set[str]) -> set[str]:
+        """The `candidates` that another manifest lists too (a prompts part shared by rounds)."""
+        if not candidates:
+            return set()
         mine = {self.store.manifest_path(self.stage, self.round), self.store.pending_path(self.stage, self.round)}
+        prompts = any(Path(rel).parts[0] == "prompts" for rel in candidates)
         listed: set[str] = set()
-        for path in (self.store.root / "_manifests").glob("*"):
-            if path.suffix in (".json", ".pending") and path not in mine:
+        for path in self._manifests(round_table=not prompts):
+            if path not in mine:
                 listed.update((read_json(path) or {}).get("outputs", []))
-        return listed
+        return candidates & listed
 
     def _publish(self) -> None:
         store, root = self.store, self.store.root
@@ -152,25 +180,30 @@ class Commit:
             before.update((earlier or {}).get("outputs", []))
         before = {rel for rel in before if _is_part_file(rel)}  # never delete anything else
         outputs = sorted(self._rows)
-        manifest = to_json({
-            "stage": self.stage, "round": self.round, "inputs": self.inputs, "config": self.config,
-            "config_hash": config_hash(self.config), "code_version": code_version(),
-            "outputs": outputs, "output_rows": self._rows,
-            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
-        })
         journal = {"stage": self.stage, "round": self.round, "outputs": sorted(before | set(outputs))}
         write_atomic(journal_path, to_json(journal), tmp_dir=self._tmp)
         touched = set()
+        files = {}
         for final, tmp in self._staged.items():
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)  # overwrites a stale part of an interrupted attempt
             touched.update((final.parent, final.parent.parent))  # the file, and a new partition
-        for rel in before - set(outputs) - self._listed_elsewhere():
+            rel = final.relative_to(root).as_posix()
+            files[rel] = {"sha256": self._sha256[rel], **file_stat(final)}  # a rename keeps size and mtime
+            remember_fingerprint(final, self._sha256[rel], files[rel])
+        stale = before - set(outputs)
+        for rel in stale - self._listed_elsewhere(stale):
             (root / rel).unlink(missing_ok=True)
             if (root / rel).parent.is_dir():
                 touched.add((root / rel).parent)
         for folder in touched:
             fsync_dir(folder)
+        manifest = to_json({
+            "stage": self.stage, "round": self.round, "inputs": self.inputs, "config": self.config,
+            "config_hash": config_hash(self.config), "code_version": code_version(),
+            "outputs": outputs, "output_rows": self._rows, "output_files": files,
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
+        })
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()
         shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)

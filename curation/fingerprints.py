@@ -1,6 +1,9 @@
 """Fingerprints: what makes a stage's output up to date or stale.
 
     fingerprint_file(path)     sha256 of a file's bytes (a table part, a prompts file)
+    known_fingerprint(path)    the same, without reading the bytes again when a manifest (or this
+                               process) hashed them already and the file's size and mtime_ns match
+    HashingWriter(f)           a binary file that hashes what is written through it (Commit)
     fingerprint_path(path)     sha256 of a file, or of a folder's relative paths and file hashes
     config_hash(config)        sha256 of a config's canonical JSON (sorted keys)
     code_version()             'groupforge <version> (<commit>[-dirty])', recorded in manifests
@@ -14,10 +17,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import io
 import json
+import os
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
+
+_HASHED: dict[str, tuple[int, int, str]] = {}  # absolute path -> (size, mtime_ns, sha256) hashed here
 
 
 def fingerprint_file(path: str | Path) -> str:
@@ -27,6 +35,61 @@ def fingerprint_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_stat(path: str | Path) -> dict[str, int]:
+    """{"size", "mtime_ns"} of a file: what tells a recorded hash still holds."""
+    stat = os.stat(path)
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def remember_fingerprint(path: str | Path, sha256: str, stat: Mapping[str, int]) -> None:
+    """Note that the file at `path` with this size and mtime_ns has `sha256` (known_fingerprint
+    then trusts it for the rest of the process)."""
+    _HASHED[os.path.abspath(path)] = (int(stat["size"]), int(stat["mtime_ns"]), sha256)
+
+
+def known_fingerprint(path: str | Path, recorded: Mapping[str, object] | None = None,
+                      compute: bool = True) -> str | None:
+    """sha256 of a file, hashed only when nothing vouches for it: `recorded` (a manifest's
+    `output_files` entry: sha256, size, mtime_ns) or an earlier hash in this process holds when
+    the file's size and mtime_ns still match; otherwise its bytes are read (and remembered),
+    or, with `compute=False`, None is returned."""
+    stat = file_stat(path)
+    key = (stat["size"], stat["mtime_ns"])
+    if recorded and (recorded.get("size"), recorded.get("mtime_ns")) == key and isinstance(recorded.get("sha256"), str):
+        return recorded["sha256"]
+    seen = _HASHED.get(os.path.abspath(path))
+    if seen is not None and seen[:2] == key:
+        return seen[2]
+    if not compute:
+        return None
+    digest = fingerprint_file(path)
+    if file_stat(path) == stat:  # not changed while it was read
+        remember_fingerprint(path, digest, stat)
+    return digest
+
+
+class HashingWriter(io.RawIOBase):
+    """Writes through to `f` and keeps the sha256 of everything written (`hexdigest()`), so a
+    file's fingerprint costs no second read."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f, self._hash, self._size = f, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self._hash.update(data)
+        self._size += memoryview(data).nbytes
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._size
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
 
 
 def fingerprint_path(path: str | Path) -> str:

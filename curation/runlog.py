@@ -112,14 +112,23 @@ def read_json(path: str | Path) -> dict | None:
 # ---- the metrics log ----------------------------------------------------------------------
 
 
+PHASES = ("startup", "generate", "score", "filter", "label", "pair", "train", "checkpoint", "reload", "eval",
+          "other")
+"""Where a round's wall seconds go (RoundRecord.phase_seconds): engine start-up (once per
+process), the generate stage (refills included), each curation stage (reruns after a refill
+included), the trainer but its checkpoint writes, checkpoint writes, loading new weights into
+the engine, evaluation, and other = wall - the rest (prompt choice, bookkeeping; never < 0)."""
+
+
 @dataclass
 class RoundRecord:
     """One line `{"event": "round", ...}` of metrics.jsonl: what a round of the loop did.
     Round 0 evaluates the starting model and trains nothing."""
 
     round: int
-    eval_accuracy: float
-    """Mean of the eval metric over greedy responses to the eval prompts."""
+    eval_accuracy: float | None
+    """Mean of the eval metric over greedy responses to the eval prompts; None in a round
+    that does not evaluate (`[eval] every`)."""
     reward_mean: float | None = None
     """Mean `reward` of the round's scored samples (None: round 0)."""
     samples: int = 0
@@ -139,6 +148,15 @@ class RoundRecord:
     """Wall seconds of this and every earlier round."""
     gen_tokens_per_s: float = 0.0
     train_tokens_per_s: float = 0.0
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Wall seconds per phase (PHASES); they sum to wall_seconds."""
+    model_seconds: float = 0.0
+    """Seconds of model work: inside the engine's sampling and greedy calls and the trainer's
+    optimizer steps (forward, backward, update). wall - model_seconds is the loop's overhead."""
+    refill_prompts: int = 0
+    """Extra prompts sampled because filtering left too few kept groups ([run] refill)."""
+    decay_steps: int | None = None
+    """The cosine horizon the round trained with (a replay after a kill uses it again)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"event": "round", **dataclasses.asdict(self)}
@@ -174,6 +192,36 @@ class MetricsLog:
     def _lines(self) -> Iterator[str]:
         # errors="replace": a kill can cut a multi-byte character in half, too.
         yield from self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+
+    def position(self) -> tuple[int, int]:
+        """(inode, size) of the file now ((0, 0) without one): where `records_since` starts."""
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return (0, 0)
+        return (stat.st_ino, stat.st_size)
+
+    def records_since(self, position: tuple[int, int]) -> list[dict]:
+        """The records appended after `position` (from `position()`), in file order, without
+        reading what came before. A file rewritten since (drop_steps_after replaces it: a new
+        inode) is read whole. Unparsable lines are skipped."""
+        inode, offset = position
+        if not self.exists():
+            return []
+        with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_ino != inode:
+                offset = 0
+            f.seek(offset)
+            text = f.read().decode("utf-8", errors="replace")
+        records = []
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+        return records
 
     def read(self) -> tuple[list[dict], list[dict], int]:
         """(round records, step records, lines skipped): one record per number (the last

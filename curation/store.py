@@ -51,7 +51,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path  # noqa: F401
+from curation.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path, known_fingerprint  # noqa: F401,E501
 from curation.runlog import read_json
 
 if TYPE_CHECKING:
@@ -257,6 +257,16 @@ class RunStore:
 
     def load_manifest(self, stage: str, round: int) -> dict | None:
         return read_json(self.manifest_path(stage, round))
+
+    def recorded_files(self, round: int) -> dict[str, dict]:
+        """{relative path: {sha256, size, mtime_ns}} of every file the round's manifests record
+        as written (`output_files`; manifests of older runs record none)."""
+        recorded: dict[str, dict] = {}
+        for path in sorted((self.root / "_manifests").glob(f"*-round={check_round(round)}.json")):
+            files = (read_json(path) or {}).get("output_files")
+            if isinstance(files, dict):
+                recorded.update(files)
+        return recorded
 
     def is_up_to_date(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> bool:
         """True when the stage's last commit had these inputs and config, and its outputs all exist."""

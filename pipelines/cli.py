@@ -69,6 +69,25 @@ def _lock(run: Path, no_wait: bool):
     return RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}"))
 
 
+def _show_table(title: str, columns: list[str], rows: list[list[str]], left: tuple[str, ...] = ()) -> None:
+    """A table of text cells on stdout: a rich table when the console is wide enough for every
+    cell, else the same cells as plain aligned text, so a pipe or a narrow terminal never gets
+    a number cut to "16,9…" (lines longer than the terminal wrap instead)."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    if console.measure(table, options=console.options.update(max_width=1 << 16)).maximum <= console.width:
+        console.print(table)
+        return
+    widths = [max(len(cell) for cell in cells) for cells in zip(columns, *rows)]
+    lines = [title] + ["  ".join(cell.ljust(w) if column in left else cell.rjust(w)
+                                 for cell, w, column in zip(cells, widths, columns)).rstrip()
+                       for cells in [columns, *rows]]
+    console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -120,13 +139,10 @@ def generate(
         )
         return
     tokens_per_s = result.response_tokens / result.sample_seconds if result.sample_seconds else 0.0
-    summary = Table(title=f"generate round {round}", show_header=True)
-    for column in ("prompts", "rejected (too long)", "samples", "response tokens", "resumed chunks", "seconds",
-                   "sampling tokens/s"):
-        summary.add_column(column, justify="right")
-    summary.add_row(str(result.prompts), str(result.rejected_prompts), str(result.samples), str(result.response_tokens),
-                    str(result.resumed_chunks), f"{result.seconds:.1f}", f"{tokens_per_s:,.0f}")
-    console.print(summary)
+    _show_table(f"generate round {round}", ["prompts", "rejected (too long)", "samples", "response tokens",
+                                            "resumed chunks", "seconds", "sampling tokens/s"],
+                [[str(result.prompts), str(result.rejected_prompts), str(result.samples), str(result.response_tokens),
+                  str(result.resumed_chunks), f"{result.seconds:.1f}", f"{tokens_per_s:,.0f}"]])
 
 
 @app.command()
@@ -165,15 +181,13 @@ def _curate(stages: tuple[str, ...], run: Path, only_round: Optional[int], confi
                         bar.update(task, description=f"{stage} round {round}")
                         reports.append(run_stage(stage, run, round, spec, force=force))
                         bar.advance(task)
-    table = Table(title=f"{run}: curation")
-    for column in ("stage", "round", "rows in", "rows out", "dropped", "drops by reason", "seconds"):
-        table.add_column(column, justify="left" if column in ("stage", "drops by reason") else "right")
+    rows = []
     for rep in reports:
         drops = ", ".join(f"{k}={v}" for k, v in sorted(rep.drops.items())) or "-"
-        table.add_row(rep.stage, str(rep.round), str(rep.rows_in), str(rep.rows_out),
-                      str(sum(rep.drops.values())), drops if not rep.skipped else "up to date (skipped)",
-                      f"{rep.seconds:.2f}")
-    console.print(table)
+        rows.append([rep.stage, str(rep.round), str(rep.rows_in), str(rep.rows_out), str(sum(rep.drops.values())),
+                     drops if not rep.skipped else "up to date (skipped)", f"{rep.seconds:.2f}"])
+    _show_table(f"{run}: curation", ["stage", "round", "rows in", "rows out", "dropped", "drops by reason", "seconds"],
+                rows, left=("stage", "drops by reason"))
 
 
 _ROUND = typer.Option(None, "--round", help="Only this round (default: every round with samples).")
@@ -263,13 +277,11 @@ def train(
         console.print(f"{run}: already at step {result.end_step} (>= --steps {steps}); nothing to do")
         return
     m = result.last_metrics
-    table = Table(title=f"{run}: train {cfg.objective}")
-    for column in ("steps", "rounds", "rows", "last loss", "grad norm", "tokens/s", "seconds", "checkpoint"):
-        table.add_column(column, justify="right")
-    table.add_row(f"{result.start_step} -> {result.end_step}", ",".join(map(str, result.rounds)), str(result.rows),
+    _show_table(f"{run}: train {cfg.objective}",
+                ["steps", "rounds", "rows", "last loss", "grad norm", "tokens/s", "seconds", "checkpoint"],
+                [[f"{result.start_step} -> {result.end_step}", ",".join(map(str, result.rounds)), str(result.rows),
                   f"{m.get('loss', float('nan')):.4f}", f"{m.get('grad_norm', float('nan')):.3f}",
-                  f"{m.get('tokens_per_s', 0):,.0f}", f"{result.seconds:.1f}", str(result.checkpoint))
-    console.print(table)
+                  f"{m.get('tokens_per_s', 0):,.0f}", f"{result.seconds:.1f}", str(result.checkpoint)]])
 
 
 def _parse_extra_rounds(text: Optional[str]) -> Optional[int]:
@@ -281,20 +293,22 @@ def _parse_extra_rounds(text: Optional[str]) -> Optional[int]:
     return int(text[1:])
 
 
-def _round_table(title: str) -> Table:
-    table = Table(title=title)
-    for column in ("round", "eval acc", "reward mean", "kept groups", "pairs", "samples", "policy", "gen tok/s",
-                   "train tok/s", "seconds"):
-        table.add_column(column, justify="right")
-    return table
+_ROUND_COLUMNS = ["round", "eval acc", "reward mean", "kept groups", "pairs", "samples", "policy", "gen tok/s",
+                  "train tok/s", "seconds"]
 
 
-def _round_row(table: Table, rec: dict) -> None:
+def _accuracy_text(rec: dict) -> str:
+    """A round's eval accuracy in percent, or "-" for a round that did not evaluate."""
+    accuracy = rec.get("eval_accuracy")
+    return "-" if accuracy is None else f"{100 * accuracy:.1f}%"
+
+
+def _round_row(rec: dict) -> list[str]:
     reward = rec.get("reward_mean")
-    table.add_row(str(rec["round"]), f"{100 * rec['eval_accuracy']:.1f}%", "-" if reward is None else f"{reward:.3f}",
-                  str(rec.get("kept_groups", 0)), str(rec.get("pairs", 0)), str(rec.get("samples", 0)),
-                  str(rec.get("policy_version", 0)), f"{rec.get('gen_tokens_per_s', 0):,.0f}",
-                  f"{rec.get('train_tokens_per_s', 0):,.0f}", f"{rec.get('wall_seconds', 0):.1f}")
+    return [str(rec["round"]), _accuracy_text(rec), "-" if reward is None else f"{reward:.3f}",
+            str(rec.get("kept_groups", 0)), str(rec.get("pairs", 0)), str(rec.get("samples", 0)),
+            str(rec.get("policy_version", 0)), f"{rec.get('gen_tokens_per_s', 0):,.0f}",
+            f"{rec.get('train_tokens_per_s', 0):,.0f}", f"{rec.get('wall_seconds', 0):.1f}"]
 
 
 def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int],
@@ -309,12 +323,17 @@ def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int
     folder = run_dir or Path("runs") / parsed.run.name
     console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
 
+    from pipelines.report import breakdown_line
+
     def on_round(rec: dict) -> None:
         reward = rec.get("reward_mean")
-        console.print(f"  round {rec['round']:>3}: eval acc {100 * rec['eval_accuracy']:5.1f}%  reward "
+        console.print(f"  round {rec['round']:>3}: eval acc {_accuracy_text(rec):>6}  reward "
                       f"{'-' if reward is None else f'{reward:.3f}'}  kept groups {rec.get('kept_groups', 0)}  "
                       f"pairs {rec.get('pairs', 0)}  policy {rec.get('policy_version', 0)}  "
                       f"{rec.get('wall_seconds', 0):.1f}s", highlight=False)
+        breakdown = breakdown_line(rec)
+        if breakdown:
+            console.print(f"             {breakdown}", highlight=False, soft_wrap=True)
 
     with _exit_codes():
         records = run_pipeline(parsed, run_dir=folder, extra_rounds=extra, wait=not no_wait,
@@ -334,12 +353,10 @@ def run_(
     from pipelines.report import report_run
 
     folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait)
-    table = _round_table(f"{folder}")
-    for rec in records:
-        _round_row(table, rec)
-    console.print(table)
-    if records:
-        start, final = records[0]["eval_accuracy"], records[-1]["eval_accuracy"]
+    _show_table(f"{folder}", _ROUND_COLUMNS, [_round_row(rec) for rec in records])
+    evaluated = [rec["eval_accuracy"] for rec in records if rec.get("eval_accuracy") is not None]
+    if evaluated:
+        start, final = evaluated[0], evaluated[-1]
         console.print(f"eval accuracy {100 * start:.1f}% -> {100 * final:.1f}% "
                       f"({100 * (final - start):+.1f} points) in {records[-1].get('elapsed_seconds', 0):.0f} s")
     console.print(f"report: {report_run(folder)}")

@@ -7,8 +7,10 @@ the markdown here, the figures in pipelines/plots.py.
                                    optimizer step (pairwise: pair reward accuracy and margin instead;
                                    a panel says so where the objective logs no such statistic)
         summary.md                 start -> final -> best eval accuracy, the gain in points, a
-                                   per-round table, a training table, the two figures embedded,
-                                   and the rows per table and round read from the Parquet tables
+                                   per-round table, where each round's time went (seconds per
+                                   phase, totals and shares, model work vs the rest), a training
+                                   table, the two figures embedded, and the rows per table and
+                                   round read from the Parquet tables
     report_compare({label: RUN}, OUT) writes OUT/:
         compare.png                eval accuracy vs samples generated and vs wall seconds, reward
                                    mean vs samples, grad norm, clip fraction (low + high) and
@@ -30,7 +32,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
-from curation.runlog import METRICS_FILE, REPORT_DIR, MetricsLog, write_atomic
+from curation.runlog import METRICS_FILE, PHASES, REPORT_DIR, MetricsLog, write_atomic
 
 MISSING = "—"
 
@@ -192,6 +194,68 @@ def _accuracy_line(acc: dict[str, Any] | None) -> str:
             f"gain **{_points(acc['gain_points'])} points** (final − start).")
 
 
+def _phases(record: dict) -> dict[str, float]:
+    """The record's seconds per phase (PHASES order; {} for records written before phases)."""
+    seconds = record.get("phase_seconds")
+    if not isinstance(seconds, dict):
+        return {}
+    return {phase: value for phase in PHASES if (value := number(seconds, phase)) is not None}
+
+
+def breakdown_line(record: dict) -> str | None:
+    """Where a round's wall seconds went, in one short line; curation stages summed, zero
+    phases left out; None for a record without phases.
+
+    >>> breakdown_line({"wall_seconds": 1.0, "model_seconds": 0.6, "phase_seconds": {
+    ...     "generate": 0.3, "score": 0.05, "filter": 0.05, "train": 0.4, "eval": 0.1, "other": 0.1}})
+    '1.00 s = generate 0.30 · curate 0.10 · train 0.40 · eval 0.10 · other 0.10 | model work 60%'
+    """
+    phases = _phases(record)
+    wall = number(record, "wall_seconds")
+    if not phases or not wall:
+        return None
+    curation = sum(phases.get(stage, 0.0) for stage in ("score", "filter", "label", "pair"))
+    shown = {"startup": phases.get("startup", 0.0), "generate": phases.get("generate", 0.0), "curate": curation,
+             **{phase: phases.get(phase, 0.0) for phase in ("train", "checkpoint", "reload", "eval", "other")}}
+    text = " · ".join(f"{name} {seconds:.2f}" for name, seconds in shown.items() if seconds >= 0.005)
+    model = number(record, "model_seconds")
+    share = f" | model work {100 * model / wall:.0f}%" if model is not None else ""
+    return f"{wall:.2f} s = {text}{share}"
+
+
+def time_markdown(rounds: list[dict]) -> str:
+    """A markdown section: seconds per phase of each round, and the totals with their share of
+    the wall time ("" when no record has phases)."""
+    timed = [r for r in rounds if _phases(r)]
+    if not timed:
+        return ""
+    headers = ["round", "wall", *PHASES, "model work (%)"]
+    rows = []
+    for r in timed:
+        wall, model, phases = number(r, "wall_seconds"), number(r, "model_seconds"), _phases(r)
+        rows.append([r["round"], _seconds2(wall), *[_seconds2(phases.get(phase)) for phase in PHASES],
+                     f"{100 * model / wall:.0f}" if wall and model is not None else None])
+    totals = {phase: sum(_phases(r).get(phase, 0.0) for r in timed) for phase in PHASES}
+    wall = sum(number(r, "wall_seconds") or 0.0 for r in timed)
+    model = sum(number(r, "model_seconds") or 0.0 for r in timed)
+    share_rows = [[phase, _seconds2(seconds), f"{100 * seconds / wall:.1f}" if wall else None]
+                  for phase, seconds in totals.items()]
+    share_rows += [["wall", _seconds2(wall), "100.0" if wall else None],
+                   ["model work", _seconds2(model), f"{100 * model / wall:.1f}" if wall else None],
+                   ["everything else", _seconds2(wall - model), f"{100 * (wall - model) / wall:.1f}" if wall else None]]
+    return "\n".join([
+        "## Time", "",
+        "Wall seconds of each round by phase: engine start-up, generate (refills included), each curation stage, "
+        "the trainer (its checkpoint writes apart), checkpoint, loading new weights into the engine, eval, and "
+        "other (prompt choice, bookkeeping). Model work = the engine's sampling and greedy calls plus the "
+        "trainer's optimizer steps (forward, backward, update).", "",
+        markdown_table(headers, rows), "", markdown_table(["phase", "seconds", "share of wall (%)"], share_rows), ""])
+
+
+def _seconds2(seconds: float | None) -> str | None:
+    return None if seconds is None else f"{seconds:.2f}"
+
+
 def table_counts_markdown(run_dir: str | Path) -> str:
     """A markdown section with the rows of each table per round and the rejects by stage and
     reason, read from the run's Parquet tables ("" when the run has no tables)."""
@@ -251,10 +315,13 @@ def _summary_markdown(run_dir: Path, rounds: list[dict], steps: list[dict], skip
                  r.get("groups"), r.get("pairs"), r.get("samples"), r.get("policy_version"),
                  _seconds(number(r, "wall_seconds"))]
                 for r in rounds]
-        parts += [markdown_table(headers, rows), "", "Round 0 evaluates the starting model; it trains nothing.", ""]
+        parts += [markdown_table(headers, rows), "", "Round 0 evaluates the starting model; it trains nothing. "
+                  "— in eval acc: the round did not evaluate (`[eval] every`).", ""]
     else:
         parts += ["No round records yet.", ""]
 
+    time_section = time_markdown(rounds)
+    parts += [time_section] if time_section else []
     parts += ["## Training", ""]
     if steps:
         _, losses = series(steps, "step", "loss")

@@ -66,6 +66,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RefillSettings(_Section):
+    """DAPO's dynamic sampling: when filtering leaves too few informative groups, sample more
+    prompts in the same round (every extra sample is kept in the tables)."""
+
+    min_kept_groups: int = Field(..., ge=1, description="Refill while the round has fewer kept groups (rewards "
+                                                        "not all equal) than this.")
+    max_extra_prompts: int = Field(..., ge=1, description="At most this many extra prompts per round, over all "
+                                                          "refill calls.")
+    max_calls: int = Field(4, ge=1, description="At most this many extra generate calls per round. Each asks "
+                                                "for the missing groups divided by the round's kept rate so far.")
+
+
 class RunSection(_Section):
     """The round loop."""
 
@@ -75,6 +87,12 @@ class RunSection(_Section):
     replay_rounds: int = Field(
         0, ge=0, description="Also train on up to this many earlier rounds (subject to train.max_staleness).")
     seed: int = Field(0, description="Seeds prompt choice, sampling and row order.")
+    checkpoint_every: int = Field(
+        1, ge=1, description="Write a checkpoint every K rounds and in the last one; in between the trainer keeps "
+                             "its weights in memory and hands them to the engine, and a killed run replays the "
+                             "rounds trained since its newest checkpoint.")
+    refill: RefillSettings | None = Field(None, description="Sample more prompts when filtering leaves too few "
+                                                            "kept groups (off when unset).")
 
 
 class ModelSection(_Section):
@@ -104,6 +122,8 @@ class EvalSection(_Section):
     metric: str = Field("exact_match", description="A registered reward or 'module:function', applied to greedy "
                                                    "responses; eval_accuracy is its mean.")
     max_tokens: int | None = Field(None, ge=1, description="Greedy response length (default: generator.max_tokens).")
+    every: int = Field(1, ge=1, description="Evaluate every K rounds (round 0 and the last round always); the "
+                                            "other rounds record eval_accuracy as null.")
 
 
 class PipelineSpec(_Section):

@@ -8,6 +8,10 @@
     one atomic commit: samples/round=<n>/part-generate.parquet, rejects/..., prompts/part-<fp>.parquet,
     then _manifests/generate-round=<n>.json
 
+A round may sample several prompts files: the first as stage "generate", more (the round
+loop's refills) under their own stage names, each with its own manifest and part files
+(`part-<stage>.parquet`; prompts `part-<stage>-<fingerprint>.parquet`).
+
 Finished chunks survive a kill and are reused by the rerun (when inputs and config are
 unchanged); nothing reaches a table folder before the last chunk is done. A rerun of a
 finished round with the same inputs and config does nothing (the manifest says it is up to
@@ -35,7 +39,7 @@ from curation.generate.weights import weights_fingerprint
 from curation.runlog import read_json, write_atomic, write_json_atomic
 from curation.schema import SCHEMAS, validate
 from curation.stages.common import rejects_table
-from curation.store import RunStore, config_hash, fingerprint_file
+from curation.store import RunStore, config_hash, known_fingerprint
 
 STAGE = "generate"
 READS = ("prompts file", "model weights")
@@ -92,12 +96,14 @@ def generate(
     chunk_prompts: int = GENERATOR_DEFAULTS.chunk_prompts,
     progress=None,
     generator_kwargs: dict | None = None,
+    stage: str = STAGE,
 ) -> GenerateResult:
     """Sample `sampling.group_size` responses for every prompt in `prompts_file`.
 
     Pass a live `generator` (kept across rounds) or a `model` folder and `backend` name (a
     generator is started, with `generator_kwargs`, only when there is work to do).
-    `progress(done, total)` is called as prompts finish.
+    `progress(done, total)` is called as prompts finish. `stage` names the manifest and the
+    part files (another name than "generate" adds a second set of samples to the round).
     """
     if generator is None and model is None:
         raise ValueError("generate needs a model folder or a live generator")
@@ -106,7 +112,7 @@ def generate(
     prompts = load_prompts(prompts_file)
     policy_version = generator.policy_version if generator is not None else 0
     inputs = {
-        "prompts": fingerprint_file(prompts_file),
+        "prompts": known_fingerprint(prompts_file),
         "weights": generator.weights_sha256 if generator is not None else weights_fingerprint(model),
     }
     config = {
@@ -115,8 +121,8 @@ def generate(
         "run_id": run_id,
         "policy_version": policy_version,
     }
-    if not force and store.is_up_to_date(STAGE, round, inputs, config):
-        return GenerateResult(round=round, skipped=True, manifest=store.load_manifest(STAGE, round) or {})
+    if not force and store.is_up_to_date(stage, round, inputs, config):
+        return GenerateResult(round=round, skipped=True, manifest=store.load_manifest(stage, round) or {})
 
     started = time.perf_counter()
     owns_generator = generator is None
@@ -124,7 +130,7 @@ def generate(
         generator = make_generator(backend, model, **(generator_kwargs or {}))
     try:
         result = _generate(store, generator, prompts, Path(prompts_file), sampling, inputs, config,
-                           round, run_id, chunk_prompts, progress)
+                           round, run_id, chunk_prompts, progress, stage)
     finally:
         if owns_generator:
             generator.close()
@@ -133,7 +139,7 @@ def generate(
 
 
 def _generate(store, generator, prompts, prompts_file, sampling, inputs, config, round, run_id,
-              chunk_prompts, progress) -> GenerateResult:
+              chunk_prompts, progress, stage) -> GenerateResult:
     prompt_ids = prompts.column("prompt_id").to_pylist()
     token_ids = [
         generator.tokenize(p, m)
@@ -143,10 +149,10 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
     too_long = [i for i, ids in enumerate(token_ids) if len(ids) >= generator.max_model_len]
     todo = [i for i, ids in enumerate(token_ids) if len(ids) < generator.max_model_len]
     rejects = rejects_table(
-        run_id, round, [prompt_ids[i] for i in too_long], [None] * len(too_long), STAGE, "prompt_too_long",
+        run_id, round, [prompt_ids[i] for i in too_long], [None] * len(too_long), stage, "prompt_too_long",
         [f"{len(token_ids[i])} prompt tokens >= max_model_len {generator.max_model_len}" for i in too_long])
 
-    staging = _staging(store, round, inputs, config)
+    staging = _staging(store, stage, round, inputs, config)
     chunks = [todo[s : s + chunk_prompts] for s in range(0, len(todo), chunk_prompts)]
     resumed = 0
     done_prompts = 0
@@ -172,10 +178,11 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
     samples = validate(samples, "samples")
     response_tokens = int(pc.sum(pc.list_value_length(samples.column("response_token_ids"))).as_py() or 0)
 
-    with store.commit(STAGE, round, inputs=inputs, config=config) as commit:
-        commit.write("samples", samples, part=STAGE)
-        commit.write("rejects", rejects, part=STAGE)
-        commit.write("prompts", prompts, part=inputs["prompts"][:16], round=None)
+    prompts_part = inputs["prompts"][:16] if stage == STAGE else f"{stage}-{inputs['prompts'][:16]}"
+    with store.commit(stage, round, inputs=inputs, config=config) as commit:
+        commit.write("samples", samples, part=stage)
+        commit.write("rejects", rejects, part=stage)
+        commit.write("prompts", prompts, part=prompts_part, round=None)
         commit.record(
             rows_in=len(prompt_ids),
             rows_out=samples.num_rows,
@@ -195,13 +202,13 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
         response_tokens=response_tokens,
         resumed_chunks=resumed,
         sample_seconds=sample_seconds,
-        manifest=store.load_manifest(STAGE, round) or {},
+        manifest=store.load_manifest(stage, round) or {},
     )
 
 
-def _staging(store: RunStore, round: int, inputs: dict, config: dict) -> Path:
+def _staging(store: RunStore, stage: str, round: int, inputs: dict, config: dict) -> Path:
     """The staging folder of this round, emptied when it holds chunks of other inputs/config."""
-    staging = store.staging_dir(STAGE, round)
+    staging = store.staging_dir(stage, round)
     key = {"inputs": inputs, "config_hash": config_hash(config)}
     meta = staging / "staging.json"
     if read_json(meta) == key:

@@ -21,9 +21,11 @@ and, where it needs them, two hooks (only score has them):
 `run_stage` does the rest. The inputs are the part files of READS for the round (prompts:
 all parts), each fingerprinted; a stage that also reads a table it writes (filter reads
 rejects) leaves its own part files out of both its fingerprints and its read, so its own
-commit never makes it out of date. A round without its main input is an error. Only the
-columns the stage uses are read (a samples file is mostly token ids the filter never
-looks at), each file's footer checked against the contract. Callers hold the run's lock
+commit never makes it out of date. A part file is hashed only when no manifest of the round
+(nor this process) has hashed its current bytes (`curation.fingerprints.known_fingerprint`).
+A round without its main input is an error. Only the columns the stage uses are read (a
+samples file is mostly token ids the filter never looks at), each file's footer checked
+against the contract. Callers hold the run's lock
 (`RunStore.lock()`).
 """
 
@@ -40,8 +42,9 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from curation.fingerprints import known_fingerprint
 from curation.stages.common import drop_counts
-from curation.store import RunStore, fingerprint_file
+from curation.store import RunStore
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
 
@@ -76,6 +79,9 @@ class StageReport:
     rows_out: int = 0
     drops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    tables: dict[str, pa.Table] = field(default_factory=dict, repr=False, compare=False)
+    """The tables the stage committed ({} when skipped): a caller that needs them has them
+    without reading the files back."""
 
 
 def stage_module(stage: str | ModuleType) -> ModuleType:
@@ -99,13 +105,20 @@ def as_dict(config) -> Mapping:
 def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int,
                        exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
     """{relative path: sha256} of every part file of `tables` for `round` (prompts: all
-    parts), leaving out the parts named in `exclude_parts`."""
+    parts), leaving out the parts named in `exclude_parts`. Files whose hash a manifest of
+    the round (or this process) recorded for their size and mtime_ns are not read again."""
     paths = [path for table in tables for path in store.files(table, None if table == "prompts" else round)
              if path.stem.removeprefix("part-") not in exclude_parts]
-    # hashlib lets go of the GIL: files are hashed in parallel
-    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:
-        digests = list(pool.map(fingerprint_file, paths))
-    return {path.relative_to(store.root).as_posix(): digest for path, digest in zip(paths, digests)}
+    recorded = store.recorded_files(round)
+    rel = {path: path.relative_to(store.root).as_posix() for path in paths}
+    digests = {path: known_fingerprint(path, recorded.get(rel[path]), compute=False) for path in paths}
+    todo = [path for path, digest in digests.items() if digest is None]
+    if len(todo) > 1:  # hashlib lets go of the GIL: files are hashed in parallel
+        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+            digests.update(zip(todo, pool.map(known_fingerprint, todo)))
+    elif todo:
+        digests[todo[0]] = known_fingerprint(todo[0])
+    return {rel[path]: digests[path] for path in paths}
 
 
 def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None, force: bool = False) -> StageReport:
@@ -139,7 +152,7 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
             commit.write(table, out.tables[table], part=name)  # validated against the table's contract
         commit.record(rows_in=out.rows_in, rows_out=out.rows_out, drops=drops, **out.extra)
     return StageReport(name, round, skipped=False, rows_in=out.rows_in, rows_out=out.rows_out, drops=drops,
-                       seconds=time.perf_counter() - started)
+                       seconds=time.perf_counter() - started, tables=out.tables)
 
 
 def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...]) -> pa.Table:

@@ -9,6 +9,7 @@ import pytest
 
 from curation.runlog import (
     METRICS_FILE,
+    PHASES,
     MetricsLog,
     RoundRecord,
     load_pipeline_state,
@@ -160,7 +161,8 @@ def test_round_record_round_trip_and_line_format(tmp_path):
     assert list(json.loads(line)) == sorted(as_dict)
     assert set(as_dict) == {"event", "round", "eval_accuracy", "reward_mean", "samples", "groups", "kept_groups",
                             "pairs", "samples_total", "policy_version", "steps", "objective", "wall_seconds",
-                            "elapsed_seconds", "gen_tokens_per_s", "train_tokens_per_s"}
+                            "elapsed_seconds", "gen_tokens_per_s", "train_tokens_per_s", "phase_seconds",
+                            "model_seconds", "refill_prompts", "decay_steps"}
 
 
 def test_round_zero_record_defaults():
@@ -168,4 +170,31 @@ def test_round_zero_record_defaults():
     assert RoundRecord(round=0, eval_accuracy=0.1).to_dict() == {
         "event": "round", "round": 0, "eval_accuracy": 0.1, "reward_mean": None, "samples": 0, "groups": 0,
         "kept_groups": 0, "pairs": 0, "samples_total": 0, "policy_version": 0, "steps": 0, "objective": None,
-        "wall_seconds": 0.0, "elapsed_seconds": 0.0, "gen_tokens_per_s": 0.0, "train_tokens_per_s": 0.0}
+        "wall_seconds": 0.0, "elapsed_seconds": 0.0, "gen_tokens_per_s": 0.0, "train_tokens_per_s": 0.0,
+        "phase_seconds": {}, "model_seconds": 0.0, "refill_prompts": 0, "decay_steps": None}
+
+
+def test_a_round_without_eval_and_its_phases_round_trip(tmp_path):
+    phases = {name: 0.1 for name in PHASES}
+    record = RoundRecord(round=2, eval_accuracy=None, phase_seconds=phases, wall_seconds=1.1, model_seconds=0.5,
+                         refill_prompts=16, decay_steps=40)
+    MetricsLog(tmp_path).append(record)
+    back = MetricsLog(tmp_path).round_record(2)
+    assert back["eval_accuracy"] is None and back["phase_seconds"] == phases
+    assert RoundRecord.from_dict(back) == record
+    assert PHASES[0] == "startup" and PHASES[-1] == "other"
+    assert {"generate", "train", "checkpoint", "reload", "eval", "score", "filter", "label", "pair"} < set(PHASES)
+
+
+def test_records_since_reads_only_what_was_appended_and_a_rewritten_file_whole(tmp_path):
+    log = MetricsLog(tmp_path)
+    assert log.position() == (0, 0) and log.records_since((0, 0)) == []
+    log.append(step(1))
+    here = log.position()
+    log.append(step(2))
+    with open(log.path, "a") as f:
+        f.write('{"event": "step", "st')  # a cut line is skipped
+    assert [r["step"] for r in log.records_since(here)] == [2]
+    log.drop_steps_after(1)  # replaces the file (a new inode): read whole
+    log.append(step(3))
+    assert [r["step"] for r in log.records_since(here)] == [1, 3]

@@ -1,0 +1,67 @@
+"""Refill: DAPO's dynamic sampling in the round loop ([run] refill).
+
+When filtering leaves a round fewer informative (kept) groups than `min_kept_groups`, the
+round samples more prompts with the same policy, the next ones in prompt-choice order that it
+has not sampled yet, in at most `max_calls` extra generate calls and `max_extra_prompts`
+prompts, and curates again (the stages rerun: their inputs changed). Each call asks for the
+missing groups divided by the round's kept rate so far. Every extra sample stays in the
+tables, as part `refill-<k>` of the round; call k's prompts are written once to
+RUN/_rounds/round=<n>/refill-<k>.parquet, so a killed round resumes with the same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow.parquet as pq
+
+from curation.runlog import round_prompts_path, write_atomic
+from curation.stages.runner import StageReport
+from pipelines.round_steps import RoundContext, curate, round_stats, sample
+
+
+def refill(ctx: RoundContext, round: int, start_version: int,
+           reports: dict[str, StageReport]) -> tuple[dict[str, StageReport], int]:
+    """While the round has fewer kept groups than `[run] refill.min_kept_groups`, sample more
+    prompts (the next ones in prompt-choice order that the round has not sampled; `refill_size`
+    of them) with the same policy, at most `max_extra_prompts` in at most `max_calls` calls,
+    and curate the round again. Call k's prompts are written once to
+    RUN/_rounds/round=<n>/refill-<k>.parquet and its samples are the tables' part
+    `refill-<k>`, so a killed round resumes with the same decisions. Returns the last
+    curation's reports and the number of extra prompts."""
+    from pipelines.prompts import ranked_prompts
+
+    settings = ctx.spec.run.refill
+    taken = set(pq.read_table(round_prompts_path(ctx.run_dir, round), columns=["prompt_id"]).column(0).to_pylist())
+    extra = 0
+    for call in range(1, settings.max_calls + 1):
+        path = round_prompts_path(ctx.run_dir, round).with_name(f"refill-{call}.parquet")
+        if not path.is_file():
+            kept = round_stats(ctx.store, round, reports)["kept_groups"]
+            budget = settings.max_extra_prompts - extra
+            if kept >= settings.min_kept_groups or budget <= 0:
+                break
+            count = refill_size(settings.min_kept_groups - kept, kept, len(taken), budget)
+            chosen = ranked_prompts(ctx, round, exclude=taken).slice(0, count)
+            if not chosen.num_rows:
+                break  # every prompt of the pool is in the round already
+            write_atomic(path, lambda f, table=chosen: pq.write_table(table, f))
+            ctx.log(f"round {round}: {kept} kept groups < {settings.min_kept_groups}: refill {call} samples "
+                    f"{chosen.num_rows} more prompts")
+        ids = pq.read_table(path, columns=["prompt_id"]).column(0).to_pylist()
+        taken.update(ids)
+        extra += len(ids)
+        sample(ctx, round, path, start_version, stage=f"refill-{call}")
+        reports = curate(ctx, round)
+    return reports, extra
+
+
+def refill_size(missing: int, kept: int, sampled: int, budget: int) -> int:
+    """Prompts a refill samples: the `missing` kept groups divided by the round's kept rate so
+    far (kept / sampled prompts), the whole `budget` when nothing was kept; 1..budget.
+
+    >>> refill_size(missing=10, kept=20, sampled=64, budget=100)  # 20 of 64 kept: 32 prompts give 10
+    32
+    """
+    wanted = math.ceil(missing * sampled / kept) if kept else budget
+    return max(1, min(budget, wanted))

@@ -1,0 +1,260 @@
+"""The steps of one round of the loop (pipelines/run.py), and what the loop keeps between rounds.
+
+    RoundContext        the run, its spec, the live engine, the trainer's live session, the
+                        weights the engine has not loaded yet, the eval prompts, the round
+                        records, and the round's stopwatch (`Phases`)
+    sample              generate G responses per prompt with the live engine (a stage of the round)
+    curate              score -> filter -> label -> pair; the reports hold the committed tables
+    round_stats         reward mean, samples, groups, kept groups, pairs: from those tables
+    train_round         the round's optimizer steps; checkpoint every `checkpoint_every` rounds
+    replay              after a restart, train again the rounds no checkpoint holds
+    live_generator      the engine with the weights of a policy version (from memory or a checkpoint)
+
+Every phase is timed on the round's stopwatch: the record's `phase_seconds` (startup,
+generate, score, filter, label, pair, train, checkpoint, reload, eval, other) sum to its wall
+seconds, and `model_seconds` counts engine sampling and greedy calls and the trainer's
+optimizer steps.
+"""
+
+from __future__ import annotations
+
+import builtins
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from curation.generate.base import Generator
+from curation.generate.stage import generate, make_generator
+from curation.runlog import PHASES, MetricsLog, RoundRecord
+from curation.stages.runner import StageReport
+from curation.store import RunStore
+from pipelines.curate import STAGES, CurationSpec, run_stage
+from pipelines.spec import PipelineSpec
+from training import checkpoint as ckpt
+from training.config import TrainConfig, steps_for_passes
+from training.data import NoTrainingData, count_training_rows
+from training.trainer import TrainResult, TrainSession, train
+
+
+class Phases:
+    """A round's stopwatch: wall seconds per phase (`curation.runlog.PHASES`), a phase inside
+    another counted once (the engine reload inside evaluation is reload, not eval), and the
+    seconds of model work (engine sampling and greedy calls, trainer optimizer steps)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.model = 0.0
+        self._inner: list[float] = []  # per open phase: seconds spent in phases inside it
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        tic = time.perf_counter()
+        self._inner.append(0.0)
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - tic
+            self.seconds[phase] += elapsed - self._inner.pop()
+            if self._inner:
+                self._inner[-1] += elapsed
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Book `seconds` measured inside phase `source` under `target` (the trainer's checkpoint writes)."""
+        seconds = min(seconds, self.seconds[source])
+        self.seconds[source] -= seconds
+        self.seconds[target] += seconds
+
+    def result(self) -> tuple[float, dict[str, float]]:
+        """(wall seconds so far, seconds per phase with other = wall - the rest, never < 0)."""
+        wall = time.perf_counter() - self.started
+        known = sum(seconds for phase, seconds in self.seconds.items() if phase != "other")
+        return wall, {phase: builtins.round(seconds, 4) for phase, seconds in
+                      {**self.seconds, "other": max(0.0, wall - known)}.items()}
+
+
+@dataclass
+class EvalSet:
+    """The eval prompts as the engine and the metric take them: read and tokenized once per run."""
+
+    token_ids: list[list[int]]
+    prompts: list
+    """Each prompt's text, or its messages."""
+    columns: dict[str, list]
+    """reference and metadata, for the metric."""
+
+
+@dataclass
+class RoundContext:
+    """What one round needs: the run, its spec, the live generator (started lazily) and what
+    the loop keeps between rounds."""
+
+    spec: PipelineSpec
+    store: RunStore
+    target_rounds: int = 0
+    generator: Generator | None = None
+    log: Callable[[str], None] = print
+    records: dict[int, dict] = field(default_factory=dict)
+    """The round records of metrics.jsonl, read once per run, added to as rounds finish."""
+    session: TrainSession = field(default_factory=TrainSession)
+    """The trainer's live model and optimizer between rounds."""
+    weights: tuple[int, dict] | None = None
+    """(policy_version, state dict) of trained weights the engine has not loaded yet."""
+    eval_set: EvalSet | None = None
+    clock: Phases = field(default_factory=Phases)
+    """The current round's stopwatch."""
+
+    @property
+    def run_dir(self) -> Path:
+        return self.store.root
+
+    @property
+    def metrics(self) -> MetricsLog:
+        return MetricsLog(self.store.root)
+
+
+def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
+    """The live generator holding the weights of `policy_version` (started on first use; new
+    weights are loaded in place, from the trainer's memory or else the checkpoint folder)."""
+    spec = ctx.spec
+    if ctx.generator is None:
+        kwargs = {**spec.generator.generator_kwargs(), "policy_version": 0}
+        if spec.generator.backend == "vllm":
+            kwargs["seed"] = spec.run.seed  # the engine's own seed; every group also has its own
+        ctx.log(f"starting the {spec.generator.backend} engine on {spec.model.path}")
+        with ctx.clock("startup"):
+            # The engine loads tokenizer and config from the base model; weights come next.
+            ctx.generator = make_generator(spec.generator.backend, spec.model.path, **kwargs)
+    if ctx.generator.policy_version != policy_version:
+        held = ctx.weights is not None and ctx.weights[0] == policy_version
+        weights = ctx.weights[1] if held else ckpt.checkpoint_dir(ctx.run_dir, policy_version)
+        with ctx.clock("reload"):
+            ctx.generator.update_weights(weights, policy_version)
+        ctx.weights = None
+    return ctx.generator
+
+
+def sample(ctx: RoundContext, round: int, prompts_file: Path, policy_version: int, stage: str = "generate") -> None:
+    """Generate G responses per prompt of `prompts_file` as `stage` of the round (skipped once
+    committed)."""
+    if ctx.store.load_manifest(stage, round) is not None:
+        return
+    spec = ctx.spec
+    generator = live_generator(ctx, policy_version)
+    ctx.log(f"round {round}: {stage} {pq.read_metadata(prompts_file).num_rows} prompts x "
+            f"{spec.generator.group_size} with policy_version {generator.policy_version}")
+    with ctx.clock("generate"):
+        result = generate(ctx.run_dir, prompts_file, spec.generator.sampling(spec.run.seed), generator=generator,
+                          round=round, run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts, stage=stage)
+    ctx.clock.model += result.sample_seconds
+
+
+def sampling_manifests(store: RunStore, round: int) -> list[dict]:
+    """The manifests of the round's generate call and of its refills."""
+    found = [store.load_manifest("generate", round)]
+    call = 1
+    while (manifest := store.load_manifest(f"refill-{call}", round)) is not None:
+        found.append(manifest)
+        call += 1
+    return [manifest for manifest in found if manifest]
+
+
+def curate(ctx: RoundContext, round: int) -> dict[str, StageReport]:
+    curation = CurationSpec(score=ctx.spec.score, filter=ctx.spec.filter, label=ctx.spec.label, pair=ctx.spec.pair)
+    reports = {}
+    for stage in STAGES:
+        with ctx.clock(stage):
+            reports[stage] = run_stage(stage, ctx.run_dir, round, curation)
+    return reports
+
+
+def round_stats(store: RunStore, round: int, reports: dict[str, StageReport] | None = None) -> dict:
+    """reward_mean, samples, groups, kept_groups, pairs of `round`: from the tables the stages
+    just committed (`reports`), reading back only the columns of those a skipped stage did not
+    hand over; samples from the generate manifests."""
+    held = {table: out for report in (reports or {}).values() for table, out in report.tables.items()
+            if table != "rejects"}
+
+    def table(name: str, columns: list[str]) -> pa.Table:
+        return held[name] if name in held else store.read_columns(name, columns, round)
+
+    rewards = table("scores", ["reward"]).column("reward")
+    groups = table("groups", ["prompt_id", "group_kept"])
+    kept = groups.filter(pc.fill_null(groups.column("group_kept"), False))
+    return {"reward_mean": pc.mean(rewards).as_py() if len(rewards) else None,
+            "samples": sum(int(m.get("rows_out") or 0) for m in sampling_manifests(store, round)),
+            "groups": pc.count_distinct(groups.column("prompt_id")).as_py(),
+            "kept_groups": pc.count_distinct(kept.column("prompt_id")).as_py(),
+            "pairs": table("pairs", ["prompt_id"]).num_rows}
+
+
+def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int, int]:
+    """Train round `round`'s steps from `start_version`: `steps_per_round`, or with
+    `[train] passes` the steps that draw its rows that many times. Checkpoints every
+    `checkpoint_every` rounds and in the last. Returns (policy_version after, cosine horizon)."""
+    spec = ctx.spec
+    # A cosine schedule spans the whole run unless the spec pins decay_steps (a run extended
+    # with --rounds +K stretches it from there on).
+    decay_steps = spec.train.decay_steps or ctx.target_rounds * spec.run.steps_per_round
+    cfg = train_config(spec, round, decay_steps)
+    steps = spec.run.steps_per_round
+    if cfg.passes is not None:
+        rows = count_training_rows(ctx.run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
+        steps = steps_for_passes(rows, cfg.batch_size, cfg.passes)
+    save = round % spec.run.checkpoint_every == 0 or round >= ctx.target_rounds
+    try:
+        ctx.log(f"round {round}: train {spec.train.objective} steps {start_version + 1}..{start_version + steps}")
+        return _train(ctx, cfg, start_version + steps, save).end_step, decay_steps
+    except NoTrainingData as exc:
+        ctx.log(f"round {round}: no training ({exc})")
+        return start_version, decay_steps
+
+
+def train_config(spec: PipelineSpec, round: int, decay_steps: int) -> TrainConfig:
+    rounds = list(range(max(1, round - spec.run.replay_rounds), round + 1))
+    return TrainConfig(**{**spec.train.model_dump(), "rounds": rounds, "seed": spec.run.seed,
+                          "temperature": spec.generator.temperature, "decay_steps": decay_steps})
+
+
+def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> TrainResult:
+    """One trainer call on the live session; its new weights are kept for the engine."""
+    with ctx.clock("train"):
+        result = train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session, save=save,
+                       return_state=True)
+    ctx.clock.move(result.checkpoint_seconds, "train", "checkpoint")
+    ctx.clock.model += result.step_seconds
+    if result.state_dict is not None:
+        ctx.weights = (result.end_step, result.state_dict)
+    return result
+
+
+def replay(ctx: RoundContext, round: int, start_version: int) -> None:
+    """Before round `round` trains from `start_version`: when neither the live session nor a
+    checkpoint holds those weights (a restart with checkpoint_every > 1), train again, in
+    order, each finished round since the newest checkpoint, with its recorded steps and
+    cosine horizon. Which rows a step draws depends only on (seed, step, the step its rows
+    were first trained on), so this recomputes the same weights and step records."""
+    have = ctx.session.step if ctx.session.live else latest_step(ctx.run_dir)
+    if start_version <= have:
+        return
+    for done in sorted(ctx.records):
+        record = RoundRecord.from_dict(ctx.records[done])
+        if 0 < done < round and record.policy_version > have and record.steps > 0:
+            ctx.log(f"round {round}: replaying round {done} (steps {record.policy_version - record.steps + 1}.."
+                    f"{record.policy_version}; no checkpoint holds them)")
+            decay_steps = record.decay_steps or ctx.spec.train.decay_steps or \
+                ctx.target_rounds * ctx.spec.run.steps_per_round
+            _train(ctx, train_config(ctx.spec, done, decay_steps), record.policy_version, save=False)
+            have = record.policy_version
+
+
+def latest_step(run_dir: Path) -> int:
+    found = ckpt.list_checkpoints(run_dir)
+    return found[-1][0] if found else 0
