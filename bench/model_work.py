@@ -12,7 +12,8 @@ the same background load; the fastest is kept, with its process CPU seconds (all
 engine, on one live in-process vLLM engine (the generate stage's settings) and one HF model:
     vllm bare            `LLM.generate` on that very engine, the same TokensPrompts and SamplingParams
                          the generator builds (n=G, a seed per prompt, logprobs=0): the floor
-    vllm bare unseeded   one SamplingParams for all, no seed, no logprobs: what seeds + logprobs cost
+    vllm bare no seeds   the same without per-prompt seeds (vLLM samples seeded requests one by one)
+    ... no seeds/logprobs and without logprobs either: what seeds and logprobs cost
     vllm sample()        VLLMGenerator.sample: + reading the sampled tokens' log-probs back
     vllm stage           generate(): + tokenize, seeds, the Parquet chunk, validate, commit, manifest
     hf bare              the HF model's `generate` (sampling, num_return_sequences=G), one batch
@@ -119,14 +120,12 @@ def engine_calls(vllm_gen, hf_gen, table: pa.Table, cfg: SamplingConfig, run_dir
 
     engine.step = counted_step  # an instance attribute: only this engine's calls are counted
 
-    def vllm_bare(seeded: bool):
+    def vllm_bare(seeded: bool, logprobs: bool):
         def call():
             counter[0] = 0
-            if seeded:
-                params = [SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=-1,
-                                         max_tokens=cfg.max_tokens, logprobs=0, seed=s) for s in seeds]
-            else:
-                params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+            params = [SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=-1,
+                                     max_tokens=cfg.max_tokens, logprobs=0 if logprobs else None,
+                                     seed=s if seeded else None) for s in seeds]
             outs = vllm_gen.llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], params, use_tqdm=False)
             return sum(len(o.token_ids) for out in outs for o in out.outputs), counter[0]
         return call
@@ -155,7 +154,8 @@ def engine_calls(vllm_gen, hf_gen, table: pa.Table, cfg: SamplingConfig, run_dir
         new = out[:, input_ids.shape[1]:]
         return int((new != hf_gen.pad_id).sum()), 0
 
-    return {"vllm bare": vllm_bare(True), "vllm bare unseeded": vllm_bare(False), "vllm sample()": sample(vllm_gen),
+    return {"vllm bare": vllm_bare(True, True), "vllm bare no seeds": vllm_bare(False, True),
+            "vllm bare no seeds/logprobs": vllm_bare(False, False), "vllm sample()": sample(vllm_gen),
             "vllm stage": stage(vllm_gen), "hf bare": hf_bare, "hf sample()": sample(hf_gen),
             "hf stage": stage(hf_gen)}
 
@@ -265,8 +265,9 @@ def verdicts(timings: list[Timing]) -> list[str]:
         if name == "vllm stage":
             faster = "hf" if at("hf stage") > value else "vLLM"
             lines.append(f"- **engine, {prompts} x 8**: the vLLM stage runs at {value / at('vllm bare'):.2f}x its "
-                         f"bare LLM.generate's tokens/s (the unseeded call without logprobs: "
-                         f"{at('vllm bare unseeded') / at('vllm bare'):.2f}x the seeded one); the hf stage is "
+                         f"bare LLM.generate's tokens/s; without per-prompt seeds the bare call is "
+                         f"{at('vllm bare no seeds') / at('vllm bare'):.2f}x faster, without seeds and logprobs "
+                         f"{at('vllm bare no seeds/logprobs') / at('vllm bare'):.2f}x; the hf stage is "
                          f"{at('hf stage') / value:.2f}x the vLLM stage ({faster} is faster here)")
         if name == "groupforge step":
             floor = at("bare fwd+bwd")
