@@ -20,12 +20,13 @@ eval.parquet. Each run is its own process, one after the other:
 Clocks: training wall seconds, start-up (model load, engine start, round 0 / step 0 eval) and
 every eval excluded for both (see the two helpers), plus samples generated. TRL's lr is
 swept first (--trl-lrs, --sweep-minutes, on the first variant and seed) and the best (highest
-smoothed accuracy) is used for its real runs. Summaries (bench/_curves.py): time to each
+plateau) is used for its real runs. Summaries (bench/_curves.py): time to each
 --levels accuracy and to TRL's best accuracy within its budget, on a trailing mean of
 --smooth evals; the plateau, the mean of the last --plateau-evals evals; samples/s.
 
-Budget of the default run: sweep 3 x 1.5 min, TRL 3 x 2 x 7 min, groupforge 3 x 2 x 3 min of
-training seconds, ~70 min of wall with start-ups and evals on 2 cores. Output: the markdown
+Budget of the default run: sweep 3 x 1.5 min, TRL 3 x 2 x 6 min, groupforge 3 x 2 x 3 min of
+training seconds, ~75 min of wall with start-ups and evals on 2 cores (--trl-minutes 10, the
+issue's 10-minute TRL runs, takes ~100 min). Output: the markdown
 section (printed, runs/bench/loop.md), runs/bench/loop-<variant>.png, each run's curve as
 JSON under runs/bench/loop/<variant>/ (--reuse summarises those without running again).
 """
@@ -111,10 +112,11 @@ def gf_job(args, variant: str, toy: Path, seed: int) -> dict:
 
 
 def sweep_lr(args, variant: str, toy: Path) -> tuple[float, list[Curve]]:
-    """TRL's best lr on the first variant and seed: the highest smoothed accuracy in a short run."""
+    """TRL's best lr on the first variant and seed: the highest plateau (mean of the last evals, so an
+    lr that climbs and then collapses within the run loses) of a short run, then the best smoothed accuracy."""
     curves = [run_job("trl", trl_job(args, variant, toy, args.seeds[0], lr, args.sweep_minutes, f"trl-sweep-lr{lr:g}"),
                       args.reuse) for lr in args.trl_lrs]
-    chosen = max(curves, key=lambda c: (best(c, args.smooth), plateau(c, args.plateau_evals)))
+    chosen = max(curves, key=lambda c: (plateau(c, args.plateau_evals), best(c, args.smooth)))
     return float(chosen.extra["lr"]), curves
 
 
@@ -232,14 +234,15 @@ def main() -> None:
     parser.add_argument("--variants", help="toy variants, comma-separated (default: the first 3 of pipelines.toy."
                                            "VARIANTS; quick: default)")
     parser.add_argument("--seeds", help="run seeds, comma-separated (default 0,1; quick 0)")
-    parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 7, quick 2)")
+    parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 6, quick 2)")
     parser.add_argument("--gf-minutes", type=float, help="groupforge training minutes per run (default 3, quick 2)")
     parser.add_argument("--trl-lrs", type=floats, default=[3e-5, 1e-4, 3e-4], help="TRL lrs to sweep")
     parser.add_argument("--trl-lr", type=float, help="use this TRL lr, no sweep (quick: 1e-4)")
     parser.add_argument("--sweep-minutes", type=float, default=1.5, help="training minutes per sweep run")
     parser.add_argument("--trl-prompts", type=int, default=64, help="TRL prompts per generation batch (x 8)")
     parser.add_argument("--trl-batch", type=int, default=128, help="TRL completions per optimizer step")
-    parser.add_argument("--trl-eval-every", type=int, default=4, help="TRL optimizer steps between evals")
+    parser.add_argument("--trl-eval-every", type=int, default=16,
+                        help="TRL optimizer steps between evals (16 x 128 = 2048 samples, a toy-grpo round)")
     parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-grpo.toml"), help="groupforge spec")
     parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a spec key (TOML value), repeatable")
@@ -255,7 +258,7 @@ def main() -> None:
         return worker(args.worker[0], json.loads(args.worker[1]))
 
     args.seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
-    args.trl_minutes = args.trl_minutes or (2.0 if args.quick else 7.0)
+    args.trl_minutes = args.trl_minutes or (2.0 if args.quick else 6.0)
     args.gf_minutes = args.gf_minutes or (2.0 if args.quick else 3.0)
     if args.quick and args.trl_lr is None:
         args.trl_lr = 1e-4
