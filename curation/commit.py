@@ -185,9 +185,11 @@ class Commit:
         touched = set()
         files = {}
         for final, tmp in self._staged.items():
-            final.parent.mkdir(parents=True, exist_ok=True)
+            if not final.parent.is_dir():
+                final.parent.mkdir(parents=True)
+                touched.add(final.parent.parent)  # a new partition folder
             os.replace(tmp, final)  # overwrites a stale part of an interrupted attempt
-            touched.update((final.parent, final.parent.parent))  # the file, and a new partition
+            touched.add(final.parent)
             rel = final.relative_to(root).as_posix()
             files[rel] = {"sha256": self._sha256[rel], **file_stat(final)}  # a rename keeps size and mtime
             remember_fingerprint(final, self._sha256[rel], files[rel])

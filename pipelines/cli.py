@@ -330,7 +330,7 @@ def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int
         console.print(f"  round {rec['round']:>3}: eval acc {_accuracy_text(rec):>6}  reward "
                       f"{'-' if reward is None else f'{reward:.3f}'}  kept groups {rec.get('kept_groups', 0)}  "
                       f"pairs {rec.get('pairs', 0)}  policy {rec.get('policy_version', 0)}  "
-                      f"{rec.get('wall_seconds', 0):.1f}s", highlight=False)
+                      f"{rec.get('wall_seconds', 0):.1f}s", highlight=False, soft_wrap=True)
         breakdown = breakdown_line(rec)
         if breakdown:
             console.print(f"             {breakdown}", highlight=False, soft_wrap=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Mapping, Protocol, Sequence
@@ -177,14 +178,34 @@ def prompt_seed(seed: int, round: int, prompt_id: str) -> int:
     return int(digest[:15], 16)
 
 
+_LOADED: dict[tuple[str, int, int], pa.Table] = {}  # (absolute path, size, mtime_ns) -> prompts table
+_LOADED_MAX = 16
+
+
 def load_prompts(path: str | Path) -> pa.Table:
     """Read a user's prompt file (Parquet, or JSON Lines with .jsonl) into the prompts table.
 
     Needs a `prompt` (string) or `messages` (list of {role, content}) column; `reference`
     and `metadata` are optional (metadata may be a JSON string or a struct, stored as JSON
     text). `prompt_id` is computed when absent. Duplicate prompts are kept once.
+
+    A file read before by this process, with the same size and mtime_ns, is not read again
+    (the round loop reads its train and eval files every round; Arrow tables are immutable).
     """
-    path = Path(path)
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return _load_prompts(Path(path))
+    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _LOADED:
+        table = _load_prompts(Path(path))
+        if len(_LOADED) >= _LOADED_MAX:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = table
+    return _LOADED[key]
+
+
+def _load_prompts(path: Path) -> pa.Table:
     where = f"prompts file ({path})"
     if not path.is_file():
         raise SchemaError(f"{where}: file not found")

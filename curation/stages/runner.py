@@ -42,6 +42,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
+from curation import schema
 from curation.fingerprints import known_fingerprint
 from curation.stages.common import drop_counts
 from curation.store import RunStore
@@ -162,8 +163,29 @@ def _read(store: RunStore, table: str, round: int, columns: list[str] | None, ow
     if columns is None:
         if own:
             raise ValueError(f"a stage that reads its own table {table!r} must name the columns it reads")
-        return store.read(table, rounds)
+        return _all_prompts(store) if table == "prompts" else store.read(table, rounds)
     return store.read_columns(table, columns, rounds, exclude_parts=own)
+
+
+_PROMPT_PARTS: dict[str, tuple[int, int, pa.Table]] = {}  # absolute path -> (size, mtime_ns, validated table)
+
+
+def _all_prompts(store: RunStore) -> pa.Table:
+    """Every prompts part of the run, validated, as `store.read("prompts")` gives it. Each
+    round adds a part and score reads them all, so a part this process read before (same size
+    and mtime_ns) is not read again."""
+    parts = []
+    for path in store.files("prompts"):
+        stat = os.stat(path)
+        known = _PROMPT_PARTS.get(os.path.abspath(path))
+        if known is None or known[:2] != (stat.st_size, stat.st_mtime_ns):
+            known = (stat.st_size, stat.st_mtime_ns, schema.read_table_file(path, "prompts"))
+            _PROMPT_PARTS[os.path.abspath(path)] = known
+        parts.append(known[2])
+    if not parts:
+        return schema.empty("prompts")
+    table = pa.concat_tables(parts, promote_options="permissive")
+    return schema.validate(table, "prompts", store.table_glob("prompts"))
 
 
 def _writer_of(table: str) -> str:

@@ -1,0 +1,165 @@
+"""The round loop's options on the real toy (transformers backend, small rounds): eval every K,
+checkpoint every K with a replay after a restart, refill (DAPO dynamic sampling, resumed
+after kill -9), the per-phase seconds of every round, and output that never cuts numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+
+from curation.runlog import PHASES, MetricsLog
+from pipelines.refill import refill_size
+from pipelines.report import report_run
+from pipelines.run import run_pipeline
+from pipelines.spec import load_spec
+from tests.conftest import REPO
+from training import checkpoint as ckpt
+from training.trainer import KILL_AFTER_STEP_ENV
+
+SPEC = """
+[run]
+name = "options"
+rounds = {rounds}
+steps_per_round = 2
+seed = 5
+checkpoint_every = {checkpoint_every}
+{refill}
+
+[model]
+path = "{toy}/model"
+
+[prompts]
+train = ["{toy}/train.parquet"]
+eval = "{toy}/eval.parquet"
+per_round = 16
+eval_limit = 48
+
+[generator]
+backend = "hf"
+group_size = 4
+max_tokens = 6
+
+[filter]
+drop_duplicates = false
+
+[train]
+objective = "grpo"
+batch_size = 32
+token_budget = 256
+lr = 1e-4
+
+[eval]
+every = {eval_every}
+"""
+
+
+def _spec(tmp_path, toy_dir, rounds=5, checkpoint_every=1, eval_every=1, refill=""):
+    path = tmp_path / "spec.toml"
+    path.write_text(SPEC.format(toy=toy_dir, rounds=rounds, checkpoint_every=checkpoint_every,
+                                eval_every=eval_every, refill=refill))
+    return path
+
+
+def _steps(run_dir):
+    return {s["step"]: s for s in MetricsLog(run_dir).steps()}
+
+
+class Stop(Exception):
+    pass
+
+
+def test_eval_every_checkpoint_every_replay_and_the_breakdown(tmp_path, toy_dir):
+    spec = load_spec(_spec(tmp_path, toy_dir, rounds=5, checkpoint_every=2, eval_every=2))
+    run_dir = tmp_path / "run"
+
+    def stop_after_round_3(record):
+        if record["round"] == 3:
+            raise Stop  # a restart after round 3, whose weights (steps 5-6) no checkpoint holds
+
+    with pytest.raises(Stop):
+        run_pipeline(spec, run_dir, log=lambda msg: None, on_round=stop_after_round_3)
+    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [4]
+    before = _steps(run_dir)
+    assert sorted(before) == [1, 2, 3, 4, 5, 6]
+
+    logged = []
+    records = run_pipeline(spec, run_dir, log=logged.append)
+    assert any("replaying round 3" in line for line in logged)
+    after = _steps(run_dir)
+    assert sorted(after) == list(range(1, 11))  # each step once
+    for step in (5, 6):  # replayed from checkpoint 4: the same rows and weights, the same loss
+        assert after[step]["loss"] == before[step]["loss"] and after[step]["grad_norm"] == before[step]["grad_norm"]
+
+    # eval in rounds 0, 2, 4 and the last (5); checkpoints after rounds 2, 4 and the last
+    assert [r["round"] for r in records] == [0, 1, 2, 3, 4, 5]
+    assert [r["eval_accuracy"] is not None for r in records] == [True, False, True, False, True, True]
+    assert [r["policy_version"] for r in records] == [0, 2, 4, 6, 8, 10]
+    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [4, 8, 10]
+
+    # every record says where its time went: the phases sum to the wall seconds
+    for r in records:
+        assert set(r["phase_seconds"]) == set(PHASES)
+        assert sum(r["phase_seconds"].values()) == pytest.approx(r["wall_seconds"], abs=0.02)
+        assert 0 < r["model_seconds"] <= r["wall_seconds"]
+    assert records[0]["phase_seconds"]["startup"] > 0 and records[0]["phase_seconds"]["eval"] > 0
+    for r in records[1:]:
+        assert r["phase_seconds"]["generate"] > 0 and r["phase_seconds"]["train"] > 0
+        assert r["phase_seconds"]["score"] > 0 and r["phase_seconds"]["pair"] > 0
+        assert (r["phase_seconds"]["eval"] > 0) == (r["eval_accuracy"] is not None)
+    assert records[4]["phase_seconds"]["checkpoint"] > 0 and records[3]["phase_seconds"]["checkpoint"] == 0
+
+    summary = (report_run(run_dir) / "summary.md").read_text()
+    assert "## Time" in summary and "| model work |" in summary
+    round_1 = next(line for line in summary.splitlines() if line.startswith("| 1 |"))
+    assert round_1.split(" | ")[1] == "—"  # no eval in round 1
+
+
+def test_refill_samples_more_prompts_and_resumes_after_kill(tmp_path, toy_dir):
+    # More kept groups than 16 prompts can give: refill twice, at most 12 extra prompts.
+    spec = _spec(tmp_path, toy_dir, rounds=1, refill="refill = {min_kept_groups = 40, max_extra_prompts = 12, "
+                                                       "max_calls = 2}")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
+    env = {**os.environ, "COLUMNS": "60"}  # a narrow, non-terminal stdout
+    crash = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env={**env, KILL_AFTER_STEP_ENV: "1"})  # killed in round 1's training
+    assert crash.returncode == -9, crash.stderr[-2000:]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    (record,) = [r for r in MetricsLog(run_dir).rounds() if r["round"] == 1]
+    refills = sorted(p.name for p in (run_dir / "_rounds" / "round=1").glob("refill-*.parquet"))
+    extra = sum(pq.read_metadata(run_dir / "_rounds" / "round=1" / name).num_rows for name in refills)
+    assert refills and len(refills) <= 2 and 0 < extra <= 12 and record["refill_prompts"] == extra
+    assert record["samples"] == (16 + extra) * 4
+    parts = sorted(p.name for p in (run_dir / "samples" / "round=1").glob("*.parquet"))
+    assert parts == ["part-generate.parquet"] + [f"part-{name.removesuffix('.parquet')}.parquet" for name in refills]
+    glob = lambda t: f"'{run_dir}/{t}/round=1/*.parquet'"  # noqa: E731
+    counts = duckdb.sql(f"SELECT count(*), count(DISTINCT prompt_id), count(DISTINCT (prompt_id, sample_idx)) "
+                        f"FROM read_parquet({glob('samples')})").fetchall()[0]
+    assert counts == (record["samples"], 16 + extra, record["samples"])  # no prompt sampled twice, no row twice
+    labelled = duckdb.sql(f"SELECT count(*) FROM read_parquet({glob('groups')})").fetchall()[0][0]
+    rejected = duckdb.sql(f"SELECT count(*) FROM read_parquet({glob('rejects')}) WHERE stage = 'filter'").fetchall()
+    assert labelled + rejected[0][0] == record["samples"]  # the refilled samples were curated too
+    assert record["kept_groups"] == duckdb.sql(f"SELECT count(DISTINCT prompt_id) FROM read_parquet({glob('groups')}) "
+                                               "WHERE group_kept").fetchall()[0][0]
+
+    # Narrow stdout: plain text, every number whole; one breakdown line per round.
+    for r in MetricsLog(run_dir).rounds():
+        assert f"{r['gen_tokens_per_s']:,.0f}" in done.stdout and f"{r['train_tokens_per_s']:,.0f}" in done.stdout
+    assert "…" not in done.stdout
+    assert done.stdout.count("model work") == 1  # the round finished by this process
+    assert json.loads((run_dir / "_manifests" / "refill-1-round=1.json").read_text())["rows_in"] > 0
+
+
+def test_refill_size_divides_the_missing_groups_by_the_kept_rate():
+    assert refill_size(missing=10, kept=20, sampled=64, budget=100) == 32
+    assert refill_size(missing=10, kept=20, sampled=64, budget=16) == 16  # bounded by the budget
+    assert refill_size(missing=5, kept=0, sampled=64, budget=40) == 40  # nothing kept yet: the whole budget
+    assert refill_size(missing=1, kept=64, sampled=64, budget=40) == 1
