@@ -3,6 +3,7 @@ check, main input, column reads, hooks, declared outputs) on real run folders.""
 
 from __future__ import annotations
 
+import json
 import types
 
 import pyarrow as pa
@@ -114,3 +115,24 @@ def test_a_transform_must_return_the_tables_it_declares(tmp_path):
     with pytest.raises(RuntimeError, match=r"returned tables \['rejects'\], declared \['rejects', 'pairs'\]"):
         run_stage(stage, store.root, 0, {})
     assert store.load_manifest("fake", 0) is None
+
+
+def test_inputs_are_fingerprinted_from_the_manifests_without_reading_the_files(tmp_path, monkeypatch):
+    """The runner reuses the sha256 a commit recorded while writing a part; manifests of older
+    runs (no output_files) still work: their files are hashed."""
+    from curation import fingerprints
+    from curation.stages.runner import input_fingerprints
+
+    store = RunStore(tmp_path / "run")
+    commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0]})))
+    expected = {rel: fingerprints.fingerprint_file(store.root / rel) for rel in store.recorded_files(0)}
+    reads = []
+    monkeypatch.setattr(fingerprints, "_HASHED", {})
+    monkeypatch.setattr(fingerprints, "fingerprint_file", lambda path: reads.append(path) or "x")
+    got = input_fingerprints(store, ("samples", "scores"), 0)
+    assert got == {rel: expected[rel] for rel in got} and len(got) == 2 and reads == []
+    for path in store.root.glob("_manifests/*.json"):  # as an older version wrote them
+        manifest = json.loads(path.read_text())
+        manifest.pop("output_files", None)
+        path.write_text(json.dumps(manifest))
+    assert input_fingerprints(store, ("samples", "scores"), 0) == dict.fromkeys(got, "x") and len(reads) == 2

@@ -461,3 +461,59 @@ def test_read_columns_checks_every_file_as_a_full_read_does(tmp_path):
     pq.write_table(with_null, bad)
     with pytest.raises(SchemaError, match="column 'prompt_id' has 1 null value"):
         store.read_columns("samples", ["prompt_id"], 0)
+
+
+# ---- recorded fingerprints -----------------------------------------------------------
+
+
+def test_a_commit_records_each_output_hash_size_and_mtime(tmp_path):
+    store = RunStore(tmp_path)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0))
+        c.write("rejects", rejects(0, "generate"))
+    manifest = store.load_manifest("generate", 0)
+    assert sorted(manifest["output_files"]) == manifest["outputs"]
+    for rel, entry in manifest["output_files"].items():
+        stat = (tmp_path / rel).stat()
+        assert entry == {"sha256": fingerprint_file(tmp_path / rel), "size": stat.st_size,
+                         "mtime_ns": stat.st_mtime_ns}
+    assert store.recorded_files(0) == manifest["output_files"] and store.recorded_files(1) == {}
+
+
+def test_known_fingerprint_trusts_a_record_only_while_size_and_mtime_match(tmp_path, monkeypatch):
+    from curation import fingerprints
+
+    monkeypatch.setattr(fingerprints, "_HASHED", {})  # nothing hashed by this process yet
+    path = tmp_path / "part.parquet"
+    path.write_bytes(b"12345678")
+    stat = os.stat(path)
+    recorded = {"sha256": "r" * 64, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    assert fingerprints.known_fingerprint(path, recorded) == "r" * 64  # vouched for: not read
+    assert fingerprints.known_fingerprint(path, compute=False) is None  # nothing vouches, nothing read
+    real = hashlib.sha256(b"12345678").hexdigest()
+    assert fingerprints.known_fingerprint(path) == real  # read once ...
+    assert fingerprints.known_fingerprint(path, compute=False) == real  # ... and remembered
+    path.write_bytes(b"87654321")  # same size, new mtime: the record no longer holds
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert fingerprints.known_fingerprint(path, recorded) == hashlib.sha256(b"87654321").hexdigest()
+    assert fingerprints.known_fingerprint(path, {"size": stat.st_size}) == hashlib.sha256(b"87654321").hexdigest()
+
+
+def test_hashing_writer_hashes_what_parquet_writes(tmp_path):
+    from curation.fingerprints import HashingWriter
+
+    with open(tmp_path / "x.parquet", "wb") as f:
+        writer = HashingWriter(f)
+        pq.write_table(samples(0), writer)
+    assert writer.hexdigest() == fingerprint_file(tmp_path / "x.parquet")
+    assert writer.tell() == (tmp_path / "x.parquet").stat().st_size
+
+
+def test_a_prompts_part_claimed_by_another_stage_is_refused(tmp_path):
+    store = RunStore(tmp_path)
+    prompts = pa.table({"prompt_id": ["a"], "prompt": ["1+1="]})
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("prompts", prompts, part="A", round=None)
+    with pytest.raises(ValueError, match="belongs to stage 'generate'"):
+        with store.commit("refill-1", 3, INPUTS, CONFIG) as c:
+            c.write("prompts", prompts, part="A", round=None)

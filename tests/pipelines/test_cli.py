@@ -166,3 +166,16 @@ def test_inspect_stages_prints_the_stage_graph(tmp_path, toy_dir):
     assert shown.returncode == 0, shown.stderr
     for word in ("generate", "score", "filter", "label", "pair", "samples", "rejects", "prompts file"):
         assert word in shown.stdout, word
+
+
+@pytest.mark.parametrize("columns", ["200", "40"])
+def test_tables_never_cut_numbers_on_a_narrow_stdout(columns):
+    code = ("from pipelines.cli import _show_table\n"
+            "_show_table('run', ['round', 'train tokens per second', 'generate tokens per second', 'stage'],"
+            " [['12', '16,900', '1,234,567', 'score'], ['13', '17,001', '987', 'filter']], left=('stage',))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**ENV, "COLUMNS": columns}).stdout
+    for number in ("16,900", "1,234,567", "17,001", "987", "score", "filter", "train tokens per second"):
+        assert number in out
+    assert "…" not in out
+    assert ("┃" in out) == (columns == "200")  # a rich table where it fits, plain text where it does not
