@@ -7,12 +7,14 @@ start model's eval) has been recorded; each later round adds its wall seconds mi
 (RoundRecord.phase_seconds["eval"] when the loop records it, else the seconds inside the
 engine's `greedy` calls) and minus engine start-up should it happen in a later round. So the
 clock counts prompt choice, generation, curation, training, checkpoints, weight reloads and
-bookkeeping: everything of a round but its eval, like TRL's clock. The run stops after the
+bookkeeping: everything of a round but its eval, like TRL's clock; the CPU clock is the same in
+process CPU seconds (eval: the CPU inside `greedy`). The run stops after the
 first round past `minutes`, or at the spec's last round.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import tomllib
@@ -62,20 +64,21 @@ def loop_spec(spec_path: str | Path, toy: str | Path, name: str, seed: int, over
 
 @contextmanager
 def greedy_seconds() -> Iterator[list[float]]:
-    """Seconds spent inside every generator's `greedy` (eval decoding), while the block runs."""
+    """[wall, CPU] seconds spent inside every generator's `greedy` (eval decoding) while the block runs."""
     from curation.generate.hf import HFGenerator
     from curation.generate.vllm import VLLMGenerator
 
-    spent = [0.0]
+    spent = [0.0, 0.0]
     originals = {cls: cls.greedy for cls in (VLLMGenerator, HFGenerator)}
 
     def timed(original):
         def greedy(self, *args, **kwargs):
-            tic = time.perf_counter()
+            tic, cpu = time.perf_counter(), time.process_time()
             try:
                 return original(self, *args, **kwargs)
             finally:
                 spent[0] += time.perf_counter() - tic
+                spent[1] += time.process_time() - cpu
         return greedy
 
     for cls, original in originals.items():
@@ -98,27 +101,30 @@ def run_groupforge(job: dict) -> dict:
     curve = Curve("groupforge", job["variant"], job["seed"],
                   extra={"spec": str(job["spec"]), "set": job.get("set", []), "rounds": []})
     budget = job["minutes"] * 60.0
-    clock = {"seconds": 0.0, "greedy": 0.0, "last": 0.0}
+    clock = {"seconds": 0.0, "greedy": 0.0, "last": 0.0, "cpu": 0.0, "greedy_cpu": 0.0, "last_cpu": 0.0}
 
     with greedy_seconds() as greedy:
         def on_round(record: dict) -> None:
             now = time.perf_counter()
             phases = record.get("phase_seconds") or {}
             eval_seconds = phases["eval"] if "eval" in phases else greedy[0] - clock["greedy"]
-            clock["greedy"] = greedy[0]
+            cpu_now, eval_cpu = time.process_time(), greedy[1] - clock["greedy_cpu"]
+            clock["greedy"], clock["greedy_cpu"] = greedy[0], greedy[1]
             if record["round"] == 0:
                 curve.extra["startup_seconds"] = round(now - started, 2)
-                curve.add(0.0, 0, record["eval_accuracy"])
+                curve.add(0.0, 0, record["eval_accuracy"], 0.0, os.getloadavg()[0])
             else:
                 clock["seconds"] += (now - clock["last"]) - eval_seconds - phases.get("startup", 0.0)
+                clock["cpu"] += (cpu_now - clock["last_cpu"]) - eval_cpu
                 curve.extra["rounds"].append(record)
                 if record.get("eval_accuracy") is not None:
-                    curve.add(clock["seconds"], record["samples_total"], record["eval_accuracy"])
+                    curve.add(clock["seconds"], record["samples_total"], record["eval_accuracy"], clock["cpu"],
+                              os.getloadavg()[0])
                     print(f"groupforge {job['variant']} seed {job['seed']}: round {record['round']} "
                           f"{clock['seconds']:.0f}s {record['samples_total']} samples "
                           f"accuracy {record['eval_accuracy']:.3f}", flush=True)
             curve.extra["eval_clock"] = "phase_seconds" if "eval" in phases else "greedy calls"
-            clock["last"] = time.perf_counter()
+            clock["last"], clock["last_cpu"] = time.perf_counter(), time.process_time()
             if clock["seconds"] >= budget:
                 raise _BudgetSpent
 

@@ -16,15 +16,17 @@ checked in trl 1.16.0's grpo_config.py):
 - the reward is groupforge's own `exact_match` (TRL's reward signature); prompts are plain text
   (the toy tokenizer has no chat template) and are tokenized with BOS, as groupforge does.
 
-Clock: `on_train_begin` starts it (model load, dataset and trainer construction are start-up);
-a greedy eval of the eval prompts (`EvalCallback`, transformers `generate`, every `eval_every`
-optimizer steps and at the end) is timed and subtracted, as groupforge's eval decode is. The run
-stops at the first step past `minutes` of training seconds.
+Clock: `on_train_begin` starts it (model load, dataset and trainer construction are start-up),
+in wall and in process CPU seconds; a greedy eval of the eval prompts (`EvalCallback`,
+transformers `generate`, every `eval_every` optimizer steps and at the end) is timed and
+subtracted, as groupforge's eval is. The run stops at the first step past `minutes` of
+training seconds.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -90,25 +92,26 @@ def run_trl(job: dict) -> dict:
         """Greedy eval every `eval_every` steps; its seconds are taken off the training clock."""
 
         def __init__(self) -> None:
-            self.begin = 0.0
-            self.eval_seconds = 0.0
+            self.begin = self.cpu_begin = 0.0
+            self.eval_seconds = self.eval_cpu = 0.0
 
         def train_seconds(self) -> float:
             return time.perf_counter() - self.begin - self.eval_seconds
 
         def evaluate(self, model, step: int) -> None:
-            seconds = self.train_seconds()
-            tic = time.perf_counter()
+            seconds, cpu = self.train_seconds(), time.process_time() - self.cpu_begin - self.eval_cpu
+            tic, cpu_tic = time.perf_counter(), time.process_time()
             accuracy = greedy_accuracy(model, tokenizer, evals["prompt"], evals["reference"], job["max_tokens"])
             self.eval_seconds += time.perf_counter() - tic
+            self.eval_cpu += time.process_time() - cpu_tic
             samples = math.ceil(step / steps_per_generation) * samples_per_generation
-            curve.add(seconds, samples, accuracy)
+            curve.add(seconds, samples, accuracy, cpu, os.getloadavg()[0])
             print(f"trl {job['variant']} seed {job['seed']} lr {job['lr']:g}: step {step} {seconds:.0f}s "
                   f"{samples} samples accuracy {accuracy:.3f}", flush=True)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             curve.extra["startup_seconds"] = round(time.perf_counter() - started, 2)
-            self.begin = time.perf_counter()
+            self.begin, self.cpu_begin = time.perf_counter(), time.process_time()
             self.evaluate(model, 0)
 
         def on_step_end(self, args, state, control, model=None, **kwargs):

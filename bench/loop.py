@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))  # before bench/ (the script's folder): bench/cura
 if str(ROOT / "bench") not in sys.path:
     sys.path.append(str(ROOT / "bench"))  # imported as a module (tests): its helpers still import
 
-from _curves import Curve, best, mean, plateau, samples_per_s, time_to  # noqa: E402
+from _curves import Curve, best, first_reaching, mean, plateau, samples_per_s, time_to  # noqa: E402
 from _report import machine, plot_variant, write_section  # noqa: E402
 
 OUT = ROOT / "runs" / "bench"
@@ -128,13 +128,14 @@ def summarize(curves: list[Curve], levels: list[float], window: int, last: int) 
     rows = []
     for c in curves:
         target = trl_best.get((c.variant, c.seed))
-        reached = time_to(c, target, window) if target is not None else None
+        i = first_reaching(c, target, window) if target is not None else None
         rows.append({"variant": c.variant, "framework": c.framework, "seed": c.seed, "start": c.accuracy[0],
                      "levels": {level: (time_to(c, level, window) or (None, None))[0] for level in levels},
-                     "target": target, "target_seconds": reached[0] if reached else None,
-                     "target_samples": reached[1] if reached else None, "best": best(c, window),
+                     "target": target, "target_seconds": None if i is None else c.seconds[i],
+                     "target_cpu": None if i is None or not c.cpu_seconds else c.cpu_seconds[i],
+                     "target_samples": None if i is None else c.samples[i], "best": best(c, window),
                      "plateau": plateau(c, last), "samples_per_s": samples_per_s(c), "evals": len(c.accuracy),
-                     "seconds": c.seconds[-1], "samples": c.samples[-1]})
+                     "seconds": c.seconds[-1], "samples": c.samples[-1], "load": mean(c.load)})
     return rows
 
 
@@ -150,16 +151,17 @@ def verdicts(rows: list[dict]) -> list[str]:
         if not by["groupforge"] or not by["trl"]:
             continue
         pairs = [(g, t) for g in by["groupforge"] for t in by["trl"] if g["seed"] == t["seed"]]
-        ratios = [None if g["target_seconds"] is None or not t["target_seconds"] else
-                  g["target_seconds"] / t["target_seconds"] for g, t in pairs]
+        ratios, cpu = ([None if g[key] is None or not t[key] else g[key] / t[key] for g, t in pairs]
+                       for key in ("target_seconds", "target_cpu"))
         meets = all(r is not None and r <= 1 / 3 for r in ratios)
         gf_plateau, trl_plateau = (mean([r["plateau"] for r in by[fw]]) for fw in ("groupforge", "trl"))
         speed = mean([r["samples_per_s"] for r in by["groupforge"]]) / mean([r["samples_per_s"] for r in by["trl"]])
+        listed = [", ".join("never" if r is None else f"{r:.2f}" for r in values) for values in (ratios, cpu)]
         lines.append(
-            f"- **{variant}**: time to TRL's best (groupforge / TRL, per seed): "
-            f"{', '.join('never' if r is None else f'{r:.2f}' for r in ratios)} "
-            f"({'meets' if meets else 'BELOW'} the <= 0.33 target); plateau groupforge {gf_plateau:.3f} vs TRL "
-            f"{trl_plateau:.3f} ({'higher' if gf_plateau > trl_plateau else 'NOT higher'}); samples/s "
+            f"- **{variant}**: time to TRL's best (groupforge / TRL, per seed): {listed[0]} "
+            f"({'meets' if meets else 'BELOW'} the <= 0.33 target; in CPU seconds {listed[1]}); plateau "
+            f"groupforge {gf_plateau:.3f} vs TRL {trl_plateau:.3f} "
+            f"({'higher' if gf_plateau > trl_plateau else 'NOT higher'}); samples/s "
             f"groupforge / TRL = {speed:.2f}x ({'meets' if speed >= 1 else 'BELOW'} >= 1)")
     return lines
 
@@ -197,7 +199,8 @@ def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: floa
              f"{' with ' + ', '.join(args.gf_set) if args.gf_set else ''}, up to {args.gf_minutes:g} min of training "
              "seconds per run",
              "- clock: training wall seconds; start-up (model load, engine start, the start model's eval) and every "
-             "greedy eval excluded for both; samples = responses generated",
+             "greedy eval excluded for both; CPU s: the same in process CPU seconds (all threads); samples = "
+             "responses generated; load: the mean 1-minute load average at the run's evals (other jobs included)",
              f"- accuracy: greedy exact match on the toy's eval.parquet; times are read off a trailing mean of "
              f"{args.smooth} evals; plateau = mean of the last {args.plateau_evals} evals", ""]
     if sweep:
@@ -207,15 +210,16 @@ def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: floa
                   f"{plateau(c, args.plateau_evals):.3f} | {samples_per_s(c):.0f} |" for c in sweep]
         lines.append("")
     head = " | ".join(f"s to {level:.0%}" for level in levels)
-    lines += [f"| variant | framework | seed | start | {head} | s to TRL best | samples to TRL best | TRL best "
-              "| best | plateau | samples/s | evals | train s |",
-              "|---|---|--:|--:|" + "--:|" * len(levels) + "--:|--:|--:|--:|--:|--:|--:|--:|"]
+    lines += [f"| variant | framework | seed | start | {head} | s to TRL best | CPU s to TRL best | samples to TRL "
+              "best | TRL best | best | plateau | samples/s | evals | train s | load |",
+              "|---|---|--:|--:|" + "--:|" * len(levels) + "--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         times = " | ".join(_s(r["levels"][level]) for level in levels)
         lines.append(f"| {r['variant']} | {r['framework']} | {r['seed']} | {r['start']:.3f} | {times} | "
-                     f"{_s(r['target_seconds'])} | {_s(r['target_samples'])} | "
+                     f"{_s(r['target_seconds'])} | {_s(r['target_cpu'])} | {_s(r['target_samples'])} | "
                      f"{'-' if r['target'] is None else format(r['target'], '.3f')} | {r['best']:.3f} | "
-                     f"{r['plateau']:.3f} | {r['samples_per_s']:.0f} | {r['evals']} | {r['seconds']:.0f} |")
+                     f"{r['plateau']:.3f} | {r['samples_per_s']:.0f} | {r['evals']} | {r['seconds']:.0f} | "
+                     f"{_s(r['load'], 1)} |")
     lines += ["", *verdicts(rows), *breakdown(curves)]
     lines += [f"- figure: `{f.relative_to(ROOT)}`" for f in figures]
     return "\n".join(lines) + "\n"

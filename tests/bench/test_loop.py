@@ -28,7 +28,7 @@ def curve(loop, framework: str, seconds, accuracy, samples=None, seed: int = 0):
 
     c = _curves.Curve(framework, "default", seed)
     for i, (s, a) in enumerate(zip(seconds, accuracy)):
-        c.add(s, samples[i] if samples else 512 * i, a)
+        c.add(s, samples[i] if samples else 512 * i, a, cpu_seconds=2 * s, load=1.0 + i)
     return c
 
 
@@ -67,15 +67,16 @@ def test_summary_pairs_seeds_and_times_trl_best(loop):
     assert (by["groupforge"]["target_seconds"], by["groupforge"]["target_samples"]) == (10.0, 2048)
     assert by["groupforge"]["levels"] == {0.5: 10.0, 0.7: 20.0} and by["trl"]["levels"] == {0.5: 60.0, 0.7: None}
     assert by["groupforge"]["plateau"] == pytest.approx(0.75) and by["trl"]["plateau"] == pytest.approx(0.6)
+    assert (by["groupforge"]["target_cpu"], by["trl"]["target_cpu"], by["trl"]["load"]) == (20.0, 240.0, 2.5)
     (line,) = loop.verdicts(rows)
-    assert "0.08 (meets" in line and "higher" in line and "NOT higher" not in line
+    assert "0.08 (meets" in line and "in CPU seconds 0.08)" in line and "NOT higher" not in line
     assert f"{(6144 / 30) / (15360 / 180):.2f}x (meets" in line
 
     args = Namespace(levels=[0.5, 0.7], smooth=1, plateau_evals=2, trl_prompts=64, trl_batch=128, trl_minutes=3,
                      gf_minutes=1, spec=str(REPO / "pipelines/specs/toy-grpo.toml"), gf_set=[], sweep_minutes=1)
     trl.extra["lr"] = 1e-4
     text = loop.markdown(rows, [trl, gf], [trl], 1e-4, args, [])
-    assert "| default | groupforge | 0 | 0.300 | 10 | 20 | 10 | 2,048 | 0.600 |" in text
+    assert "| default | groupforge | 0 | 0.300 | 10 | 20 | 10 | 20 | 2,048 | 0.600 |" in text
     assert "| 0.0001 (chosen) | 0.600 | 0.600 | 85 |" in text
 
 
@@ -102,7 +103,7 @@ def test_greedy_timer_restores_the_generators(loop):
 
     original = HFGenerator.greedy
     with _gf_run.greedy_seconds() as spent:
-        assert HFGenerator.greedy is not original and spent == [0.0]
+        assert HFGenerator.greedy is not original and spent == [0.0, 0.0]
     assert HFGenerator.greedy is original
 
 
