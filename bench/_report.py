@@ -55,7 +55,7 @@ def plot_variant(curves: list[Curve], target: float | None, path: Path) -> Path:
             ax.plot(x, curve.accuracy, style, color=colors.get(curve.framework, f"C{k}"), label=label, lw=1.4)
     for ax, xlabel in zip(axes, ("training wall seconds (start-up and eval excluded)", "samples generated")):
         if target is not None:
-            ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"TRL best {target:.3f}")
+            ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"TRL best {target:.3f} (trailing mean)")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("greedy eval accuracy")
