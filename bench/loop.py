@@ -83,8 +83,9 @@ def run_job(kind: str, job: dict, reuse: bool) -> Curve:
     if not (reuse and result.is_file()):
         result.parent.mkdir(parents=True, exist_ok=True)
         limit = job["minutes"] * 60 * 4 + 600  # evals and start-up come on top of the training budget
+        threads = {"OMP_NUM_THREADS": str(job["threads"])} if job.get("threads") else {}
         subprocess.run([sys.executable, __file__, "--worker", kind, json.dumps(job)], check=True, timeout=limit,
-                       cwd=ROOT, env={**ENV, **os.environ})
+                       cwd=ROOT, env={**ENV, **os.environ, **threads})
     return Curve.from_dict(json.loads(result.read_text()))
 
 
@@ -100,6 +101,7 @@ def worker(kind: str, job: dict) -> None:
 def trl_job(args, variant: str, toy: Path, seed: int, lr: float, minutes: float, name: str) -> dict:
     folder = OUT / "loop" / variant
     return dict(toy=str(toy), variant=variant, seed=seed, lr=lr, minutes=minutes, eval_every=args.trl_eval_every,
+                threads=args.threads,
                 prompts_per_generation=args.trl_prompts, group_size=8, batch_size=args.trl_batch, max_tokens=8,
                 temperature=1.0, out_dir=str(folder / "trl-out"), result=str(folder / f"{name}.json"))
 
@@ -107,7 +109,7 @@ def trl_job(args, variant: str, toy: Path, seed: int, lr: float, minutes: float,
 def gf_job(args, variant: str, toy: Path, seed: int) -> dict:
     folder = OUT / "loop" / variant
     return dict(toy=str(toy), variant=variant, seed=seed, minutes=args.gf_minutes, spec=str(args.spec),
-                set=args.gf_set, rounds=args.gf_rounds, out_dir=str(folder / f"gf-seed{seed}"),
+                threads=args.threads, set=args.gf_set, rounds=args.gf_rounds, out_dir=str(folder / f"gf-seed{seed}"),
                 result=str(folder / f"groupforge-seed{seed}.json"))
 
 
@@ -190,7 +192,7 @@ def breakdown(curves: list[Curve]) -> list[str]:
 def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: float, args, figures: list[Path]) -> str:
     levels = args.levels
     lines = [f"## loop: groupforge vs TRL GRPOTrainer, time to accuracy — {datetime.now():%Y-%m-%d %H:%M}", "",
-             f"- machine: {machine()}",
+             f"- machine: {machine()}; torch threads per run: {getattr(args, 'threads', None) or 'all cores'}",
              f"- command: `{shlex.join(['.venv/bin/python', 'bench/loop.py', *sys.argv[1:]])}`",
              f"- TRL: GRPOTrainer, {args.trl_prompts} prompts x 8 per generation batch, steps of {args.trl_batch}, "
              f"lr {lr:g} constant, beta 0, num_iterations 1, bf16 and gradient checkpointing off, transformers "
@@ -252,6 +254,8 @@ def main() -> None:
                         help="override a spec key (TOML value), repeatable")
     parser.add_argument("--gf-rounds", type=int, help="groupforge rounds (default: the spec's, cut by --gf-minutes)")
     parser.add_argument("--only", choices=["trl", "groupforge"], help="run one framework only")
+    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every run (default: torch's, all cores); "
+                                                    "1 is steadier on a machine other jobs share")
     parser.add_argument("--levels", type=floats, default=[0.5, 0.6, 0.7], help="accuracy levels to time")
     parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
     parser.add_argument("--plateau-evals", type=int, default=5, help="the plateau is the mean of the last N evals")
