@@ -246,14 +246,15 @@ def markdown(timings: list[Timing], settings: str, notes: list[str]) -> str:
              f"- command: `{shlex.join(['.venv/bin/python', 'bench/model_work.py', *sys.argv[1:]])}`",
              f"- settings: {settings}", "",
              "| part | what | prompts x G | threads | best s | CPU s | tokens | tokens/s | engine steps/s "
-             "| tokens/s vs floor | calls s |", "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+             "| tokens/s vs floor (wall; CPU) | calls s |", "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
     for t in timings:
         floor = floor_of(t, timings)
-        ratio = (t.tokens / t.best) / (floor.tokens / floor.best) if floor else None
+        ratio = "-" if floor is None else (f"{(t.tokens / t.best) / (floor.tokens / floor.best):.2f}; "
+                                           f"{(t.tokens / t.best_cpu) / (floor.tokens / floor.best_cpu):.2f}")
         steps = f"{t.steps / t.best:.0f}" if t.part == "engine" and t.steps else "-"
         lines.append(f"| {t.part} | {t.name} | {t.prompts} x 8 | {t.threads} | {t.best:.3f} | {t.best_cpu:.2f} | "
-                     f"{t.tokens:,} | {t.tokens / t.best:,.0f} | {steps} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}'} | {', '.join(f'{w:.2f}' for w in t.wall)} |")
+                     f"{t.tokens:,} | {t.tokens / t.best:,.0f} | {steps} | {ratio} | "
+                     f"{', '.join(f'{w:.2f}' for w in t.wall)} |")
     return "\n".join(lines + [""] + notes) + "\n"
 
 
@@ -293,8 +294,15 @@ def main() -> None:
     parser.add_argument("--variant", default="default", help="toy variant (pipelines.toy.VARIANTS)")
     parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-grpo.toml"))
     parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--threads", type=int, help="torch / OMP threads (default: all cores); 1 is steadier on a "
+                                                    "machine other jobs share")
     parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
     args = parser.parse_args()
+    if args.threads:
+        import os
+
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # vLLM keeps an externally set thread count
+        torch.set_num_threads(args.threads)
     sizes = [int(n) for n in (args.prompts or ("64" if args.quick else "64,256")).split(",")]
     repeats = args.repeats or (1 if args.quick else 3)
     variants = getattr(toy_module, "VARIANTS", {"default": toy_module.ToyConfig()})
