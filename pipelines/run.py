@@ -67,7 +67,7 @@ from pipelines.round_steps import (
     sampling_manifests,
     train_round,
 )
-from pipelines.spec import PipelineSpec, dump_toml, load_spec
+from pipelines.spec import PipelineSpec, load_spec, resolved_toml
 
 __all__ = ["RoundContext", "choose_prompts", "evaluate", "run_pipeline", "run_round"]
 
@@ -86,7 +86,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")):
         store.clean_tmp()
         target = _target_rounds(run_dir, spec, extra_rounds)
-        write_atomic(run_dir / SPEC_FILE, dump_toml(spec.model_dump(mode="json")))
+        write_atomic(run_dir / SPEC_FILE, resolved_toml(spec))
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log,
                            records={record["round"]: record for record in MetricsLog(run_dir).rounds()})
         try:

@@ -189,6 +189,12 @@ def check_comparable(specs: dict[str, PipelineSpec]) -> None:
                              "a comparison needs the same model, prompts, sampling, seeds and sample budget")
 
 
+def resolved_toml(spec: PipelineSpec) -> str:
+    """The spec with every default filled in, as TOML (RUN/spec.toml); it loads back as the
+    same spec (the keys the round loop sets, train.seed and train.rounds, are left out)."""
+    return dump_toml(spec.model_dump(mode="json", exclude={"train": {"seed", "rounds"}}))
+
+
 def dump_toml(data: dict[str, Any]) -> str:
     """A spec dict (JSON types) as TOML: top-level dicts become [sections], lists of dicts
     inline tables, None values are left out (they mean "default")."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.spec import PipelineSpec, check_comparable, load_compare, load_spec
+from pipelines.spec import PipelineSpec, check_comparable, load_compare, load_spec, resolved_toml
 from tests.conftest import REPO
 
 SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
@@ -70,6 +70,7 @@ eval = "runs/toy/eval.parquet"
     ("[generator]\ngroup_size = 0\n", "generator.group_size: Value error, group_size must be >= 1, got 0"),
     ("[generator]\ntemperature = 0.0\n", "generator.temperature: Value error, temperature must be > 0"),
     ("[generator]\ngpu_memory_utilization = 1.5\n", "generator.gpu_memory_utilization: Input should be less"),
+    ("[eval]\nevery = 0\n", "eval.every: Input should be greater than or equal to 1"),
 ])
 def test_bad_specs_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, extra, message):
     monkeypatch.chdir(REPO)
@@ -77,6 +78,33 @@ def test_bad_specs_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, ext
     with pytest.raises(ValueError) as err:
         load_spec(path)
     assert message in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("run_keys,message", [
+    ("checkpoint_every = 0", "run.checkpoint_every: Input should be greater than or equal to 1"),
+    ("refill = {min_kept_groups = 8}", "run.refill.max_extra_prompts: Field required"),
+    ("refill = {min_kept_groups = 8, max_extra_prompts = 8, max_prompts = 1}",
+     "run.refill.max_prompts: Extra inputs are not permitted"),
+])
+def test_bad_run_keys_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, run_keys, message):
+    monkeypatch.chdir(REPO)
+    path = _write(tmp_path, GOOD.replace('name = "t"', f'name = "t"\n{run_keys}'))
+    with pytest.raises(ValueError) as err:
+        load_spec(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_loop_options_default_off_and_round_trip_through_the_resolved_spec(tmp_path, toy_dir, monkeypatch):
+    monkeypatch.chdir(REPO)
+    spec = load_spec(_write(tmp_path, GOOD))
+    assert (spec.eval.every, spec.run.checkpoint_every, spec.run.refill) == (1, 1, None)
+    text = GOOD.replace('name = "t"', 'name = "t"\ncheckpoint_every = 4\n'
+                        'refill = {min_kept_groups = 24, max_extra_prompts = 64}') + "[eval]\nevery = 5\n"
+    spec = load_spec(_write(tmp_path, text))
+    assert (spec.eval.every, spec.run.checkpoint_every) == (5, 4)
+    assert spec.run.refill.model_dump() == {"min_kept_groups": 24, "max_extra_prompts": 64, "max_calls": 4}
+    resolved = _write(tmp_path, resolved_toml(spec))  # what RUN/spec.toml holds
+    assert load_spec(resolved) == spec
 
 
 def test_missing_model_folder_and_cli_exit_code(tmp_path, toy_dir):
