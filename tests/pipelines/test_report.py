@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from pipelines.report import load_metrics, markdown_table, report_compare, report_run
+from pipelines.report import breakdown_line, load_metrics, markdown_table, report_compare, report_run
 from tests.conftest import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -143,6 +143,42 @@ def test_best_accuracy_is_reported_when_the_last_round_drops(tmp_path):
     summary = (report_run(run, tmp_path / "elsewhere") / "summary.md").read_text()
     assert not (run / "report").exists()
     assert "final 62.5% (round 2) → best 75.0% (round 1); gain **+12.5 points**" in summary
+
+
+def test_rounds_without_eval_and_the_time_per_phase(tmp_path):
+    """[eval] every = 2: rounds 1 and 3 record no accuracy; every round records its phases."""
+    def phases(n):
+        return {"startup": 2.0 if n == 0 else 0.0, "generate": 0.5, "score": 0.1, "filter": 0.1, "label": 0.1,
+                "pair": 0.1, "train": 1.0, "checkpoint": 0.2, "reload": 0.1, "eval": 0.3 if n % 2 == 0 else 0.0,
+                "other": 0.1}
+    records = [round_record(n, None if n % 2 else 0.2 + 0.1 * n, phase_seconds=phases(n), model_seconds=1.5,
+                            wall_seconds=sum(phases(n).values())) for n in range(5)]
+    run = write_metrics(tmp_path / "run", records)
+    summary = (report_run(run) / "summary.md").read_text()
+    assert "start 20.0% (round 0) → final 60.0% (round 4) → best 60.0% (round 4); gain **+40.0 points**" in summary
+    rows = md_table(summary, "round")
+    assert [row["eval acc (%)"] for row in rows] == ["20.0", "—", "40.0", "—", "60.0"]
+    times = md_table(summary, "phase")
+    shares = {row["phase"]: (row["seconds"], row["share of wall (%)"]) for row in times}
+    wall = sum(sum(phases(n).values()) for n in range(5))
+    assert shares["wall"] == (f"{wall:.2f}", "100.0")
+    assert shares["startup"] == ("2.00", f"{100 * 2.0 / wall:.1f}")
+    assert shares["eval"] == ("0.90", f"{100 * 0.9 / wall:.1f}")
+    assert shares["model work"] == ("7.50", f"{100 * 7.5 / wall:.1f}")
+    assert shares["everything else"] == (f"{wall - 7.5:.2f}", f"{100 * (wall - 7.5) / wall:.1f}")
+    per_round = md_table(summary.split("## Time")[1], "round")
+    assert per_round[1]["generate"] == "0.50" and per_round[1]["eval"] == "0.00" and per_round[0]["startup"] == "2.00"
+    assert per_round[2]["model work (%)"] == f"{100 * 1.5 / sum(phases(2).values()):.0f}"
+    assert_png(run / "report" / "progress.png", 9 * 120, 7 * 120)
+
+
+def test_breakdown_line_sums_curation_and_leaves_out_zero_phases():
+    record = {"wall_seconds": 2.0, "model_seconds": 1.5, "phase_seconds": {
+        "startup": 0.0, "generate": 0.6, "score": 0.05, "filter": 0.02, "label": 0.02, "pair": 0.01, "train": 1.0,
+        "checkpoint": 0.0, "reload": 0.1, "eval": 0.0, "other": 0.2}}
+    assert breakdown_line(record) == ("2.00 s = generate 0.60 · curate 0.10 · train 1.00 · reload 0.10 · other 0.20"
+                                      " | model work 75%")
+    assert breakdown_line({"wall_seconds": 2.0}) is None  # a record written before phases
 
 
 def test_report_run_before_any_round_or_step(tmp_path):
