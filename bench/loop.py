@@ -17,14 +17,17 @@ eval.parquet. Each run is its own process, one after the other:
                 toy's paths and --gf-set overrides, as shipped otherwise; eval every round (or as
                 the spec's [eval] says)
 
-Clocks: training wall seconds, start-up (model load, engine start, round 0 / step 0 eval) and
-every eval excluded for both (see the two helpers), plus samples generated. TRL's lr is
+Clocks: training wall seconds and process CPU seconds, start-up (model load, engine start,
+round 0 / step 0 eval) and every eval excluded for both (see the two helpers), and samples
+generated. TRL's lr is
 swept first (--trl-lrs, --sweep-minutes, on the first variant and seed) and the best (highest
 plateau) is used for its real runs. Summaries (bench/_curves.py): time to each
 --levels accuracy and to TRL's best accuracy within its budget, on a trailing mean of
 --smooth evals; the plateau, the mean of the last --plateau-evals evals; samples/s.
 
-Budget of the default run: sweep 3 x 1.5 min, TRL 3 x 2 x 6 min, groupforge 3 x 2 x 3 min of
+Every run gets OMP_NUM_THREADS=--threads (1 by default: on a 2-core machine shared with other
+jobs, two threads per process ran the toy's tiny ops 5-10x slower, and unsteadily). Budget of
+the default run: sweep 3 x 1.5 min, TRL 3 x 2 x 6 min, groupforge 3 x 2 x 3 min of
 training seconds, ~75 min of wall with start-ups and evals on 2 cores (--trl-minutes 10, the
 issue's 10-minute TRL runs, takes ~100 min). Output: the markdown
 section (printed, runs/bench/loop.md), runs/bench/loop-<variant>.png, each run's curve as
@@ -192,7 +195,7 @@ def breakdown(curves: list[Curve]) -> list[str]:
 def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: float, args, figures: list[Path]) -> str:
     levels = args.levels
     lines = [f"## loop: groupforge vs TRL GRPOTrainer, time to accuracy — {datetime.now():%Y-%m-%d %H:%M}", "",
-             f"- machine: {machine()}; torch threads per run: {getattr(args, 'threads', None) or 'all cores'}",
+             f"- machine: {machine()}; torch threads per run: {getattr(args, 'threads', 0) or 'all cores'}",
              f"- command: `{shlex.join(['.venv/bin/python', 'bench/loop.py', *sys.argv[1:]])}`",
              f"- TRL: GRPOTrainer, {args.trl_prompts} prompts x 8 per generation batch, steps of {args.trl_batch}, "
              f"lr {lr:g} constant, beta 0, num_iterations 1, bf16 and gradient checkpointing off, transformers "
@@ -254,8 +257,9 @@ def main() -> None:
                         help="override a spec key (TOML value), repeatable")
     parser.add_argument("--gf-rounds", type=int, help="groupforge rounds (default: the spec's, cut by --gf-minutes)")
     parser.add_argument("--only", choices=["trl", "groupforge"], help="run one framework only")
-    parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every run (default: torch's, all cores); "
-                                                    "1 is steadier on a machine other jobs share")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="OMP_NUM_THREADS of every run, both frameworks (0: torch's default, all cores); on the "
+                             "shared 2-core machine 2 threads ran the toy 5-10x slower and unsteadily")
     parser.add_argument("--levels", type=floats, default=[0.5, 0.6, 0.7], help="accuracy levels to time")
     parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
     parser.add_argument("--plateau-evals", type=int, default=5, help="the plateau is the mean of the last N evals")

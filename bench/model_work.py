@@ -294,8 +294,8 @@ def main() -> None:
     parser.add_argument("--variant", default="default", help="toy variant (pipelines.toy.VARIANTS)")
     parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-grpo.toml"))
     parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--threads", type=int, help="torch / OMP threads (default: all cores); 1 is steadier on a "
-                                                    "machine other jobs share")
+    parser.add_argument("--threads", type=int, default=1, help="torch / OMP threads (0: torch's default, all "
+                                                                "cores); 1 is steadier on a machine other jobs share")
     parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
     args = parser.parse_args()
     if args.threads:
