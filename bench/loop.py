@@ -14,8 +14,8 @@ eval.parquet. Each run is its own process, one after the other:
                 (--trl-prompts, --trl-batch), constant lr, bf16/gradient checkpointing off,
                 TRL's transformers generate (use_vllm=False); eval every --trl-eval-every steps
     groupforge  bench/_gf_run.py: run_pipeline on --spec (pipelines/specs/toy-grpo.toml) with the
-                toy's paths and --gf-set overrides, as shipped otherwise; eval every round (or as
-                the spec's [eval] says)
+                toy's paths, eval every round (2048 samples, as TRL's) and --gf-set overrides, as
+                shipped otherwise
 
 Clocks: training wall seconds and process CPU seconds, start-up (model load, engine start,
 round 0 / step 0 eval) and every eval excluded for both (see the two helpers), and samples
@@ -110,10 +110,15 @@ def trl_job(args, variant: str, toy: Path, seed: int, lr: float, minutes: float,
 
 
 def gf_job(args, variant: str, toy: Path, seed: int) -> dict:
+    """groupforge evaluates every round here (`eval.every = 1` before --gf-set, which may change it): an
+    eval every 2048 samples like TRL's every 16 x 128, and evals are off both clocks."""
+    from pipelines.spec import EvalSection
+
     folder = OUT / "loop" / variant
+    every = ["eval.every=1"] if "every" in EvalSection.model_fields else []
     return dict(toy=str(toy), variant=variant, seed=seed, minutes=args.gf_minutes, spec=str(args.spec),
-                threads=args.threads, set=args.gf_set, rounds=args.gf_rounds, out_dir=str(folder / f"gf-seed{seed}"),
-                result=str(folder / f"groupforge-seed{seed}.json"))
+                threads=args.threads, set=every + args.gf_set, rounds=args.gf_rounds,
+                out_dir=str(folder / f"gf-seed{seed}"), result=str(folder / f"groupforge-seed{seed}.json"))
 
 
 def sweep_lr(args, variant: str, toy: Path) -> tuple[float, list[Curve]]:
@@ -200,8 +205,8 @@ def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: floa
              f"- TRL: GRPOTrainer, {args.trl_prompts} prompts x 8 per generation batch, steps of {args.trl_batch}, "
              f"lr {lr:g} constant, beta 0, num_iterations 1, bf16 and gradient checkpointing off, transformers "
              f"generate (use_vllm=False), {args.trl_minutes:g} min of training seconds per run",
-             f"- groupforge: `groupforge run {os.path.relpath(args.spec, ROOT)}`"
-             f"{' with ' + ', '.join(args.gf_set) if args.gf_set else ''}, up to {args.gf_minutes:g} min of training "
+             f"- groupforge: `groupforge run {os.path.relpath(args.spec, ROOT)}` with eval every round"
+             f"{', ' + ', '.join(args.gf_set) if args.gf_set else ''}, up to {args.gf_minutes:g} min of training "
              "seconds per run",
              "- clock: training wall seconds; start-up (model load, engine start, the start model's eval) and every "
              "greedy eval excluded for both; CPU s: the same in process CPU seconds (all threads); samples = "

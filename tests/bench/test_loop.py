@@ -95,6 +95,13 @@ def test_spec_of_a_bench_run(loop, tmp_path):
     with pytest.raises(ValueError, match="train.nope"):
         _gf_run.loop_spec(REPO / "pipelines/specs/toy-grpo.toml", tmp_path, "x", 0, ["train.nope=1"])
 
+    # evals every round (as often in samples as TRL's), before the user's overrides so they may change it
+    args = Namespace(gf_minutes=1, spec=str(REPO / "pipelines/specs/toy-grpo.toml"), threads=1,
+                     gf_set=["eval.every=2"], gf_rounds=None)
+    job = loop.gf_job(args, "default", tmp_path, 0)
+    assert job["set"] == ["eval.every=1", "eval.every=2"]
+    assert _gf_run.loop_spec(job["spec"], tmp_path, "x", 0, job["set"]).eval.every == 2
+
 
 def test_greedy_timer_restores_the_generators(loop):
     import _gf_run
