@@ -63,6 +63,19 @@ _ROUND_DIR = re.compile(r"round=(\d+)")
 _HELD: dict[Path, int] = {}  # run roots whose lock this process holds, with a nesting count
 
 
+_DUCKDB: tuple[int, duckdb.DuckDBPyConnection] | None = None  # (pid, the process's in-memory database)
+
+
+def connect() -> duckdb.DuckDBPyConnection:
+    """A private DuckDB connection (its own registered tables and temp objects; close it when
+    done) on this process's in-memory database: ~1.5 ms, where `duckdb.connect()` starts a new
+    database for ~17 ms, a cost every stage and trainer call would pay each round."""
+    global _DUCKDB
+    if _DUCKDB is None or _DUCKDB[0] != os.getpid():  # a forked child makes its own
+        _DUCKDB = (os.getpid(), duckdb.connect(":memory:"))
+    return _DUCKDB[1].cursor()
+
+
 class RunLockedError(RuntimeError):
     """Another process holds the run's writer lock. The message names the run and the holder."""
 
@@ -165,7 +178,7 @@ class RunStore:
         if not files:
             return schema.empty(table)
         paths = [str(f) for f in files]
-        con = duckdb.connect()
+        con = connect()
         try:
             sql = "SELECT * FROM read_parquet($files, hive_partitioning = false, union_by_name = true)"
             result = con.sql(sql, params={"files": paths}).to_arrow_table()

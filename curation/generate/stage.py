@@ -13,9 +13,10 @@ loop's refills) under their own stage names, each with its own manifest and part
 (`part-<stage>.parquet`; prompts `part-<stage>-<fingerprint>.parquet`).
 
 Finished chunks survive a kill and are reused by the rerun (when inputs and config are
-unchanged); nothing reaches a table folder before the last chunk is done. A rerun of a
-finished round with the same inputs and config does nothing (the manifest says it is up to
-date), without starting a generator. Callers hold the run's lock (`RunStore.lock()`).
+unchanged; a prompts file of one chunk is sampled and committed without staging); nothing
+reaches a table folder before the last chunk is done. A rerun of a finished round with the
+same inputs and config does nothing (the manifest says it is up to date), without starting a
+generator. Callers hold the run's lock (`RunStore.lock()`).
 
 A generator is started here by `make_generator(backend, model)` (backend "vllm" or "hf"),
 or passed in live (the round loop keeps one across rounds); its defaults are
@@ -152,29 +153,32 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
         run_id, round, [prompt_ids[i] for i in too_long], [None] * len(too_long), stage, "prompt_too_long",
         [f"{len(token_ids[i])} prompt tokens >= max_model_len {generator.max_model_len}" for i in too_long])
 
-    staging = _staging(store, stage, round, inputs, config)
     chunks = [todo[s : s + chunk_prompts] for s in range(0, len(todo), chunk_prompts)]
+    # Several chunks are staged as they finish, so a killed round resumes; one is committed as is.
+    staging = _staging(store, stage, round, inputs, config) if len(chunks) > 1 else None
     resumed = 0
     done_prompts = 0
     sample_seconds = 0.0
+    parts = []
     for k, chunk in enumerate(chunks):
-        path = staging / f"chunk-{k:06d}.parquet"
-        if path.exists():
+        path = staging / f"chunk-{k:06d}.parquet" if staging is not None else None
+        if path is not None and path.exists():
             resumed += 1
+            parts.append(pq.read_table(path))
         else:
             seeds = [prompt_seed(sampling.seed, round, prompt_ids[i]) for i in chunk]
             tic = time.perf_counter()
             groups = generator.sample([token_ids[i] for i in chunk], seeds, sampling)
             sample_seconds += time.perf_counter() - tic
-            table = _samples_table(run_id, round, sampling, generator, [prompt_ids[i] for i in chunk],
-                                   [token_ids[i] for i in chunk], seeds, groups)
-            write_atomic(path, functools.partial(pq.write_table, table))
+            parts.append(_samples_table(run_id, round, sampling, generator, [prompt_ids[i] for i in chunk],
+                                        [token_ids[i] for i in chunk], seeds, groups))
+            if path is not None:
+                write_atomic(path, functools.partial(pq.write_table, parts[-1]))
         done_prompts += len(chunk)
         if progress is not None:
             progress(done_prompts + len(too_long), len(prompt_ids))
 
-    parts = [pq.read_table(staging / f"chunk-{k:06d}.parquet") for k in range(len(chunks))]
-    samples = pa.concat_tables(parts) if parts else SCHEMAS["samples"].empty_table()
+    samples = pa.concat_tables(parts, promote_options="permissive") if parts else SCHEMAS["samples"].empty_table()
     samples = validate(samples, "samples")
     response_tokens = int(pc.sum(pc.list_value_length(samples.column("response_token_ids"))).as_py() or 0)
 
