@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from curation.runlog import round_prompts_path, write_atomic
 from curation.stages.runner import StageReport
+from pipelines.prompts import ranked_prompts
 from pipelines.round_steps import RoundContext, curate, round_stats, sample
 
 
@@ -29,8 +30,6 @@ def refill(ctx: RoundContext, round: int, start_version: int,
     RUN/_rounds/round=<n>/refill-<k>.parquet and its samples are the tables' part
     `refill-<k>`, so a killed round resumes with the same decisions. Returns the last
     curation's reports and the number of extra prompts."""
-    from pipelines.prompts import ranked_prompts
-
     settings = ctx.spec.run.refill
     taken = set(pq.read_table(round_prompts_path(ctx.run_dir, round), columns=["prompt_id"]).column(0).to_pylist())
     extra = 0
