@@ -62,6 +62,10 @@ class Commit:
         self._staged: dict[Path, Path] = {}  # final path -> temporary path
         self._rows: dict[str, int] = {}
         self._sha256: dict[str, str] = {}
+        self._tables: dict[str, pa.Table] = {}
+        self.written: dict[str, tuple[dict, pa.Table]] = {}
+        """After the commit: {relative path: ({sha256, size, mtime_ns}, the validated table
+        written there)}, so a caller can go on without reading the files back."""
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
         self._owners: dict[bool, dict[str, str]] | None = None  # round table or prompts -> {output: stage}
         self._tmp: Path | None = None
@@ -119,6 +123,7 @@ class Commit:
         self._staged[final] = tmp
         self._rows[rel] = data.num_rows
         self._sha256[rel] = writer.hexdigest()
+        self._tables[rel] = data
 
     def record(self, rows_in: int | None = None, rows_out: int | None = None,
                drops: Mapping[str, int] | None = None, **extra) -> None:
@@ -208,6 +213,7 @@ class Commit:
         })
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()
+        self.written = {rel: (files[rel], self._tables[rel]) for rel in outputs}
         shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)
 
 

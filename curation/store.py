@@ -76,6 +76,15 @@ def connect() -> duckdb.DuckDBPyConnection:
     return _DUCKDB[1].cursor()
 
 
+def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.Table:
+    """`columns` of `data` (a part of `table`) in this order and with the contract's types; a
+    column the part lacks is an optional one, given as nulls."""
+    wanted = pa.schema([schema.SCHEMAS[table].field(c) for c in columns])
+    arrays = [data.column(c).cast(f.type) if c in data.column_names else pa.nulls(data.num_rows, f.type)
+              for c, f in zip(columns, wanted)]
+    return pa.Table.from_arrays(arrays, schema=wanted)
+
+
 class RunLockedError(RuntimeError):
     """Another process holds the run's writer lock. The message names the run and the holder."""
 
@@ -233,9 +242,7 @@ class RunStore:
                 if (lo, hi) != (folder, folder):
                     raise schema.SchemaError(f"{table} table ({path}): column 'round' holds {lo}..{hi}, "
                                              f"but the file is in folder round={folder}")
-            arrays = [part.column(c).cast(f.type) if c in present else pa.nulls(part.num_rows, f.type)
-                      for c, f in zip(columns, wanted)]  # a missing column: an optional one (validated)
-            parts.append(pa.Table.from_arrays(arrays, schema=wanted))
+            parts.append(contract_columns(table, part, columns))
         result = pa.concat_tables(parts) if parts else wanted.empty_table()
         if validate:
             for field in wanted:

@@ -33,9 +33,9 @@ import pyarrow.parquet as pq
 from curation.generate.base import Generator
 from curation.generate.stage import generate, make_generator
 from curation.runlog import PHASES, MetricsLog, RoundRecord
-from curation.stages.runner import StageReport
+from curation.stages.runner import StageReport, run_stage
 from curation.store import RunStore
-from pipelines.curate import STAGES, CurationSpec, run_stage
+from pipelines.curate import STAGES
 from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
@@ -110,6 +110,9 @@ class RoundContext:
     eval_set: EvalSet | None = None
     clock: Phases = field(default_factory=Phases)
     """The current round's stopwatch."""
+    held: dict[str, tuple[dict, pa.Table]] = field(default_factory=dict)
+    """The current round's committed tables by file (generate and each stage), which the next
+    stage reads instead of the files; emptied once curation is done."""
 
     @property
     def run_dir(self) -> Path:
@@ -154,6 +157,7 @@ def sample(ctx: RoundContext, round: int, prompts_file: Path, policy_version: in
         result = generate(ctx.run_dir, prompts_file, spec.generator.sampling(spec.run.seed), generator=generator,
                           round=round, run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts, stage=stage)
     ctx.clock.model += result.sample_seconds
+    ctx.held.update(result.written)
 
 
 def sampling_manifests(store: RunStore, round: int) -> list[dict]:
@@ -167,11 +171,13 @@ def sampling_manifests(store: RunStore, round: int) -> list[dict]:
 
 
 def curate(ctx: RoundContext, round: int) -> dict[str, StageReport]:
-    curation = CurationSpec(score=ctx.spec.score, filter=ctx.spec.filter, label=ctx.spec.label, pair=ctx.spec.pair)
+    """score -> filter -> label -> pair on the round; each stage reads what the ones before it
+    just committed from memory (`ctx.held`)."""
     reports = {}
     for stage in STAGES:
         with ctx.clock(stage):
-            reports[stage] = run_stage(stage, ctx.run_dir, round, curation)
+            reports[stage] = run_stage(stage, ctx.run_dir, round, getattr(ctx.spec, stage), held=ctx.held)
+        ctx.held.update(reports[stage].written)
     return reports
 
 
@@ -179,8 +185,8 @@ def round_stats(store: RunStore, round: int, reports: dict[str, StageReport] | N
     """reward_mean, samples, groups, kept_groups, pairs of `round`: from the tables the stages
     just committed (`reports`), reading back only the columns of those a skipped stage did not
     hand over; samples from the generate manifests."""
-    held = {table: out for report in (reports or {}).values() for table, out in report.tables.items()
-            if table != "rejects"}
+    held = {rel.split("/")[0]: table for report in (reports or {}).values()
+            for rel, (_, table) in report.written.items()}
 
     def table(name: str, columns: list[str]) -> pa.Table:
         return held[name] if name in held else store.read_columns(name, columns, round)

@@ -109,6 +109,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     """Round `round` >= 1: generate, curate (refill), train, evaluate; returns its metrics record."""
     spec = ctx.spec
     ctx.clock = clock = Phases()
+    ctx.held.clear()
     # The loop runs rounds in order, so the previous record is there; a missing one counts as
     # a start from the base model.
     found = ctx.records.get(round - 1)
@@ -124,6 +125,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     refilled = 0
     if spec.run.refill is not None:
         reports, refilled = refill(ctx, round, start_version, reports)
+    ctx.held.clear()
 
     # -- train -------------------------------------------------------------------------------
     since = ctx.metrics.position()

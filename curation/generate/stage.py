@@ -67,6 +67,9 @@ class GenerateResult:
     sample_seconds: float = 0.0
     """Time inside the generator's sampling calls (no start-up, no I/O)."""
     manifest: dict = field(default_factory=dict)
+    written: dict = field(default_factory=dict, repr=False)
+    """{relative path: ({sha256, size, mtime_ns}, table)} of the files committed (see
+    `curation.commit.Commit.written`); {} when skipped."""
 
 
 def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
@@ -207,6 +210,7 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
         resumed_chunks=resumed,
         sample_seconds=sample_seconds,
         manifest=store.load_manifest(stage, round) or {},
+        written=commit.written,
     )
 
 

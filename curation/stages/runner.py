@@ -43,9 +43,9 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from curation import schema
-from curation.fingerprints import known_fingerprint
+from curation.fingerprints import file_stat, known_fingerprint
 from curation.stages.common import drop_counts
-from curation.store import RunStore
+from curation.store import RunStore, contract_columns
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
 
@@ -80,9 +80,9 @@ class StageReport:
     rows_out: int = 0
     drops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    tables: dict[str, pa.Table] = field(default_factory=dict, repr=False, compare=False)
-    """The tables the stage committed ({} when skipped): a caller that needs them has them
-    without reading the files back."""
+    written: dict[str, tuple[dict, pa.Table]] = field(default_factory=dict, repr=False, compare=False)
+    """What the stage committed ({} when skipped): {relative path: ({sha256, size, mtime_ns},
+    table)}, for a caller (the next stage: `held`) that would otherwise read the files back."""
 
 
 def stage_module(stage: str | ModuleType) -> ModuleType:
@@ -122,10 +122,12 @@ def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int,
     return {rel[path]: digests[path] for path in paths}
 
 
-def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None, force: bool = False) -> StageReport:
+def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None, force: bool = False,
+              held: Mapping[str, tuple[dict, pa.Table]] | None = None) -> StageReport:
     """Run one curation stage on one round of the run (`cfg`: the stage's CONFIG, default
     its defaults); skipped, with the counts of its manifest, when the manifest matches the
-    inputs and config (unless `force`)."""
+    inputs and config (unless `force`). `held`: tables earlier stages committed (their
+    reports' `written`), used instead of reading those files while size and mtime_ns match."""
     module = stage_module(stage)
     name, cfg = module.STAGE, cfg if cfg is not None else module.CONFIG()
     store = RunStore(run_dir)
@@ -141,7 +143,8 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
         raise FileNotFoundError(f"run {store.root} has no {main} for round {round}; run {_writer_of(main)} first")
 
     started = time.perf_counter()
-    tables = {table: _read(store, table, round, columns, own) for table, columns in module.columns(cfg).items()}
+    tables = {table: _read(store, table, round, columns, own, held or {})
+              for table, columns in module.columns(cfg).items()}
     if not force and hasattr(module, "reused_tables"):
         tables.update(module.reused_tables(store, round, inputs))
     out = module.transform(tables, cfg)
@@ -153,18 +156,33 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
             commit.write(table, out.tables[table], part=name)  # validated against the table's contract
         commit.record(rows_in=out.rows_in, rows_out=out.rows_out, drops=drops, **out.extra)
     return StageReport(name, round, skipped=False, rows_in=out.rows_in, rows_out=out.rows_out, drops=drops,
-                       seconds=time.perf_counter() - started, tables=out.tables)
+                       seconds=time.perf_counter() - started, written=commit.written)
 
 
-def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...]) -> pa.Table:
+def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...],
+          held: Mapping[str, tuple[dict, pa.Table]]) -> pa.Table:
     """`columns` of the round's `table` (every column, through RunStore.read, when None;
-    prompts: every round), without the stage's `own` part files."""
+    prompts: every round), without the stage's `own` part files; from `held` when it has
+    every part file as it is on disk now."""
     rounds = None if table == "prompts" else round
     if columns is None:
         if own:
             raise ValueError(f"a stage that reads its own table {table!r} must name the columns it reads")
         return _all_prompts(store) if table == "prompts" else store.read(table, rounds)
+    paths = [path for path in store.files(table, rounds) if path.stem.removeprefix("part-") not in own]
+    known = [_held(held, store, path) for path in paths]
+    if paths and all(part is not None for part in known):
+        return pa.concat_tables([contract_columns(table, part, columns) for part in known])
     return store.read_columns(table, columns, rounds, exclude_parts=own)
+
+
+def _held(held: Mapping[str, tuple[dict, pa.Table]], store: RunStore, path: Path) -> pa.Table | None:
+    """The table held for `path`, while the file is the one it was committed as."""
+    entry = held.get(path.relative_to(store.root).as_posix())
+    if entry is None:
+        return None
+    recorded, table = entry
+    return table if file_stat(path) == {"size": recorded["size"], "mtime_ns": recorded["mtime_ns"]} else None
 
 
 _PROMPT_PARTS: dict[str, tuple[int, int, pa.Table]] = {}  # absolute path -> (size, mtime_ns, validated table)

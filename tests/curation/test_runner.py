@@ -4,6 +4,7 @@ check, main input, column reads, hooks, declared outputs) on real run folders.""
 from __future__ import annotations
 
 import json
+import os
 import types
 
 import pyarrow as pa
@@ -136,3 +137,37 @@ def test_inputs_are_fingerprinted_from_the_manifests_without_reading_the_files(t
         manifest.pop("output_files", None)
         path.write_text(json.dumps(manifest))
     assert input_fingerprints(store, ("samples", "scores"), 0) == dict.fromkeys(got, "x") and len(reads) == 2
+
+
+def test_held_tables_replace_the_reads_only_while_the_files_are_unchanged(tmp_path, monkeypatch):
+    """The round loop hands each stage what the stages before it committed; the stage's output
+    is the same as from the files, and a file changed on disk since is read again."""
+    from curation.stages import filter as filter_stage
+
+    store = RunStore(tmp_path / "run")
+    samples, scores = samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0], "c": [1, 1]}))
+    held = {}
+    for stage, tables in (("generate", {"samples": samples, "rejects": SCHEMAS["rejects"].empty_table()}),
+                          ("score", {"scores": scores, "rejects": SCHEMAS["rejects"].empty_table()})):
+        with store.commit(stage, 0, inputs={}, config={}) as commit:
+            for table, data in tables.items():
+                commit.write(table, data, part=stage)
+        held.update(commit.written)
+    assert sorted(held) == ["rejects/round=0/part-generate.parquet", "rejects/round=0/part-score.parquet",
+                            "samples/round=0/part-generate.parquet", "scores/round=0/part-score.parquet"]
+    from_files = run_stage(filter_stage, store.root, 0, force=True).written
+    real_read = RunStore.read_columns
+    monkeypatch.setattr(RunStore, "read_columns", lambda *a, **k: pytest.fail("read a file it holds"))
+    from_memory = run_stage(filter_stage, store.root, 0, force=True, held=held).written
+    part = "rejects/round=0/part-filter.parquet"
+    assert list(from_memory) == [part] and from_memory[part][1].num_rows > 0
+    assert from_memory[part][1].equals(from_files[part][1])
+
+    path = store.root / "scores" / "round=0" / "part-score.parquet"  # rewritten behind the loop's back
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    reads = []
+    monkeypatch.setattr(RunStore, "read_columns", lambda self, table, *a, **k: reads.append(table)
+                        or real_read(self, table, *a, **k))
+    run_stage(filter_stage, store.root, 0, force=True, held=held)
+    assert reads == ["scores"]
