@@ -148,11 +148,10 @@ class Commit:
                 if path.suffix in (".json", ".pending")]
 
     def _owner(self, rel: str) -> str | None:
-        """The stage whose manifest (or pending journal) lists `rel`, if any. A prompts part
-        is looked up only when it exists or a journal is pending: a new file has no owner."""
+        """The stage whose manifest (or pending journal) lists `rel`, if any; looked up only
+        when the file exists or a journal is pending (a new file has no owner)."""
         round_table = Path(rel).parts[0] != "prompts"
-        if not round_table and not (self.store.root / rel).exists() \
-                and not any((self.store.root / "_manifests").glob("*.pending")):
+        if not (self.store.root / rel).exists() and not any((self.store.root / "_manifests").glob("*.pending")):
             return None
         if self._owners is None or round_table not in self._owners:
             self._owners = self._owners or {}

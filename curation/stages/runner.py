@@ -103,15 +103,17 @@ def as_dict(config) -> Mapping:
     return dict(config)
 
 
-def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int,
-                       exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
+def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int, exclude_parts: tuple[str, ...] = (),
+                       recorded: Mapping[str, dict] | None = None) -> dict[str, str]:
     """{relative path: sha256} of every part file of `tables` for `round` (prompts: all
-    parts), leaving out the parts named in `exclude_parts`. Files whose hash a manifest of
-    the round (or this process) recorded for their size and mtime_ns are not read again."""
+    parts), leaving out the parts named in `exclude_parts`. Files whose hash `recorded`
+    ({relative path: {sha256, size, mtime_ns}}; default: what the round's manifests record)
+    or this process holds for their size and mtime_ns are not read again."""
     paths = [path for table in tables for path in store.files(table, None if table == "prompts" else round)
              if path.stem.removeprefix("part-") not in exclude_parts]
-    recorded = store.recorded_files(round)
     rel = {path: path.relative_to(store.root).as_posix() for path in paths}
+    if recorded is None or not all(rel[path] in recorded for path in paths if path.parent.name != "prompts"):
+        recorded = {**store.recorded_files(round), **(recorded or {})}
     digests = {path: known_fingerprint(path, recorded.get(rel[path]), compute=False) for path in paths}
     todo = [path for path, digest in digests.items() if digest is None]
     if len(todo) > 1:  # hashlib lets go of the GIL: files are hashed in parallel
@@ -132,7 +134,8 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
     name, cfg = module.STAGE, cfg if cfg is not None else module.CONFIG()
     store = RunStore(run_dir)
     own = (name,) if set(module.READS) & set(module.WRITES) else ()
-    inputs = input_fingerprints(store, module.READS, round, exclude_parts=own)
+    inputs = input_fingerprints(store, module.READS, round, exclude_parts=own,
+                                recorded={rel: entry for rel, (entry, _) in held.items()} if held else None)
     config = module.hashed_config(cfg) if hasattr(module, "hashed_config") else as_dict(cfg)
     if not force and store.is_up_to_date(name, round, inputs, config):
         manifest = store.load_manifest(name, round) or {}
