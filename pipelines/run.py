@@ -213,8 +213,8 @@ def choose_prompts(ctx: RoundContext, round: int) -> Path:
     return path
 
 
-
 def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
+    """The spec's eval prompts (the first eval_limit), tokenized by the live generator."""
     prompts = load_prompts(spec.prompts.eval)
     if spec.prompts.eval_limit:
         prompts = prompts.slice(0, spec.prompts.eval_limit)
