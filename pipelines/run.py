@@ -33,14 +33,9 @@ loop is described in docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import builtins
-import hashlib
 import time
 from pathlib import Path
 from typing import Callable
-
-import duckdb
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from curation.generate.base import Generator, load_prompts
 from curation.rewards.registry import get_reward
@@ -49,11 +44,11 @@ from curation.runlog import (
     MetricsLog,
     RoundRecord,
     load_pipeline_state,
-    round_prompts_path,
     save_pipeline_state,
     write_atomic,
 )
 from curation.store import RunStore
+from pipelines.prompts import choose_prompts
 from pipelines.refill import refill
 from pipelines.round_steps import (
     EvalSet,
@@ -186,33 +181,6 @@ def evaluate(ctx: RoundContext, policy_version: int) -> float:
     return float(sum(scored) / len(scored))
 
 
-def choose_prompts(ctx: RoundContext, round: int) -> Path:
-    """The prompts of `round`, written once to RUN/_rounds/round=<n>/prompts.parquet: the
-    `per_round` prompts of the spec's train files used least so far (in the samples of earlier
-    rounds); among those, prompts of files new to the run first (a scheduled refresh that adds
-    a file trains on it next), then a hash of (seed, round, prompt_id). The train files are
-    recorded in RUN/pipeline.json (`prompt_files`); on a new run no file counts as new."""
-    path = round_prompts_path(ctx.run_dir, round)
-    if path.is_file():
-        return path
-    spec = ctx.spec
-    state = load_pipeline_state(ctx.run_dir)
-    seen = set(state.get("prompt_files", []))
-    pool, is_new = _prompt_pool(spec.prompts.train, seen if seen else None)
-    used: dict[str, int] = {}
-    for earlier in ctx.store.rounds("samples"):
-        if earlier < round:
-            for prompt_id in _distinct_prompt_ids(ctx.store, earlier):
-                used[prompt_id] = used.get(prompt_id, 0) + 1
-    ids = pool.column("prompt_id").to_pylist()
-    order = sorted(range(len(ids)),
-                   key=lambda i: (used.get(ids[i], 0), not is_new[i], _tiebreak(spec.run.seed, round, ids[i])))
-    chosen = pool.take(pa.array(order[: spec.prompts.per_round]))
-    write_atomic(path, lambda f: pq.write_table(chosen, f))
-    save_pipeline_state(ctx.run_dir, {**state, "prompt_files": sorted(seen | {str(f) for f in spec.prompts.train})})
-    return path
-
-
 def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
     """The spec's eval prompts (the first eval_limit), tokenized by the live generator."""
     prompts = load_prompts(spec.prompts.eval)
@@ -226,32 +194,6 @@ def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-def _prompt_pool(files: list[str], seen: set[str] | None) -> tuple[pa.Table, list[bool]]:
-    """Every prompt of the spec's train files (first occurrence of each prompt_id kept), and
-    whether it comes from a file the run has not seen before (None: nothing is new)."""
-    tables = [load_prompts(f) for f in files]
-    new_flags = [[seen is not None and str(f) not in seen] * t.num_rows for f, t in zip(files, tables)]
-    table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
-    is_new = [flag for flags in new_flags for flag in flags]
-    ids = table.column("prompt_id").to_pylist()
-    seen_ids: set[str] = set()
-    keep = [i for i, prompt_id in enumerate(ids) if not (prompt_id in seen_ids or seen_ids.add(prompt_id))]
-    if len(keep) < len(ids):
-        return table.take(pa.array(keep)), [is_new[i] for i in keep]
-    return table, is_new
-
-
-def _distinct_prompt_ids(store: RunStore, round: int) -> list[str]:
-    files = [str(f) for f in store.files("samples", round)]
-    rows = duckdb.sql("SELECT DISTINCT prompt_id FROM read_parquet($f, hive_partitioning = false)",
-                      params={"f": files}).fetchall()
-    return [row[0] for row in rows]
-
-
-def _tiebreak(seed: int, round: int, prompt_id: str) -> str:
-    return hashlib.sha256(f"{seed}:{round}:{prompt_id}".encode()).hexdigest()
-
 
 def _target_rounds(run_dir: Path, spec: PipelineSpec, extra_rounds: int | None) -> int:
     """The last round this invocation runs to: the spec's rounds, or the previous target plus

@@ -19,6 +19,7 @@ from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
 from curation.stages.score import ScoreConfig
+from pipelines.prompts import PromptChoice
 from training.config import TrainConfig
 
 M = TypeVar("M", bound=BaseModel)
@@ -105,6 +106,8 @@ class PromptsSection(_Section):
     eval: str = Field(..., description="Held-out prompts with a `reference` column.")
     per_round: int = Field(128, ge=1, description="Prompts sampled per round.")
     eval_limit: int | None = Field(None, ge=1, description="Evaluate on the first N eval prompts (default: all).")
+    choice: PromptChoice = Field(default_factory=PromptChoice, description="How a round's prompts are chosen "
+                                 "([prompts.choice]: strategy least_used or informative; see pipelines/prompts.py).")
 
 
 class GeneratorSection(GeneratorConfig, SamplingSettings):

@@ -16,12 +16,12 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.store import RunStore, fingerprint_file
+from curation.fingerprints import known_fingerprint
+from curation.store import RunStore, connect
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token")
 OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")
@@ -129,7 +129,7 @@ def _selection(objective: str, sft_min_reward: float | None) -> str:
 
 
 def _query(sql: str, files: dict[str, list[str]]) -> pa.Table:
-    con = duckdb.connect()
+    con = connect()  # a private connection on the process database: ~1.5 ms, not ~17
     try:
         return con.sql(sql, params=files).to_arrow_table()
     finally:
@@ -171,7 +171,7 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
         for path in files[table_name]:
-            h.update(f"{Path(path).relative_to(store.root)}={fingerprint_file(path)}\n".encode())
+            h.update(f"{Path(path).relative_to(store.root)}={known_fingerprint(path)}\n".encode())
     if table is None or table.num_rows == 0:
         raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"
