@@ -23,7 +23,9 @@ import os
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable, Generic, TypeVar
+
+T = TypeVar("T")
 
 _HASHED: dict[str, tuple[int, int, str]] = {}  # absolute path -> (size, mtime_ns, sha256) hashed here
 
@@ -68,6 +70,26 @@ def known_fingerprint(path: str | Path, recorded: Mapping[str, object] | None = 
     if file_stat(path) == stat:  # not changed while it was read
         remember_fingerprint(path, digest, stat)
     return digest
+
+
+class FileCache(Generic[T]):
+    """Values computed from files (a parsed table), kept while a file's size and mtime_ns are
+    the ones it had when the value was computed; at most `max_entries` (None: no bound), the
+    oldest dropped first."""
+
+    def __init__(self, max_entries: int | None = None):
+        self._entries: dict[str, tuple[int, int, T]] = {}
+        self._max = max_entries
+
+    def get(self, path: str | Path, compute: Callable[[], T]) -> T:
+        key, stat = os.path.abspath(path), os.stat(path)
+        known = self._entries.get(key)
+        if known is None or known[:2] != (stat.st_size, stat.st_mtime_ns):
+            if known is None and self._max is not None and len(self._entries) >= self._max:
+                self._entries.pop(next(iter(self._entries)))
+            known = (stat.st_size, stat.st_mtime_ns, compute())
+            self._entries[key] = known
+        return known[2]
 
 
 class HashingWriter(io.RawIOBase):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Mapping, Protocol, Sequence
@@ -31,6 +30,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from curation.fingerprints import FileCache
 from curation.schema import SchemaError, validate
 
 
@@ -178,8 +178,7 @@ def prompt_seed(seed: int, round: int, prompt_id: str) -> int:
     return int(digest[:15], 16)
 
 
-_LOADED: dict[tuple[str, int, int], pa.Table] = {}  # (absolute path, size, mtime_ns) -> prompts table
-_LOADED_MAX = 16
+_LOADED: FileCache[pa.Table] = FileCache(max_entries=16)  # prompts files read by this process
 
 
 def load_prompts(path: str | Path) -> pa.Table:
@@ -193,16 +192,9 @@ def load_prompts(path: str | Path) -> pa.Table:
     (the round loop reads its train and eval files every round; Arrow tables are immutable).
     """
     try:
-        stat = os.stat(path)
-    except OSError:
+        return _LOADED.get(path, lambda: _load_prompts(Path(path)))
+    except OSError:  # not there or unreadable: _load_prompts says so in one line
         return _load_prompts(Path(path))
-    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _LOADED:
-        table = _load_prompts(Path(path))
-        if len(_LOADED) >= _LOADED_MAX:
-            _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = table
-    return _LOADED[key]
 
 
 def _load_prompts(path: Path) -> pa.Table:

@@ -43,7 +43,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from curation import schema
-from curation.fingerprints import file_stat, known_fingerprint
+from curation.fingerprints import FileCache, file_stat, known_fingerprint
 from curation.stages.common import drop_counts
 from curation.store import RunStore, contract_columns
 
@@ -188,7 +188,7 @@ def _held(held: Mapping[str, tuple[dict, pa.Table]], store: RunStore, path: Path
     return table if file_stat(path) == {"size": recorded["size"], "mtime_ns": recorded["mtime_ns"]} else None
 
 
-_PROMPT_PARTS: dict[str, tuple[int, int, pa.Table]] = {}  # absolute path -> (size, mtime_ns, validated table)
+_PROMPT_PARTS: FileCache[pa.Table] = FileCache()  # prompts parts this process read, validated
 
 
 def _all_prompts(store: RunStore) -> pa.Table:
@@ -197,12 +197,7 @@ def _all_prompts(store: RunStore) -> pa.Table:
     and mtime_ns) is not read again."""
     parts = []
     for path in store.files("prompts"):
-        stat = os.stat(path)
-        known = _PROMPT_PARTS.get(os.path.abspath(path))
-        if known is None or known[:2] != (stat.st_size, stat.st_mtime_ns):
-            known = (stat.st_size, stat.st_mtime_ns, schema.read_table_file(path, "prompts"))
-            _PROMPT_PARTS[os.path.abspath(path)] = known
-        parts.append(known[2])
+        parts.append(_PROMPT_PARTS.get(path, lambda path=path: schema.read_table_file(path, "prompts")))
     if not parts:
         return schema.empty("prompts")
     table = pa.concat_tables(parts, promote_options="permissive")
