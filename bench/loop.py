@@ -44,6 +44,7 @@ import shlex
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def trl_job(args, variant: str, toy: Path, seed: int, lr: float, minutes: float,
     return dict(toy=str(toy), variant=variant, seed=seed, lr=lr, minutes=minutes, eval_every=args.trl_eval_every,
                 threads=args.threads,
                 prompts_per_generation=args.trl_prompts, group_size=8, batch_size=args.trl_batch, max_tokens=8,
-                temperature=1.0, out_dir=str(folder / "trl-out"), result=str(folder / f"{name}.json"))
+                temperature=1.0, out_dir=str(folder / f"{name}-out"), result=str(folder / f"{name}.json"))
 
 
 def gf_job(args, variant: str, toy: Path, seed: int) -> dict:
@@ -121,11 +122,20 @@ def gf_job(args, variant: str, toy: Path, seed: int) -> dict:
                 out_dir=str(folder / f"gf-seed{seed}"), result=str(folder / f"groupforge-seed{seed}.json"))
 
 
+def run_jobs(jobs: list[tuple[str, dict]], reuse: bool, at_once: int) -> list[Curve]:
+    """Each (kind, job) in its own process, `at_once` of them running at a time; curves in job order."""
+    if at_once <= 1:
+        return [run_job(kind, job, reuse) for kind, job in jobs]
+    with ThreadPoolExecutor(at_once) as pool:  # threads only wait on the child processes
+        return list(pool.map(lambda item: run_job(*item, reuse), jobs))
+
+
 def sweep_lr(args, variant: str, toy: Path) -> tuple[float, list[Curve]]:
     """TRL's best lr on the first variant and seed: the highest plateau (mean of the last evals, so an
     lr that climbs and then collapses within the run loses) of a short run, then the best smoothed accuracy."""
-    curves = [run_job("trl", trl_job(args, variant, toy, args.seeds[0], lr, args.sweep_minutes, f"trl-sweep-lr{lr:g}"),
-                      args.reuse) for lr in args.trl_lrs]
+    jobs = [("trl", trl_job(args, variant, toy, args.seeds[0], lr, args.sweep_minutes, f"trl-sweep-lr{lr:g}"))
+            for lr in args.trl_lrs]
+    curves = run_jobs(jobs, args.reuse, args.jobs)
     chosen = max(curves, key=lambda c: (plateau(c, args.plateau_evals), best(c, args.smooth)))
     return float(chosen.extra["lr"]), curves
 
@@ -200,7 +210,8 @@ def breakdown(curves: list[Curve]) -> list[str]:
 def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: float, args, figures: list[Path]) -> str:
     levels = args.levels
     lines = [f"## loop: groupforge vs TRL GRPOTrainer, time to accuracy — {datetime.now():%Y-%m-%d %H:%M}", "",
-             f"- machine: {machine()}; torch threads per run: {getattr(args, 'threads', 0) or 'all cores'}",
+             f"- machine: {machine()}; torch threads per run: {getattr(args, 'threads', 0) or 'all cores'}; "
+             f"runs at a time: {getattr(args, 'jobs', 1)}",
              f"- command: `{shlex.join(['.venv/bin/python', 'bench/loop.py', *sys.argv[1:]])}`",
              f"- TRL: GRPOTrainer, {args.trl_prompts} prompts x 8 per generation batch, steps of {args.trl_batch}, "
              f"lr {lr:g} constant, beta 0, num_iterations 1, bf16 and gradient checkpointing off, transformers "
@@ -248,7 +259,7 @@ def main() -> None:
     parser.add_argument("--variants", help="toy variants, comma-separated (default: the first 3 of pipelines.toy."
                                            "VARIANTS; quick: default)")
     parser.add_argument("--seeds", help="run seeds, comma-separated (default 0,1; quick 0)")
-    parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 6, quick 2)")
+    parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 10, quick 2)")
     parser.add_argument("--gf-minutes", type=float, help="groupforge training minutes per run (default 3, quick 2)")
     parser.add_argument("--trl-lrs", type=floats, default=[3e-5, 1e-4, 3e-4], help="TRL lrs to sweep")
     parser.add_argument("--trl-lr", type=float, help="use this TRL lr, no sweep (quick: 1e-4)")
@@ -265,6 +276,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="OMP_NUM_THREADS of every run, both frameworks (0: torch's default, all cores); on the "
                              "shared 2-core machine 2 threads ran the toy 5-10x slower and unsteadily")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="runs at a time (each its own process with --threads threads): 2 on 2 cores halves the "
+                             "bench's wall time; both frameworks then share the machine alike")
     parser.add_argument("--levels", type=floats, default=[0.5, 0.6, 0.7], help="accuracy levels to time")
     parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
     parser.add_argument("--plateau-evals", type=int, default=5, help="the plateau is the mean of the last N evals")
@@ -275,7 +289,7 @@ def main() -> None:
         return worker(args.worker[0], json.loads(args.worker[1]))
 
     args.seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
-    args.trl_minutes = args.trl_minutes or (2.0 if args.quick else 6.0)
+    args.trl_minutes = args.trl_minutes or (2.0 if args.quick else 10.0)
     args.gf_minutes = args.gf_minutes or (2.0 if args.quick else 3.0)
     if args.quick and args.trl_lr is None:
         args.trl_lr = 1e-4
@@ -292,14 +306,16 @@ def main() -> None:
     if lr is None and "trl" in frameworks:
         lr, sweep = sweep_lr(args, *next(iter(toys.items())))
         print(f"TRL lr: {lr:g} (best of {', '.join(f'{x:g}' for x in args.trl_lrs)})", flush=True)
-    curves, figures = [], []
+    jobs = []
     for variant, toy in toys.items():
         for seed in args.seeds:
             if "trl" in frameworks:
-                curves.append(run_job("trl", trl_job(args, variant, toy, seed, lr, args.trl_minutes,
-                                                     f"trl-seed{seed}"), args.reuse))
+                jobs.append(("trl", trl_job(args, variant, toy, seed, lr, args.trl_minutes, f"trl-seed{seed}")))
             if "groupforge" in frameworks:
-                curves.append(run_job("groupforge", gf_job(args, variant, toy, seed), args.reuse))
+                jobs.append(("groupforge", gf_job(args, variant, toy, seed)))
+    curves = run_jobs(jobs, args.reuse, args.jobs)
+    figures = []
+    for variant in toys:
         mine = [c for c in curves if c.variant == variant]
         target = mean([best(c, args.smooth) for c in mine if c.framework == "trl"])
         figures.append(plot_variant(mine, target, OUT / f"loop-{variant}.png"))

@@ -115,6 +115,7 @@ def generate(
     """Sample G responses per prompt and write samples (with behavior_logprobs) to RUN/samples/round=<n>/."""
     from curation.generate.base import load_prompts
     from curation.generate.stage import generate as run_generate
+    from curation.generate.stage import resolve_backend
 
     if not (model / "config.json").is_file():
         raise _fail(f"--model {model}: not a Hugging Face model folder (no config.json)", EXIT_BAD_INPUT)
@@ -122,14 +123,15 @@ def generate(
         sampling = build(SamplingConfig, overrides)
         settings = build(GeneratorConfig, overrides)
         load_prompts(prompts)  # fail on a bad prompts file before any lock, generator or progress bar
+        backend = resolve_backend(settings.backend, model)
         with _lock(out, no_wait):
             with _progress() as bar:
                 task = bar.add_task(f"generate round {round}", total=None)
                 result = run_generate(
-                    out, prompts, sampling, model=model, backend=settings.backend, round=round, force=force,
+                    out, prompts, sampling, model=model, backend=backend, round=round, force=force,
                     chunk_prompts=settings.chunk_prompts,
                     progress=lambda done, total: bar.update(task, completed=done, total=total),
-                    generator_kwargs=settings.generator_kwargs(),
+                    generator_kwargs=settings.generator_kwargs(backend),
                 )
     if result.skipped:
         m = result.manifest

@@ -3,7 +3,13 @@
 The pool is every prompt of the spec's train files (a prompt in two files counts once, as
 its first occurrence), ordered by the strategy of `PromptChoice`; the first `per_round` are
 the round's prompts. Prompts of files new to the run come early (a scheduled refresh that
-adds a file trains on it next); h = sha256(f"{seed}:{round}:{prompt_id}"):
+adds a file trains on it next); h is a seeded 64-bit hash of the prompt for the round,
+
+    h = splitmix64(s(prompt_id) XOR s(f"{seed}:{round}")),  s(x) = sha256(x)'s first 8 bytes
+                                                            (big-endian), splitmix64 the
+                                                            finaliser of Steele et al. 2014
+
+(ties, at odds ~n^2 / 2^65, go to the earlier prompt of the pool):
 
     least_used    (default) sort by (times used, not from a new file, h): times used = the
                   earlier rounds whose samples hold the prompt
@@ -28,6 +34,9 @@ on a new run no file counts as new.
 from __future__ import annotations
 
 import hashlib
+import os
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -37,11 +46,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.fingerprints import FileCache
 from curation.generate.base import load_prompts
 from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
 from curation.store import RunStore
 
-__all__ = ["PromptChoice", "choose_prompts", "pass_rates", "ranked_prompts", "times_used"]
+__all__ = ["PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak", "times_used"]
 
 
 class PromptChoice(BaseModel):
@@ -94,18 +104,19 @@ def ranked_prompts(ctx: _Context, round: int, state: dict | None = None,
     choice = prompt_choice(spec)
     state = load_pipeline_state(ctx.run_dir) if state is None else state
     seen = set(state.get("prompt_files", []))
-    pool, is_new = _prompt_pool(spec.prompts.train, seen if seen else None)
-    ids = pool.column("prompt_id").to_pylist()
-    hashes = [_tiebreak(spec.run.seed, round, prompt_id) for prompt_id in ids]
+    pool = _prompt_pool(spec.prompts.train, seen if seen else None)
+    ids = pool.ids
+    h = tiebreak(spec.run.seed, round, pool.keys)
     if choice.strategy == "least_used":
         used = times_used(ctx.store, round)
-        order = sorted(range(len(ids)), key=lambda i: (used.get(ids[i], 0), not is_new[i], hashes[i]))
+        order = np.lexsort((h, pool.not_new, np.array([used.get(i, 0) for i in ids], dtype=np.int64)))
     else:
         saturated = {prompt_id for prompt_id, (_, flat) in pass_rates(ctx.store, round, choice.window).items() if flat}
         weight = np.array([choice.floor if prompt_id in saturated else 1.0 for prompt_id in ids])
-        u = (np.array([int(h[:13], 16) for h in hashes], dtype=np.float64) + 0.5) / 16**13
-        key = -np.log(u) / weight
-        order = sorted(range(len(ids)), key=lambda i: (not is_new[i], key[i], hashes[i]))
+        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53  # h's top 53 bits, in (0, 1)
+        order = np.lexsort((h, -np.log(u) / weight, pool.not_new))
+    order = order.tolist()
+    pool = pool.table
     if exclude:
         order = [i for i in order if ids[i] not in exclude]
     return pool.take(pa.array(order, type=pa.int64()))
@@ -119,14 +130,22 @@ def prompt_choice(spec: object) -> PromptChoice:
     return choice if isinstance(choice, PromptChoice) else PromptChoice.model_validate(choice)
 
 
+_SAMPLED: FileCache[frozenset[str]] = FileCache(max_entries=1 << 16)
+"""The prompt ids of each samples part file this process read (a part is written once; a
+rewritten one has another size or mtime_ns and is read again)."""
+
+
 def times_used(store: RunStore, round: int) -> dict[str, int]:
-    """Per prompt_id: how many rounds before `round` sampled it (one query over their samples)."""
-    files = [str(f) for f in store.files("samples", [r for r in store.rounds("samples") if r < round])]
-    if not files:
-        return {}
-    rows = duckdb.sql("SELECT prompt_id, count(DISTINCT round) FROM read_parquet($f, hive_partitioning = false) "
-                      "GROUP BY prompt_id", params={"f": files}).fetchall()
-    return dict(rows)
+    """Per prompt_id: how many rounds before `round` sampled it. Each round's samples parts are
+    read once per process (their prompt_id column only); later rounds reuse them."""
+    counts: Counter[str] = Counter()
+    for earlier in [r for r in store.rounds("samples") if r < round]:
+        ids: set[str] = set()
+        for path in store.files("samples", earlier):
+            ids |= _SAMPLED.get(path, lambda path=path: frozenset(
+                pq.read_table(path, columns=["prompt_id"]).column("prompt_id").unique().to_pylist()))
+        counts.update(ids)
+    return dict(counts)
 
 
 _PASS_RATE_SQL = """
@@ -155,9 +174,28 @@ def pass_rates(store: RunStore, round: int, window: int) -> dict[str, tuple[floa
     return {prompt_id: (float(rate), bool(saturated)) for prompt_id, rate, saturated in rows}
 
 
-def _prompt_pool(files: list[str], seen: set[str] | None) -> tuple[pa.Table, list[bool]]:
-    """Every prompt of the spec's train files (first occurrence of each prompt_id kept), and
-    whether it comes from a file the run has not seen before (None: nothing is new)."""
+@dataclass(frozen=True)
+class _Pool:
+    table: pa.Table
+    """Every prompt of the train files, the first occurrence of each prompt_id."""
+    ids: list[str]
+    not_new: np.ndarray
+    """Per prompt: not from a file new to the run (bool)."""
+    keys: np.ndarray
+    """Per prompt: s(prompt_id), the first 8 bytes of sha256(prompt_id) as a uint64."""
+
+
+_POOLS: dict[tuple, _Pool] = {}  # the last few pools, by (each file's path, size, mtime_ns; files seen)
+
+
+def _prompt_pool(files: list[str], seen: set[str] | None) -> _Pool:
+    """The pool of the spec's train files (first occurrence of each prompt_id kept), with
+    whether each prompt comes from a file the run has not seen before (seen None: nothing is
+    new); kept while the files are unchanged (a round loop asks once per round)."""
+    stats = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
+    key = (stats, None if seen is None else tuple(sorted(seen)))
+    if key in _POOLS:
+        return _POOLS[key]
     tables = [load_prompts(f) for f in files]
     new_flags = [[seen is not None and str(f) not in seen] * t.num_rows for f, t in zip(files, tables)]
     table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
@@ -166,9 +204,31 @@ def _prompt_pool(files: list[str], seen: set[str] | None) -> tuple[pa.Table, lis
     seen_ids: set[str] = set()
     keep = [i for i, prompt_id in enumerate(ids) if not (prompt_id in seen_ids or seen_ids.add(prompt_id))]
     if len(keep) < len(ids):
-        return table.take(pa.array(keep)), [is_new[i] for i in keep]
-    return table, is_new
+        table, ids, is_new = table.take(pa.array(keep)), [ids[i] for i in keep], [is_new[i] for i in keep]
+    if len(_POOLS) >= 4:
+        _POOLS.pop(next(iter(_POOLS)))
+    pool = _POOLS[key] = _Pool(table, ids, ~np.asarray(is_new, dtype=bool), prompt_keys(ids))
+    return pool
 
 
-def _tiebreak(seed: int, round: int, prompt_id: str) -> str:
-    return hashlib.sha256(f"{seed}:{round}:{prompt_id}".encode()).hexdigest()
+def _sha64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on uint64s (multiplications wrap mod 2^64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def tiebreak(seed: int, round: int, keys: np.ndarray) -> np.ndarray:
+    """h of each prompt for (seed, round), from its key s(prompt_id) (the module docstring)."""
+    with np.errstate(over="ignore"):
+        return _splitmix64(np.asarray(keys, dtype=np.uint64) ^ np.uint64(_sha64(f"{seed}:{round}")))
+
+
+def prompt_keys(prompt_ids: list[str]) -> np.ndarray:
+    """s(prompt_id) of each prompt id: the first 8 bytes of its sha256, as uint64s."""
+    return np.array([_sha64(i) for i in prompt_ids], dtype=np.uint64)

@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation.generate.base import Generator
-from curation.generate.stage import generate, make_generator
+from curation.generate.stage import generate, make_generator, resolve_backend
 from curation.runlog import PHASES, MetricsLog, RoundRecord
 from curation.stages.runner import StageReport, run_stage
 from curation.store import RunStore
@@ -128,13 +128,15 @@ def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
     weights are loaded in place, from the trainer's memory or else the checkpoint folder)."""
     spec = ctx.spec
     if ctx.generator is None:
-        kwargs = {**spec.generator.generator_kwargs(), "policy_version": 0}
-        if spec.generator.backend == "vllm":
+        backend = resolve_backend(spec.generator.backend, spec.model.path)
+        kwargs = {**spec.generator.generator_kwargs(backend), "policy_version": 0}
+        if backend == "vllm":
             kwargs["seed"] = spec.run.seed  # the engine's own seed; every group also has its own
-        ctx.log(f"starting the {spec.generator.backend} engine on {spec.model.path}")
+        picked = " (backend auto)" if spec.generator.backend == "auto" else ""
+        ctx.log(f"starting the {backend} engine{picked} on {spec.model.path}")
         with ctx.clock("startup"):
             # The engine loads tokenizer and config from the base model; weights come next.
-            ctx.generator = make_generator(spec.generator.backend, spec.model.path, **kwargs)
+            ctx.generator = make_generator(backend, spec.model.path, **kwargs)
     if ctx.generator.policy_version != policy_version:
         held = ctx.weights is not None and ctx.weights[0] == policy_version
         weights = ctx.weights[1] if held else ckpt.checkpoint_dir(ctx.run_dir, policy_version)

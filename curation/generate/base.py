@@ -92,8 +92,9 @@ class GeneratorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (a live engine kept across rounds) or hf "
-                                                               "(transformers).")
+    backend: Literal["vllm", "hf", "auto"] = Field(
+        "vllm", description="vllm (a live engine kept across rounds), hf (transformers), or auto: vllm on a GPU "
+                            "and for models of 5M weights or more, hf for smaller models on CPU.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and activations "
                                                                                     "of the generator.")
     max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
@@ -102,10 +103,11 @@ class GeneratorConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
     chunk_prompts: int = Field(256, ge=1, description="Prompts per sampling call; finished chunks survive a kill.")
 
-    def generator_kwargs(self) -> dict:
-        """The keyword arguments of this backend's generator class (`make_generator`)."""
+    def generator_kwargs(self, backend: str | None = None) -> dict:
+        """The keyword arguments of the generator class of `backend` (default: this config's;
+        pass the one `resolve_backend` picked for "auto") for `make_generator`."""
         kwargs: dict = {"dtype": self.dtype, "max_model_len": self.max_model_len}
-        if self.backend == "vllm":
+        if (backend or self.backend) == "vllm":
             kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization,
                           tensor_parallel_size=self.tensor_parallel_size)
         return kwargs

@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
-from curation.generate.weights import weights_fingerprint
+from curation.generate.weights import count_parameters, weights_fingerprint
 from curation.runlog import read_json, write_atomic, write_json_atomic
 from curation.schema import SCHEMAS, validate
 from curation.stages.common import rejects_table
@@ -72,9 +72,30 @@ class GenerateResult:
     `curation.commit.Commit.written`); {} when skipped."""
 
 
+AUTO_HF_MAX_PARAMS = 5_000_000
+"""backend "auto" on CPU: models with fewer weights than this get hf, larger ones vLLM.
+Measured here (BENCHMARKS.md): in the round loop on the 0.5M toy the hf stage samples ~2x
+faster than the vLLM stage (vLLM's per-step overhead dominates a tiny model); at 54M weights
+vLLM generates 1.87x hf's tokens/s. The crossover between them is not measured."""
+
+
+def resolve_backend(backend: str, model: str | Path) -> str:
+    """The backend to start: `backend` itself, or for "auto", vllm on a machine with CUDA and
+    for models of AUTO_HF_MAX_PARAMS weights or more (read from the safetensors headers), else hf."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    if torch.cuda.is_available():
+        return "vllm"
+    return "vllm" if count_parameters(model) >= AUTO_HF_MAX_PARAMS else "hf"
+
+
 def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
-    """Start a generator of `backend` ('vllm' or 'hf') on a model folder; `kwargs` go to
-    its class (`GeneratorConfig.generator_kwargs()` gives them from a spec's settings)."""
+    """Start a generator of `backend` ('vllm', 'hf', or 'auto': `resolve_backend`) on a model
+    folder; `kwargs` go to its class (`GeneratorConfig.generator_kwargs(backend)` gives them
+    from a spec's settings)."""
+    backend = resolve_backend(backend, model)
     if backend == "vllm":
         from curation.generate.vllm import VLLMGenerator
 
@@ -83,7 +104,7 @@ def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
         from curation.generate.hf import HFGenerator
 
         return HFGenerator(model, **kwargs)
-    raise ValueError(f"unknown generator backend {backend!r}; choose 'vllm' or 'hf'")
+    raise ValueError(f"unknown generator backend {backend!r}; choose 'vllm', 'hf' or 'auto'")
 
 
 def generate(
@@ -115,6 +136,8 @@ def generate(
     run_id = run_id or store.root.name
     prompts = load_prompts(prompts_file)
     policy_version = generator.policy_version if generator is not None else 0
+    if generator is None:
+        backend = resolve_backend(backend, model)  # the manifest names the backend that ran
     inputs = {
         "prompts": known_fingerprint(prompts_file),
         "weights": generator.weights_sha256 if generator is not None else weights_fingerprint(model),

@@ -6,6 +6,9 @@ No pickle anywhere: weights come from `*.safetensors` files only.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -22,6 +25,19 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"model folder {folder}: no *.safetensors files (pickled weights are not loaded)")
     return files
+
+
+def count_parameters(path: str | Path) -> int:
+    """Number of weights in a model folder (or one file), read from the safetensors headers
+    only (an 8-byte length, then a JSON map of tensor name to shape): no tensor is loaded."""
+    path = Path(path)
+    total = 0
+    for file in _safetensors_files(path) if path.is_dir() else [path]:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
+    return total
 
 
 def load_state_dict(path: str | Path) -> dict[str, "torch.Tensor"]:

@@ -78,6 +78,10 @@ def test_generator_config_gives_each_backend_its_arguments():
                                                                                    "max_model_len": None}
     assert GeneratorConfig(max_model_len=128, gpu_memory_utilization=0.3).generator_kwargs() == {
         "dtype": "float32", "max_model_len": 128, "gpu_memory_utilization": 0.3, "tensor_parallel_size": 1}
+    auto = GeneratorConfig(backend="auto")
+    assert auto.generator_kwargs("hf") == {"dtype": "float32", "max_model_len": None}
+    assert set(auto.generator_kwargs("vllm")) == {"dtype", "max_model_len", "gpu_memory_utilization",
+                                                  "tensor_parallel_size"}
 
 
 def test_generator_classes_take_their_defaults_from_generator_config():

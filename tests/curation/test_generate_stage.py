@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.generate.base import SamplingConfig, prompt_id_of, prompt_seed
-from curation.generate.stage import READS, STAGE, WRITES, generate, make_generator
+from curation.generate.stage import AUTO_HF_MAX_PARAMS, READS, STAGE, WRITES, generate, make_generator, resolve_backend
+from curation.generate.weights import count_parameters
 from curation.schema import SCHEMAS
 from curation.store import RunStore
 from tests.curation import generate_helpers as helpers
@@ -103,8 +104,44 @@ def test_the_stage_declares_its_tables():
 
 
 def test_make_generator_names_the_backends(toy_dir):
-    with pytest.raises(ValueError, match="unknown generator backend 'tgi'; choose 'vllm' or 'hf'"):
+    with pytest.raises(ValueError, match="unknown generator backend 'tgi'; choose 'vllm', 'hf' or 'auto'"):
         make_generator("tgi", toy_dir / "model")
+
+
+def test_count_parameters_reads_the_safetensors_headers(toy_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy_dir / "model")
+    assert count_parameters(toy_dir / "model") == sum(p.numel() for p in model.parameters())
+
+
+def _header_only_model(folder, weights: int):
+    """A model folder whose one safetensors file declares `weights` float32 weights in its header
+    (the bytes after it are never read by count_parameters)."""
+    folder.mkdir()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [weights], "data_offsets": [0, 4 * weights]}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    return folder
+
+
+def test_auto_backend_picks_hf_for_tiny_models_on_cpu_and_vllm_from_the_threshold(tmp_path, toy_dir):
+    import torch
+
+    assert resolve_backend("vllm", toy_dir / "model") == "vllm" and resolve_backend("hf", "anything") == "hf"
+    big = _header_only_model(tmp_path / "big", AUTO_HF_MAX_PARAMS)
+    small = _header_only_model(tmp_path / "small", AUTO_HF_MAX_PARAMS - 1)
+    if torch.cuda.is_available():
+        assert resolve_backend("auto", small) == "vllm"
+    else:
+        assert resolve_backend("auto", toy_dir / "model") == "hf"
+        assert resolve_backend("auto", small) == "hf"
+    assert resolve_backend("auto", big) == "vllm"
+
+
+def test_auto_backend_records_the_backend_that_ran(tmp_path, prompts_file, toy_dir):
+    generate(tmp_path / "run", prompts_file, SAMPLING, model=toy_dir / "model", backend="auto")
+    manifest = RunStore(tmp_path / "run").load_manifest("generate", 0)
+    assert manifest["config"]["backend"] == "hf" and manifest["rows_out"] > 0
 
 
 def test_rejects_are_written_with_the_contract_schema(tmp_path, toy_dir):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -14,7 +15,7 @@ from curation.generate.base import prompt_id_of
 from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state
 from curation.schema import SCHEMAS
 from curation.store import RunStore
-from pipelines.prompts import choose_prompts
+from pipelines.prompts import choose_prompts, prompt_keys, tiebreak
 from pipelines.run import RoundContext
 from pipelines.spec import PipelineSpec
 
@@ -47,9 +48,31 @@ def chosen(path: Path) -> list[str]:
     return pq.read_table(path).column("prompt").to_pylist()
 
 
+def sha64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def splitmix64(x: int) -> int:
+    """splitmix64's finaliser on Python ints (the reference for the module's numpy version)."""
+    mask = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
 def by_tiebreak(texts: list[str], seed: int, round: int) -> list[str]:
-    """The seeded order: sha256 of "seed:round:prompt_id"."""
-    return sorted(texts, key=lambda t: hashlib.sha256(f"{seed}:{round}:{prompt_id_of(t, None)}".encode()).hexdigest())
+    """The seeded order: h = splitmix64(s(prompt_id) ^ s("seed:round")), s = sha256's first 8 bytes."""
+    return sorted(texts, key=lambda t: splitmix64(sha64(prompt_id_of(t, None)) ^ sha64(f"{seed}:{round}")))
+
+
+def test_tiebreak_matches_the_reference_and_changes_with_round_and_seed():
+    ids = [prompt_id_of(t, None) for t in PROMPTS]
+    h = tiebreak(0, 3, prompt_keys(ids))
+    assert h.tolist() == [splitmix64(sha64(i) ^ sha64("0:3")) for i in ids]
+    assert len(set(h.tolist())) == len(ids)
+    assert np.argsort(h).tolist() != np.argsort(tiebreak(0, 4, prompt_keys(ids))).tolist()
+    assert np.argsort(h).tolist() != np.argsort(tiebreak(1, 3, prompt_keys(ids))).tolist()
 
 
 PROMPTS = [f"{a} + {b} =" for a in range(4) for b in range(5)]  # 20 distinct prompts

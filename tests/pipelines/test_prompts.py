@@ -4,7 +4,6 @@ PromptChoice. The default strategy's behaviour: tests/pipelines/test_choose_prom
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from curation.store import RunStore
 from pipelines.prompts import PromptChoice, choose_prompts, pass_rates, prompt_choice, ranked_prompts
 from pipelines.run import RoundContext
 from pipelines.spec import PipelineSpec
-from tests.pipelines.test_choose_prompts import PROMPTS, chosen, prompt_file, sampled
+from tests.pipelines.test_choose_prompts import PROMPTS, chosen, prompt_file, sampled, sha64, splitmix64
 
 
 @dataclass
@@ -53,11 +52,11 @@ def scored(store: RunStore, round: int, rewards: dict[str, list[float | None]]) 
 
 
 def expected_order(texts: list[str], saturated: set[str], floor: float, seed: int, round: int) -> list[str]:
-    """The weighted draw by hand: key = -ln(u) / weight, u from the first 13 hex digits of
-    sha256("seed:round:prompt_id"), smallest key first."""
+    """The weighted draw by hand: key = -ln(u) / weight, u from the top 53 bits of the
+    prompt's h (test_choose_prompts' reference splitmix64), smallest key first."""
     def key(text: str) -> float:
-        digest = hashlib.sha256(f"{seed}:{round}:{prompt_id_of(text, None)}".encode()).hexdigest()
-        u = (int(digest[:13], 16) + 0.5) / 16**13
+        h = splitmix64(sha64(prompt_id_of(text, None)) ^ sha64(f"{seed}:{round}"))
+        u = ((h >> 11) + 0.5) / 2**53
         return -math.log(u) / (floor if text in saturated else 1.0)
     return sorted(texts, key=key)
 
