@@ -26,10 +26,10 @@ plateau) is used for its real runs. Summaries (bench/_curves.py): time to each
 --smooth evals; the plateau, the mean of the last --plateau-evals evals; samples/s.
 
 Every run gets OMP_NUM_THREADS=--threads (1 by default: on a 2-core machine shared with other
-jobs, two threads per process ran the toy's tiny ops 5-10x slower, and unsteadily). Budget of
-the default run: sweep 3 x 1.5 min, TRL 3 x 2 x 6 min, groupforge 3 x 2 x 3 min of
-training seconds, ~75 min of wall with start-ups and evals on 2 cores (--trl-minutes 10, the
-issue's 10-minute TRL runs, takes ~100 min). Output: the markdown
+jobs, two threads per process ran the toy's tiny ops 5-10x slower, and unsteadily), and
+--jobs runs go at a time (2). Budget of the default run: sweep 3 x 1.5 min, TRL 3 x 2 x 10
+min, groupforge up to 3 x 2 x 10 min of training seconds (its spec's 60 rounds end after
+2.5-4.5 min on the toys), ~75 min of wall with start-ups and evals on 2 cores. Output: the markdown
 section (printed, runs/bench/loop.md), runs/bench/loop-<variant>.png, each run's curve as
 JSON under runs/bench/loop/<variant>/ (--reuse summarises those without running again).
 """
@@ -260,7 +260,8 @@ def main() -> None:
                                            "VARIANTS; quick: default)")
     parser.add_argument("--seeds", help="run seeds, comma-separated (default 0,1; quick 0)")
     parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 10, quick 2)")
-    parser.add_argument("--gf-minutes", type=float, help="groupforge training minutes per run (default 3, quick 2)")
+    parser.add_argument("--gf-minutes", type=float, help="groupforge training minutes per run, at most (default 10, quick 2; the spec's last round "
+                             "usually comes first)")
     parser.add_argument("--trl-lrs", type=floats, default=[3e-5, 1e-4, 3e-4], help="TRL lrs to sweep")
     parser.add_argument("--trl-lr", type=float, help="use this TRL lr, no sweep (quick: 1e-4)")
     parser.add_argument("--sweep-minutes", type=float, default=1.5, help="training minutes per sweep run")
@@ -290,7 +291,7 @@ def main() -> None:
 
     args.seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
     args.trl_minutes = args.trl_minutes or (2.0 if args.quick else 10.0)
-    args.gf_minutes = args.gf_minutes or (2.0 if args.quick else 3.0)
+    args.gf_minutes = args.gf_minutes or (2.0 if args.quick else 10.0)
     if args.quick and args.trl_lr is None:
         args.trl_lr = 1e-4
     frameworks = [args.only] if args.only else ["trl", "groupforge"]
