@@ -17,35 +17,17 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import tomllib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from _curves import Curve  # bench/ is on sys.path when a bench runs as a script
 
-from pipelines.spec import PipelineSpec, read_toml, validate_model
+from pipelines.spec import PipelineSpec, apply_overrides, parse_overrides, read_toml, validate_model
 
 
 class _BudgetSpent(Exception):
     """Raised from the round callback to end the run at the time budget."""
-
-
-def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
-    """["train.lr=1e-4", "prompts.per_round=64", 'generator.backend="hf"'] -> {section: {key: value}};
-    a value is read as TOML (a bare word that is not TOML is a string)."""
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot or not name:
-            raise ValueError(f"--gf-set {item!r}: expected section.key=value")
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text
-        out.setdefault(section, {})[name] = value
-    return out
 
 
 def loop_spec(spec_path: str | Path, toy: str | Path, name: str, seed: int, overrides: list[str],
@@ -57,8 +39,7 @@ def loop_spec(spec_path: str | Path, toy: str | Path, name: str, seed: int, over
                "prompts": {"train": [str(toy / "train.parquet")], "eval": str(toy / "eval.parquet")}}
     if rounds is not None:
         changes["run"]["rounds"] = rounds
-    for section, values in [*changes.items(), *parse_overrides(overrides).items()]:
-        data[section] = {**data.get(section, {}), **values}
+    data = apply_overrides(apply_overrides(data, changes), parse_overrides(overrides))
     return validate_model(PipelineSpec, data, spec_path)
 
 

@@ -260,8 +260,9 @@ def main() -> None:
                                            "VARIANTS; quick: default)")
     parser.add_argument("--seeds", help="run seeds, comma-separated (default 0,1; quick 0)")
     parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 10, quick 2)")
-    parser.add_argument("--gf-minutes", type=float, help="groupforge training minutes per run, at most (default 10, quick 2; the spec's last round "
-                             "usually comes first)")
+    parser.add_argument("--gf-minutes", type=float,
+                        help="groupforge training minutes per run, at most (default 10, quick 2; the spec's last "
+                             "round usually comes first)")
     parser.add_argument("--trl-lrs", type=floats, default=[3e-5, 1e-4, 3e-4], help="TRL lrs to sweep")
     parser.add_argument("--trl-lr", type=float, help="use this TRL lr, no sweep (quick: 1e-4)")
     parser.add_argument("--sweep-minutes", type=float, default=1.5, help="training minutes per sweep run")

@@ -314,14 +314,14 @@ def _round_row(rec: dict) -> list[str]:
 
 
 def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int],
-             no_wait: bool) -> tuple[Path, list[dict]]:
-    """Run one spec (a file or a PipelineSpec) to its last round, printing a line per round;
-    returns (run folder, round records)."""
+             no_wait: bool, overrides: list[str] = ()) -> tuple[Path, list[dict]]:
+    """Run one spec (a file, with `overrides`, or a PipelineSpec) to its last round, printing a
+    line per round; returns (run folder, round records)."""
     from pipelines.run import run_pipeline
     from pipelines.spec import load_spec
 
     with _exit_codes():
-        parsed = load_spec(spec) if isinstance(spec, Path) else spec
+        parsed = load_spec(spec, overrides=overrides) if isinstance(spec, Path) else spec
     folder = run_dir or Path("runs") / parsed.run.name
     console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
 
@@ -349,12 +349,15 @@ def run_(
     spec: Path = typer.Argument(..., help="Pipeline spec (TOML), e.g. pipelines/specs/toy-grpo.toml."),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run folder (default: runs/<run.name>)."),
     rounds: Optional[str] = typer.Option(None, "--rounds", help="+K: extend a finished run by K rounds."),
+    overrides: list[str] = typer.Option([], "--set", metavar="SECTION.KEY=VALUE",
+                                        help="Override a spec key (value as TOML), e.g. --set run.rounds=60; "
+                                             "repeatable. RUN/spec.toml records the result."),
     no_wait: bool = _NO_WAIT,
 ) -> None:
     """Run the round loop (generate -> curate -> train -> evaluate); rerun to resume after a kill."""
     from pipelines.report import report_run
 
-    folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait)
+    folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait, overrides)
     _show_table(f"{folder}", _ROUND_COLUMNS, [_round_row(rec) for rec in records])
     evaluated = [rec["eval_accuracy"] for rec in records if rec.get("eval_accuracy") is not None]
     if evaluated:

@@ -90,8 +90,9 @@ def choose_prompts(ctx: _Context, round: int) -> Path:
     state = load_pipeline_state(ctx.run_dir)
     chosen = ranked_prompts(ctx, round, state).slice(0, ctx.spec.prompts.per_round)
     write_atomic(path, lambda f: pq.write_table(chosen, f))
-    seen = set(state.get("prompt_files", []))
-    save_pipeline_state(ctx.run_dir, {**state, "prompt_files": sorted(seen | {str(f) for f in ctx.spec.prompts.train})})
+    files = sorted(set(state.get("prompt_files", [])) | {str(f) for f in ctx.spec.prompts.train})
+    if files != state.get("prompt_files"):
+        save_pipeline_state(ctx.run_dir, {**state, "prompt_files": files})
     return path
 
 

@@ -36,6 +36,40 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config {path}: not valid TOML ({exc})") from None
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """["train.lr=1e-4", "prompts.choice.strategy=informative"] -> the nested dict they set
+    ({"train": {"lr": 1e-4}, "prompts": {"choice": {"strategy": "informative"}}}); a value is
+    read as TOML (a bare word that is not TOML is a string). A malformed item is a ValueError."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        path = [part.strip() for part in key.split(".")]
+        if not sep or len(path) < 2 or not all(path):
+            raise ValueError(f"--set {item!r}: expected section.key=value (e.g. run.rounds=60)")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {part} is set to a value by another --set")
+        node[path[-1]] = value
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`data` (a spec as read from TOML) with `overrides` (parse_overrides) merged in, key by key."""
+    merged = dict(data)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = apply_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def validate_model(model: type[M], data: dict[str, Any], path: str | Path | None = None,
                    section: str | None = None) -> M:
     """`model` from `data`; a ValidationError becomes one ValueError line naming every bad key
@@ -156,11 +190,11 @@ class PipelineSpec(_Section):
         return self
 
 
-def load_spec(path: str | Path, check_files: bool = True) -> PipelineSpec:
-    """A pipeline spec from TOML; errors name the key and the file. Relative paths in the
-    spec are relative to the current directory. With `check_files`, the model folder and
-    prompt files must exist."""
-    spec = validate_model(PipelineSpec, read_toml(path), path)
+def load_spec(path: str | Path, check_files: bool = True, overrides: list[str] = ()) -> PipelineSpec:
+    """A pipeline spec from TOML, with `overrides` ("section.key=value", `parse_overrides`)
+    applied; errors name the key and the file. Relative paths in the spec are relative to the
+    current directory. With `check_files`, the model folder and prompt files must exist."""
+    spec = validate_model(PipelineSpec, apply_overrides(read_toml(path), parse_overrides(list(overrides))), path)
     if check_files:
         model = Path(spec.model.path)
         if not (model / "config.json").is_file():

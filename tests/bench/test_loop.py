@@ -83,10 +83,6 @@ def test_summary_pairs_seeds_and_times_trl_best(loop):
 def test_spec_of_a_bench_run(loop, tmp_path):
     import _gf_run
 
-    assert _gf_run.parse_overrides(["train.lr=1e-4", "prompts.per_round=64", "generator.backend=hf"]) == {
-        "train": {"lr": 1e-4}, "prompts": {"per_round": 64}, "generator": {"backend": "hf"}}
-    with pytest.raises(ValueError, match="section.key=value"):
-        _gf_run.parse_overrides(["lr=1"])
     spec = _gf_run.loop_spec(REPO / "pipelines/specs/toy-grpo.toml", tmp_path, "gf-seed1", 1,
                              ["prompts.per_round=64"], rounds=3)
     assert (spec.run.name, spec.run.seed, spec.run.rounds, spec.prompts.per_round) == ("gf-seed1", 1, 3, 64)

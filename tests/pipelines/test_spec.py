@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.spec import PipelineSpec, check_comparable, load_compare, load_spec, resolved_toml
+from pipelines.spec import PipelineSpec, check_comparable, load_compare, load_spec, parse_overrides, resolved_toml
 from tests.conftest import REPO
 
 SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
@@ -107,6 +107,22 @@ def test_loop_options_default_off_and_round_trip_through_the_resolved_spec(tmp_p
     assert load_spec(resolved) == spec
 
 
+def test_overrides_set_keys_of_any_section_and_bad_ones_fail(tmp_path, toy_dir, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert parse_overrides(["train.lr=1e-4", "prompts.per_round=64", "generator.backend=hf",
+                            "prompts.choice.strategy=informative"]) == {
+        "train": {"lr": 1e-4}, "prompts": {"per_round": 64, "choice": {"strategy": "informative"}},
+        "generator": {"backend": "hf"}}
+    for bad in ("lr=1", "train.lr", "train..lr=1"):
+        with pytest.raises(ValueError, match="section.key=value"):
+            parse_overrides([bad])
+    spec = load_spec(_write(tmp_path, GOOD), overrides=["run.rounds=7", "prompts.choice.strategy=informative"])
+    assert spec.run.rounds == 7 and spec.prompts.choice.strategy == "informative"
+    assert spec.train == load_spec(_write(tmp_path, GOOD)).train  # the rest of the file as it was
+    with pytest.raises(ValueError, match="train.nope"):
+        load_spec(_write(tmp_path, GOOD), overrides=["train.nope=1"])
+
+
 def test_missing_model_folder_and_cli_exit_code(tmp_path, toy_dir):
     path = _write(tmp_path, GOOD.replace("runs/toy/model", "runs/no-such-model"))
     out = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(path), "--run-dir", str(tmp_path / "r")],
@@ -117,6 +133,10 @@ def test_missing_model_folder_and_cli_exit_code(tmp_path, toy_dir):
     out = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(_write(tmp_path, GOOD + "[run]\n")),
                           "--run-dir", str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not valid TOML" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(_write(tmp_path, GOOD)), "--set",
+                          "run.rounds=zero", "--run-dir", str(tmp_path / "r")], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "run.rounds" in out.stderr and not (tmp_path / "r").exists()
 
 
 def test_compare_rejects_unequal_budgets(toy_dir, monkeypatch):
@@ -137,8 +157,10 @@ def test_generator_section_gives_the_sampling_and_generator_settings(toy_dir, mo
     # the values a generate manifest records are those of before (existing runs stay up to date)
     assert sampling.as_dict() == {"group_size": 8, "max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
                                   "seed": 0}
-    assert spec.generator.generator_kwargs() == {"dtype": "float32", "max_model_len": None,
-                                                 "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1}
+    assert spec.generator.backend == "auto"  # resolved when the generator starts (resolve_backend)
+    assert spec.generator.generator_kwargs("vllm") == {"dtype": "float32", "max_model_len": None,
+                                                       "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1}
+    assert spec.generator.generator_kwargs("hf") == {"dtype": "float32", "max_model_len": None}
     assert spec.generator.gpu_memory_utilization == GENERATOR_DEFAULTS.gpu_memory_utilization
 
 
