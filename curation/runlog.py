@@ -168,6 +168,15 @@ class RoundRecord:
         return cls(**{k: v for k, v in record.items() if k in names})
 
 
+def _parse_line(line: str) -> dict | None:
+    """One metrics.jsonl line as a record, or None when it is not a JSON object (a line cut by a kill)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 class MetricsLog:
     """RUN/metrics.jsonl: one JSON object per line, appended and fsynced.
 
@@ -213,15 +222,7 @@ class MetricsLog:
                 offset = 0
             f.seek(offset)
             text = f.read().decode("utf-8", errors="replace")
-        records = []
-        for line in text.splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
+        return [record for record in map(_parse_line, text.splitlines()) if record is not None]
 
     def read(self) -> tuple[list[dict], list[dict], int]:
         """(round records, step records, lines skipped): one record per number (the last
@@ -233,12 +234,8 @@ class MetricsLog:
         for line in self._lines():
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                skipped += 1
-                continue
-            if not isinstance(record, dict):
+            record = _parse_line(line)
+            if record is None:
                 skipped += 1
                 continue
             event = record.get("event")

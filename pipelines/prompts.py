@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from curation.fingerprints import FileCache
+from curation.fingerprints import FileCache, file_stat
 from curation.generate.base import load_prompts
 from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
 from curation.store import RunStore
@@ -117,10 +117,9 @@ def ranked_prompts(ctx: _Context, round: int, state: dict | None = None,
         u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53  # h's top 53 bits, in (0, 1)
         order = np.lexsort((h, -np.log(u) / weight, pool.not_new))
     order = order.tolist()
-    pool = pool.table
     if exclude:
         order = [i for i in order if ids[i] not in exclude]
-    return pool.take(pa.array(order, type=pa.int64()))
+    return pool.table.take(pa.array(order, type=pa.int64()))
 
 
 def prompt_choice(spec: object) -> PromptChoice:
@@ -193,7 +192,7 @@ def _prompt_pool(files: list[str], seen: set[str] | None) -> _Pool:
     """The pool of the spec's train files (first occurrence of each prompt_id kept), with
     whether each prompt comes from a file the run has not seen before (seen None: nothing is
     new); kept while the files are unchanged (a round loop asks once per round)."""
-    stats = tuple((os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
+    stats = tuple((os.path.abspath(f), *file_stat(f).values()) for f in files)
     key = (stats, None if seen is None else tuple(sorted(seen)))
     if key in _POOLS:
         return _POOLS[key]

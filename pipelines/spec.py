@@ -270,9 +270,7 @@ def load_compare(paths: list[str | Path]) -> tuple[dict[str, PipelineSpec], Path
     if len(paths) == 1 and "compare" in read_toml(paths[0]):
         section = validate_model(CompareSection, read_toml(paths[0])["compare"], paths[0], "compare")
         paths = section.specs
-    specs = {str(p): load_spec(p) for p in paths}
-    if section is not None and section.rounds is not None:
-        specs = {k: s.model_copy(update={"run": s.run.model_copy(update={"rounds": section.rounds})})
-                 for k, s in specs.items()}
+    rounds = [f"run.rounds={section.rounds}"] if section is not None and section.rounds is not None else []
+    specs = {str(p): load_spec(p, overrides=rounds) for p in paths}
     check_comparable(specs)
     return specs, Path(section.out) if section is not None else None

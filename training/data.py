@@ -106,13 +106,13 @@ JOIN read_parquet($samples, hive_partitioning = false, union_by_name = true) AS 
 JOIN read_parquet($samples, hive_partitioning = false, union_by_name = true) AS r
   ON r.run_id = p.run_id AND r.round = p.round AND r.prompt_id = p.prompt_id AND r.sample_idx = p.rejected_idx
 """
-_PAIRS_SQL = f"""
+_PAIRS_SQL = """
 SELECT p.run_id, p.round, p.prompt_id, p.chosen_idx, p.rejected_idx,
        c.prompt_token_ids,
        c.response_token_ids AS chosen_token_ids, c.behavior_logprobs AS chosen_logprobs,
        r.response_token_ids AS rejected_token_ids, r.behavior_logprobs AS rejected_logprobs,
        p.chosen_reward, p.rejected_reward, p.soft_label, p.weight
-{_PAIRS_FROM}
+{from_where}
 ORDER BY p.round, p.prompt_id, p.chosen_idx, p.rejected_idx
 """
 
@@ -163,10 +163,8 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
                        max_staleness: int | None = None, sft_min_reward: float | None = None) -> TrainingData:
     """The rows `objective` trains on from `rounds` of the run (see the module docstring)."""
     store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness)
-    if objective == "pairwise":
-        sql = _PAIRS_SQL
-    else:
-        sql = _POLICY_SQL.format(from_where=_selection(objective, sft_min_reward))
+    sql = (_PAIRS_SQL if objective == "pairwise" else _POLICY_SQL).format(
+        from_where=_selection(objective, sft_min_reward))
     table = _query(sql, files) if chosen and all(files.values()) else None
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
