@@ -3,7 +3,6 @@
     fingerprint_file(path)     sha256 of a file's bytes (a table part, a prompts file)
     known_fingerprint(path)    the same, without reading the bytes again when a manifest (or this
                                process) hashed them already and the file's size and mtime_ns match
-    HashingWriter(f)           a binary file that hashes what is written through it (Commit)
     fingerprint_path(path)     sha256 of a file, or of a folder's relative paths and file hashes
     config_hash(config)        sha256 of a config's canonical JSON (sorted keys)
     code_version()             'groupforge <version> (<commit>[-dirty])', recorded in manifests
@@ -17,13 +16,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
-import io
 import json
 import os
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -90,28 +88,6 @@ class FileCache(Generic[T]):
             known = (stat.st_size, stat.st_mtime_ns, compute())
             self._entries[key] = known
         return known[2]
-
-
-class HashingWriter(io.RawIOBase):
-    """Writes through to `f` and keeps the sha256 of everything written (`hexdigest()`), so a
-    file's fingerprint costs no second read."""
-
-    def __init__(self, f: IO[bytes]):
-        self._f, self._hash, self._size = f, hashlib.sha256(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self._hash.update(data)
-        self._size += memoryview(data).nbytes
-        return self._f.write(data)
-
-    def tell(self) -> int:
-        return self._size
-
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
 
 
 def fingerprint_path(path: str | Path) -> str:

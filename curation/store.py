@@ -85,6 +85,15 @@ def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.T
     return pa.Table.from_arrays(arrays, schema=wanted)
 
 
+
+def _parquet_files(folder: Path) -> list[Path]:
+    """The *.parquet files of `folder`, by name ([] when there is no folder)."""
+    try:
+        return sorted(folder / entry.name for entry in os.scandir(folder)
+                      if entry.name.endswith(".parquet") and entry.is_file())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
 class RunLockedError(RuntimeError):
     """Another process holds the run's writer lock. The message names the run and the holder."""
 
@@ -143,13 +152,7 @@ class RunStore:
         """The rounds that hold at least one part file, ascending."""
         if table == "prompts":
             raise ValueError("the prompts table is not partitioned by round")
-        found = []
-        if self.table_dir(table).is_dir():
-            for d in self.table_dir(table).iterdir():
-                m = _ROUND_DIR.fullmatch(d.name)
-                if m and d.is_dir() and any(d.glob("*.parquet")):
-                    found.append(int(m[1]))
-        return sorted(found)
+        return sorted(self._round_files(table))
 
     def files(self, table: str, rounds: int | Sequence[int] | None = None) -> list[Path]:
         """The part files of `table` (all rounds, or the given ones), in round then name order."""
@@ -157,9 +160,27 @@ class RunStore:
             if rounds is not None:
                 raise ValueError("the prompts table is not partitioned by round")
             return sorted(self.table_dir(table).glob("*.parquet"))
-        wanted = self.rounds(table) if rounds is None else [rounds] if isinstance(rounds, int) else rounds
-        return [f for r in sorted(set(wanted))
-                for f in sorted(self.partition_dir(table, r).glob("*.parquet"))]
+        if rounds is None:
+            by_round = self._round_files(table)
+            return [f for r in sorted(by_round) for f in by_round[r]]
+        wanted = [rounds] if isinstance(rounds, int) else rounds
+        return [f for r in sorted(set(wanted)) for f in _parquet_files(self.partition_dir(table, r))]
+
+    def _round_files(self, table: str) -> dict[int, list[Path]]:
+        """{round: its part files, by name} of every round folder that holds one (one scan of
+        the table folder and of each round folder: the round loop asks every round)."""
+        found: dict[int, list[Path]] = {}
+        try:
+            entries = list(os.scandir(self.table_dir(table)))
+        except (FileNotFoundError, NotADirectoryError):
+            return found
+        for entry in entries:
+            m = _ROUND_DIR.fullmatch(entry.name)
+            if m and entry.is_dir():
+                files = _parquet_files(Path(entry.path))
+                if files:
+                    found[int(m[1])] = files
+        return found
 
     def staging_dir(self, stage: str, round: int) -> Path:
         path = self.root / "_staging" / f"{check_name(stage, 'stage')}-round={check_round(round)}"
@@ -287,6 +308,22 @@ class RunStore:
             if isinstance(files, dict):
                 recorded.update(files)
         return recorded
+
+    def round_prompts(self, round: int) -> list[Path] | None:
+        """The prompts parts the round's samples came from: those listed by the manifests that
+        list the round's samples parts (its generate and refill calls), sorted.
+        None when a samples part of the round is listed by no manifest (or by one that lists
+        no prompts part): then only the whole prompts table is sure to hold its prompts."""
+        samples = {path.relative_to(self.root).as_posix() for path in self.files("samples", round)}
+        prompts: set[str] = set()
+        for path in (self.root / "_manifests").glob(f"*-round={check_round(round)}.json"):
+            outputs = set((read_json(path) or {}).get("outputs", []))
+            mine = outputs & samples
+            listed = {rel for rel in outputs if rel.startswith("prompts/")}
+            if mine and listed:
+                samples -= mine
+                prompts |= listed
+        return None if samples else [self.root / rel for rel in sorted(prompts)]
 
     def is_up_to_date(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> bool:
         """True when the stage's last commit had these inputs and config, and its outputs all exist."""

@@ -305,10 +305,16 @@ def _accuracy_text(rec: dict) -> str:
     return "-" if accuracy is None else f"{100 * accuracy:.1f}%"
 
 
+def _pairs_text(rec: dict) -> str:
+    """A round's pairs, or "-" when the loop ran no pair stage (`[run] pairs`)."""
+    pairs = rec.get("pairs", 0)
+    return "-" if pairs is None else str(pairs)
+
+
 def _round_row(rec: dict) -> list[str]:
     reward = rec.get("reward_mean")
     return [str(rec["round"]), _accuracy_text(rec), "-" if reward is None else f"{reward:.3f}",
-            str(rec.get("kept_groups", 0)), str(rec.get("pairs", 0)), str(rec.get("samples", 0)),
+            str(rec.get("kept_groups", 0)), _pairs_text(rec), str(rec.get("samples", 0)),
             str(rec.get("policy_version", 0)), f"{rec.get('gen_tokens_per_s', 0):,.0f}",
             f"{rec.get('train_tokens_per_s', 0):,.0f}", f"{rec.get('wall_seconds', 0):.1f}"]
 
@@ -331,7 +337,7 @@ def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int
         reward = rec.get("reward_mean")
         console.print(f"  round {rec['round']:>3}: eval acc {_accuracy_text(rec):>6}  reward "
                       f"{'-' if reward is None else f'{reward:.3f}'}  kept groups {rec.get('kept_groups', 0)}  "
-                      f"pairs {rec.get('pairs', 0)}  policy {rec.get('policy_version', 0)}  "
+                      f"pairs {_pairs_text(rec)}  policy {rec.get('policy_version', 0)}  "
                       f"{rec.get('wall_seconds', 0):.1f}s", highlight=False, soft_wrap=True)
         breakdown = breakdown_line(rec)
         if breakdown:

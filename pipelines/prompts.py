@@ -109,11 +109,11 @@ def ranked_prompts(ctx: _Context, round: int, state: dict | None = None,
     ids = pool.ids
     h = tiebreak(spec.run.seed, round, pool.keys)
     if choice.strategy == "least_used":
-        used = times_used(ctx.store, round)
-        order = np.lexsort((h, pool.not_new, np.array([used.get(i, 0) for i in ids], dtype=np.int64)))
+        used = pool.per_prompt(times_used(ctx.store, round), 0)
+        order = np.lexsort((h, pool.not_new, used))
     else:
-        saturated = {prompt_id for prompt_id, (_, flat) in pass_rates(ctx.store, round, choice.window).items() if flat}
-        weight = np.array([choice.floor if prompt_id in saturated else 1.0 for prompt_id in ids])
+        rates = pass_rates(ctx.store, round, choice.window)
+        weight = pool.per_prompt({prompt_id: choice.floor for prompt_id, (_, flat) in rates.items() if flat}, 1.0)
         u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53  # h's top 53 bits, in (0, 1)
         order = np.lexsort((h, -np.log(u) / weight, pool.not_new))
     order = order.tolist()
@@ -183,6 +183,17 @@ class _Pool:
     """Per prompt: not from a file new to the run (bool)."""
     keys: np.ndarray
     """Per prompt: s(prompt_id), the first 8 bytes of sha256(prompt_id) as a uint64."""
+    index: dict[str, int]
+    """prompt_id -> its position in the pool."""
+
+    def per_prompt(self, values: dict[str, float], default: float) -> np.ndarray:
+        """`values` (by prompt_id; ids not in the pool ignored) as an array in pool order."""
+        out = np.full(len(self.ids), default, dtype=np.float64 if isinstance(default, float) else np.int64)
+        for prompt_id, value in values.items():
+            at = self.index.get(prompt_id)
+            if at is not None:
+                out[at] = value
+        return out
 
 
 _POOLS: dict[tuple, _Pool] = {}  # the last few pools, by (each file's path, size, mtime_ns; files seen)
@@ -207,7 +218,8 @@ def _prompt_pool(files: list[str], seen: set[str] | None) -> _Pool:
         table, ids, is_new = table.take(pa.array(keep)), [ids[i] for i in keep], [is_new[i] for i in keep]
     if len(_POOLS) >= 4:
         _POOLS.pop(next(iter(_POOLS)))
-    pool = _POOLS[key] = _Pool(table, ids, ~np.asarray(is_new, dtype=bool), prompt_keys(ids))
+    pool = _POOLS[key] = _Pool(table, ids, ~np.asarray(is_new, dtype=bool), prompt_keys(ids),
+                               {prompt_id: at for at, prompt_id in enumerate(ids)})
     return pool
 
 

@@ -12,21 +12,22 @@ RUN/_rounds/round=<n>/refill-<k>.parquet, so a killed round resumes with the sam
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pyarrow.parquet as pq
 
 from curation.runlog import round_prompts_path, write_atomic
 from curation.stages.runner import StageReport
 from pipelines.prompts import ranked_prompts
-from pipelines.round_steps import RoundContext, curate, round_stats, sample
+from pipelines.round_steps import RoundContext, curate, kept_groups, sample
 
 
-def refill(ctx: RoundContext, round: int, start_version: int,
-           reports: dict[str, StageReport]) -> tuple[dict[str, StageReport], int]:
+def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str, StageReport],
+           stages: Sequence[str]) -> tuple[dict[str, StageReport], int]:
     """While the round has fewer kept groups than `[run] refill.min_kept_groups`, sample more
     prompts (the next ones in prompt-choice order that the round has not sampled; `refill_size`
     of them) with the same policy, at most `max_extra_prompts` in at most `max_calls` calls,
-    and curate the round again. Call k's prompts are written once to
+    and curate the round again (`stages`). Call k's prompts are written once to
     RUN/_rounds/round=<n>/refill-<k>.parquet and its samples are the tables' part
     `refill-<k>`, so a killed round resumes with the same decisions. Returns the last
     curation's reports and the number of extra prompts."""
@@ -36,7 +37,7 @@ def refill(ctx: RoundContext, round: int, start_version: int,
     for call in range(1, settings.max_calls + 1):
         path = round_prompts_path(ctx.run_dir, round).with_name(f"refill-{call}.parquet")
         if not path.is_file():
-            kept = round_stats(ctx.store, round, reports)["kept_groups"]
+            kept = kept_groups(ctx.store, round, reports)
             budget = settings.max_extra_prompts - extra
             if kept >= settings.min_kept_groups or budget <= 0:
                 break
@@ -51,7 +52,7 @@ def refill(ctx: RoundContext, round: int, start_version: int,
         taken.update(ids)
         extra += len(ids)
         sample(ctx, round, path, start_version, stage=f"refill-{call}")
-        reports = curate(ctx, round)
+        reports = curate(ctx, round, stages)
     return reports, extra
 
 

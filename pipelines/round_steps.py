@@ -4,7 +4,8 @@
                         weights the engine has not loaded yet, the eval prompts, the round
                         records, and the round's stopwatch (`Phases`)
     sample              generate G responses per prompt with the live engine (a stage of the round)
-    curate              score -> filter -> label -> pair; the reports hold the committed tables
+    curate              score -> filter -> label (-> pair: `loop_stages`); the reports hold
+                        the committed tables
     round_stats         reward mean, samples, groups, kept groups, pairs: from those tables
     train_round         the round's optimizer steps; checkpoint every `checkpoint_every` rounds
     replay              after a restart, train again the rounds no checkpoint holds
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import builtins
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,35 +173,56 @@ def sampling_manifests(store: RunStore, round: int) -> list[dict]:
     return [manifest for manifest in found if manifest]
 
 
-def curate(ctx: RoundContext, round: int) -> dict[str, StageReport]:
-    """score -> filter -> label -> pair on the round; each stage reads what the ones before it
-    just committed from memory (`ctx.held`)."""
+def loop_stages(spec: PipelineSpec) -> tuple[str, ...]:
+    """The curation stages a round of the loop runs: score, filter, label, and pair when the
+    objective trains on pairs or `[run] pairs = "every_round"` (pairs derive from the groups
+    tables alone, so `groupforge pair RUN` makes them for every round afterwards)."""
+    wanted = spec.run.pairs == "every_round" or spec.train.objective == "pairwise"
+    return STAGES if wanted else tuple(stage for stage in STAGES if stage != "pair")
+
+
+def curate(ctx: RoundContext, round: int, stages: Sequence[str] = STAGES) -> dict[str, StageReport]:
+    """`stages` (default score -> filter -> label -> pair) on the round; each stage reads what
+    the ones before it just committed from memory (`ctx.held`)."""
     reports = {}
-    for stage in STAGES:
+    for stage in stages:
         with ctx.clock(stage):
             reports[stage] = run_stage(stage, ctx.run_dir, round, getattr(ctx.spec, stage), held=ctx.held)
         ctx.held.update(reports[stage].written)
     return reports
 
 
-def round_stats(store: RunStore, round: int, reports: dict[str, StageReport] | None = None) -> dict:
-    """reward_mean, samples, groups, kept_groups, pairs of `round`: from the tables the stages
-    just committed (`reports`), reading back only the columns of those a skipped stage did not
-    hand over; samples from the generate manifests."""
-    held = {rel.split("/")[0]: table for report in (reports or {}).values()
-            for rel, (_, table) in report.written.items()}
-
-    def table(name: str, columns: list[str]) -> pa.Table:
-        return held[name] if name in held else store.read_columns(name, columns, round)
-
-    rewards = table("scores", ["reward"]).column("reward")
-    groups = table("groups", ["prompt_id", "group_kept"])
-    kept = groups.filter(pc.fill_null(groups.column("group_kept"), False))
+def round_stats(store: RunStore, round: int, reports: dict[str, StageReport], pairs: bool = True) -> dict:
+    """reward_mean, samples, groups, kept_groups, pairs (None without `pairs`: the round built
+    none) of `round`: from the tables the stages just committed (`reports`), reading back only
+    the columns of those a skipped stage did not hand over; samples from the generate manifests."""
+    rewards = _round_table(store, round, reports, "scores", ["reward"]).column("reward")
+    groups = _round_table(store, round, reports, "groups", ["prompt_id", "group_kept"])
     return {"reward_mean": pc.mean(rewards).as_py() if len(rewards) else None,
             "samples": sum(int(m.get("rows_out") or 0) for m in sampling_manifests(store, round)),
             "groups": pc.count_distinct(groups.column("prompt_id")).as_py(),
-            "kept_groups": pc.count_distinct(kept.column("prompt_id")).as_py(),
-            "pairs": table("pairs", ["prompt_id"]).num_rows}
+            "kept_groups": _kept(groups),
+            "pairs": _round_table(store, round, reports, "pairs", ["prompt_id"]).num_rows if pairs else None}
+
+
+def kept_groups(store: RunStore, round: int, reports: dict[str, StageReport]) -> int:
+    """round_stats' kept_groups alone."""
+    return _kept(_round_table(store, round, reports, "groups", ["prompt_id", "group_kept"]))
+
+
+def _kept(groups: pa.Table) -> int:
+    kept = groups.filter(pc.fill_null(groups.column("group_kept"), False))
+    return pc.count_distinct(kept.column("prompt_id")).as_py()
+
+
+def _round_table(store: RunStore, round: int, reports: dict[str, StageReport], name: str,
+                 columns: list[str]) -> pa.Table:
+    """The round's `name` table as a stage of `reports` committed it, else `columns` read back."""
+    for report in reports.values():
+        for rel, (_, table) in report.written.items():
+            if rel.split("/")[0] == name:
+                return table
+    return store.read_columns(name, columns, round)
 
 
 def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int, int]:

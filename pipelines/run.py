@@ -5,7 +5,8 @@
     round 0    evaluate the starting model (greedy, eval prompts)
     round n    choose `per_round` prompts (least used first, then a seeded order)
                -> generate G responses each with the live engine (weights of the newest policy)
-               -> score -> filter -> label -> pair
+               -> score -> filter -> label (-> pair, when the objective trains on pairs or with
+                  `[run] pairs = "every_round"`; `groupforge pair RUN` makes them afterwards)
                -> refill: too few kept groups -> sample more prompts, curate again ([run] refill)
                -> train `steps_per_round` optimizer steps on round n (+ `replay_rounds` earlier ones)
                -> checkpoint (every `checkpoint_every` rounds and the last) -> evaluate (every
@@ -56,6 +57,7 @@ from pipelines.round_steps import (
     RoundContext,
     curate,
     live_generator,
+    loop_stages,
     replay,
     round_stats,
     sample,
@@ -116,10 +118,11 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     sample(ctx, round, choose_prompts(ctx, round), start_version)
 
     # -- curate, and refill while too few groups are informative ----------------------------
-    reports = curate(ctx, round)
+    stages = loop_stages(spec)
+    reports = curate(ctx, round, stages)
     refilled = 0
     if spec.run.refill is not None:
-        reports, refilled = refill(ctx, round, start_version, reports)
+        reports, refilled = refill(ctx, round, start_version, reports, stages)
     ctx.held.clear()
 
     # -- train -------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
 
     # -- evaluate the new policy -------------------------------------------------------------
     accuracy = evaluate(ctx, steps) if evaluates(ctx, round) else None
-    stats = round_stats(ctx.store, round, reports)
+    stats = round_stats(ctx.store, round, reports, pairs="pair" in stages)
     tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in sampling_manifests(ctx.store, round))
                               for key in ("response_tokens", "sample_seconds"))
     wall, phases = clock.result()

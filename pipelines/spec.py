@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -128,6 +128,10 @@ class RunSection(_Section):
                              "rounds trained since its newest checkpoint.")
     refill: RefillSettings | None = Field(None, description="Sample more prompts when filtering leaves too few "
                                                             "kept groups (off when unset).")
+    pairs: Literal["auto", "every_round"] = Field(
+        "auto", description="The pair stage in the loop: 'auto' runs it each round when the objective trains on "
+                            "pairs (pairwise), 'every_round' always. Pairs of every round can be made later from "
+                            "the groups tables: `groupforge pair RUN`.")
 
 
 class ModelSection(_Section):

@@ -170,7 +170,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     if start_step >= steps:
         return skipped()
     metrics_log = MetricsLog(run_dir)
-    metrics_log.drop_steps_after(start_step)
+    if not live:  # a live session wrote every step record there is up to its step
+        metrics_log.drop_steps_after(start_step)
 
     # -- data -------------------------------------------------------------------------------
     with timing("load"):
@@ -243,13 +244,15 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
                        rows=len(rows), seconds=round(seconds, 4),
                        tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=data.rounds,
                        **{"pass": (step - segment["start_step"] - 1) * size // table.num_rows + 1})
-        metrics_log.append(metrics)
+        metrics_log.append(metrics, sync=False)  # synced before a checkpoint and at the end: a
+        # step line lost to a power cut is after the newest checkpoint, so it is recomputed
         if step == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
 
         # -- checkpoint -----------------------------------------------------------------------
         if (save and step == steps) or (cfg.save_every and step % cfg.save_every == 0):
             with timing("checkpoint"):
+                metrics_log.sync()
                 saved = ckpt.save_checkpoint(
                     run_dir, step, policy, optimizer,
                     {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
@@ -257,6 +260,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
                     tokenizer_from=base_model, keep_last=cfg.keep_last or None)
         if progress is not None:
             progress(step - start_step, steps - start_step, metrics)
+    metrics_log.sync()
     if session is not None:
         session.step, session.run_dir, session.base_model = steps, run_dir.resolve(), base_model
         session.policy, session.optimizer = policy, optimizer

@@ -252,6 +252,7 @@ def _staging(store: RunStore, stage: str, round: int, inputs: dict, config: dict
 
 def _samples_table(run_id, round, sampling, generator, prompt_ids, token_ids, seeds, groups) -> pa.Table:
     rows: dict[str, list] = {name: [] for name in SCHEMAS["samples"].names}
+    fingerprint, policy_version = generator.fingerprint, generator.policy_version
     for prompt_id, ids, seed, group in zip(prompt_ids, token_ids, seeds, groups):
         for idx, completion in enumerate(group):
             rows["run_id"].append(run_id)
@@ -264,7 +265,7 @@ def _samples_table(run_id, round, sampling, generator, prompt_ids, token_ids, se
             rows["response_token_ids"].append(completion.token_ids)
             rows["behavior_logprobs"].append(completion.logprobs)
             rows["finish_reason"].append(completion.finish_reason)
-            rows["policy_version"].append(generator.policy_version)
-            rows["generator"].append(generator.fingerprint)
+            rows["policy_version"].append(policy_version)
+            rows["generator"].append(fingerprint)
             rows["seed"].append(seed)
     return pa.Table.from_pydict(rows, schema=SCHEMAS["samples"])

@@ -19,7 +19,7 @@ and, where it needs them, two hooks (only score has them):
                                               its own scores of the same samples); not with force
 
 `run_stage` does the rest. The inputs are the part files of READS for the round (prompts:
-all parts), each fingerprinted; a stage that also reads a table it writes (filter reads
+the parts its samples came from), each fingerprinted; a stage that also reads a table it writes (filter reads
 rejects) leaves its own part files out of both its fingerprints and its read, so its own
 commit never makes it out of date. A part file is hashed only when no manifest of the round
 (nor this process) has hashed its current bytes (`curation.fingerprints.known_fingerprint`).
@@ -109,7 +109,7 @@ def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int, exc
     parts), leaving out the parts named in `exclude_parts`. Files whose hash `recorded`
     ({relative path: {sha256, size, mtime_ns}}; default: what the round's manifests record)
     or this process holds for their size and mtime_ns are not read again."""
-    paths = [path for table in tables for path in store.files(table, None if table == "prompts" else round)
+    paths = [path for table in tables for path in _files(store, table, round)
              if path.stem.removeprefix("part-") not in exclude_parts]
     rel = {path: path.relative_to(store.root).as_posix() for path in paths}
     if recorded is None or not all(rel[path] in recorded for path in paths if path.parent.name != "prompts"):
@@ -167,16 +167,28 @@ def _read(store: RunStore, table: str, round: int, columns: list[str] | None, ow
     """`columns` of the round's `table` (every column, through RunStore.read, when None;
     prompts: every round), without the stage's `own` part files; from `held` when it has
     every part file as it is on disk now."""
-    rounds = None if table == "prompts" else round
     if columns is None:
         if own:
             raise ValueError(f"a stage that reads its own table {table!r} must name the columns it reads")
-        return _all_prompts(store) if table == "prompts" else store.read(table, rounds)
-    paths = [path for path in store.files(table, rounds) if path.stem.removeprefix("part-") not in own]
+        return _prompts(store, round) if table == "prompts" else store.read(table, round)
+    if table == "prompts":
+        raise ValueError("a stage reads every column of the prompts table")
+    paths = [path for path in store.files(table, round) if path.stem.removeprefix("part-") not in own]
     known = [_held(held, store, path) for path in paths]
-    if paths and all(part is not None for part in known):
-        return pa.concat_tables([contract_columns(table, part, columns) for part in known])
-    return store.read_columns(table, columns, rounds, exclude_parts=own)
+    if all(part is not None for part in known):  # none at all: the empty table (rejects of no drops)
+        return pa.concat_tables([contract_columns(table, part, columns)
+                                 for part in known or [schema.empty(table)]])
+    return store.read_columns(table, columns, round, exclude_parts=own)
+
+
+def _files(store: RunStore, table: str, round: int) -> list[Path]:
+    """The part files of `table` that a stage of `round` reads: the round's; for prompts (not
+    partitioned by round) those the round's samples came from (`RunStore.round_prompts`), or
+    every part when some samples part of the round does not say (written by another tool)."""
+    if table != "prompts":
+        return store.files(table, round)
+    listed = store.round_prompts(round)
+    return store.files("prompts") if listed is None else listed
 
 
 def _held(held: Mapping[str, tuple[dict, pa.Table]], store: RunStore, path: Path) -> pa.Table | None:
@@ -191,12 +203,12 @@ def _held(held: Mapping[str, tuple[dict, pa.Table]], store: RunStore, path: Path
 _PROMPT_PARTS: FileCache[pa.Table] = FileCache()  # prompts parts this process read, validated
 
 
-def _all_prompts(store: RunStore) -> pa.Table:
-    """Every prompts part of the run, validated, as `store.read("prompts")` gives it. Each
-    round adds a part and score reads them all, so a part this process read before (same size
-    and mtime_ns) is not read again."""
+def _prompts(store: RunStore, round: int) -> pa.Table:
+    """The prompts parts of `round` (`_files`), validated, as `store.read("prompts")` gives
+    them. A part this process read before (same size and mtime_ns) is not read again: rounds
+    can share one."""
     parts = []
-    for path in store.files("prompts"):
+    for path in _files(store, "prompts", round):
         parts.append(_PROMPT_PARTS.get(path, lambda path=path: schema.read_table_file(path, "prompts")))
     if not parts:
         return schema.empty("prompts")

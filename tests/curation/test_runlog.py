@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -198,3 +200,15 @@ def test_records_since_reads_only_what_was_appended_and_a_rewritten_file_whole(t
     log.drop_steps_after(1)  # replaces the file (a new inode): read whole
     log.append(step(3))
     assert [r["step"] for r in log.records_since(here)] == [1, 3]
+
+
+def test_unsynced_step_lines_are_there_at_once_and_sync_makes_them_durable(tmp_path):
+    log = MetricsLog(tmp_path)
+    log.sync()  # no file yet: nothing to do
+    log.append(step(1), sync=False)
+    log.append(step(2), sync=False)
+    reader = subprocess.run([sys.executable, "-c", f"print(open({str(log.path)!r}).read().count(chr(10)))"],
+                            capture_output=True, text=True, check=True)
+    assert reader.stdout.strip() == "2"  # another process sees both lines before any fsync
+    log.sync()
+    assert [r["step"] for r in log.steps()] == [1, 2]

@@ -253,7 +253,8 @@ def test_run_scores_a_round_with_exact_match(run_dir):
     assert sorted(manifest["inputs"]) == ["prompts/" + p.name for p in sorted((run_dir / "prompts").glob("*"))] + \
         ["samples/round=0/part-generate.parquet"]
     assert manifest["reward_columns"]["exact_match"]["computed"] == 48
-    assert pq.read_table(run_dir / "rejects/round=0/part-score.parquet").num_rows == 0
+    assert not (run_dir / "rejects/round=0/part-score.parquet").exists()  # nothing dropped, no part
+    assert manifest["outputs"] == ["scores/round=0/part-score.parquet"]
 
 
 def test_rerun_is_a_no_op(run_dir):
@@ -354,8 +355,14 @@ def test_run_writes_rejects_and_drop_counts(run_dir, user_module):
     rejects = pq.read_table(run_dir / "rejects/round=0/part-score.parquet").to_pylist()
     assert [r["detail"] for r in rejects] == ["bad: nan", "bad: RuntimeError: reward exploded", "bad: timeout after 1s"]
     assert RunStore(run_dir).load_manifest("score", 0)["drops"] == {"invalid_reward": 3}
-    # other stages' rejects of the round are left alone
-    assert (run_dir / "rejects/round=0/part-generate.parquet").exists()
+    # generate dropped nothing, so it wrote no rejects part; score's is the only one
+    assert sorted(p.name for p in (run_dir / "rejects/round=0").iterdir()) == ["part-score.parquet"]
+    # a rerun that drops nothing removes the part of the attempt before
+    pq.write_table(samples, samples_path)
+    report = run_stage(score_stage, run_dir, 0, config)
+    assert (report.rows_out, report.drops) == (48, {})
+    assert not (run_dir / "rejects/round=0").exists() or not any((run_dir / "rejects/round=0").iterdir())
+    assert RunStore(run_dir).read("rejects", 0).num_rows == 0
 
 
 def test_run_needs_samples(tmp_path):

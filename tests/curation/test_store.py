@@ -499,14 +499,40 @@ def test_known_fingerprint_trusts_a_record_only_while_size_and_mtime_match(tmp_p
     assert fingerprints.known_fingerprint(path, {"size": stat.st_size}) == hashlib.sha256(b"87654321").hexdigest()
 
 
-def test_hashing_writer_hashes_what_parquet_writes(tmp_path):
-    from curation.fingerprints import HashingWriter
+def test_a_rounds_prompts_are_the_parts_committed_with_its_samples(tmp_path):
+    """Score reads the prompts parts its round's samples came from, not the whole prompts
+    table (one part more every round), and falls back to the whole table when some samples
+    part of the round was written without a manifest."""
+    from curation.stages import score as score_stage
+    from curation.stages.runner import run_stage
 
-    with open(tmp_path / "x.parquet", "wb") as f:
-        writer = HashingWriter(f)
-        pq.write_table(samples(0), writer)
-    assert writer.hexdigest() == fingerprint_file(tmp_path / "x.parquet")
-    assert writer.tell() == (tmp_path / "x.parquet").stat().st_size
+    store = RunStore(tmp_path)
+
+    def prompts(ids):
+        return pa.table({"prompt_id": ids, "prompt": [f"{i}=" for i in ids], "reference": ["0-0"] * len(ids)})
+
+    for round, part in ((0, "A"), (1, "B")):
+        with store.commit("generate", round, INPUTS, CONFIG) as c:
+            c.write("samples", samples(round))
+            c.write("prompts", prompts(["p0", "p1"]), part=part, round=None)
+    with store.commit("refill-1", 1, INPUTS, CONFIG) as c:
+        c.write("samples", samples(1, n_prompts=3).slice(4), part="refill-1")  # prompt p2
+        c.write("prompts", prompts(["p2"]), part="refill-1-C", round=None)
+    assert store.round_prompts(0) == [tmp_path / "prompts/part-A.parquet"]
+    assert store.round_prompts(1) == [tmp_path / "prompts/part-B.parquet", tmp_path / "prompts/part-refill-1-C.parquet"]
+
+    report = run_stage(score_stage, tmp_path, 1)
+    assert report.rows_out == 6
+    inputs = store.load_manifest("score", 1)["inputs"]
+    assert sorted(rel for rel in inputs if rel.startswith("prompts/")) == [
+        "prompts/part-B.parquet", "prompts/part-refill-1-C.parquet"]
+
+    pq.write_table(samples(0, n_prompts=3).slice(4), tmp_path / "samples/round=0/part-other.parquet")
+    assert store.round_prompts(0) is None  # a part no manifest lists: the whole table
+    run_stage(score_stage, tmp_path, 0)
+    inputs = store.load_manifest("score", 0)["inputs"]
+    assert sorted(rel for rel in inputs if rel.startswith("prompts/")) == [
+        "prompts/part-A.parquet", "prompts/part-B.parquet", "prompts/part-refill-1-C.parquet"]
 
 
 def test_a_prompts_part_claimed_by_another_stage_is_refused(tmp_path):

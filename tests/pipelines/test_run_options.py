@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.runlog import PHASES, MetricsLog
+from curation.store import RunStore
 from pipelines.refill import refill_size
 from pipelines.report import report_run
 from pipelines.run import run_pipeline
@@ -110,7 +111,8 @@ def test_eval_every_checkpoint_every_replay_and_the_breakdown(tmp_path, toy_dir)
     assert records[0]["phase_seconds"]["startup"] > 0 and records[0]["phase_seconds"]["eval"] > 0
     for r in records[1:]:
         assert r["phase_seconds"]["generate"] > 0 and r["phase_seconds"]["train"] > 0
-        assert r["phase_seconds"]["score"] > 0 and r["phase_seconds"]["pair"] > 0
+        assert r["phase_seconds"]["score"] > 0
+        assert r["phase_seconds"]["pair"] == 0 and r["pairs"] is None  # grpo trains on groups: no pair stage
         assert (r["phase_seconds"]["eval"] > 0) == (r["eval_accuracy"] is not None)
     assert records[4]["phase_seconds"]["checkpoint"] > 0 and records[3]["phase_seconds"]["checkpoint"] == 0
 
@@ -118,6 +120,24 @@ def test_eval_every_checkpoint_every_replay_and_the_breakdown(tmp_path, toy_dir)
     assert "## Time" in summary and "| model work |" in summary
     round_1 = next(line for line in summary.splitlines() if line.startswith("| 1 |"))
     assert round_1.split(" | ")[1] == "—"  # no eval in round 1
+
+
+def test_the_loop_pairs_every_round_when_asked_and_groupforge_pair_does_it_afterwards(tmp_path, toy_dir):
+    spec_file = _spec(tmp_path, toy_dir, rounds=2)
+    every = run_pipeline(load_spec(spec_file, overrides=["run.pairs=every_round"]), tmp_path / "every",
+                         log=lambda msg: None)
+    store = RunStore(tmp_path / "every")
+    for r in every[1:]:
+        assert r["phase_seconds"]["pair"] > 0 and r["pairs"] == store.read("pairs", r["round"]).num_rows > 0
+
+    auto = run_pipeline(load_spec(spec_file), tmp_path / "auto", log=lambda msg: None)
+    assert [r["pairs"] for r in auto[1:]] == [None, None] and not (tmp_path / "auto" / "pairs").exists()
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "pair", str(tmp_path / "auto")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    later = RunStore(tmp_path / "auto")
+    assert later.rounds("pairs") == [1, 2]
+    assert later.read("pairs").equals(store.read("pairs"))  # same seed, same samples: the same pairs
 
 
 def test_refill_samples_more_prompts_and_resumes_after_kill(tmp_path, toy_dir):
