@@ -3,7 +3,8 @@
     progress_figure   eval accuracy and reward mean per round (two panels)
     training_figure   loss, grad norm, importance-ratio band and clip fractions per optimizer
                       step (pairwise: pair reward accuracy and margin instead; a panel says so
-                      where the objective logs no such statistic)
+                      where the objective logs no such statistic); in decoupled mode a third
+                      row: the engine/trainer mismatch by staleness and the correction weights
     compare_figure    eval accuracy vs samples and vs wall seconds, reward mean vs samples,
                       grad norm, clip fraction (low + high) and ratio range per step, one
                       colour per run
@@ -89,9 +90,14 @@ def _round_ends(ax, rounds: list[dict], label: bool) -> None:
         ax.axvline(end, color="0.6", linestyle=":", linewidth=1, label="end of a round" if label and i == 0 else None)
 
 
+MISMATCH_KEYS = ("mismatch_kl_k3", "old_behavior_gap_lag0", "old_behavior_gap_lag1", "old_behavior_gap_lag2+")
+"""Decoupled mode's step metrics (training.correction): the engine/trainer mismatch."""
+
+
 def training_figure(rounds: list[dict], steps: list[dict], title: str, objective: str | None) -> Figure:
-    fig = _figure(12, 8)
-    axes = fig.subplots(2, 2)
+    decoupled = any(key in step for step in steps for key in MISMATCH_KEYS)
+    fig = _figure(12, 12 if decoupled else 8)
+    axes = fig.subplots(3 if decoupled else 2, 2)
     fig.suptitle(title)
     name = objective or "this objective"
     step_label = "optimizer step (policy version)"
@@ -133,7 +139,41 @@ def training_figure(rounds: list[dict], steps: list[dict], title: str, objective
         line_panel(clip_ax, "margin_mean", "Pair margin per step", "margin mean", "margin mean", "C4")
     else:
         _empty(clip_ax, f"{name} logs no clip fractions")
+    if decoupled:
+        _mismatch_panels(axes[2, 0], axes[2, 1], rounds, steps, step_label)
     return fig
+
+
+def _mismatch_panels(gap_ax, weight_ax, rounds: list[dict], steps: list[dict], step_label: str) -> None:
+    """Decoupled mode: KL(behavior || old) and |old - behavior| by rounds of staleness; the
+    rollout correction weights and the share they truncate or mask."""
+    for key, label, color in (("mismatch_kl_k3", "KL(behavior || old), k3", "C0"),
+                              ("old_behavior_gap_lag0", "|old - behavior|, this round", "C1"),
+                              ("old_behavior_gap_lag1", "|old - behavior|, 1 round stale", "C2"),
+                              ("old_behavior_gap_lag2+", "|old - behavior|, 2+ rounds stale", "C3")):
+        x, y = series(steps, "step", key)
+        if x:
+            gap_ax.plot(x, y, marker=_marker(len(x)), markersize=3, color=color, label=label)
+    _round_ends(gap_ax, rounds, label=False)
+    gap_ax.legend(loc="best")
+    _style(gap_ax, "Engine vs trainer mismatch per step", step_label, "nats (per token)")
+    x, mean, top = series(steps, "step", "is_weight_mean", "is_weight_max")
+    if not x:
+        _empty(weight_ax, "rollout_correction is off")
+        return
+    weight_ax.plot(x, mean, marker=_marker(len(x)), markersize=3, color="C0", label="weight mean")
+    weight_ax.plot(x, top, marker=_marker(len(x)), markersize=3, color="C3", label="weight max (before cap)")
+    weight_ax.axhline(1.0, color="0.5", linestyle="--", linewidth=1)
+    share = weight_ax.twinx()
+    for key, label in (("is_truncated_frac", "truncated"), ("is_masked_frac", "masked")):
+        x, y = series(steps, "step", key)
+        if x:
+            share.plot(x, y, color="C4", linestyle=":", label=f"{label} (right)")
+            share.set_ylabel(f"fraction {label}")
+    lines = weight_ax.get_legend_handles_labels()
+    extra = share.get_legend_handles_labels()
+    weight_ax.legend(lines[0] + extra[0], lines[1] + extra[1], loc="best")
+    _style(weight_ax, "Rollout correction weights per step", step_label, "weight old/behavior")
 
 
 def compare_figure(runs: dict[str, tuple[list[dict], list[dict]]], objectives: dict[str, str | None]) -> Figure:

@@ -40,8 +40,9 @@ class MicroBatch:
     target_mask: torch.BoolTensor
     """(b, L-1) True at positions that predict a response token."""
     old_logp: torch.Tensor | None
-    """(b, L-1) float32 behavior log-probs at response positions, 0 elsewhere; None when the
-    table has no behavior log-probs (sft, or old_logp recomputed by the trainer)."""
+    """(b, L-1) float32 old log-probs at response positions, 0 elsewhere: the table's
+    old_logprobs (recomputed by the trainer: decoupled mode) or else its behavior_logprobs
+    (bypass mode); None when it has neither (sft)."""
     advantages: torch.Tensor
     """(b,) float32 sequence advantages (zeros when the table has none, and for pairs)."""
     rows: torch.LongTensor
@@ -56,6 +57,12 @@ class MicroBatch:
     policy_version: torch.LongTensor | None = None
     """(b,) the policy_version that sampled each sequence, when the table has the column
     (policy batches only)."""
+    behavior_logp: torch.Tensor | None = None
+    """(b, L-1) the engine's behavior log-probs like old_logp, when old_logp are the
+    trainer's own (decoupled mode: the table has both columns); else None."""
+    staleness: torch.LongTensor | None = None
+    """(b,) rounds between each sequence's round and the newest round of the table, when it
+    has a round column (policy batches only)."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device`."""
@@ -175,10 +182,12 @@ def _buffers(b: int, L: int, pad_id: int, with_old: bool):
 def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[MicroBatch]:
     """Micro-batches of a samples-like table for the policy losses (grpo, gspo, sft).
 
-    Columns: prompt_token_ids, response_token_ids (list<int>); optional behavior_logprobs
-    (list<float>, one per response token) -> old_logp; optional advantage (float) ->
-    advantages (zeros when absent); optional policy_version (int) -> policy_version. Every
-    row lands in exactly one micro-batch.
+    Columns: prompt_token_ids, response_token_ids (list<int>); optional old_logprobs and
+    behavior_logprobs (list<float>, one per response token) -> old_logp (old_logprobs if
+    there, else behavior_logprobs) and behavior_logp (when both are there); optional
+    advantage (float) -> advantages (zeros when absent); optional policy_version (int) ->
+    policy_version; optional round (int) -> staleness. Every row lands in exactly one
+    micro-batch.
     """
     _check_budget(token_budget)
     _require(table, ["prompt_token_ids", "response_token_ids"], "policy_batches")
@@ -186,25 +195,38 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[
     _check_nonempty(prompts.lengths, "prompt_token_ids", "the first response token needs at least one "
                     "prompt token (e.g. BOS) to be predicted from")
     _check_nonempty(responses.lengths, "response_token_ids", "there is no token to train on")
-    behavior = None
-    if "behavior_logprobs" in table.column_names:
-        behavior = _ragged(table, "behavior_logprobs")
-        _check_logprobs(behavior, "behavior_logprobs", responses, "response_token_ids")
+    logprobs = {}
+    for name in ("old_logprobs", "behavior_logprobs"):
+        if name in table.column_names:
+            logprobs[name] = _ragged(table, name)
+            _check_logprobs(logprobs[name], name, responses, "response_token_ids")
+    old = logprobs.get("old_logprobs", logprobs.get("behavior_logprobs"))
+    behavior = logprobs.get("behavior_logprobs") if "old_logprobs" in logprobs else None
     advantage = _scalars(table, "advantage", default=0.0)
     versions = table.column("policy_version").to_numpy() if "policy_version" in table.column_names else None
+    staleness = None
+    if "round" in table.column_names and table.num_rows:
+        rounds = table.column("round").to_numpy().astype(np.int64)
+        staleness = rounds.max() - rounds
 
     batches = []
     for group in _pack(prompts.lengths + responses.lengths, token_budget, seqs_per_item=1):
         L = int((prompts.lengths[group] + responses.lengths[group]).max())
-        ids, attention, targets, old = _buffers(len(group), L, pad_id, behavior is not None)
+        ids, attention, targets, old_buf = _buffers(len(group), L, pad_id, old is not None)
+        behavior_buf = None if behavior is None else np.zeros_like(old_buf)
         for j, i in enumerate(group):
-            _fill(prompts.row(i), responses.row(i), None if behavior is None else behavior.row(i),
-                  j, ids, attention, targets, old)
-        batches.append(MicroBatch(*_tensors(ids, attention, targets, old),
+            _fill(prompts.row(i), responses.row(i), None if old is None else old.row(i),
+                  j, ids, attention, targets, old_buf)
+            if behavior_buf is not None:
+                p = prompts.lengths[i]
+                behavior_buf[j, p - 1 : p + responses.lengths[i] - 1] = behavior.row(i)
+        batches.append(MicroBatch(*_tensors(ids, attention, targets, old_buf),
                                   advantages=torch.from_numpy(advantage[group].astype(np.float32)),
                                   rows=torch.from_numpy(group.astype(np.int64)),
                                   policy_version=None if versions is None
-                                  else torch.from_numpy(versions[group].astype(np.int64))))
+                                  else torch.from_numpy(versions[group].astype(np.int64)),
+                                  behavior_logp=None if behavior_buf is None else torch.from_numpy(behavior_buf),
+                                  staleness=None if staleness is None else torch.from_numpy(staleness[group])))
     return batches
 
 

@@ -50,8 +50,20 @@ class TrainConfig(BaseModel):
     token_budget: int = Field(16384, ge=1, description="Padded tokens per micro-batch (memory knob; "
                                                         "does not change the gradient).")
     old_logprobs: Literal["generator", "recompute"] = Field(
-        "generator", description="old_logp from samples.behavior_logprobs, or recomputed by the trainer "
-                                 "when it first trains on a set of rows.")
+        "generator", description="old_logp from samples.behavior_logprobs (bypass mode: the PPO ratio is "
+                                 "current/behavior), or recomputed by the trainer when it first trains on a set "
+                                 "of rows (decoupled mode: current/old, with rollout_correction's weight "
+                                 "old/behavior). See training/correction.py.")
+    rollout_correction: Literal["off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "off", description="Decoupled mode's weight w = old/behavior per token, or per sequence (exp of the mean "
+                           "or sum of the token log-ratios), truncated at correction_cap (TIS) or masked outside "
+                           "[correction_floor, correction_cap] (MIS/IcePop); needs old_logprobs = 'recompute'. "
+                           "grpo, gspo, gspo_token.")
+    correction_cap: float = Field(2.0, gt=0, description="Truncate the correction weight here, or mask above it.")
+    correction_floor: float = Field(0.0, ge=0, description="Mask modes: mask a correction weight below this.")
+    correction_sequence: Literal["mean", "sum"] = Field(
+        "mean", description="Sequence modes: w_i = exp(mean) (geometric mean of token ratios) or exp(sum) (their "
+                            "product) of the token log-ratios old - behavior.")
     temperature: float | None = Field(
         None, gt=0, description="Temperature of logp/old_logp (default: the rounds' sampling temperature).")
 
@@ -98,7 +110,24 @@ class TrainConfig(BaseModel):
         # Every registered default beta of pairwise is > 0, so only an explicit one can be bad.
         if self.objective == "pairwise" and self.beta is not None and self.beta <= 0:
             raise ValueError("pairwise needs beta > 0: h = beta * (log-ratio difference) would be constant")
+        if self.rollout_correction != "off":
+            if self.old_logprobs != "recompute":
+                raise ValueError(f"rollout_correction = {self.rollout_correction!r} needs old_logprobs = 'recompute' "
+                                 "(decoupled mode: the PPO ratio is current/old and the weight old/behavior); with "
+                                 "old_logprobs = 'generator' (bypass) old is behavior and the weight is 1")
+            if self.objective not in ("grpo", "gspo", "gspo_token"):
+                raise ValueError(f"rollout_correction applies to grpo, gspo and gspo_token, not {self.objective!r}")
+            if self.correction_floor >= self.correction_cap:
+                raise ValueError(f"correction_floor ({self.correction_floor}) must be below correction_cap "
+                                 f"({self.correction_cap})")
         return self
+
+    def correction_config(self):
+        """The rollout correction settings as a training.correction.CorrectionConfig (loads torch)."""
+        from training.correction import CorrectionConfig
+
+        return CorrectionConfig(mode=self.rollout_correction, cap=self.correction_cap,
+                                floor=self.correction_floor, sequence=self.correction_sequence)
 
     def objective_config(self, longest_response: int | None = None) -> ObjectiveConfig:
         """The loss hyperparameters: the settings given here, the loss's paper defaults for

@@ -2,7 +2,7 @@
 `get_pair_loss` wrap each registered loss with them): the ObjectiveConfig's values and the
 shapes of the tensors, each error naming the argument and the shape it needs.
 
-    policy   logp (B, T); mask, old_logp, ref_logp like logp; advantages (B,) or (B, T)
+    policy   logp (B, T); mask, old_logp, ref_logp, is_weight like logp; advantages (B,) or (B, T)
     pair     chosen_logp (K, T_w), rejected_logp (K, T_l), masks and references like them;
              soft_label and weight (K,)
 """
@@ -42,8 +42,8 @@ def check_config(cfg: ObjectiveConfig, pairwise: bool) -> None:
 
 
 def check_policy_inputs(logp: Tensor, old_logp: Tensor | None, advantages: Tensor | None, mask: Tensor,
-                        ref_logp: Tensor | None) -> None:
-    _check_like("logp", logp, mask=mask, old_logp=old_logp, ref_logp=ref_logp)
+                        ref_logp: Tensor | None, is_weight: Tensor | None = None) -> None:
+    _check_like("logp", logp, mask=mask, old_logp=old_logp, ref_logp=ref_logp, is_weight=is_weight)
     shape = tuple(logp.shape)
     if advantages is not None and tuple(advantages.shape) not in (shape[:1], shape):
         raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected "

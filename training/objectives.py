@@ -6,9 +6,12 @@ Policy losses share one signature (verl's core_algos style)::
                                           ref_logp=None, norm=None)
 
 logp, old_logp (behavior), ref_logp and mask are (B, T), mask 1 on response tokens and 0 on
-padding; advantages are (B,) or (B, T). The pair loss has its own signature, see
-get_pair_loss. A loss is a scalar tensor; metrics are floats computed under no_grad that
-describe this batch alone (they ignore `norm`), so the trainer can average them.
+padding; advantages are (B,) or (B, T). grpo, gspo and gspo_token also take
+`is_weight=` (B, T), the rollout correction weights of training.correction: constants that
+multiply each token's (gspo: each sequence's, the mean over its tokens) policy term.
+The pair loss has its own signature, see get_pair_loss. A loss is a scalar tensor; metrics
+are floats computed under no_grad that describe this batch alone (they ignore `norm`), so
+the trainer can average them.
 
 Gradient accumulation: give every micro-batch of a step the step's Normalizer. Each
 micro-batch's loss is then its share of the full-step loss, and the shares sum to the
@@ -235,17 +238,21 @@ def _require(loss: str, **tensors: Tensor | None) -> None:
 @register_policy_loss("grpo")
 def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
               cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
-              norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+              norm: Normalizer | None = None, is_weight: Tensor | None = None) -> tuple[Tensor, Metrics]:
     """GRPO (DeepSeekMath; PPO's clipped surrogate per token), A_it = A_i when advantages are (B,):
 
         r_it = exp(logp_it - old_logp_it)
-        l_it = -min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it)   (+ dual clip)
+        l_it = -w_it min(r_it A_it, clip(r_it, 1-eps_low, 1+eps_high) A_it)   (+ dual clip)
         loss = agg(l + beta * KL(logp, ref_logp))
+
+    w_it: the rollout correction weight (`is_weight`, constant; 1 without it).
     """
     _require("grpo", old_logp=old_logp, advantages=advantages)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     ratio = torch.exp(_log_ratio(logp, old_logp, mask))
     pg, dual = _clipped_pg(ratio, adv, cfg)
+    if is_weight is not None:
+        pg = pg * is_weight.detach()
     metrics = _ratio_metrics(ratio, adv, mask > 0, dual, cfg)
     metrics["pg_loss"] = agg_loss(pg.detach(), mask, cfg.agg, cfg.norm_len)
     loss = agg_loss(pg, mask, cfg.agg, cfg.norm_len, norm)
@@ -255,13 +262,15 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
 @register_policy_loss("gspo", LossDefaults(eps_low=3e-4, eps_high=4e-4))
 def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
               cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
-              norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+              norm: Normalizer | None = None, is_weight: Tensor | None = None) -> tuple[Tensor, Metrics]:
     """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios:
 
         s_i = exp(sum_t m_it (logp_it - old_logp_it) / |y_i|)
         l_i = -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)     (+ dual clip)
         loss = sum_i l_i / N_seq + beta * agg(KL)
 
+    With `is_weight` (rollout correction), l_i is multiplied by w_i = the mean of the
+    sequence's token weights (the sequence weight itself at sequence level).
     advantages must be (B,); per-token advantages need gspo_token. A sequence without response
     tokens adds nothing. Clip fractions and ratio statistics count sequences. The paper's clip
     ranges, eps_low = 3e-4 and eps_high = 4e-4, are its registered defaults (a sequence ratio is
@@ -275,6 +284,8 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     ratio = torch.exp(_seq_log_ratio(logp, old_logp, mask))
     pg, dual = _clipped_pg(ratio, advantages, cfg)
     pg = pg * has_tokens
+    if is_weight is not None:
+        pg = pg * ((is_weight.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1))
     metrics = _ratio_metrics(ratio, advantages, has_tokens, dual, cfg)
     metrics["pg_loss"] = pg.detach().sum() / logp.shape[0]
     num_seqs = logp.shape[0] if norm is None else max(norm.num_seqs, 1)
@@ -284,7 +295,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
 @register_policy_loss("gspo_token", LossDefaults(eps_low=3e-4, eps_high=4e-4))
 def gspo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                     cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
-                    norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+                    norm: Normalizer | None = None, is_weight: Tensor | None = None) -> tuple[Tensor, Metrics]:
     """GSPO-token (Zheng et al. 2025, eq. 13), for per-token advantages (a (B,) one broadcasts):
 
         s_it = sg(s_i) exp(logp_it - sg(logp_it))      (value s_i, gradient s_i grad logp_it)
@@ -293,13 +304,16 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
 
     The policy term is always aggregated seq-mean-token-mean, the paper's form, whatever
     cfg.agg says (cfg.agg still aggregates the KL): with A_it = A_i it then equals gspo in value
-    and gradient. Clip fractions and ratio statistics count tokens.
+    and gradient. Clip fractions and ratio statistics count tokens. `is_weight` (rollout
+    correction) multiplies l_it, as in grpo.
     """
     _require("gspo_token", old_logp=old_logp, advantages=advantages)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     seq_ratio = torch.exp(_seq_log_ratio(logp, old_logp, mask)).detach()
     ratio = seq_ratio[:, None] * torch.exp(logp - logp.detach())
     pg, dual = _clipped_pg(ratio, adv, cfg)
+    if is_weight is not None:
+        pg = pg * is_weight.detach()
     metrics = _ratio_metrics(ratio, adv, mask > 0, dual, cfg)
     metrics["pg_loss"] = agg_loss(pg.detach(), mask, "seq-mean-token-mean")
     loss = agg_loss(pg, mask, "seq-mean-token-mean", norm=norm)
@@ -370,6 +384,10 @@ def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
     return registry[name]
 
 
+CORRECTED_LOSSES = ("grpo", "gspo", "gspo_token")
+"""The policy losses that take rollout correction weights (`is_weight`)."""
+
+
 def get_policy_loss(name: str) -> PolicyLoss:
     """The policy loss `name` (grpo, gspo, gspo_token, sft). Each call first checks cfg and
     the shapes: logp (B, T); mask, old_logp, ref_logp like logp; advantages (B,) or (B, T)."""
@@ -378,10 +396,16 @@ def get_policy_loss(name: str) -> PolicyLoss:
     @functools.wraps(fn)
     def checked(logp: Tensor, old_logp: Tensor | None, advantages: Tensor | None, mask: Tensor,
                 cfg: ObjectiveConfig, ref_logp: Tensor | None = None,
-                norm: Normalizer | None = None) -> tuple[Tensor, Metrics]:
+                norm: Normalizer | None = None, is_weight: Tensor | None = None) -> tuple[Tensor, Metrics]:
         check_config(cfg, pairwise=False)
-        check_policy_inputs(logp, old_logp, advantages, mask, ref_logp)
-        return fn(logp, old_logp, advantages, mask.to(logp.dtype), cfg, ref_logp, norm)
+        check_policy_inputs(logp, old_logp, advantages, mask, ref_logp, is_weight)
+        if is_weight is None:  # a registered loss need not take is_weight
+            return fn(logp, old_logp, advantages, mask.to(logp.dtype), cfg, ref_logp, norm)
+        if name not in CORRECTED_LOSSES:
+            raise ValueError(f"policy loss {name!r} takes no rollout correction weights (is_weight); "
+                             f"those that do: {', '.join(CORRECTED_LOSSES)}")
+        return fn(logp, old_logp, advantages, mask.to(logp.dtype), cfg, ref_logp, norm,
+                  is_weight=is_weight.to(logp.dtype))
 
     return checked
 

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from training.batching import MicroBatch, step_normalizer
+from training.correction import CorrectionConfig, correction_weights, mismatch_metrics
 from training.logprobs import token_logprobs
 from training.objectives import Metrics, Normalizer, ObjectiveConfig
 
@@ -38,6 +39,8 @@ class StepContext:
     """Forward passes under bfloat16 autocast."""
     measure_gap: bool
     """Report behavior_logp_gap (old_logp are the generator's behavior log-probs)."""
+    correction: CorrectionConfig | None = None
+    """Rollout correction (decoupled mode; training.correction), None: off."""
 
     def logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """(b, L-1) log-probs of `model` at mb's positions (0 where target_mask is False)."""
@@ -64,11 +67,21 @@ class MicroStep(NamedTuple):
 
 
 def policy_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
-    """grpo, gspo, gspo_token, sft: loss(logp, old_logp, advantages, mask) on b sequences."""
+    """grpo, gspo, gspo_token, sft: loss(logp, old_logp, advantages, mask) on b sequences;
+    in decoupled mode (the batch has behavior_logp) also the mismatch metrics, and with a
+    rollout correction its weights (`is_weight`) and their metrics."""
     logp = ctx.logprobs(ctx.policy, mb)
     ref_logp = ctx.reference_logprobs(mb)
     mask = mb.target_mask.to(logp.dtype)
-    loss, metrics = ctx.loss(logp, mb.old_logp, mb.advantages, mask, ctx.objective, ref_logp=ref_logp, norm=norm)
+    extra, weights = {}, {}
+    if mb.behavior_logp is not None and mb.old_logp is not None:
+        extra = mismatch_metrics(mb.old_logp, mb.behavior_logp, mask)
+        if ctx.correction is not None and ctx.correction.on:
+            weights["is_weight"], correction = correction_weights(mb.old_logp, mb.behavior_logp, mask, ctx.correction)
+            extra.update(correction)
+    loss, metrics = ctx.loss(logp, mb.old_logp, mb.advantages, mask, ctx.objective, ref_logp=ref_logp, norm=norm,
+                             **weights)
+    metrics.update({key: float(value) for key, value in extra.items()})
     return MicroStep(loss, metrics, weight=mb.input_ids.shape[0], logp=logp)
 
 
@@ -91,13 +104,16 @@ def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, Mi
     step's totals (so the gradient is the one-batch gradient however the step is split).
     Returns the step's metrics: loss is the full-batch loss; the objective's metrics are
     averaged, weighted by sequences (pairs); behavior_logp_gap is the mean |logp - old_logp|
-    over response tokens of samples drawn by these very weights (policy_version)."""
+    over response tokens of samples drawn by these very weights (policy_version); in
+    decoupled mode old_behavior_gap_lag0 / _lag1 / _lag2+ are the mean |old - behavior| over
+    the response tokens of rows 0, 1 and 2 or more rounds older than the newest."""
     norm = step_normalizer(batches)
     totals: dict[str, float] = {}
     weight_total = 0.0
     loss_total = 0.0
     tokens = response_tokens = 0
     gap_sum, gap_tokens = 0.0, 0
+    lag_sums: dict[str, list[float]] = {}  # bucket -> [sum of |old - behavior|, tokens]
     for mb in batches:
         mb = mb.to(ctx.device)
         out = micro_step(ctx, mb, norm)
@@ -109,6 +125,15 @@ def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, Mi
                 sel = mb.target_mask & same[:, None]
                 gap_sum += float((out.logp.detach() - mb.old_logp).abs()[sel].sum())
                 gap_tokens += int(sel.sum())
+        if mb.behavior_logp is not None and mb.old_logp is not None and mb.staleness is not None:
+            gap = (mb.old_logp - mb.behavior_logp).abs()
+            buckets = (("lag0", mb.staleness == 0), ("lag1", mb.staleness == 1), ("lag2+", mb.staleness >= 2))
+            for bucket, rows in buckets:
+                sel = mb.target_mask & rows[:, None]
+                if sel.any():
+                    acc = lag_sums.setdefault(bucket, [0.0, 0])
+                    acc[0] += float(gap[sel].sum())
+                    acc[1] += int(sel.sum())
         out.loss.backward()
         loss_total += float(out.loss.detach())
         for key, value in out.metrics.items():
@@ -120,4 +145,6 @@ def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, Mi
     metrics.update(loss=loss_total, tokens=tokens, response_tokens=response_tokens, micro_batches=len(batches))
     if gap_tokens:
         metrics["behavior_logp_gap"] = gap_sum / gap_tokens
+    for bucket, (total, count) in lag_sums.items():
+        metrics[f"old_behavior_gap_{bucket}"] = total / count
     return metrics

@@ -214,7 +214,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         temperature=cfg.temperature or data.temperature or 1.0,
         pad_id=policy.config.pad_token_id if isinstance(policy.config.pad_token_id, int) else 0,
         device=device, autocast=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"),
-        measure_gap=cfg.old_logprobs == "generator")
+        measure_gap=cfg.old_logprobs == "generator",
+        correction=cfg.correction_config() if cfg.rollout_correction != "off" else None)
     table = data.table
     if cfg.old_logprobs == "recompute" and cfg.objective in POLICY_OBJECTIVES:
         with timing("load"):
@@ -297,9 +298,10 @@ def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
                               token_budget: int) -> pa.Table:
-    """`table` with behavior_logprobs replaced by the log-probs of the policy at the start of
-    this segment. Computed once and cached under RUN/_train/, so a resumed run uses the same
-    values rather than those of its (already updated) weights."""
+    """`table` with an old_logprobs column: the log-probs of the policy at the start of this
+    segment (behavior_logprobs stay: decoupled mode reads both). Computed once and cached
+    under RUN/_train/, so a resumed run uses the same values rather than those of its (already
+    updated) weights."""
     from safetensors.torch import load_file, save
 
     cache = (run_dir / TRAIN_CACHE_DIR /
@@ -324,8 +326,7 @@ def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, sta
     lengths = [len(x) for x in table.column("response_token_ids").to_pylist()]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.numpy(), pa.float32()))
-    index = table.schema.get_field_index("behavior_logprobs")
-    return table.set_column(index, "behavior_logprobs", column)
+    return table.append_column("old_logprobs", column)
 
 
 def _longest_response(table: pa.Table) -> int:

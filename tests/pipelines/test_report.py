@@ -40,6 +40,7 @@ def step_record(step: int, objective: str, ratio_spread: float | None = 0.1, **e
                       clip_frac_low=0.01 * step, clip_frac_high=0.02 * step, approx_kl=1e-4)
     if objective == "pairwise":
         record.update(reward_accuracy=0.6, margin_mean=0.3)
+    record.update(extra)
     return record
 
 
@@ -253,3 +254,12 @@ def test_markdown_table_formats_and_aligns():
     assert lines[5] == "| e | 1235 | 7 | yes |"
     with pytest.raises(ValueError, match="row 0 has 1 cells, expected 2"):
         markdown_table(["a", "b"], [[1]])
+
+
+def test_training_png_gets_the_mismatch_row_in_decoupled_mode(tmp_path):
+    mismatch = dict(mismatch_kl_k3=2e-5, old_behavior_gap=3e-3, old_behavior_gap_lag0=1e-3,
+                    old_behavior_gap_lag1=4e-3, is_weight_mean=1.0, is_weight_max=1.2, is_truncated_frac=0.01)
+    records = [round_record(0, 0.2), step_record(1, "grpo", **mismatch), step_record(2, "grpo", **mismatch),
+               round_record(1, 0.3)]
+    out = report_run(write_metrics(tmp_path / "run", records))
+    assert_png(out / "training.png", 12 * 120, 12 * 120)  # a third row of panels

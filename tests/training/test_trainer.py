@@ -89,11 +89,26 @@ def test_every_objective_trains(run_copy, toy_dir, objective, extra):
     assert all(torch.isfinite(torch.tensor(r["loss"])) and r["grad_norm"] > 0 for r in records)
     if objective == "pairwise":
         assert "reward_accuracy" in records[0]
+    # bypass mode (old = behavior) has no second log-prob to compare; decoupled mode measures it
+    assert ("mismatch_kl_k3" in records[0]) == (extra.get("old_logprobs") == "recompute")
     if extra.get("old_logprobs") == "recompute":
         # old_logp recomputed by these weights: on-policy at step 1.
         assert records[0]["ratio_min"] == pytest.approx(1.0, abs=1e-5)
         assert records[0]["ratio_max"] == pytest.approx(1.0, abs=1e-5)
         assert list((run_copy / "_train").glob("old_logprobs-*.safetensors"))
+
+
+@pytest.mark.parametrize("objective,mode", [("grpo", "token_truncate"), ("gspo", "sequence_mask")])
+def test_decoupled_mode_measures_the_mismatch_and_weights_the_loss(run_copy, toy_dir, objective, mode):
+    cfg = TrainConfig(objective=objective, batch_size=64, token_budget=400, lr=1e-4, old_logprobs="recompute",
+                      rollout_correction=mode, correction_floor=0.5, rounds=[0, 1])
+    train(run_copy, cfg, steps=2, model=toy_dir / "model")
+    first = step_records(run_copy)[0]
+    # the transformers generator sampled with these very fp32 weights: old and behavior agree
+    assert 0 <= first["mismatch_kl_k3"] < 1e-4 and first["old_behavior_gap"] < 1e-3
+    assert first["is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and first["is_weight_max"] < 1.01
+    assert ("is_truncated_frac" if mode.endswith("truncate") else "is_masked_frac") in first
+    assert {"old_behavior_gap_lag0", "old_behavior_gap_lag1"} <= set(first)  # rounds 1 and 0
 
 
 def test_sft_loss_goes_down_on_fixed_data(run_copy, toy_dir):
