@@ -24,9 +24,10 @@ def toy_dir() -> Path:
 
 
 def make_toy_run(toy_dir: Path, folder: Path, prompts_from: str, n_prompts: int, group_size: int,
-                 max_tokens: int, rounds=(0, 1)) -> Path:
+                 max_tokens: int, rounds=(0, 1), **sampling) -> Path:
     """A run with `rounds` of the first `n_prompts` toy prompts of `prompts_from`
-    ("train" or "eval"), sampled with the transformers backend (fast to start); seed = round."""
+    ("train" or "eval"), sampled with the transformers backend (fast to start); seed = round;
+    `sampling`: more SamplingConfig settings (temperature, top_p, top_k)."""
     import pyarrow.parquet as pq
 
     from curation.generate.base import SamplingConfig
@@ -36,6 +37,7 @@ def make_toy_run(toy_dir: Path, folder: Path, prompts_from: str, n_prompts: int,
     pq.write_table(pq.read_table(toy_dir / f"{prompts_from}.parquet").slice(0, n_prompts), prompts_file)
     run_dir = folder / "run"
     for round in rounds:
-        generate(run_dir, prompts_file, SamplingConfig(group_size=group_size, max_tokens=max_tokens, seed=round),
+        generate(run_dir, prompts_file, SamplingConfig(group_size=group_size, max_tokens=max_tokens, seed=round,
+                                                       **sampling),
                  model=toy_dir / "model", backend="hf", round=round)
     return run_dir

@@ -66,6 +66,9 @@ class TrainConfig(BaseModel):
                             "product) of the token log-ratios old - behavior.")
     temperature: float | None = Field(
         None, gt=0, description="Temperature of logp/old_logp (default: the rounds' sampling temperature).")
+    truncated_logprobs: bool = Field(
+        True, description="Compute logp/old_logp under the rounds' sampling top_k/top_p (the distribution the "
+                          "engine sampled from and logged behavior_logprobs under); false: the full softmax.")
 
     # -- objective (training.objectives.ObjectiveConfig)
     eps_low: float | None = Field(None, ge=0, description="Lower clip range (default grpo 0.2, gspo 3e-4).")

@@ -43,6 +43,10 @@ class TrainingData:
     """sha256 of the input part files and the selection: equal fingerprints, equal rows."""
     temperature: float | None
     """The sampling temperature of these rounds (from the generate manifests), if recorded."""
+    top_k: int = 0
+    """The rounds' sampling top_k (0: off), from the generate manifests."""
+    top_p: float = 1.0
+    """The rounds' sampling top_p (1: off), from the generate manifests."""
 
     @property
     def num_rows(self) -> int:
@@ -72,17 +76,25 @@ def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[str]:
     return [str(f) for f in files]
 
 
-def _temperature(store: RunStore, rounds: list[int]) -> float | None:
-    temperatures = set()
+def _sampling(store: RunStore, rounds: list[int], key: str) -> float | None:
+    """The rounds' sampling setting `key` (temperature, top_k, top_p) from their generate
+    manifests: one value, or None when none records it; rounds that differ are an error."""
+    values = set()
     for round in rounds:
         manifest = store.load_manifest("generate", round) or {}
         sampling = (manifest.get("config") or {}).get("sampling") or {}
-        if "temperature" in sampling:
-            temperatures.add(float(sampling["temperature"]))
-    if len(temperatures) > 1:
-        raise ValueError(f"{store.root}: rounds {rounds} were sampled at different temperatures "
-                         f"{sorted(temperatures)}; train on them separately or set `temperature`")
-    return temperatures.pop() if temperatures else None
+        if key in sampling:
+            values.add(float(sampling[key]))
+    if len(values) > 1:
+        what, hint = (("at different temperatures", "set `temperature`") if key == "temperature" else
+                      (f"with different {key} values", "set `truncated_logprobs = false`"))
+        raise ValueError(f"{store.root}: rounds {rounds} were sampled {what} {sorted(values)}; "
+                         f"train on them separately or {hint}")
+    return values.pop() if values else None
+
+
+def _temperature(store: RunStore, rounds: list[int]) -> float | None:
+    return _sampling(store, rounds, "temperature")
 
 
 _SAMPLE_COLUMNS = ("s.run_id, s.round, s.prompt_id, s.sample_idx, s.prompt_token_ids, s.response_token_ids, "
@@ -174,5 +186,7 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
         raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"
                          f"{'' if max_staleness is None else f' within max_staleness={max_staleness}'})")
+    top_k, top_p = _sampling(store, chosen, "top_k"), _sampling(store, chosen, "top_p")
     return TrainingData(objective=objective, rounds=chosen, table=table, fingerprint=h.hexdigest(),
-                        temperature=_temperature(store, chosen))
+                        temperature=_temperature(store, chosen), top_k=int(top_k or 0),
+                        top_p=1.0 if top_p is None else top_p)

@@ -21,6 +21,20 @@ buffer (two under autocast: the low-precision matmul output and its float32 copy
 from forward to backward and reused there: backward needs it anyway, so the peak does not
 move, and reusing mapped pages is measurably faster on CPU than allocating fresh ones.
 
+Sampling truncation: with `top_k` > 0 or `top_p` < 1 the log-probs are those of the
+distribution the engine sampled from (vLLM's processed log-probs, transformers' warped
+scores): logits / T, then the top_k largest kept, then the smallest set of those whose
+renormalised probabilities reach top_p (a token is kept when the mass ranked above it is
+< top_p), everything else -inf, renormalised:
+
+    logp_n = z_n[y_n] / T - logsumexp_{v in K_n}(z_n[v] / T)
+    dlogp_n/dz_n = (onehot(y_n) - softmax_{K_n}(z_n / T)) / T      (0 outside K_n)
+
+K_n is rebuilt from the logits being evaluated (the sampled token always in it), in
+forward and again in backward, chunk by chunk: nothing about it is stored. At the weights
+that sampled, that is the engine's set (up to ties at the boundary); later it is the
+truncated distribution of the current weights, which is the policy being trained.
+
 Padding: sequences must be right-padded (what `training.batching` builds). Hugging Face
 Llama-family models number positions 0..L-1 whatever the mask says, which is right for
 every real token of a right-padded row; the attention mask keeps padded keys out.
@@ -31,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["ChunkedTokenLogProbs", "token_logprobs", "token_logprobs_reference"]
+__all__ = ["ChunkedTokenLogProbs", "token_logprobs", "token_logprobs_reference", "truncate_"]
 
 
 def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,12 +67,12 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature: float, chunk_tokens: int,
-                compute_dtype: torch.dtype):
+                compute_dtype: torch.dtype, top_k: int = 0, top_p: float = 1.0):
         head = _HeadChunks(hidden, weight, bias, temperature, chunk_tokens, compute_dtype)
         out = torch.empty(hidden.shape[0], dtype=head.acc, device=hidden.device)
         lse = torch.empty_like(out)
         for rows in head.chunks():
-            logits = head.logits(rows)
+            logits = truncate_(head.logits(rows), targets[rows], top_k, top_p)
             out[rows] = logits.gather(1, targets[rows, None]).squeeze(1)
             # logsumexp in place on the buffer (torch.logsumexp allocates two more chunk-sized tensors)
             top = logits.amax(dim=-1, keepdim=True)
@@ -66,6 +80,7 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         out -= lse
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype = temperature, chunk_tokens, compute_dtype
+        ctx.top_k, ctx.top_p = top_k, top_p
         # Backward reuses the chunk buffers (and the cast weight): no extra peak, since backward
         # needs them anyway, and the pages are already mapped (first touch of a fresh buffer
         # costs about as much as a pass over it).
@@ -87,7 +102,8 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             # grad_z = (onehot - softmax) * g,  g = grad_out / T: built in place on the logits
             # buffer, three passes over it (these passes, not the matmuls, are memory-bound)
             g = g_all[rows, None]
-            grad_z = head.logits(rows).sub_(lse[rows, None]).exp_().mul_(-g)
+            logits = truncate_(head.logits(rows), targets[rows], ctx.top_k, ctx.top_p)
+            grad_z = logits.sub_(lse[rows, None]).exp_().mul_(-g)
             grad_z.scatter_add_(1, targets[rows, None], g)
             if need_b:
                 grad_b += grad_z.sum(0)
@@ -106,7 +122,27 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def truncate_(logits: torch.Tensor, targets: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """`logits` (n, V), already divided by the temperature, with every token outside the
+    sampler's kept set set to -inf, in place (see the module docstring); unchanged when
+    top_k <= 0 and top_p >= 1. The target token of each row is always kept."""
+    n, vocab = logits.shape
+    keep = None
+    if 0 < top_k < vocab:
+        keep = logits >= logits.topk(top_k, dim=-1).values[:, -1:]  # ties at the k-th kept, as vLLM does
+    if top_p < 1.0:
+        probs = (logits if keep is None else logits.masked_fill(~keep, float("-inf"))).softmax(-1)
+        ranked, order = probs.sort(dim=-1, descending=True)
+        in_nucleus = (ranked.cumsum(-1) - ranked) < top_p  # the mass ranked above it is < top_p
+        nucleus = torch.zeros_like(in_nucleus).scatter_(1, order, in_nucleus)
+        keep = nucleus if keep is None else keep & nucleus
+    if keep is None:
+        return logits
+    keep.scatter_(1, targets[:, None], True)
+    return logits.masked_fill_(~keep, float("-inf"))
 
 
 class _HeadChunks:
@@ -177,11 +213,12 @@ def _check_inputs(input_ids, attention_mask, target_mask) -> None:
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    target_mask: torch.Tensor, *, temperature: float = 1.0,
-                   chunk_tokens: int = 2048) -> torch.Tensor:
+                   chunk_tokens: int = 2048, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Per-token log-probs of the next token, only where `target_mask` is True.
 
     Returns logp of shape (B, L-1): logp[b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1])
-    under softmax(logits / temperature) where target_mask[b, t], else 0. float32 (float64
+    under softmax(logits / temperature), truncated to the sampler's top_k / top_p set when
+    those are set (see the module docstring), where target_mask[b, t], else 0. float32 (float64
     for a float64 model), differentiable w.r.t. every model parameter. The B x L x V logits
     are never materialised, in forward or backward (see the module docstring); under
     autocast the head matmuls run in the autocast dtype and the log-softmax in float32.
@@ -192,6 +229,8 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    if not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"top_p must be in (0, 1] and top_k >= 0, got top_p {top_p}, top_k {top_k}")
     body, head = _lm_parts(model)
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     hidden = hidden[:, :-1][target_mask]  # (N, H): the states that predict a response token
@@ -201,16 +240,22 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
                      else head.weight.dtype)
     with torch.autocast(device_type, enabled=False):
         logp = ChunkedTokenLogProbs.apply(hidden, head.weight, getattr(head, "bias", None), targets,
-                                          float(temperature), int(chunk_tokens), compute_dtype)
+                                          float(temperature), int(chunk_tokens), compute_dtype,
+                                          int(top_k), float(top_p))
     out = torch.zeros(target_mask.shape, dtype=logp.dtype, device=logp.device)
     return out.masked_scatter(target_mask, logp)
 
 
 def token_logprobs_reference(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             target_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+                             target_mask: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                             top_p: float = 1.0) -> torch.Tensor:
     """The plain full-logits version of `token_logprobs` (B x L x V in memory), for tests."""
     _check_inputs(input_ids, attention_mask, target_mask)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logp = (logits[:, :-1].to(_accum_dtype(logits.dtype)) / temperature).log_softmax(-1)
+    logits = logits[:, :-1].to(_accum_dtype(logits.dtype)) / temperature
+    if top_k > 0 or top_p < 1:
+        flat = logits.reshape(-1, logits.shape[-1]).clone()
+        logits = truncate_(flat, input_ids[:, 1:].reshape(-1), top_k, top_p).reshape(logits.shape)
+    logp = logits.log_softmax(-1)
     logp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return logp.masked_fill(~target_mask, 0.0)

@@ -41,12 +41,15 @@ class StepContext:
     """Report behavior_logp_gap (old_logp are the generator's behavior log-probs)."""
     correction: CorrectionConfig | None = None
     """Rollout correction (decoupled mode; training.correction), None: off."""
+    top_k: int = 0
+    top_p: float = 1.0
+    """The sampler's truncation: logp and old_logp are computed under it (training.logprobs)."""
 
     def logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """(b, L-1) log-probs of `model` at mb's positions (0 where target_mask is False)."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask,
-                                  temperature=self.temperature)
+                                  temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
     def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
         if self.reference is None:

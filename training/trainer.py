@@ -215,7 +215,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         pad_id=policy.config.pad_token_id if isinstance(policy.config.pad_token_id, int) else 0,
         device=device, autocast=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"),
         measure_gap=cfg.old_logprobs == "generator",
-        correction=cfg.correction_config() if cfg.rollout_correction != "off" else None)
+        correction=cfg.correction_config() if cfg.rollout_correction != "off" else None,
+        **({"top_k": data.top_k, "top_p": data.top_p} if cfg.truncated_logprobs else {}))
     table = data.table
     if cfg.old_logprobs == "recompute" and cfg.objective in POLICY_OBJECTIVES:
         with timing("load"):

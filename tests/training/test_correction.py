@@ -135,10 +135,10 @@ def test_weighted_losses_match_loops(seed, mode):
     behavior = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed + 10), dtype=F64)
     w, _ = correction_weights(old, behavior, mask, CorrectionConfig(mode, cap=1.5, floor=0.6))
     cfg = ObjectiveConfig(agg="token-mean", eps_high=0.28)
-    L, O, M, W = (x.tolist() for x in (logp.detach(), old, mask, w))
+    L, OLD, M, W = (x.tolist() for x in (logp.detach(), old, mask, w))
     for name, a in (("grpo", token_adv), ("gspo", adv), ("gspo_token", token_adv)):
         loss, _ = get_policy_loss(name)(logp, old, a, mask, cfg, is_weight=w)
-        assert loss.item() == pytest.approx(loop_weighted(name, L, O, a.tolist(), M, W, cfg), abs=1e-9), name
+        assert loss.item() == pytest.approx(loop_weighted(name, L, OLD, a.tolist(), M, W, cfg), abs=1e-9), name
 
 
 def test_train_config_rules():

@@ -166,3 +166,11 @@ def test_errors_name_the_file_or_round(curated_run, tmp_path):
     with pytest.raises(ValueError, match=r"rounds \[0, 1\] were sampled at different temperatures \[0.7, 1.0\]"):
         load_training_data(run, "grpo")
     assert load_training_data(run, "grpo", rounds=[1]).temperature == 0.7
+    record["config"]["sampling"].update(temperature=1.0, top_p=0.9, top_k=5)
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"sampled with different top_k values \[0.0, 5.0\]"):
+        load_training_data(run, "grpo")
+    one = load_training_data(run, "grpo", rounds=[1])  # the truncation the trainer applies
+    assert (one.top_k, one.top_p) == (5, 0.9)
+    assert (load_training_data(run, "grpo", rounds=[0]).top_k, load_training_data(run, "grpo", rounds=[0]).top_p) \
+        == (0, 1.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tests.conftest import REPO
-from training.logprobs import ChunkedTokenLogProbs, token_logprobs, token_logprobs_reference
+from training.logprobs import ChunkedTokenLogProbs, token_logprobs, token_logprobs_reference, truncate_
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +57,13 @@ def _logp_and_grads(fn, model, ids, attention, targets, weights, **kw):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_same(model, ids, attention, targets, atol, rtol, temperature=1.0, chunk_tokens=2048):
+def _assert_same(model, ids, attention, targets, atol, rtol, temperature=1.0, chunk_tokens=2048, **truncation):
     weights = torch.rand(targets.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got, got_grads = _logp_and_grads(token_logprobs, model, ids, attention, targets, weights.to(torch.float32)
                                      if next(model.parameters()).dtype == torch.float32 else weights,
-                                     temperature=temperature, chunk_tokens=chunk_tokens)
+                                     temperature=temperature, chunk_tokens=chunk_tokens, **truncation)
     want, want_grads = _logp_and_grads(token_logprobs_reference, model, ids, attention, targets,
-                                       weights.to(got.dtype), temperature=temperature)
+                                       weights.to(got.dtype), temperature=temperature, **truncation)
     assert got.shape == targets.shape and got.dtype == want.dtype
     assert (got[~targets] == 0).all()
     assert (got[targets] < 0).all()
@@ -89,6 +90,33 @@ def test_toy_matches_reference_float32(toy_float32, chunk_tokens):
     ids, attention, targets = _batch(vocab=18, seed=3)
     _assert_same(model, ids, attention, targets, atol=1e-5, rtol=1e-4, temperature=1.3,
                  chunk_tokens=chunk_tokens)
+
+
+def test_truncate_keeps_the_samplers_set():
+    # probabilities of [2, 1, 0.5, 0]: 0.579, 0.213, 0.129, 0.078
+    row = torch.tensor([[2.0, 1.0, 0.5, 0.0]], dtype=torch.float64)
+    kept = lambda target, **kw: torch.isfinite(truncate_(row.clone(), torch.tensor([target]), **kw))[0].tolist()  # noqa: E731
+    assert kept(0, top_k=2, top_p=1.0) == [True, True, False, False]
+    assert kept(0, top_k=0, top_p=0.7) == [True, True, False, False]  # 0.579 above token 1 < 0.7
+    assert kept(0, top_k=0, top_p=0.5) == [True, False, False, False]  # 0.579 >= 0.5: token 1 is out
+    assert kept(3, top_k=0, top_p=0.5) == [True, False, False, True]  # the sampled token is always in
+    # top-k first, then top-p on the renormalised top 3: 0.628, 0.231, 0.140
+    assert kept(0, top_k=3, top_p=0.85) == [True, True, False, False]
+    assert kept(0, top_k=3, top_p=0.87) == [True, True, True, False]
+    assert kept(0, top_k=0, top_p=1.0) == [True] * 4 and kept(0, top_k=4, top_p=1.0) == [True] * 4
+    logp = truncate_(row.clone(), torch.tensor([0]), top_k=2, top_p=1.0).log_softmax(-1)[0, 0]
+    assert float(logp) == pytest.approx(2.0 - math.log(math.exp(2.0) + math.exp(1.0)))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.9), (5, 0.9), (0, 0.5)])
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 2048])
+def test_truncated_logprobs_match_reference(toy_float32, top_k, top_p, chunk_tokens):
+    """Values and every gradient of the chunked truncated log-probs (custom backward) against
+    autograd through the masked full log-softmax."""
+    model = _copy(toy_float32, torch.float64)
+    ids, attention, targets = _batch(vocab=18, seed=5)
+    _assert_same(model, ids, attention, targets, atol=1e-10, rtol=1e-9, temperature=0.7,
+                 chunk_tokens=chunk_tokens, top_k=top_k, top_p=top_p)
 
 
 @pytest.mark.parametrize("tie", [False, True])

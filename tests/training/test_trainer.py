@@ -111,6 +111,28 @@ def test_decoupled_mode_measures_the_mismatch_and_weights_the_loss(run_copy, toy
     assert {"old_behavior_gap_lag0", "old_behavior_gap_lag1"} <= set(first)  # rounds 1 and 0
 
 
+@pytest.mark.parametrize("truncated", [True, False])
+def test_top_k_samples_are_on_policy_at_step_one(toy_dir, tmp_path, truncated):
+    """Sampled with top_k = 3 at T = 0.8 (transformers: its warped scores are the behavior
+    log-probs): the trainer's first step, at the weights that sampled, sees ratio 1 only when
+    it computes its log-probs under the same truncation."""
+    from pipelines.curate import STAGES, CurationSpec, run_stage
+    from tests.conftest import make_toy_run
+
+    run_dir = make_toy_run(toy_dir, tmp_path, "train", n_prompts=16, group_size=8, max_tokens=6, rounds=(0,),
+                           temperature=0.8, top_k=3)
+    for stage in STAGES:
+        run_stage(stage, run_dir, 0, CurationSpec(filter={"drop_duplicates": False}))
+    cfg = TrainConfig(batch_size=10_000, lr=1e-4, truncated_logprobs=truncated)
+    train(run_dir, cfg, steps=1, model=toy_dir / "model")
+    first = step_records(run_dir)[0]
+    if truncated:
+        assert first["ratio_min"] == pytest.approx(1.0, abs=1e-4) and first["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+        assert first["behavior_logp_gap"] < 1e-5
+    else:  # the full softmax puts mass on tokens the sampler never could draw: ratio < 1
+        assert first["ratio_min"] < 0.99 and first["behavior_logp_gap"] > 1e-3
+
+
 def test_sft_loss_goes_down_on_fixed_data(run_copy, toy_dir):
     cfg = TrainConfig(objective="sft", batch_size=10_000, lr=3e-4)  # the whole set every step
     train(run_copy, cfg, steps=8, model=toy_dir / "model")
