@@ -28,6 +28,11 @@ The weights are constants (computed without gradient) that multiply the policy t
 token (grpo, gspo_token) or sequence (gspo: the mean of its tokens' weights, w_i itself at
 sequence level) before aggregation; a masked token still counts in the loss's denominator.
 
+Not the pairwise loss: it has no importance ratio (its gradient does not involve the
+sampling distribution: DPO-style, each pair's log-likelihood margin against the reference),
+so there is nothing for old / behavior to correct; weighting pairs by it would change which
+pairs the loss learns from, not fix a bias. sft likewise has no ratio.
+
 The mismatch itself is measured whenever both log-probs are there (decoupled mode), with the
 correction on or off: with r = old / behavior on tokens sampled from behavior,
 KL(behavior || old) ~ mean(-log r) (k1) and mean(r - 1 - log r) (k3, >= 0, Schulman 2020).
