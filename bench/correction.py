@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))  # before bench/ (the script's folder): bench/cura
 if str(ROOT / "bench") not in sys.path:
     sys.path.append(str(ROOT / "bench"))
 
-from _report import machine, write_section  # noqa: E402
+from _report import command, machine, publish  # noqa: E402
 
 OUT = ROOT / "runs" / "bench" / "correction"
 BASE = ["prompts.per_round=64", "run.steps_per_round=2", "eval.every=5", "run.checkpoint_every=1000"]
@@ -156,10 +156,7 @@ def main() -> None:
     items = [(name, seed) for seed in seeds for name in names]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # threads only wait on the child processes
         results = dict(zip(items, pool.map(run, items)))
-    command = "python bench/correction.py" + "".join(f" {a}" for a in sys.argv[1:] if a != "--append")
-    section = markdown(results, args, command)
-    print("\n" + section)
-    print(f"written to {write_section(section, 'correction', ROOT / 'runs' / 'bench', args.append)}")
+    publish(markdown(results, args, command("correction.py")), "correction", ROOT / "runs" / "bench", args.append)
 
 
 if __name__ == "__main__":

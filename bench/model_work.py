@@ -52,7 +52,7 @@ if str(ROOT / "bench") not in sys.path:
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
-from _report import machine, write_section  # noqa: E402
+from _report import machine, toy_loop_options, use_threads, write_section  # noqa: E402
 
 from curation.generate.base import SamplingConfig, prompt_seed  # noqa: E402
 
@@ -292,17 +292,10 @@ def main() -> None:
     parser.add_argument("--prompts", help="prompts per call, comma-separated (default 64,256; quick 64)")
     parser.add_argument("--repeats", type=int, help="timed calls per row (default 3, quick 1)")
     parser.add_argument("--variant", default="default", help="toy variant (pipelines.toy.VARIANTS)")
-    parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-grpo.toml"))
-    parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--threads", type=int, default=1, help="torch / OMP threads (0: torch's default, all "
-                                                                "cores); 1 is steadier on a machine other jobs share")
-    parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
+    toy_loop_options(parser, "torch / OMP threads (0: torch's default, all cores); 1 is steadier on a machine "
+                             "other jobs share")
     args = parser.parse_args()
-    if args.threads:
-        import os
-
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # vLLM keeps an externally set thread count
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     sizes = [int(n) for n in (args.prompts or ("64" if args.quick else "64,256")).split(",")]
     repeats = args.repeats or (1 if args.quick else 3)
     variants = getattr(toy_module, "VARIANTS", {"default": toy_module.ToyConfig()})

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT))  # before bench/ (the script's folder): bench/cura
 if str(ROOT / "bench") not in sys.path:
     sys.path.append(str(ROOT / "bench"))
 
-from _report import machine, write_section  # noqa: E402
+from _report import command, machine, publish, toy_loop_options, use_threads  # noqa: E402
 
 OUT = ROOT / "runs" / "bench"
 SETTINGS = ["prompts.per_round=64", "run.steps_per_round=2", "eval.every=10", "run.checkpoint_every=1000"]
@@ -100,17 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of the loop (default 3)")
     parser.add_argument("--rounds", type=int, default=28, help="rounds per run (default 28)")
-    parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-grpo.toml"))
-    parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--threads", type=int, default=1, help="torch / OMP threads (default 1, as bench/loop.py "
-                                                                "runs groupforge; 0: torch's default)")
-    parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
+    toy_loop_options(parser, "torch / OMP threads (default 1, as bench/loop.py runs groupforge; 0: torch's default)")
     args = parser.parse_args()
-    if args.threads:
-        import torch
-
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     toy = toy_module.build_toy(ROOT / "runs" / "toy", progress=False)
     spec = loop_spec(args.spec, toy, "round-overhead", 0, SETTINGS + args.gf_set, rounds=args.rounds)
     runs = []
@@ -120,10 +111,7 @@ def main() -> None:
               flush=True)
     settings = (f"default toy, {Path(args.spec).name} with {', '.join(SETTINGS + args.gf_set)}, {args.rounds} "
                 f"rounds a run; torch threads: {args.threads or 'all cores'}")
-    command = "python bench/round_overhead.py" + "".join(f" {a}" for a in sys.argv[1:] if a != "--append")
-    section = markdown(runs, settings, command)
-    print("\n" + section)
-    print(f"written to {write_section(section, 'round_overhead', OUT, args.append)}")
+    publish(markdown(runs, settings, command("round_overhead.py")), "round_overhead", OUT, args.append)
 
 
 if __name__ == "__main__":
