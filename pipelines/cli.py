@@ -261,11 +261,16 @@ def train(
 ) -> None:
     """Train on the run's curated tables; checkpoints in RUN/checkpoints, one line per step in RUN/metrics.jsonl."""
     from pipelines.spec import load_section
+    from training.distributed import close_process_group
     from training.trainer import train as run_train
 
     _run_folder(run)
     with _exit_codes():
         cfg = load_section(TrainConfig, config, "train", overrides=overrides)
+        if cfg.strategy == "ddp" and os.environ.get("RANK", "0") != "0":
+            run_train(run, cfg, steps=steps, model=model)  # rank 0 holds the lock for the group and prints
+            close_process_group()
+            return
         with _lock(run, no_wait):
             with _progress() as bar:
                 task = bar.add_task(f"train {cfg.objective}", total=None)
@@ -275,6 +280,7 @@ def train(
                                description=f"train {cfg.objective} step {metrics['step']} loss {metrics['loss']:.4f}")
 
                 result = run_train(run, cfg, steps=steps, model=model, progress=progress)
+        close_process_group()
     if result.skipped:
         console.print(f"{run}: already at step {result.end_step} (>= --steps {steps}); nothing to do")
         return

@@ -157,16 +157,18 @@ def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None
     optimizer_from_tensors(optimizer, tensors, state["optimizer_param_groups"])
 
 
-def load_model(folder: str | Path, device: torch.device | str = "cpu", trainable: bool = False):
+def load_model(folder: str | Path, device: torch.device | str = "cpu", trainable: bool = False,
+               dtype: torch.dtype = torch.float32):
     """A causal LM from a safetensors folder (a checkpoint or a base model; no remote code),
-    fp32 master weights; frozen (eval, no grad) unless `trainable`."""
+    fp32 master weights (`dtype`: float64 for numerics checks); frozen (eval, no grad) unless
+    `trainable`."""
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder}: no *.safetensors files (pickled weights are not loaded)")
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False,
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False,
                                                      use_safetensors=True)
     model.to(device)
     model.train(trainable)

@@ -98,9 +98,13 @@ class TrainConfig(BaseModel):
         None, ge=1, description="cosine: the step where lr reaches min_lr_ratio * lr (default: --steps).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr / peak lr.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm (0: off).")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = Field(
         "auto", description="bfloat16 autocast or float32 (auto: bfloat16 on CUDA, float32 on CPU, where "
-                            "bf16 matmuls are not faster).")
+                            "bf16 matmuls are not faster); float64 master weights for numerics checks.")
+    strategy: Literal["single", "ddp"] = Field(
+        "single", description="single: one process; ddp: every rank of the caller's torch.distributed group "
+                              "(torchrun) trains on its share of each step's rows, gradients summed over the "
+                              "ranks (training/distributed.py); rank 0 writes.")
     device: str | None = Field(None, description="torch device (default: cuda when available, else cpu).")
     seed: int = Field(0, description="Seeds the order rows are drawn in.")
 

@@ -16,6 +16,7 @@ import torch
 
 from training.batching import MicroBatch, step_normalizer
 from training.correction import CorrectionConfig, correction_weights, mismatch_metrics
+from training.distributed import StepSync
 from training.logprobs import token_logprobs
 from training.objectives import Metrics, Normalizer, ObjectiveConfig
 
@@ -102,52 +103,62 @@ def pair_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> Micro
 
 
 def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, MicroBatch, Normalizer], MicroStep],
-                         batches: list[MicroBatch], policy_version: int) -> dict[str, float]:
+                         batches: list[MicroBatch], policy_version: int,
+                         sync: StepSync | None = None) -> dict[str, float]:
     """Forward and backward over the step's micro-batches, each loss normalised by the
     step's totals (so the gradient is the one-batch gradient however the step is split).
     Returns the step's metrics: loss is the full-batch loss; the objective's metrics are
     averaged, weighted by sequences (pairs); behavior_logp_gap is the mean |logp - old_logp|
     over response tokens of samples drawn by these very weights (policy_version); in
     decoupled mode old_behavior_gap_lag0 / _lag1 / _lag2+ are the mean |old - behavior| over
-    the response tokens of rows 0, 1 and 2 or more rounds older than the newest."""
-    norm = step_normalizer(batches)
-    totals: dict[str, float] = {}
-    weight_total = 0.0
-    loss_total = 0.0
-    tokens = response_tokens = 0
-    gap_sum, gap_tokens = 0.0, 0
-    lag_sums: dict[str, list[float]] = {}  # bucket -> [sum of |old - behavior|, tokens]
+    the response tokens of rows 0, 1 and 2 or more rounds older than the newest.
+
+    `sync` (training.distributed): the step's counts, gradients and metric sums are summed
+    over the ranks, each rank holding its shard of the step's rows in `batches` (possibly
+    none); without it this process is the whole step."""
+    sync = sync or StepSync(ctx.device)
+    norm = sync.normalizer(step_normalizer(batches) if batches else Normalizer(0.0, 0.0))
+    sums: dict[str, float] = {}  # summed over the ranks before the metrics are formed
+
+    def add(key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value
+
     for mb in batches:
         mb = mb.to(ctx.device)
         out = micro_step(ctx, mb, norm)
         if ctx.measure_gap and mb.old_logp is not None and mb.policy_version is not None:
-            # The known train/sample mismatch (top-p not re-applied, kernels differ), measured
-            # where the weights are the ones that sampled: samples of this policy version.
+            # The train/sample mismatch, measured where the weights are the ones that
+            # sampled: samples of this policy version.
             same = mb.policy_version == policy_version
             if same.any():
                 sel = mb.target_mask & same[:, None]
-                gap_sum += float((out.logp.detach() - mb.old_logp).abs()[sel].sum())
-                gap_tokens += int(sel.sum())
+                add("gap_sum", float((out.logp.detach() - mb.old_logp).abs()[sel].sum()))
+                add("gap_tokens", int(sel.sum()))
         if mb.behavior_logp is not None and mb.old_logp is not None and mb.staleness is not None:
             gap = (mb.old_logp - mb.behavior_logp).abs()
             buckets = (("lag0", mb.staleness == 0), ("lag1", mb.staleness == 1), ("lag2+", mb.staleness >= 2))
             for bucket, rows in buckets:
                 sel = mb.target_mask & rows[:, None]
                 if sel.any():
-                    acc = lag_sums.setdefault(bucket, [0.0, 0])
-                    acc[0] += float(gap[sel].sum())
-                    acc[1] += int(sel.sum())
+                    add(f"lag_sum:{bucket}", float(gap[sel].sum()))
+                    add(f"lag_tokens:{bucket}", int(sel.sum()))
         out.loss.backward()
-        loss_total += float(out.loss.detach())
+        add("loss", float(out.loss.detach()))
         for key, value in out.metrics.items():
-            totals[key] = totals.get(key, 0.0) + float(value) * out.weight
-        weight_total += out.weight
-        tokens += int(mb.attention_mask.sum())
-        response_tokens += int(mb.target_mask.sum())
-    metrics = {key: value / weight_total for key, value in totals.items()}
-    metrics.update(loss=loss_total, tokens=tokens, response_tokens=response_tokens, micro_batches=len(batches))
-    if gap_tokens:
-        metrics["behavior_logp_gap"] = gap_sum / gap_tokens
-    for bucket, (total, count) in lag_sums.items():
-        metrics[f"old_behavior_gap_{bucket}"] = total / count
+            add(f"metric:{key}", float(value) * out.weight)
+        add("weight", out.weight)
+        add("tokens", int(mb.attention_mask.sum()))
+        add("response_tokens", int(mb.target_mask.sum()))
+        add("micro_batches", 1)
+    sync.gradients([p for p in ctx.policy.parameters() if p.requires_grad])
+    sums = sync.sums(sums)
+    weight = sums.get("weight", 0.0) or 1.0
+    metrics = {key.removeprefix("metric:"): value / weight for key, value in sums.items() if key.startswith("metric:")}
+    metrics.update(loss=sums.get("loss", 0.0), tokens=int(sums.get("tokens", 0)),
+                   response_tokens=int(sums.get("response_tokens", 0)), micro_batches=int(sums.get("micro_batches", 0)))
+    if sums.get("gap_tokens"):
+        metrics["behavior_logp_gap"] = sums["gap_sum"] / sums["gap_tokens"]
+    for bucket in ("lag0", "lag1", "lag2+"):
+        if sums.get(f"lag_tokens:{bucket}"):
+            metrics[f"old_behavior_gap_{bucket}"] = sums[f"lag_sum:{bucket}"] / sums[f"lag_tokens:{bucket}"]
     return metrics

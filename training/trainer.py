@@ -47,6 +47,7 @@ import torch
 
 from curation.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
+from training import distributed
 from training.batching import pair_batches, policy_batches
 from training.config import TrainConfig, steps_for_passes
 from training.data import POLICY_OBJECTIVES, load_training_data
@@ -149,6 +150,13 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     started = time.perf_counter()
     run_dir = Path(run_dir)
     timing = _Timing()
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.strategy == "ddp":
+        distributed.ensure_process_group(device)
+        if device.type == "cuda" and cfg.device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    world = distributed.ranks() if cfg.strategy == "ddp" else distributed.Ranks()
+    sync = distributed.StepSync(device, world.world)
 
     # -- resume: the session's weights, a checkpoint, or the base model ------------------------
     with timing("load"):
@@ -170,7 +178,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     if start_step >= steps:
         return skipped()
     metrics_log = MetricsLog(run_dir)
-    if not live:  # a live session wrote every step record there is up to its step
+    if not live and world.main:  # a live session wrote every step record there is up to its step
         metrics_log.drop_steps_after(start_step)
 
     # -- data -------------------------------------------------------------------------------
@@ -186,14 +194,14 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
             return skipped()
 
     # -- model, optimizer, the step's context -------------------------------------------
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
+    dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # master weights
     reference_from = str(cfg.ref_model or base_model) if cfg.uses_reference() else None
     with timing("load"):
         if live:
             policy, optimizer = session.policy, session.optimizer
         else:
-            policy = ckpt.load_model(latest or base_model, device, trainable=True)
+            policy = ckpt.load_model(latest or base_model, device, trainable=True, dtype=dtype)
             optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
                                           weight_decay=cfg.weight_decay)
             if latest is not None:
@@ -201,7 +209,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         if live and session.reference_from == reference_from:
             reference = session.reference
         else:
-            reference = ckpt.load_model(reference_from, device) if reference_from else None
+            reference = ckpt.load_model(reference_from, device, dtype=dtype) if reference_from else None
     if session is not None:
         session.clear()  # the weights change in place from here on; a failure must not leave them live
     if cfg.objective == "pairwise":
@@ -220,7 +228,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     table = data.table
     if cfg.old_logprobs == "recompute" and cfg.objective in POLICY_OBJECTIVES:
         with timing("load"):
-            table = _with_recomputed_logprobs(run_dir, table, segment, start_step, ctx, cfg.token_budget)
+            table = _with_recomputed_logprobs(run_dir, table, segment, start_step, ctx, cfg.token_budget,
+                                              write=world.main)
 
     # -- the loop ---------------------------------------------------------------------------
     metrics: dict[str, Any] = {}
@@ -230,12 +239,13 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     for step in range(start_step + 1, steps + 1):
         tic = time.perf_counter()
         rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step)
-        batch = micro_batches(table.take(pa.array(rows)), cfg.token_budget, pad_id=ctx.pad_id)
+        mine = world.shard(rows)  # every rank draws the same rows and takes its share
+        batch = micro_batches(table.take(pa.array(mine)), cfg.token_budget, pad_id=ctx.pad_id) if len(mine) else []
         lr = lr_at(step, cfg, steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        metrics = accumulate_gradients(ctx, micro_step, batch, policy_version=step - 1)
+        metrics = accumulate_gradients(ctx, micro_step, batch, policy_version=step - 1, sync=sync)
         params = [p for p in policy.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
         optimizer.step()
@@ -246,23 +256,29 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
                        rows=len(rows), seconds=round(seconds, 4),
                        tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=data.rounds,
                        **{"pass": (step - segment["start_step"] - 1) * size // table.num_rows + 1})
-        metrics_log.append(metrics, sync=False)  # synced before a checkpoint and at the end: a
-        # step line lost to a power cut is after the newest checkpoint, so it is recomputed
+        if world.main:  # synced before a checkpoint and at the end: a step line lost to a
+            metrics_log.append(metrics, sync=False)  # power cut is after the newest checkpoint
         if step == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
 
         # -- checkpoint -----------------------------------------------------------------------
         if (save and step == steps) or (cfg.save_every and step % cfg.save_every == 0):
             with timing("checkpoint"):
-                metrics_log.sync()
-                saved = ckpt.save_checkpoint(
-                    run_dir, step, policy, optimizer,
-                    {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
-                     "temperature": ctx.temperature},
-                    tokenizer_from=base_model, keep_last=cfg.keep_last or None)
+                if world.main:  # a plain HF folder: any world size resumes from it
+                    metrics_log.sync()
+                    saved = ckpt.save_checkpoint(
+                        run_dir, step, policy, optimizer,
+                        {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
+                         "temperature": ctx.temperature},
+                        tokenizer_from=base_model, keep_last=cfg.keep_last or None)
+                else:
+                    saved = ckpt.checkpoint_dir(run_dir, step)
+                sync.barrier()  # no rank reads the run before the checkpoint is whole
         if progress is not None:
             progress(step - start_step, steps - start_step, metrics)
-    metrics_log.sync()
+    if world.main:
+        metrics_log.sync()
+    sync.barrier()
     if session is not None:
         session.step, session.run_dir, session.base_model = steps, run_dir.resolve(), base_model
         session.policy, session.optimizer = policy, optimizer
@@ -298,7 +314,7 @@ def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
-                              token_budget: int) -> pa.Table:
+                              token_budget: int, write: bool = True) -> pa.Table:
     """`table` with an old_logprobs column: the log-probs of the policy at the start of this
     segment (behavior_logprobs stay: decoupled mode reads both). Computed once and cached
     under RUN/_train/, so a resumed run uses the same values rather than those of its (already
@@ -323,7 +339,8 @@ def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, sta
                     flat_parts[row] = logp[i][mb.target_mask[i]].float().cpu()
         ctx.policy.train()
         flat = torch.cat(flat_parts)
-        write_atomic(cache, save({"logprobs": flat.contiguous()}))
+        if write:  # rank 0 of a ddp run; every rank computed the same values
+            write_atomic(cache, save({"logprobs": flat.contiguous()}))
     lengths = [len(x) for x in table.column("response_token_ids").to_pylist()]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.numpy(), pa.float32()))

@@ -1,0 +1,64 @@
+"""training/distributed.py: `torchrun` with 2 gloo ranks (`--strategy ddp`) takes the
+single-process steps (float64 on the toy), and its checkpoint resumes as 1 rank."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from curation.runlog import MetricsLog
+from tests.conftest import REPO
+from training import checkpoint as ckpt
+from training.config import TrainConfig
+from training.trainer import train
+
+SETTINGS = dict(objective="grpo", dtype="float64", batch_size=24, token_budget=160, lr=1e-3, seed=3)
+
+
+def weights(run_dir, step):
+    return load_file(ckpt.checkpoint_dir(run_dir, step) / "model.safetensors")
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def torchrun_train(run_dir, toy_dir, steps):
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pipelines.cli", "train", str(run_dir), "--steps", str(steps), "--model", str(toy_dir / "model"),
+           "--strategy", "ddp", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_two_gloo_ranks_take_the_single_process_steps_and_resume_as_one(curated_run, toy_dir, tmp_path):
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    shutil.copytree(curated_run, single)
+    shutil.copytree(curated_run, ddp)
+    cfg = TrainConfig(**SETTINGS)
+    train(single, cfg, steps=3, model=toy_dir / "model")
+    torchrun_train(ddp, toy_dir, steps=3)
+
+    assert weights(ddp, 3)["lm_head.weight"].dtype == torch.float64
+    assert max_diff(weights(single, 3), weights(ddp, 3)) < 1e-6
+    assert max_diff(weights(single, 3), load_file(toy_dir / "model" / "model.safetensors")) > 1e-4  # it trained
+    one, two = MetricsLog(single).steps(), MetricsLog(ddp).steps()
+    assert [s["step"] for s in two] == [1, 2, 3]  # rank 0 alone wrote, once per step
+    for a, b in zip(one, two):
+        assert b["rows"] == a["rows"] and b["response_tokens"] == a["response_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-9) and b["grad_norm"] == pytest.approx(a["grad_norm"])
+
+    # the 2-rank checkpoint is a plain HF folder: one process resumes from it
+    train(single, cfg, steps=5, model=toy_dir / "model")
+    train(ddp, cfg, steps=5, model=toy_dir / "model")
+    assert max_diff(weights(single, 5), weights(ddp, 5)) < 1e-6
