@@ -11,7 +11,9 @@ Exit codes: 0 ok, 2 bad input (a table, file or flag is wrong: the message says 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -267,11 +269,15 @@ def train(
     _run_folder(run)
     with _exit_codes():
         cfg = load_section(TrainConfig, config, "train", overrides=overrides)
+        if cfg.strategy == "ddp" and cfg.nproc > 1 and "RANK" not in os.environ:
+            with _lock(run, no_wait):  # held for the whole group; its rank 0 knows (GROUP_LOCK_ENV)
+                raise typer.Exit(_torchrun(cfg.nproc, run))
         if cfg.strategy == "ddp" and os.environ.get("RANK", "0") != "0":
             run_train(run, cfg, steps=steps, model=model)  # rank 0 holds the lock for the group and prints
             close_process_group()
             return
-        with _lock(run, no_wait):
+        locked = os.environ.get(GROUP_LOCK_ENV) == str(run.resolve())
+        with contextlib.nullcontext() if locked else _lock(run, no_wait):
             with _progress() as bar:
                 task = bar.add_task(f"train {cfg.objective}", total=None)
 
@@ -290,6 +296,26 @@ def train(
                 [[f"{result.start_step} -> {result.end_step}", ",".join(map(str, result.rounds)), str(result.rows),
                   f"{m.get('loss', float('nan')):.4f}", f"{m.get('grad_norm', float('nan')):.3f}",
                   f"{m.get('tokens_per_s', 0):,.0f}", f"{result.seconds:.1f}", str(result.checkpoint)]])
+
+
+GROUP_LOCK_ENV = "GROUPFORGE_GROUP_LOCK"
+"""Set by `groupforge train --nproc N` for the ranks it starts: the run whose lock it holds."""
+
+
+def _torchrun(nproc: int, run: Path) -> int:
+    """This same `groupforge train` command as `nproc` torchrun ranks on this machine; their
+    exit code."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:  # the ranks run under torchrun: --nproc is the launcher's (and torchrun's
+        if skip or arg.startswith("--nproc="):  # argparse would take it for its --nproc-per-node)
+            skip = False
+            continue
+        skip = arg == "--nproc"
+        if not skip:
+            args.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "pipelines.cli", *args]
+    return subprocess.run(cmd, env={**os.environ, GROUP_LOCK_ENV: str(run.resolve())}).returncode
 
 
 def _parse_extra_rounds(text: Optional[str]) -> Optional[int]:

@@ -105,6 +105,8 @@ class TrainConfig(BaseModel):
         "single", description="single: one process; ddp: every rank of the caller's torch.distributed group "
                               "(torchrun) trains on its share of each step's rows, gradients summed over the "
                               "ranks (training/distributed.py); rank 0 writes.")
+    nproc: int = Field(1, ge=1, description="ddp: ranks `groupforge train` starts itself (torchrun --standalone) "
+                                            "when it is not already running under torchrun.")
     device: str | None = Field(None, description="torch device (default: cuda when available, else cpu).")
     seed: int = Field(0, description="Seeds the order rows are drawn in.")
 

@@ -30,11 +30,16 @@ def max_diff(a, b):
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-def torchrun_train(run_dir, toy_dir, steps):
+def torchrun_train(run_dir, toy_dir, steps, self_launched=False):
+    """`groupforge train --strategy ddp` on 2 ranks: under the user's torchrun, or with --nproc 2."""
     flags = [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "pipelines.cli", "train", str(run_dir), "--steps", str(steps), "--model", str(toy_dir / "model"),
-           "--strategy", "ddp", *flags]
+    train_cmd = ["train", str(run_dir), "--steps", str(steps), "--model", str(toy_dir / "model"),
+                 "--strategy", "ddp", *flags]
+    if self_launched:
+        cmd = [sys.executable, "-m", "pipelines.cli", *train_cmd, "--nproc", "2"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "pipelines.cli", *train_cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -62,3 +67,11 @@ def test_two_gloo_ranks_take_the_single_process_steps_and_resume_as_one(curated_
     train(single, cfg, steps=5, model=toy_dir / "model")
     train(ddp, cfg, steps=5, model=toy_dir / "model")
     assert max_diff(weights(single, 5), weights(ddp, 5)) < 1e-6
+
+    # and 2 ranks resume a 1-process run, started by `groupforge train --nproc 2` itself
+    train(single, cfg, steps=6, model=toy_dir / "model")
+    done = torchrun_train(ddp, toy_dir, steps=6, self_launched=True)
+    assert "5 -> 6" in done.stdout  # rank 0 printed the summary, once
+    assert done.stdout.count("5 -> 6") == 1
+    assert max_diff(weights(single, 6), weights(ddp, 6)) < 1e-6
+    assert not (ddp / ".lock").read_text()  # the lock was held by the launcher and released
