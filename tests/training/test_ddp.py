@@ -75,3 +75,32 @@ def test_two_gloo_ranks_take_the_single_process_steps_and_resume_as_one(curated_
     assert done.stdout.count("5 -> 6") == 1
     assert max_diff(weights(single, 6), weights(ddp, 6)) < 1e-6
     assert not (ddp / ".lock").read_text()  # the lock was held by the launcher and released
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_by_c10d_rendezvous_on_localhost(curated_run, toy_dir, tmp_path):
+    """Two torchrun "nodes" (one rank each) meeting at a c10d rendezvous on 127.0.0.1, as two
+    machines would: the same weights as one process."""
+    single, nodes = tmp_path / "single", tmp_path / "nodes"
+    shutil.copytree(curated_run, single)
+    shutil.copytree(curated_run, nodes)
+    train(single, TrainConfig(**SETTINGS), steps=2, model=toy_dir / "model")
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                               "--rdzv-id", "gf-test", "-m", "pipelines.cli", "train", str(nodes), "--steps", "2",
+                               "--model", str(toy_dir / "model"), "--strategy", "ddp", *flags],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert max_diff(weights(single, 2), weights(nodes, 2)) < 1e-6
