@@ -269,10 +269,10 @@ def train(
     _run_folder(run)
     with _exit_codes():
         cfg = load_section(TrainConfig, config, "train", overrides=overrides)
-        if cfg.strategy == "ddp" and cfg.nproc > 1 and "RANK" not in os.environ:
+        if cfg.strategy != "single" and cfg.nproc > 1 and "RANK" not in os.environ:
             with _lock(run, no_wait):  # held for the whole group; its rank 0 knows (GROUP_LOCK_ENV)
                 raise typer.Exit(_torchrun(cfg.nproc, run))
-        if cfg.strategy == "ddp" and os.environ.get("RANK", "0") != "0":
+        if cfg.strategy != "single" and os.environ.get("RANK", "0") != "0":
             run_train(run, cfg, steps=steps, model=model)  # rank 0 holds the lock for the group and prints
             close_process_group()
             return

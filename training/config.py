@@ -101,12 +101,13 @@ class TrainConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float64"] = Field(
         "auto", description="bfloat16 autocast or float32 (auto: bfloat16 on CUDA, float32 on CPU, where "
                             "bf16 matmuls are not faster); float64 master weights for numerics checks.")
-    strategy: Literal["single", "ddp"] = Field(
+    strategy: Literal["single", "ddp", "fsdp2"] = Field(
         "single", description="single: one process; ddp: every rank of the caller's torch.distributed group "
                               "(torchrun) trains on its share of each step's rows, gradients summed over the "
-                              "ranks (training/distributed.py); rank 0 writes.")
-    nproc: int = Field(1, ge=1, description="ddp: ranks `groupforge train` starts itself (torchrun --standalone) "
-                                            "when it is not already running under torchrun.")
+                              "ranks (training/distributed.py); fsdp2: the same with weights, gradients and "
+                              "AdamW state sharded over the ranks (training/fsdp.py). Rank 0 writes.")
+    nproc: int = Field(1, ge=1, description="ddp, fsdp2: ranks `groupforge train` starts itself (torchrun "
+                                            "--standalone) when it is not already running under torchrun.")
     device: str | None = Field(None, description="torch device (default: cuda when available, else cpu).")
     seed: int = Field(0, description="Seeds the order rows are drawn in.")
 

@@ -74,8 +74,8 @@ def ranks() -> Ranks:
 class StepSync:
     """What accumulate_gradients sums over the ranks of a step; the identity in a world of one."""
 
-    def __init__(self, device: torch.device, world: int = 1):
-        self.device, self.world = device, world
+    def __init__(self, device: torch.device, world: int = 1, gradients: bool = True):
+        self.device, self.world, self.sum_gradients = device, world, gradients
 
     def normalizer(self, local: Normalizer) -> Normalizer:
         """The step's global counts from each rank's own."""
@@ -86,8 +86,9 @@ class StepSync:
         return Normalizer(num_seqs=total[0], num_tokens=total[1], weight_sum=total[2] if total[3] else None)
 
     def gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum every parameter's gradient over the ranks, in place (a missing one counts as 0)."""
-        if self.world == 1:
+        """Sum every parameter's gradient over the ranks, in place (a missing one counts as 0);
+        not with FSDP2, which reduces them itself."""
+        if self.world == 1 or not self.sum_gradients:
             return
         for p in params:
             if p.grad is None:

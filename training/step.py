@@ -48,9 +48,11 @@ class StepContext:
 
     def logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """(b, L-1) log-probs of `model` at mb's positions (0 where target_mask is False)."""
+        # FSDP2 (training/fsdp.py): through the registered forward method, which unshards the weights
+        compute = getattr(model, "groupforge_logprobs", None) or (lambda *a, **k: token_logprobs(model, *a, **k))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return token_logprobs(model, mb.input_ids, mb.attention_mask, mb.target_mask,
-                                  temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+            return compute(mb.input_ids, mb.attention_mask, mb.target_mask,
+                           temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
     def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
         if self.reference is None:

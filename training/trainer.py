@@ -151,12 +151,13 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     run_dir = Path(run_dir)
     timing = _Timing()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if cfg.strategy == "ddp":
+    if cfg.strategy != "single":
         distributed.ensure_process_group(device)
         if device.type == "cuda" and cfg.device is None:
             device = torch.device("cuda", torch.cuda.current_device())
-    world = distributed.ranks() if cfg.strategy == "ddp" else distributed.Ranks()
-    sync = distributed.StepSync(device, world.world)
+    world = distributed.ranks() if cfg.strategy != "single" else distributed.Ranks()
+    sharded = cfg.strategy == "fsdp2" and world.world > 1
+    sync = distributed.StepSync(device, world.world, gradients=not sharded)  # FSDP sums the gradients itself
 
     # -- resume: the session's weights, a checkpoint, or the base model ------------------------
     with timing("load"):
@@ -198,14 +199,21 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # master weights
     reference_from = str(cfg.ref_model or base_model) if cfg.uses_reference() else None
     with timing("load"):
+        def make_optimizer(params):
+            return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+
         if live:
             policy, optimizer = session.policy, session.optimizer
         else:
             policy = ckpt.load_model(latest or base_model, device, trainable=True, dtype=dtype)
-            optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.adam_betas,
-                                          weight_decay=cfg.weight_decay)
+            optimizer = make_optimizer(policy.parameters())
             if latest is not None:
                 ckpt.load_optimizer(optimizer, latest)
+            if sharded:
+                from training import fsdp
+
+                policy, optimizer = fsdp.shard(policy, optimizer, make_optimizer, device, world.world,
+                                               resumed=latest is not None)
         if live and session.reference_from == reference_from:
             reference = session.reference
         else:
@@ -248,6 +256,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         metrics = accumulate_gradients(ctx, micro_step, batch, policy_version=step - 1, sync=sync)
         params = [p for p in policy.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
+            grad_norm = grad_norm.full_tensor()
         optimizer.step()
         seconds = time.perf_counter() - tic
         timing.step += seconds
@@ -264,10 +274,18 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         # -- checkpoint -----------------------------------------------------------------------
         if (save and step == steps) or (cfg.save_every and step % cfg.save_every == 0):
             with timing("checkpoint"):
+                plain, plain_optimizer = policy, optimizer
+                if sharded:  # every rank takes part in gathering the full state; rank 0 writes it
+                    from training import fsdp
+
+                    model_state, optimizer_state = fsdp.full_state(policy, optimizer)
+                    if world.main:
+                        plain, plain_optimizer = fsdp.unsharded(policy, model_state, optimizer_state,
+                                                                make_optimizer, dtype)
                 if world.main:  # a plain HF folder: any world size resumes from it
                     metrics_log.sync()
                     saved = ckpt.save_checkpoint(
-                        run_dir, step, policy, optimizer,
+                        run_dir, step, plain, plain_optimizer,
                         {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
                          "temperature": ctx.temperature},
                         tokenizer_from=base_model, keep_last=cfg.keep_last or None)
@@ -286,7 +304,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     return TrainResult(start_step, steps, skipped=False, checkpoint=saved, rows=table.num_rows,
                        rounds=data.rounds, last_metrics=metrics, seconds=time.perf_counter() - started,
                        load_seconds=timing.load, step_seconds=timing.step, checkpoint_seconds=timing.checkpoint,
-                       state_dict=_cpu_state_dict(policy) if return_state else None)
+                       state_dict=_final_weights(policy, optimizer, sharded) if return_state else None)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -306,6 +324,15 @@ class _Timing:
             yield
         finally:
             setattr(self, part, getattr(self, part) + time.perf_counter() - tic)
+
+
+def _final_weights(policy: torch.nn.Module, optimizer, sharded: bool) -> dict[str, torch.Tensor]:
+    """The weights for TrainResult.state_dict: FSDP2's gathered on rank 0 (a collective)."""
+    if sharded:
+        from training import fsdp
+
+        return fsdp.full_state(policy, optimizer)[0]
+    return _cpu_state_dict(policy)
 
 
 def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -30,11 +30,11 @@ def max_diff(a, b):
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-def torchrun_train(run_dir, toy_dir, steps, self_launched=False):
-    """`groupforge train --strategy ddp` on 2 ranks: under the user's torchrun, or with --nproc 2."""
+def torchrun_train(run_dir, toy_dir, steps, self_launched=False, strategy="ddp"):
+    """`groupforge train --strategy ddp|fsdp2` on 2 ranks: under the user's torchrun, or with --nproc 2."""
     flags = [f"--{key.replace('_', '-')}={value}" for key, value in SETTINGS.items()]
     train_cmd = ["train", str(run_dir), "--steps", str(steps), "--model", str(toy_dir / "model"),
-                 "--strategy", "ddp", *flags]
+                 "--strategy", strategy, *flags]
     if self_launched:
         cmd = [sys.executable, "-m", "pipelines.cli", *train_cmd, "--nproc", "2"]
     else:
@@ -46,13 +46,14 @@ def torchrun_train(run_dir, toy_dir, steps, self_launched=False):
     return done
 
 
-def test_two_gloo_ranks_take_the_single_process_steps_and_resume_as_one(curated_run, toy_dir, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_gloo_ranks_take_the_single_process_steps_and_resume_as_one(curated_run, toy_dir, tmp_path, strategy):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     shutil.copytree(curated_run, single)
     shutil.copytree(curated_run, ddp)
     cfg = TrainConfig(**SETTINGS)
     train(single, cfg, steps=3, model=toy_dir / "model")
-    torchrun_train(ddp, toy_dir, steps=3)
+    torchrun_train(ddp, toy_dir, steps=3, strategy=strategy)
 
     assert weights(ddp, 3)["lm_head.weight"].dtype == torch.float64
     assert max_diff(weights(single, 3), weights(ddp, 3)) < 1e-6
@@ -70,7 +71,7 @@ def test_two_gloo_ranks_take_the_single_process_steps_and_resume_as_one(curated_
 
     # and 2 ranks resume a 1-process run, started by `groupforge train --nproc 2` itself
     train(single, cfg, steps=6, model=toy_dir / "model")
-    done = torchrun_train(ddp, toy_dir, steps=6, self_launched=True)
+    done = torchrun_train(ddp, toy_dir, steps=6, self_launched=True, strategy=strategy)
     assert "5 -> 6" in done.stdout  # rank 0 printed the summary, once
     assert done.stdout.count("5 -> 6") == 1
     assert max_diff(weights(single, 6), weights(ddp, 6)) < 1e-6
