@@ -191,6 +191,10 @@ class PipelineSpec(_Section):
         if self.train.temperature not in (None, self.generator.temperature):
             raise ValueError(f"train.temperature {self.train.temperature} differs from generator.temperature "
                              f"{self.generator.temperature}: log-probs must use the sampling temperature")
+        if self.train.strategy != "single" or self.train.nproc > 1:
+            raise ValueError(f"train.strategy = {self.train.strategy!r}, train.nproc = {self.train.nproc}: the round "
+                             "loop trains in its own process for now; run ranks with `groupforge train RUN "
+                             "--strategy ddp|fsdp2 --nproc N` on a run's tables")
         return self
 
 

@@ -71,6 +71,8 @@ eval = "runs/toy/eval.parquet"
     ("[generator]\ntemperature = 0.0\n", "generator.temperature: Value error, temperature must be > 0"),
     ("[generator]\ngpu_memory_utilization = 1.5\n", "generator.gpu_memory_utilization: Input should be less"),
     ("[eval]\nevery = 0\n", "eval.every: Input should be greater than or equal to 1"),
+    ("[train]\nstrategy = 'ddp'\nnproc = 2\n", "the round loop trains in its own process for now"),
+    ("[train]\nrollout_correction = 'token_mask'\n", "needs old_logprobs = 'recompute'"),
 ])
 def test_bad_specs_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, extra, message):
     monkeypatch.chdir(REPO)
