@@ -6,10 +6,12 @@
 One curated toy run (64 prompts x 8, round 0, transformers generator), then `groupforge train`
 for --steps optimizer steps of --batch-size rows, each in a fresh copy of the run: one
 process with all cores, one process with one torch thread, and 2 ranks of one thread each
-(`--strategy ddp --nproc 2`). Reported: trainer tokens/s (real prompt + response tokens per
-second of optimizer step, the median over the steps after the first) and the ratio to one
-process. Each rank is a process of its own with its own model and optimizer; the gradients
-are summed by one all-reduce per step. Not here yet: engines over Ray (generation) and FSDP2.
+(`--strategy ddp --nproc 2`, and `--strategy fsdp2 --nproc 2`). Reported: trainer tokens/s
+(real prompt + response tokens per second of optimizer step, the median over the steps after
+the first) and the ratio to one process. Each rank is a process of its own with its own
+model and optimizer; the gradients are summed by one all-reduce per step (ddp) or
+reduce-scattered, with the weights all-gathered for every layer (fsdp2). Not here yet:
+engines over Ray (generation).
 """
 
 from __future__ import annotations
@@ -53,14 +55,15 @@ def curated_run(toy: Path, folder: Path) -> Path:
     return run_dir
 
 
-def train_rate(source: Path, toy: Path, name: str, steps: int, batch: int, threads: int, nproc: int) -> dict:
+def train_rate(source: Path, toy: Path, name: str, steps: int, batch: int, threads: int, nproc: int,
+               strategy: str = "ddp") -> dict:
     run_dir = OUT / name
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(source, run_dir)
     cmd = [sys.executable, "-m", "pipelines.cli", "train", str(run_dir), "--steps", str(steps), "--model",
            str(toy / "model"), "--batch-size", str(batch), "--lr", "1e-4"]
     if nproc > 1:
-        cmd += ["--strategy", "ddp", "--nproc", str(nproc)]
+        cmd += ["--strategy", strategy, "--nproc", str(nproc)]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     tic = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=1800)
@@ -82,9 +85,10 @@ def main() -> None:
     toy = toy_module.build_toy(ROOT / "runs" / "toy", progress=False)
     OUT.mkdir(parents=True, exist_ok=True)
     source = curated_run(toy, OUT / "source")
-    setups = [("1 process, all cores", 0, 1), ("1 process, 1 thread", 1, 1), ("2 ranks x 1 thread (ddp)", 1, 2)]
-    rows = {label: train_rate(source, toy, f"r{k}", args.steps, args.batch_size, threads, nproc)
-            for k, (label, threads, nproc) in enumerate(setups)}
+    setups = [("1 process, all cores", 0, 1, "single"), ("1 process, 1 thread", 1, 1, "single"),
+              ("2 ranks x 1 thread (ddp)", 1, 2, "ddp"), ("2 ranks x 1 thread (fsdp2)", 1, 2, "fsdp2")]
+    rows = {label: train_rate(source, toy, f"r{k}", args.steps, args.batch_size, threads, nproc, strategy)
+            for k, (label, threads, nproc, strategy) in enumerate(setups)}
     base = rows["1 process, all cores"]["tokens_per_s"]
     lines = [f"## scale: the trainer on 1 process vs 2 gloo ranks — {time.strftime('%Y-%m-%d %H:%M')}", "",
              f"- machine: {machine()}", f"- command: `{command('scale.py')}`",

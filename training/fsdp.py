@@ -53,6 +53,7 @@ def shard(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, make_optimi
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum: the losses are shares of the global step loss
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     policy.groupforge_logprobs = types.MethodType(_logprobs, policy)
     register_fsdp_forward_method(policy, "groupforge_logprobs")
     sharded = make_optimizer(policy.parameters())

@@ -105,3 +105,21 @@ def test_two_nodes_by_c10d_rendezvous_on_localhost(curated_run, toy_dir, tmp_pat
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert max_diff(weights(single, 2), weights(nodes, 2)) < 1e-6
+
+
+def test_fsdp2_in_float32_on_gloo(curated_run, toy_dir, tmp_path):
+    """float32 takes another reduction path than float64 in FSDP2 (gloo has no PREMUL_SUM): it
+    must run, and stay close to one process."""
+    single, sharded = tmp_path / "single", tmp_path / "fsdp2"
+    shutil.copytree(curated_run, single)
+    shutil.copytree(curated_run, sharded)
+    float32 = {**SETTINGS, "dtype": "float32"}
+    train(single, TrainConfig(**float32), steps=2, model=toy_dir / "model")
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in float32.items()]
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", str(sharded), "--steps", "2", "--model",
+                           str(toy_dir / "model"), "--strategy", "fsdp2", "--nproc", "2", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert weights(sharded, 2)["lm_head.weight"].dtype == torch.float32
+    assert max_diff(weights(single, 2), weights(sharded, 2)) < 1e-4
