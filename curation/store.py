@@ -85,7 +85,6 @@ def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.T
     return pa.Table.from_arrays(arrays, schema=wanted)
 
 
-
 def _parquet_files(folder: Path) -> list[Path]:
     """The *.parquet files of `folder`, by name ([] when there is no folder)."""
     try:
@@ -93,6 +92,7 @@ def _parquet_files(folder: Path) -> list[Path]:
                       if entry.name.endswith(".parquet") and entry.is_file())
     except (FileNotFoundError, NotADirectoryError):
         return []
+
 
 class RunLockedError(RuntimeError):
     """Another process holds the run's writer lock. The message names the run and the holder."""

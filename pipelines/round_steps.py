@@ -192,17 +192,19 @@ def curate(ctx: RoundContext, round: int, stages: Sequence[str] = STAGES) -> dic
     return reports
 
 
-def round_stats(store: RunStore, round: int, reports: dict[str, StageReport], pairs: bool = True) -> dict:
-    """reward_mean, samples, groups, kept_groups, pairs (None without `pairs`: the round built
-    none) of `round`: from the tables the stages just committed (`reports`), reading back only
-    the columns of those a skipped stage did not hand over; samples from the generate manifests."""
+def round_stats(store: RunStore, round: int, reports: dict[str, StageReport]) -> dict:
+    """reward_mean, samples, groups, kept_groups, pairs (None when `reports` has no pair stage:
+    the round built none) of `round`: from the tables the stages just committed (`reports`),
+    reading back only the columns of those a skipped stage did not hand over; samples from
+    the generate manifests."""
     rewards = _round_table(store, round, reports, "scores", ["reward"]).column("reward")
     groups = _round_table(store, round, reports, "groups", ["prompt_id", "group_kept"])
     return {"reward_mean": pc.mean(rewards).as_py() if len(rewards) else None,
             "samples": sum(int(m.get("rows_out") or 0) for m in sampling_manifests(store, round)),
             "groups": pc.count_distinct(groups.column("prompt_id")).as_py(),
             "kept_groups": _kept(groups),
-            "pairs": _round_table(store, round, reports, "pairs", ["prompt_id"]).num_rows if pairs else None}
+            "pairs": _round_table(store, round, reports, "pairs", ["prompt_id"]).num_rows if "pair" in reports
+            else None}
 
 
 def kept_groups(store: RunStore, round: int, reports: dict[str, StageReport]) -> int:

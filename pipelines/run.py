@@ -133,7 +133,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
 
     # -- evaluate the new policy -------------------------------------------------------------
     accuracy = evaluate(ctx, steps) if evaluates(ctx, round) else None
-    stats = round_stats(ctx.store, round, reports, pairs="pair" in stages)
+    stats = round_stats(ctx.store, round, reports)
     tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in sampling_manifests(ctx.store, round))
                               for key in ("response_tokens", "sample_seconds"))
     wall, phases = clock.result()

@@ -164,7 +164,12 @@ def _fill(prompt: np.ndarray, response: np.ndarray, logprobs: np.ndarray | None,
     attention[j, : p + r] = 1
     targets[j, p - 1 : p + r - 1] = True
     if old is not None:
-        old[j, p - 1 : p + r - 1] = logprobs
+        _place(logprobs, j, p, old)
+
+
+def _place(logprobs: np.ndarray, j: int, p: int, buffer: np.ndarray) -> None:
+    """Row j's response log-probs into `buffer` at their next-token positions (prompt length p)."""
+    buffer[j, p - 1 : p - 1 + logprobs.size] = logprobs
 
 
 def _tensors(ids, attention, targets, old):
@@ -218,8 +223,7 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[
             _fill(prompts.row(i), responses.row(i), None if old is None else old.row(i),
                   j, ids, attention, targets, old_buf)
             if behavior_buf is not None:
-                p = prompts.lengths[i]
-                behavior_buf[j, p - 1 : p + responses.lengths[i] - 1] = behavior.row(i)
+                _place(behavior.row(i), j, prompts.lengths[i], behavior_buf)
         batches.append(MicroBatch(*_tensors(ids, attention, targets, old_buf),
                                   advantages=torch.from_numpy(advantage[group].astype(np.float32)),
                                   rows=torch.from_numpy(group.astype(np.int64)),

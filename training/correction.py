@@ -83,15 +83,14 @@ def correction_weights(old_logp: Tensor, behavior_logp: Tensor, mask: Tensor,
     weight at sequence level); metrics over the valid tokens (token level) or sequences
     with tokens (sequence level): is_weight_mean and is_weight_max before truncation or
     masking, and is_truncated_frac or is_masked_frac."""
-    valid = mask > 0
+    valid = counted = mask > 0
     log_ratio = torch.where(valid, old_logp.float() - behavior_logp.float(), 0.0)
     if cfg.mode.startswith("token"):
-        raw, counted = torch.exp(log_ratio), valid
+        raw = torch.exp(log_ratio)
     else:
         total = log_ratio.sum(-1)
-        n = valid.sum(-1)
-        seq = total / n.clamp(min=1) if cfg.sequence == "mean" else total
-        raw, counted = torch.exp(seq)[:, None].expand_as(log_ratio), valid
+        seq = total / valid.sum(-1).clamp(min=1) if cfg.sequence == "mean" else total
+        raw = torch.exp(seq)[:, None].expand_as(log_ratio)
     if cfg.mode.endswith("truncate"):
         weight = raw.clamp(max=cfg.cap)
         changed, name = raw > cfg.cap, "is_truncated_frac"

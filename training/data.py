@@ -76,25 +76,27 @@ def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[str]:
     return [str(f) for f in files]
 
 
-def _sampling(store: RunStore, rounds: list[int], key: str) -> float | None:
-    """The rounds' sampling setting `key` (temperature, top_k, top_p) from their generate
-    manifests: one value, or None when none records it; rounds that differ are an error."""
-    values = set()
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p")
+
+
+def _sampling(store: RunStore, rounds: list[int]) -> dict[str, float | None]:
+    """The rounds' temperature, top_k and top_p from their generate manifests (each read
+    once): one value per setting, or None when no manifest records it; rounds that differ are
+    an error."""
+    values: dict[str, set[float]] = {key: set() for key in _SAMPLING_KEYS}
     for round in rounds:
         manifest = store.load_manifest("generate", round) or {}
         sampling = (manifest.get("config") or {}).get("sampling") or {}
-        if key in sampling:
-            values.add(float(sampling[key]))
-    if len(values) > 1:
-        what, hint = (("at different temperatures", "set `temperature`") if key == "temperature" else
-                      (f"with different {key} values", "set `truncated_logprobs = false`"))
-        raise ValueError(f"{store.root}: rounds {rounds} were sampled {what} {sorted(values)}; "
-                         f"train on them separately or {hint}")
-    return values.pop() if values else None
-
-
-def _temperature(store: RunStore, rounds: list[int]) -> float | None:
-    return _sampling(store, rounds, "temperature")
+        for key in _SAMPLING_KEYS:
+            if key in sampling:
+                values[key].add(float(sampling[key]))
+    for key, found in values.items():
+        if len(found) > 1:
+            what, hint = (("at different temperatures", "set `temperature`") if key == "temperature" else
+                          (f"with different {key} values", "set `truncated_logprobs = false`"))
+            raise ValueError(f"{store.root}: rounds {rounds} were sampled {what} {sorted(found)}; "
+                             f"train on them separately or {hint}")
+    return {key: found.pop() if found else None for key, found in values.items()}
 
 
 _SAMPLE_COLUMNS = ("s.run_id, s.round, s.prompt_id, s.sample_idx, s.prompt_token_ids, s.response_token_ids, "
@@ -186,7 +188,7 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
         raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"
                          f"{'' if max_staleness is None else f' within max_staleness={max_staleness}'})")
-    top_k, top_p = _sampling(store, chosen, "top_k"), _sampling(store, chosen, "top_p")
+    sampling = _sampling(store, chosen)
     return TrainingData(objective=objective, rounds=chosen, table=table, fingerprint=h.hexdigest(),
-                        temperature=_temperature(store, chosen), top_k=int(top_k or 0),
-                        top_p=1.0 if top_p is None else top_p)
+                        temperature=sampling["temperature"], top_k=int(sampling["top_k"] or 0),
+                        top_p=1.0 if sampling["top_p"] is None else sampling["top_p"])

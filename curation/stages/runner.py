@@ -146,7 +146,7 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
         raise FileNotFoundError(f"run {store.root} has no {main} for round {round}; run {_writer_of(main)} first")
 
     started = time.perf_counter()
-    tables = {table: _read(store, table, round, columns, own, held or {})
+    tables = {table: _read(store, table, round, columns, own, held or {}, inputs)
               for table, columns in module.columns(cfg).items()}
     if not force and hasattr(module, "reused_tables"):
         tables.update(module.reused_tables(store, round, inputs))
@@ -163,14 +163,16 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
 
 
 def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...],
-          held: Mapping[str, tuple[dict, pa.Table]]) -> pa.Table:
+          held: Mapping[str, tuple[dict, pa.Table]], inputs: Mapping[str, str]) -> pa.Table:
     """`columns` of the round's `table` (every column, through RunStore.read, when None;
-    prompts: every round), without the stage's `own` part files; from `held` when it has
-    every part file as it is on disk now."""
+    prompts: the parts fingerprinted in `inputs`), without the stage's `own` part files; from
+    `held` when it has every part file as it is on disk now."""
     if columns is None:
         if own:
             raise ValueError(f"a stage that reads its own table {table!r} must name the columns it reads")
-        return _prompts(store, round) if table == "prompts" else store.read(table, round)
+        if table == "prompts":
+            return _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")])
+        return store.read(table, round)
     if table == "prompts":
         raise ValueError("a stage reads every column of the prompts table")
     paths = [path for path in store.files(table, round) if path.stem.removeprefix("part-") not in own]
@@ -203,12 +205,12 @@ def _held(held: Mapping[str, tuple[dict, pa.Table]], store: RunStore, path: Path
 _PROMPT_PARTS: FileCache[pa.Table] = FileCache()  # prompts parts this process read, validated
 
 
-def _prompts(store: RunStore, round: int) -> pa.Table:
-    """The prompts parts of `round` (`_files`), validated, as `store.read("prompts")` gives
-    them. A part this process read before (same size and mtime_ns) is not read again: rounds
-    can share one."""
+def _prompts(store: RunStore, paths: list[Path]) -> pa.Table:
+    """The prompts parts at `paths` (those `_files` chose for the round), validated, as
+    `store.read("prompts")` gives them. A part this process read before (same size and
+    mtime_ns) is not read again: rounds can share one."""
     parts = []
-    for path in _files(store, "prompts", round):
+    for path in paths:
         parts.append(_PROMPT_PARTS.get(path, lambda path=path: schema.read_table_file(path, "prompts")))
     if not parts:
         return schema.empty("prompts")
