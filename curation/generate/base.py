@@ -102,14 +102,33 @@ class GeneratorConfig(BaseModel):
                                                                        "the engine (the trainer needs the rest).")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism.")
     chunk_prompts: int = Field(256, ge=1, description="Prompts per sampling call; finished chunks survive a kill.")
+    engines: int = Field(1, ge=1, description="Engines sampling at once, each a Ray actor kept across rounds "
+                                              "(more than 1 needs Ray: the 'ray' extra); prompts are split "
+                                              "between them by a hash of their tokens.")
+    ray_address: str | None = Field(None, description="Ray cluster to run the engines on: unset starts a private "
+                                                      "local one, 'auto' joins the cluster `ray start` runs here, "
+                                                      "or a cluster address. Set, it uses Ray even for 1 engine.")
+    engine_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each engine (and its torch threads "
+                                                      "on CPU).")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine (tensor_parallel_size "
+                                                      "for a tensor-parallel engine).")
+
+    @property
+    def uses_ray(self) -> bool:
+        """Engines run as Ray actors (engines > 1, or a ray_address)."""
+        return self.engines > 1 or self.ray_address is not None
 
     def generator_kwargs(self, backend: str | None = None) -> dict:
         """The keyword arguments of the generator class of `backend` (default: this config's;
-        pass the one `resolve_backend` picked for "auto") for `make_generator`."""
+        pass the one `resolve_backend` picked for "auto") for `make_generator`, with the Ray
+        settings when the engines run on Ray."""
         kwargs: dict = {"dtype": self.dtype, "max_model_len": self.max_model_len}
         if (backend or self.backend) == "vllm":
             kwargs.update(gpu_memory_utilization=self.gpu_memory_utilization,
                           tensor_parallel_size=self.tensor_parallel_size)
+        if self.uses_ray:
+            kwargs.update(engines=self.engines, ray_address=self.ray_address, engine_cpus=self.engine_cpus,
+                          engine_gpus=self.engine_gpus)
         return kwargs
 
 

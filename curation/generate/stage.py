@@ -91,11 +91,26 @@ def resolve_backend(backend: str, model: str | Path) -> str:
     return "vllm" if count_parameters(model) >= AUTO_HF_MAX_PARAMS else "hf"
 
 
+RAY_KEYS = ("engines", "ray_address", "engine_cpus", "engine_gpus")
+"""The `make_generator` keywords that start the engines on Ray (`GeneratorConfig.uses_ray`)."""
+
+
 def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
     """Start a generator of `backend` ('vllm', 'hf', or 'auto': `resolve_backend`) on a model
     folder; `kwargs` go to its class (`GeneratorConfig.generator_kwargs(backend)` gives them
-    from a spec's settings)."""
+    from a spec's settings). With `engines` > 1 or a `ray_address` it is a
+    `curation.generate.ray_engines.RayGenerator` over that many engines of `backend`."""
     backend = resolve_backend(backend, model)
+    ray_settings = {key: kwargs.pop(key) for key in RAY_KEYS if key in kwargs}
+    if ray_settings.get("engines", 1) > 1 or ray_settings.get("ray_address") is not None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise RuntimeError(f"generator.engines = {ray_settings.get('engines', 1)} runs the engines on Ray, "
+                               "which is not installed: pip install 'groupforge[ray]'") from None
+        from curation.generate.ray_engines import RayGenerator
+
+        return RayGenerator(backend, model, **{"engines": 1, **ray_settings}, **kwargs)
     if backend == "vllm":
         from curation.generate.vllm import VLLMGenerator
 

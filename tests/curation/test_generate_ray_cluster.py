@@ -1,0 +1,50 @@
+"""Multi-node Ray: a head (no CPUs for work) and two worker nodes on this machine
+(`ray.cluster_utils.Cluster`), one vLLM engine on each node, joined by address as a user's
+`ray_address` would; the samples equal one in-process engine's."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.parquet as pq
+import ray
+from ray.cluster_utils import Cluster
+
+from curation.generate.base import GeneratorConfig, SamplingConfig
+from curation.generate.stage import generate, make_generator
+from curation.generate.vllm import VLLMGenerator
+from curation.store import RunStore
+from tests.curation.ray_helpers import ray_temp_dir, sample_columns
+
+SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=5)
+
+
+def test_one_engine_per_node_on_a_three_node_cluster(toy_dir, tmp_path, tmp_path_factory):
+    prompts_file = tmp_path / "prompts.parquet"
+    pq.write_table(pq.read_table(toy_dir / "eval.parquet").slice(0, 64), prompts_file)
+    local = VLLMGenerator(toy_dir / "model", dtype="float32")
+    try:
+        generate(tmp_path / "one", prompts_file, SAMPLING, generator=local)
+    finally:
+        local.close()
+
+    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster records its address in /tmp/ray whatever temp_dir says
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                            "temp_dir": ray_temp_dir(tmp_path_factory)})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    try:
+        settings = GeneratorConfig(engines=2, dtype="float32", ray_address=cluster.address)
+        engines = make_generator("vllm", toy_dir / "model", **settings.generator_kwargs("vllm"))
+        try:
+            nodes = {info["node_id"] for info in engines.info}
+            assert nodes == {w.node_id for w in workers}  # one engine on each worker node, none on the head
+            generate(tmp_path / "run", prompts_file, SAMPLING, generator=engines)
+        finally:
+            engines.close()
+        assert not ray.is_initialized()  # the generator joined the cluster, so it left it on close
+    finally:
+        cluster.shutdown()
+    samples = RunStore(tmp_path / "run").read("samples")
+    assert samples.num_rows == 64 * SAMPLING.group_size
+    assert sample_columns(samples) == sample_columns(RunStore(tmp_path / "one").read("samples"))
