@@ -9,6 +9,8 @@
     round_stats         reward mean, samples, groups, kept groups, pairs: from those tables
     train_round         the round's optimizer steps; checkpoint every `checkpoint_every` rounds
     replay              after a restart, train again the rounds no checkpoint holds
+    prefetch            `[run] overlap = 1`: start the next round's generate in a thread, so
+                        the engines sample while the trainer trains; `sample` waits for it
     live_generator      the engine with the weights of a policy version (from memory or a checkpoint)
 
 Every phase is timed on the round's stopwatch: the record's `phase_seconds` (startup,
@@ -22,6 +24,7 @@ from __future__ import annotations
 import builtins
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation.generate.base import Generator
-from curation.generate.stage import generate, make_generator, resolve_backend
+from curation.generate.stage import GenerateResult, generate, make_generator, resolve_backend
 from curation.runlog import PHASES, MetricsLog, RoundRecord
 from curation.stages.runner import StageReport, run_stage
 from curation.store import RunStore
@@ -114,6 +117,18 @@ class RoundContext:
     held: dict[str, tuple[dict, pa.Table]] = field(default_factory=dict)
     """The current round's committed tables by file (generate and each stage), which the next
     stage reads instead of the files; emptied once curation is done."""
+    prefetch: tuple[int, Future[GenerateResult]] | None = None
+    """(round, its generate call running in a thread) under `[run] overlap = 1`."""
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def finish_prefetch(self) -> None:
+        """Wait for a generate call still running in the background (it commits atomically or
+        not at all; an error of it is raised by the round that waits for it)."""
+        if self.prefetch is not None:
+            self.prefetch[1].exception()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     @property
     def run_dir(self) -> Path:
@@ -149,18 +164,46 @@ def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
 
 def sample(ctx: RoundContext, round: int, prompts_file: Path, policy_version: int, stage: str = "generate") -> None:
     """Generate G responses per prompt of `prompts_file` as `stage` of the round (skipped once
-    committed)."""
+    committed); with a prefetch of the round running, wait for it instead."""
+    if stage == "generate" and ctx.prefetch is not None and ctx.prefetch[0] == round:
+        with ctx.clock("generate"):
+            tic = time.perf_counter()
+            future, ctx.prefetch = ctx.prefetch[1], None
+            result = future.result()
+            ctx.clock.model += time.perf_counter() - tic  # only the wait: the rest ran beside training
+        ctx.held.update(result.written)
+        return
     if ctx.store.load_manifest(stage, round) is not None:
         return
-    spec = ctx.spec
     generator = live_generator(ctx, policy_version)
     ctx.log(f"round {round}: {stage} {pq.read_metadata(prompts_file).num_rows} prompts x "
-            f"{spec.generator.group_size} with policy_version {generator.policy_version}")
+            f"{ctx.spec.generator.group_size} with policy_version {generator.policy_version}")
     with ctx.clock("generate"):
-        result = generate(ctx.run_dir, prompts_file, spec.generator.sampling(spec.run.seed), generator=generator,
-                          round=round, run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts, stage=stage)
+        result = _generate_call(ctx, round, prompts_file, generator, stage)
     ctx.clock.model += result.sample_seconds
     ctx.held.update(result.written)
+
+
+def prefetch(ctx: RoundContext, round: int, prompts_file: Path, policy_version: int) -> None:
+    """Start round `round`'s generate in a thread with the weights of `policy_version` (the
+    engines run in other processes; their calls are in order, so weights loaded later wait
+    for these samples). Skipped when the round's samples are committed already."""
+    if ctx.store.load_manifest("generate", round) is not None:
+        return
+    generator = live_generator(ctx, policy_version)
+    ctx.log(f"round {round}: generate {pq.read_metadata(prompts_file).num_rows} prompts x "
+            f"{ctx.spec.generator.group_size} with policy_version {generator.policy_version}, while round "
+            f"{round - 1} trains")
+    if ctx._pool is None:
+        ctx._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupforge-prefetch")
+    ctx.prefetch = (round, ctx._pool.submit(_generate_call, ctx, round, prompts_file, generator, "generate"))
+
+
+def _generate_call(ctx: RoundContext, round: int, prompts_file: Path, generator: Generator,
+                   stage: str) -> GenerateResult:
+    spec = ctx.spec
+    return generate(ctx.run_dir, prompts_file, spec.generator.sampling(spec.run.seed), generator=generator,
+                    round=round, run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts, stage=stage)
 
 
 def sampling_manifests(store: RunStore, round: int) -> list[dict]:

@@ -58,6 +58,7 @@ from pipelines.round_steps import (
     curate,
     live_generator,
     loop_stages,
+    prefetch,
     replay,
     round_stats,
     sample,
@@ -96,6 +97,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
                 if on_round is not None:
                     on_round(record.to_dict())
         finally:
+            ctx.finish_prefetch()
             if ctx.generator is not None:
                 ctx.generator.close()
             ctx.session.clear()
@@ -124,6 +126,8 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     if spec.run.refill is not None:
         reports, refilled = refill(ctx, round, start_version, reports, stages)
     ctx.held.clear()
+    if spec.run.overlap and round < ctx.target_rounds:  # the engines sample the next round meanwhile
+        prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start_version)
 
     # -- train -------------------------------------------------------------------------------
     since = ctx.metrics.position()

@@ -132,6 +132,10 @@ class RunSection(_Section):
         "auto", description="The pair stage in the loop: 'auto' runs it each round when the objective trains on "
                             "pairs (pairwise), 'every_round' always. Pairs of every round can be made later from "
                             "the groups tables: `groupforge pair RUN`.")
+    overlap: int = Field(0, ge=0, le=1, description="1: the engines sample round n+1 while round n trains (with "
+                                                    "the weights round n started from: one round off-policy; "
+                                                    "samples keep their policy_version). Needs the engines on Ray "
+                                                    "(generator.engines > 1 or generator.ray_address).")
 
 
 class ModelSection(_Section):
@@ -191,6 +195,9 @@ class PipelineSpec(_Section):
         if self.train.temperature not in (None, self.generator.temperature):
             raise ValueError(f"train.temperature {self.train.temperature} differs from generator.temperature "
                              f"{self.generator.temperature}: log-probs must use the sampling temperature")
+        if self.run.overlap and not self.generator.uses_ray:
+            raise ValueError("run.overlap = 1 samples while the trainer trains, so the engines must run in other "
+                             "processes: set generator.engines >= 2 or generator.ray_address")
         if self.train.strategy != "single" or self.train.nproc > 1:
             raise ValueError(f"train.strategy = {self.train.strategy!r}, train.nproc = {self.train.nproc}: the round "
                              "loop trains in its own process for now; run ranks with `groupforge train RUN "

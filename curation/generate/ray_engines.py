@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -114,6 +115,10 @@ class RayGenerator:
                          "max_restarts": 0, "runtime_env": {"env_vars": _engine_env()}}
         self._threads = max(1, int(engine_cpus)) if engine_gpus == 0 else None
         self._weights = None  # what every engine holds beyond the base model: an ObjectRef or a folder
+        # One call at a time (the loop samples the next round in a thread while it trains): an
+        # actor runs its calls in order anyway, and a replaced engine gets the weights its
+        # shard was meant for.
+        self._busy = threading.RLock()
         self.restarts = 0
         """Fresh actors started in place of dead ones (all calls together)."""
         self._actors = [self._start() for _ in range(engines)]
@@ -137,14 +142,17 @@ class RayGenerator:
     def sample(self, prompt_token_ids: Sequence[list[int]], seeds: Sequence[int],
                cfg: SamplingConfig) -> list[list[Completion]]:
         shards = self._shards(prompt_token_ids)
-        results = self._call("sample", {e: ([list(prompt_token_ids[i]) for i in rows], [int(seeds[i]) for i in rows],
-                                            cfg) for e, rows in shards.items()})
+        args = {e: ([list(prompt_token_ids[i]) for i in rows], [int(seeds[i]) for i in rows], cfg)
+                for e, rows in shards.items()}
+        with self._busy:
+            results = self._call("sample", args)
         return _in_order(len(prompt_token_ids), shards, results)
 
     def greedy(self, prompt_token_ids: Sequence[list[int]], max_tokens: int) -> list[str]:
         shards = self._shards(prompt_token_ids)
-        results = self._call("greedy", {e: ([list(prompt_token_ids[i]) for i in rows], max_tokens)
-                                        for e, rows in shards.items()})
+        with self._busy:
+            results = self._call("greedy", {e: ([list(prompt_token_ids[i]) for i in rows], max_tokens)
+                                            for e, rows in shards.items()})
         return _in_order(len(prompt_token_ids), shards, results)
 
     def update_weights(self, weights: "dict | str | Path", policy_version: int) -> None:
@@ -154,14 +162,15 @@ class RayGenerator:
             held = str(Path(weights).resolve())
         else:  # one copy in the object store, read by every engine
             held = ray.put({name: tensor.detach().to("cpu") for name, tensor in weights.items()})
-        shas = self._call("update_weights", {e: (held, policy_version) for e in range(self.engines)})
-        if len(set(shas.values())) != 1:
-            raise EngineError(f"engines loaded different weights for policy_version {policy_version}: "
-                              + ", ".join(f"engine {e} {sha[:12]}" for e, sha in sorted(shas.items())))
-        self._weights = held
-        self.policy_version = policy_version
-        self.weights_sha256 = shas[0]
-        self._fingerprint = self._fingerprint.rsplit("@", 1)[0] + "@" + self.weights_sha256[:16]
+        with self._busy:
+            shas = self._call("update_weights", {e: (held, policy_version) for e in range(self.engines)})
+            if len(set(shas.values())) != 1:
+                raise EngineError(f"engines loaded different weights for policy_version {policy_version}: "
+                                  + ", ".join(f"engine {e} {sha[:12]}" for e, sha in sorted(shas.items())))
+            self._weights = held
+            self.policy_version = policy_version
+            self.weights_sha256 = shas[0]
+            self._fingerprint = self._fingerprint.rsplit("@", 1)[0] + "@" + self.weights_sha256[:16]
 
     def close(self) -> None:
         import ray

@@ -170,9 +170,12 @@ def generate(
     owns_generator = generator is None
     if generator is None:
         generator = make_generator(backend, model, **(generator_kwargs or {}))
+    # What the samples record is read now: the round loop may load newer weights into a live
+    # generator while this call's samples are still being written (`[run] overlap`).
+    fingerprint = generator.fingerprint
     try:
         result = _generate(store, generator, prompts, Path(prompts_file), sampling, inputs, config,
-                           round, run_id, chunk_prompts, progress, stage)
+                           round, run_id, chunk_prompts, progress, stage, fingerprint)
     finally:
         if owns_generator:
             generator.close()
@@ -181,7 +184,7 @@ def generate(
 
 
 def _generate(store, generator, prompts, prompts_file, sampling, inputs, config, round, run_id,
-              chunk_prompts, progress, stage) -> GenerateResult:
+              chunk_prompts, progress, stage, fingerprint) -> GenerateResult:
     prompt_ids = prompts.column("prompt_id").to_pylist()
     token_ids = [
         generator.tokenize(p, m)
@@ -211,8 +214,8 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
             tic = time.perf_counter()
             groups = generator.sample([token_ids[i] for i in chunk], seeds, sampling)
             sample_seconds += time.perf_counter() - tic
-            parts.append(_samples_table(run_id, round, sampling, generator, [prompt_ids[i] for i in chunk],
-                                        [token_ids[i] for i in chunk], seeds, groups))
+            parts.append(_samples_table(run_id, round, sampling, fingerprint, config["policy_version"],
+                                        [prompt_ids[i] for i in chunk], [token_ids[i] for i in chunk], seeds, groups))
             if path is not None:
                 write_atomic(path, functools.partial(pq.write_table, parts[-1]))
         done_prompts += len(chunk)
@@ -232,7 +235,7 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
             rows_in=len(prompt_ids),
             rows_out=samples.num_rows,
             drops={"prompt_too_long": len(too_long)} if too_long else {},
-            generator=generator.fingerprint,
+            generator=fingerprint,
             prompts_file=str(prompts_file),
             response_tokens=response_tokens,
             resumed_chunks=resumed,
@@ -265,9 +268,9 @@ def _staging(store: RunStore, stage: str, round: int, inputs: dict, config: dict
     return staging
 
 
-def _samples_table(run_id, round, sampling, generator, prompt_ids, token_ids, seeds, groups) -> pa.Table:
+def _samples_table(run_id, round, sampling, fingerprint, policy_version, prompt_ids, token_ids, seeds,
+                   groups) -> pa.Table:
     rows: dict[str, list] = {name: [] for name in SCHEMAS["samples"].names}
-    fingerprint, policy_version = generator.fingerprint, generator.policy_version
     for prompt_id, ids, seed, group in zip(prompt_ids, token_ids, seeds, groups):
         for idx, completion in enumerate(group):
             rows["run_id"].append(run_id)

@@ -71,6 +71,8 @@ eval = "runs/toy/eval.parquet"
     ("[generator]\ntemperature = 0.0\n", "generator.temperature: Value error, temperature must be > 0"),
     ("[generator]\ngpu_memory_utilization = 1.5\n", "generator.gpu_memory_utilization: Input should be less"),
     ("[eval]\nevery = 0\n", "eval.every: Input should be greater than or equal to 1"),
+    ("[generator]\nengines = 0\n", "generator.engines: Input should be greater than or equal to 1"),
+    ("[generator]\nengine_cpus = 0\n", "generator.engine_cpus: Input should be greater than 0"),
     ("[train]\nstrategy = 'ddp'\nnproc = 2\n", "the round loop trains in its own process for now"),
     ("[train]\nrollout_correction = 'token_mask'\n", "needs old_logprobs = 'recompute'"),
 ])
@@ -87,6 +89,8 @@ def test_bad_specs_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, ext
     ("refill = {min_kept_groups = 8}", "run.refill.max_extra_prompts: Field required"),
     ("refill = {min_kept_groups = 8, max_extra_prompts = 8, max_prompts = 1}",
      "run.refill.max_prompts: Extra inputs are not permitted"),
+    ("overlap = 1", "run.overlap = 1 samples while the trainer trains, so the engines must run in other processes"),
+    ("overlap = 2", "run.overlap: Input should be less than or equal to 1"),
 ])
 def test_bad_run_keys_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, run_keys, message):
     monkeypatch.chdir(REPO)
