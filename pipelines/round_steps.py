@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -45,6 +45,9 @@ from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
 from training.data import NoTrainingData, count_training_rows
 from training.trainer import TrainResult, TrainSession, train
+
+if TYPE_CHECKING:
+    from training.ray_ranks import TrainerRanks
 
 
 class Phases:
@@ -120,6 +123,8 @@ class RoundContext:
     prefetch: tuple[int, Future[GenerateResult]] | None = None
     """(round, its generate call running in a thread) under `[run] overlap = 1`."""
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+    ranks: "TrainerRanks | None" = None
+    """The trainer ranks (Ray actors) of `[train] nproc` > 1, started on first use."""
 
     def finish_prefetch(self) -> None:
         """Wait for a generate call still running in the background (it commits atomically or
@@ -301,13 +306,32 @@ def train_config(spec: PipelineSpec, round: int, decay_steps: int) -> TrainConfi
 def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> TrainResult:
     """One trainer call on the live session; its new weights are kept for the engine."""
     with ctx.clock("train"):
-        result = train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session, save=save,
-                       return_state=True)
+        if ctx.spec.train.nproc > 1:
+            result = trainer_ranks(ctx).train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, save=save,
+                                              return_state=True)
+        else:
+            result = train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session,
+                           save=save, return_state=True)
     ctx.clock.move(result.checkpoint_seconds, "train", "checkpoint")
     ctx.clock.model += result.step_seconds
     if result.state_dict is not None:
         ctx.weights = (result.end_step, result.state_dict)
     return result
+
+
+def trainer_ranks(ctx: RoundContext) -> "TrainerRanks":
+    """The run's trainer ranks (`[train] nproc` Ray actors), started on first use."""
+    if ctx.ranks is None:
+        from curation.generate.ray_engines import check_room
+        from training.ray_ranks import TrainerRanks
+
+        spec = ctx.spec.train
+        ctx.log(f"starting {spec.nproc} trainer ranks ({spec.strategy})")
+        with ctx.clock("startup"):
+            check_room([("trainer ranks", spec.nproc, spec.rank_cpus, spec.rank_gpus)], "train.rank_cpus / rank_gpus")
+            ctx.ranks = TrainerRanks(spec.nproc, rank_cpus=spec.rank_cpus, rank_gpus=spec.rank_gpus,
+                                     ray_address=ctx.spec.generator.ray_address)
+    return ctx.ranks
 
 
 def replay(ctx: RoundContext, round: int, start_version: int) -> None:
@@ -316,7 +340,8 @@ def replay(ctx: RoundContext, round: int, start_version: int) -> None:
     order, each finished round since the newest checkpoint, with its recorded steps and
     cosine horizon. Which rows a step draws depends only on (seed, step, the step its rows
     were first trained on), so this recomputes the same weights and step records."""
-    have = ctx.session.step if ctx.session.live else latest_step(ctx.run_dir)
+    live = ctx.ranks if ctx.ranks is not None else ctx.session
+    have = live.step if live.live else latest_step(ctx.run_dir)
     if start_version <= have:
         return
     for done in sorted(ctx.records):

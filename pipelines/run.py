@@ -34,9 +34,10 @@ loop is described in docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from curation.generate.base import Generator, load_prompts
 from curation.rewards.registry import get_reward
@@ -81,7 +82,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
     run_dir = Path(run_dir or Path("runs") / spec.run.name)
     run_dir.mkdir(parents=True, exist_ok=True)
     store = RunStore(run_dir)
-    with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")):
+    with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
         store.clean_tmp()
         target = _target_rounds(run_dir, spec, extra_rounds)
         write_atomic(run_dir / SPEC_FILE, resolved_toml(spec))
@@ -100,6 +101,8 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
             ctx.finish_prefetch()
             if ctx.generator is not None:
                 ctx.generator.close()
+            if ctx.ranks is not None:
+                ctx.ranks.close()
             ctx.session.clear()
     return [ctx.records[round] for round in sorted(ctx.records)]
 
@@ -201,6 +204,33 @@ def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _ray_session(spec: PipelineSpec) -> Iterator[None]:
+    """One Ray connection for the run's engines and trainer ranks (when the spec has either on
+    Ray), ended with the run when the run started it."""
+    if not (spec.generator.uses_ray or spec.train.nproc > 1):
+        yield
+        return
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("generator.engines > 1, generator.ray_address and train.nproc > 1 run on Ray, which "
+                           "is not installed: pip install 'groupforge[ray]'") from None
+    from curation.generate.ray_engines import check_room, connect_ray
+
+    owns = connect_ray(spec.generator.ray_address)
+    try:
+        g, t = spec.generator, spec.train
+        asks = [("engines", g.engines, g.engine_cpus, g.engine_gpus)] if g.uses_ray else []
+        if t.nproc > 1:
+            asks.append(("trainer ranks", t.nproc, t.rank_cpus, t.rank_gpus))
+        check_room(asks, "generator.engine_cpus / engine_gpus or train.rank_cpus / rank_gpus")
+        yield
+    finally:
+        if owns:
+            ray.shutdown()
+
 
 def _target_rounds(run_dir: Path, spec: PipelineSpec, extra_rounds: int | None) -> int:
     """The last round this invocation runs to: the spec's rounds, or the previous target plus

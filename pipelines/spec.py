@@ -198,10 +198,8 @@ class PipelineSpec(_Section):
         if self.run.overlap and not self.generator.uses_ray:
             raise ValueError("run.overlap = 1 samples while the trainer trains, so the engines must run in other "
                              "processes: set generator.engines >= 2 or generator.ray_address")
-        if self.train.strategy != "single" or self.train.nproc > 1:
-            raise ValueError(f"train.strategy = {self.train.strategy!r}, train.nproc = {self.train.nproc}: the round "
-                             "loop trains in its own process for now; run ranks with `groupforge train RUN "
-                             "--strategy ddp|fsdp2 --nproc N` on a run's tables")
+        if self.train.nproc > 1 and self.train.strategy == "single":
+            raise ValueError(f"train.nproc = {self.train.nproc} needs train.strategy = 'ddp' or 'fsdp2'")
         return self
 
 

@@ -107,7 +107,12 @@ class TrainConfig(BaseModel):
                               "ranks (training/distributed.py); fsdp2: the same with weights, gradients and "
                               "AdamW state sharded over the ranks (training/fsdp.py). Rank 0 writes.")
     nproc: int = Field(1, ge=1, description="ddp, fsdp2: ranks `groupforge train` starts itself (torchrun "
-                                            "--standalone) when it is not already running under torchrun.")
+                                            "--standalone) when it is not already running under torchrun; "
+                                            "in the round loop, ranks kept as Ray actors for the whole run.")
+    rank_cpus: float = Field(1.0, gt=0, description="Round loop with nproc > 1: CPUs Ray reserves for each "
+                                                    "trainer rank (and its torch threads on CPU).")
+    rank_gpus: float = Field(0.0, ge=0, description="Round loop with nproc > 1: GPUs Ray reserves for each "
+                                                    "trainer rank (1 on a GPU cluster).")
     device: str | None = Field(None, description="torch device (default: cuda when available, else cpu).")
     seed: int = Field(0, description="Seeds the order rows are drawn in.")
 

@@ -38,6 +38,34 @@ MAX_RESTARTS = 2
 """Fresh actors one call may start for one engine before the call fails."""
 
 
+def connect_ray(address: str | None) -> bool:
+    """Join Ray unless this process has already: `address` None starts a private local
+    instance ("local": a stray cluster is never joined), else `ray.init(address)`. Returns
+    whether this call started the connection (its caller then ends it with `ray.shutdown`)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address="local" if address is None else address, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": _engine_env()})
+    return True
+
+
+def check_room(asks: list[tuple[str, int, float, float]], settings: str) -> None:
+    """Fail in one line, before any actor starts, when the Ray cluster has not got the free
+    CPUs and GPUs that `asks` [(what, count, cpus each, gpus each)] add up to: Ray would
+    otherwise wait for them for ever. `settings` names the keys to change."""
+    import ray
+
+    free = ray.available_resources()
+    for kind, index in (("CPU", 2), ("GPU", 3)):
+        need = sum(ask[1] * ask[index] for ask in asks)
+        if need > free.get(kind, 0) + 1e-9:
+            parts = " + ".join(f"{ask[1]} {ask[0]} x {ask[index]:g}" for ask in asks if ask[index])
+            raise ValueError(f"{parts} {kind}s = {need:g} {kind}s, but the Ray cluster has {free.get(kind, 0):g} "
+                             f"free; lower {settings} (fractions are fine) or add nodes")
+
+
 def engine_of(prompt_token_ids: Sequence[int], engines: int) -> int:
     """The engine (0 .. engines-1) that samples a prompt: a hash of its token ids, so the
     same prompt goes to the same engine in every round and call."""
@@ -97,15 +125,11 @@ class RayGenerator:
         trust_remote_code: bool = False,
         **engine_kwargs,
     ) -> None:
-        import ray
         from transformers import AutoTokenizer
 
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(address="local" if ray_address is None else ray_address, include_dashboard=False,
-                     logging_level="WARNING", runtime_env={"env_vars": _engine_env()})
+        self._owns_ray = connect_ray(ray_address)
         self.model_path = Path(model)
         self.backend = backend
         self.engines = engines
@@ -121,6 +145,7 @@ class RayGenerator:
         self._busy = threading.RLock()
         self.restarts = 0
         """Fresh actors started in place of dead ones (all calls together)."""
+        check_room([("engines", engines, engine_cpus, engine_gpus)], "generator.engine_cpus / engine_gpus")
         self._actors = [self._start() for _ in range(engines)]
         self.info = self._describe_all()
         first = self.info[0]

@@ -73,7 +73,7 @@ eval = "runs/toy/eval.parquet"
     ("[eval]\nevery = 0\n", "eval.every: Input should be greater than or equal to 1"),
     ("[generator]\nengines = 0\n", "generator.engines: Input should be greater than or equal to 1"),
     ("[generator]\nengine_cpus = 0\n", "generator.engine_cpus: Input should be greater than 0"),
-    ("[train]\nstrategy = 'ddp'\nnproc = 2\n", "the round loop trains in its own process for now"),
+    ("[train]\nnproc = 2\n", "train.nproc = 2 needs train.strategy = 'ddp' or 'fsdp2'"),
     ("[train]\nrollout_correction = 'token_mask'\n", "needs old_logprobs = 'recompute'"),
 ])
 def test_bad_specs_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, extra, message):
