@@ -19,7 +19,7 @@ SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
 def test_the_expected_specs_are_shipped():
     names = {p.name for p in SPECS}
     for name in ("toy-grpo.toml", "toy-gspo.toml", "toy-pairwise.toml", "toy-sft.toml", "compare.toml",
-                 "gpu-math-grpo.toml"):
+                 "gpu-math-grpo.toml", "gpu-cluster.toml"):
         assert name in names, name
 
 
@@ -37,6 +37,13 @@ def test_every_shipped_spec_validates(path, toy_dir, monkeypatch):
     if gpu:
         assert spec.generator.backend == "vllm" and spec.generator.dtype == "bfloat16"
         assert spec.train.dtype == "bfloat16"
+        if path.name == "gpu-cluster.toml":  # 4 engines + 4 trainer ranks, a GPU each: 8 GPUs
+            g, t = spec.generator, spec.train
+            assert g.uses_ray and g.engines * g.engine_gpus + t.nproc * t.rank_gpus == 8
+            assert t.strategy == "fsdp2" and spec.run.overlap == 1
+            from curation.generate.stage import RAY_KEYS
+
+            assert set(RAY_KEYS) <= set(g.generator_kwargs("vllm"))
     else:
         assert spec.model.path == "runs/toy/model"
 
