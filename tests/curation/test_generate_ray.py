@@ -142,3 +142,28 @@ def test_without_ray_settings_nothing_changes(toy_dir):
     assert GeneratorConfig(ray_address="auto").uses_ray
     with pytest.raises(Exception, match="engines must be >= 1|greater than or equal"):
         GeneratorConfig(engines=0)
+
+
+def test_without_ray_installed_one_engine_runs_and_more_say_what_to_install(toy_dir, tmp_path):
+    """A process where `import ray` fails (as without the extra): the loop's modules import,
+    engines = 1 needs nothing of Ray, and engines = 2 fails in one line naming the extra."""
+    code = f"""
+import sys
+sys.modules["ray"] = None  # import ray raises ImportError
+import pipelines.run, pipelines.round_steps, curation.generate.stage as stage
+from curation.generate.base import GeneratorConfig
+assert not GeneratorConfig().uses_ray
+try:
+    stage.make_generator("hf", {str(toy_dir / "model")!r}, **GeneratorConfig(engines=2).generator_kwargs("hf"))
+except RuntimeError as exc:
+    print(exc)
+"""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "generator.engines = 2 runs the engines on Ray, which is not installed: pip install 'groupforge[ray]'" \
+        in done.stdout
