@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.faults import fault_point
 from curation.fingerprints import (
     canonical_json,
     code_version,
@@ -195,6 +196,7 @@ class Commit:
         outputs = sorted(self._rows)
         journal = {"stage": self.stage, "round": self.round, "outputs": sorted(before | set(outputs))}
         write_atomic(journal_path, to_json(journal), tmp_dir=self._tmp)
+        fault_point("commit.journal_written")
         touched = set()
         files = {}
         for final, tmp in self._staged.items():
@@ -219,6 +221,7 @@ class Commit:
             "outputs": outputs, "output_rows": self._rows, "output_files": files,
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
         })
+        fault_point("commit.files_published")
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()
         self.written = {rel: (files[rel], self._tables[rel]) for rel in outputs}

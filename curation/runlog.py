@@ -49,6 +49,30 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def _remove_dead_temps(folder: Path, name: str) -> None:
+    """Delete the temporary files a killed writer of `name` left in `folder` (their names
+    carry the writer's pid: `.<name>.<pid>.<random>.tmp`); a live writer's are kept."""
+    prefix = f".{name}."
+    try:
+        entries = [e for e in os.scandir(folder) if e.name.startswith(prefix) and e.name.endswith(".tmp")]
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        pid = entry.name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            Path(entry.path).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return pid != 0
+
+
 def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], None], *,
                  tmp_dir: str | Path | None = None, mode: int | None = 0o644) -> Path:
     """Write `data` (text, bytes, or a function that writes to a binary file) to `path`
@@ -60,7 +84,9 @@ def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], Non
     file behind and re-raises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=tmp_dir or path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    folder = Path(tmp_dir or path.parent)
+    _remove_dead_temps(folder, path.name)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):

@@ -32,6 +32,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
+from curation.faults import fault_point
 from curation.runlog import METRICS_FILE, PHASES, REPORT_DIR, MetricsLog, write_atomic
 
 MISSING = "—"
@@ -362,8 +363,9 @@ def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     plots.save_figure(plots.progress_figure(rounds, title), out / "progress.png")
     plots.save_figure(plots.training_figure(rounds, steps, title, objective), out / "training.png")
-    write_atomic(out / "summary.md", _summary_markdown(run_dir, rounds, steps, skipped, objective)
-                 + table_counts_markdown(run_dir))
+    summary = _summary_markdown(run_dir, rounds, steps, skipped, objective) + table_counts_markdown(run_dir)
+    fault_point("report.before_write")
+    write_atomic(out / "summary.md", summary)
     return out
 
 

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from curation.faults import fault_point
 from curation.generate.base import Generator
 from curation.generate.stage import GenerateResult, generate, make_generator, resolve_backend
 from curation.runlog import PHASES, MetricsLog, RoundRecord
@@ -162,6 +163,7 @@ def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
         held = ctx.weights is not None and ctx.weights[0] == policy_version
         weights = ctx.weights[1] if held else ckpt.checkpoint_dir(ctx.run_dir, policy_version)
         with ctx.clock("reload"):
+            fault_point("loop.reload")
             ctx.generator.update_weights(weights, policy_version)
         ctx.weights = None
     return ctx.generator

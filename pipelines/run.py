@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from curation.faults import fault_point
 from curation.generate.base import Generator, load_prompts
 from curation.rewards.registry import get_reward
 from curation.runlog import (
@@ -129,6 +130,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     if spec.run.refill is not None:
         reports, refilled = refill(ctx, round, start_version, reports, stages)
     ctx.held.clear()
+    fault_point("loop.after_curate")
     if spec.run.overlap and round < ctx.target_rounds:  # the engines sample the next round meanwhile
         prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start_version)
 
@@ -182,6 +184,7 @@ def evaluate(ctx: RoundContext, policy_version: int) -> float:
         prompts = ctx.eval_set
         tic = time.perf_counter()
         responses = generator.greedy(prompts.token_ids, spec.eval.max_tokens or spec.generator.max_tokens)
+        fault_point("loop.eval")
         ctx.clock.model += time.perf_counter() - tic
         values = get_reward(spec.eval.metric)(prompts.prompts, responses, **prompts.columns)
     scored = [v for v in values if v is not None]

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
+from curation.faults import fault_point
 from curation.runlog import CHECKPOINTS_DIR, OPTIMIZER_FILE, TRAINER_STATE_FILE, fsync_dir, read_json, write_json_atomic
 
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -120,6 +121,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
             source = Path(tokenizer_from) / name
             if source.is_file() and not (tmp / name).exists():
                 shutil.copy2(source, tmp / name)
+    fault_point("checkpoint.weights_written")
     tensors, groups = optimizer_to_tensors(optimizer)
     save_file(tensors, tmp / OPTIMIZER_FILE)
     for path in tmp.iterdir():

@@ -45,6 +45,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from curation.faults import fault_point
 from curation.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
 from training import distributed
@@ -268,6 +269,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
                        **{"pass": (step - segment["start_step"] - 1) * size // table.num_rows + 1})
         if world.main:  # synced before a checkpoint and at the end: a step line lost to a
             metrics_log.append(metrics, sync=False)  # power cut is after the newest checkpoint
+        fault_point("train.step_logged")
         if step == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from curation.faults import fault_point
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
 from curation.generate.weights import count_parameters, weights_fingerprint
 from curation.runlog import read_json, write_atomic, write_json_atomic
@@ -218,6 +219,7 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
                                         [prompt_ids[i] for i in chunk], [token_ids[i] for i in chunk], seeds, groups))
             if path is not None:
                 write_atomic(path, functools.partial(pq.write_table, parts[-1]))
+                fault_point("generate.chunk_staged")
         done_prompts += len(chunk)
         if progress is not None:
             progress(done_prompts + len(too_long), len(prompt_ids))

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.faults import fault_point
 from curation.runlog import EXPORTS_DIR, write_atomic
 from curation.store import RunStore
 
@@ -126,5 +127,9 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
                              f"run the stage that writes it before exporting {cfg.format}")
     table = export_table(tables, cfg)
     path = Path(out) if out else store.root / EXPORTS_DIR / f"{cfg.format}-{cfg.style}.parquet"
-    write_atomic(path, lambda f: pq.write_table(table, f, compression="zstd"))
+    def write(f) -> None:
+        pq.write_table(table, f, compression="zstd")
+        fault_point("export.before_rename")
+
+    write_atomic(path, write)
     return path, table.num_rows

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from curation import schema
+from curation.faults import fault_point
 from curation.fingerprints import FileCache, file_stat, known_fingerprint
 from curation.stages.common import drop_counts
 from curation.store import RunStore, contract_columns
@@ -154,6 +155,7 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
     if set(out.tables) != set(module.WRITES):
         raise RuntimeError(f"stage {name!r} returned tables {sorted(out.tables)}, declared {list(module.WRITES)}")
     drops = out.drops
+    fault_point("stage.before_commit")
     with store.commit(name, round, inputs, config) as commit:
         for table in module.WRITES:
             commit.write(table, out.tables[table], part=name)  # validated against the table's contract

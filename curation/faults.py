@@ -1,0 +1,58 @@
+"""Named kill points for fault-injection tests: `GROUPFORGE_FAULT=<point>:<count>`.
+
+    GROUPFORGE_FAULT=commit.files_published:2 groupforge run spec.toml
+
+SIGKILLs the process the `count`-th time (1 = the first) it passes `fault_point("<point>")`.
+Several points may be given, comma-separated. Unset (always, outside tests), a point costs
+one dictionary lookup. The points, where they sit and what a kill there leaves behind:
+
+    generate.chunk_staged      a chunk of a multi-chunk round is staged (RUN/_staging)
+    commit.journal_written     a commit's journal (.pending) is written, no file moved yet
+    commit.files_published     part files are in place, the manifest is not
+    stage.before_commit        a curation stage computed its tables, nothing written
+    train.step_logged          an optimizer step's metrics line is written
+    checkpoint.weights_written a checkpoint's weights are in its temp folder, no optimizer state
+    loop.after_curate          a round's curation is committed, training not started
+    loop.reload                the engine is loading new weights
+    loop.eval                  the greedy evaluation is running
+    export.before_rename       an export file is written to its temp path
+    report.before_write        the report's numbers are computed, no file written
+
+Imports nothing heavy: curation, training and pipelines all call it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULT_ENV = "GROUPFORGE_FAULT"
+
+POINTS = ("generate.chunk_staged", "commit.journal_written", "commit.files_published", "stage.before_commit",
+          "train.step_logged", "checkpoint.weights_written", "loop.after_curate", "loop.reload", "loop.eval",
+          "export.before_rename", "report.before_write")
+
+_passed: dict[str, int] = {}
+
+
+def _targets() -> dict[str, int]:
+    spec = os.environ.get(FAULT_ENV, "")
+    targets = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        point, _, count = item.rpartition(":")
+        if point not in POINTS or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: {item!r} is not <point>:<count>; points: {', '.join(POINTS)}")
+        targets[point] = int(count)
+    return targets
+
+
+def fault_point(name: str) -> None:
+    """SIGKILL this process here when GROUPFORGE_FAULT names `name` and this is the pass it counts to."""
+    if FAULT_ENV not in os.environ:
+        return
+    target = _targets().get(name)
+    if target is None:
+        return
+    _passed[name] = _passed.get(name, 0) + 1
+    if _passed[name] == target:
+        os.kill(os.getpid(), signal.SIGKILL)

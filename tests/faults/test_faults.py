@@ -1,0 +1,180 @@
+"""The fault-injection harness: the real CLI on the toy, SIGKILLed at named points
+(`GROUPFORGE_FAULT=<point>:<count>`, curation/faults.py), rerun to completion, then checked
+by readers of its own (DuckDB and pyarrow over the files, transformers for checkpoints), not
+the store's code:
+
+- each (round, prompt_id, sample_idx) once in samples; groups + rejects cover samples exactly
+- every manifest's files exist with the sha256, size and rows it lists; no part file is
+  left that no manifest lists; no commit journal is left pending
+- every checkpoint loads with transformers; metrics.jsonl has each round and each step once
+- the final weights equal those of a run nobody killed (the toy run is deterministic)
+
+Six points run in `make test` without `-m slow`; all of them in `make test` (which runs the
+slow tests too). The README's "faults tried" table lists the points and outcomes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from curation.faults import FAULT_ENV, POINTS
+from tests.conftest import REPO
+from tests.pipelines.test_run import _check_tables
+
+SPEC = """
+[run]
+name = "faults"
+rounds = 2
+steps_per_round = 2
+seed = 5
+
+[model]
+path = "{toy}/model"
+
+[prompts]
+train = ["{toy}/train.parquet"]
+eval = "{toy}/eval.parquet"
+per_round = 16
+eval_limit = 32
+
+[generator]
+backend = "hf"
+group_size = 4
+max_tokens = 6
+chunk_prompts = 8
+
+[filter]
+drop_duplicates = false
+
+[train]
+objective = "grpo"
+batch_size = 32
+token_budget = 256
+lr = 1e-4
+"""
+
+# (point, count, command): what each kill interrupts
+CASES = [
+    ("generate.chunk_staged", 1, "run"),       # round 1: first of two chunks staged
+    ("commit.journal_written", 3, "run"),      # round 1's filter commit: journal, no file moved
+    ("commit.files_published", 2, "run"),      # round 1's score: files in place, no manifest
+    ("stage.before_commit", 5, "run"),         # round 2's score computed, nothing written
+    ("train.step_logged", 3, "run"),           # round 2, first step logged
+    ("checkpoint.weights_written", 2, "run"),  # round 2's checkpoint: weights, no optimizer state
+    ("loop.after_curate", 1, "run"),           # round 1 curated, not trained
+    ("loop.reload", 1, "run"),                 # the engine loads round 1's weights
+    ("loop.eval", 2, "run"),                   # round 1's evaluation
+    ("export.before_rename", 1, "export"),
+    ("report.before_write", 1, "report"),
+]
+FAST = {"generate.chunk_staged", "commit.files_published", "train.step_logged", "checkpoint.weights_written",
+        "loop.reload", "export.before_rename"}
+
+
+def _cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    if fault:
+        env[FAULT_ENV] = fault
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
+
+
+def _commands(spec: Path, run_dir: Path) -> dict[str, list[str]]:
+    return {"run": ["run", str(spec), "--run-dir", str(run_dir)],
+            "export": ["export", str(run_dir), "--format", "prompt_only"],
+            "report": ["report", str(run_dir)]}
+
+
+@pytest.fixture(scope="module")
+def spec(toy_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("spec") / "faults.toml"
+    path.write_text(SPEC.format(toy=toy_dir))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(spec, tmp_path_factory) -> Path:
+    """The run nobody killed."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    done = _cli(_commands(spec, run_dir)["run"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    steps = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+    return load_file(run_dir / "checkpoints" / f"step-{steps[-1]}" / "model.safetensors")
+
+
+def check_invariants(run_dir: Path) -> None:
+    _check_tables(run_dir)
+    listed = set()
+    for path in sorted((run_dir / "_manifests").glob("*.json")):
+        manifest = json.loads(path.read_text())
+        for rel, meta in manifest.get("output_files", {}).items():
+            file = run_dir / rel
+            assert file.is_file(), f"{path.name} lists {rel}, which is missing"
+            assert file.stat().st_size == meta["size"], f"{rel}: size differs from {path.name}"
+            assert hashlib.sha256(file.read_bytes()).hexdigest() == meta["sha256"], f"{rel}: sha256 differs"
+            if rel in manifest.get("output_rows", {}):
+                assert pq.read_metadata(file).num_rows == manifest["output_rows"][rel], f"{rel}: rows differ"
+            listed.add(rel)
+    assert not list((run_dir / "_manifests").glob("*.pending")), "a commit journal is left pending"
+    for table in ("samples", "scores", "groups", "rejects", "pairs", "prompts"):
+        for file in (run_dir / table).rglob("*.parquet") if (run_dir / table).is_dir() else []:
+            rel = file.relative_to(run_dir).as_posix()
+            assert rel in listed, f"{rel} is in a table folder but no manifest lists it"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r["round"] for r in records if r["event"] == "round"]
+    steps = [r["step"] for r in records if r["event"] == "step"]
+    assert rounds == sorted(set(rounds)) and steps == sorted(set(steps)), "a round or step is logged twice"
+    from transformers import AutoModelForCausalLM
+
+    for folder in sorted((run_dir / "checkpoints").glob("step-*")):
+        AutoModelForCausalLM.from_pretrained(folder)  # loads, weights and config complete
+    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{run_dir}/samples/**/*.parquet')").fetchall()[0][0] > 0
+
+
+@pytest.mark.parametrize("point,count,command", [
+    pytest.param(*case, marks=() if case[0] in FAST else pytest.mark.slow, id=case[0]) for case in CASES])
+def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference, tmp_path):
+    assert point in POINTS
+    run_dir = tmp_path / "run"
+    commands = _commands(spec, run_dir)
+    if command != "run":  # export and report work on a finished run
+        done = _cli(commands["run"])
+        assert done.returncode == 0, done.stderr[-3000:]
+    crash = _cli(commands[command], fault=f"{point}:{count}")
+    assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+    again = _cli(commands[command])
+    assert again.returncode == 0, again.stderr[-3000:]
+    if command != "run":
+        again = _cli(commands["run"])  # the run itself is untouched
+        assert again.returncode == 0, again.stderr[-3000:]
+    check_invariants(run_dir)
+    got, want = _final_weights(run_dir), _final_weights(reference)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), f"{point}: the final weights differ from the reference"
+    if command == "export":
+        out = run_dir / "exports" / "prompt_only-standard.parquet"
+        assert pq.read_table(out).num_rows > 0 and not list(out.parent.glob("*.tmp*"))
+    if command == "report":
+        assert (run_dir / "report" / "summary.md").is_file()
+
+
+def test_the_readme_lists_every_point():
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Faults tried"):].split("\n## ", 1)[0]
+    assert [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")] == list(POINTS)
+    assert {case[0] for case in CASES} == set(POINTS)
