@@ -64,22 +64,37 @@ token_budget = 256
 lr = 1e-4
 """
 
-# (point, count, command): what each kill interrupts
+# (point, count, command): what each kill interrupts. A round commits generate, score, filter,
+# label in that order (commits 1-4 in round 1, 5-8 in round 2); it generates 2 chunks.
 CASES = [
-    ("generate.chunk_staged", 1, "run"),       # round 1: first of two chunks staged
-    ("commit.journal_written", 3, "run"),      # round 1's filter commit: journal, no file moved
+    ("generate.chunk_staged", 1, "run"),       # round 1: the first of two chunks staged
+    ("generate.chunk_staged", 2, "run"),       # round 1: both chunks staged, not committed
+    ("generate.chunk_staged", 3, "run"),       # round 2: the first chunk staged
+    ("commit.journal_written", 1, "run"),      # round 1's generate commit: journal, no file moved
+    ("commit.journal_written", 3, "run"),      # round 1's filter commit
+    ("commit.journal_written", 8, "run"),      # round 2's label commit
     ("commit.files_published", 2, "run"),      # round 1's score: files in place, no manifest
-    ("stage.before_commit", 5, "run"),         # round 2's score computed, nothing written
+    ("commit.files_published", 5, "run"),      # round 2's generate
+    ("commit.files_published", 7, "run"),      # round 2's filter
+    ("stage.before_commit", 1, "run"),         # round 1's score computed, nothing written
+    ("stage.before_commit", 3, "run"),         # round 1's label
+    ("stage.before_commit", 5, "run"),         # round 2's filter
+    ("train.step_logged", 1, "run"),           # round 1, first step logged
     ("train.step_logged", 3, "run"),           # round 2, first step logged
-    ("checkpoint.weights_written", 2, "run"),  # round 2's checkpoint: weights, no optimizer state
+    ("train.step_logged", 4, "run"),           # round 2, last step logged, not checkpointed
+    ("checkpoint.weights_written", 1, "run"),  # round 1's checkpoint: weights, no optimizer state
+    ("checkpoint.weights_written", 2, "run"),  # round 2's
     ("loop.after_curate", 1, "run"),           # round 1 curated, not trained
+    ("loop.after_curate", 2, "run"),           # round 2
     ("loop.reload", 1, "run"),                 # the engine loads round 1's weights
-    ("loop.eval", 2, "run"),                   # round 1's evaluation
+    ("loop.reload", 2, "run"),                 # round 2's
+    ("loop.eval", 1, "run"),                   # round 0's evaluation (the start model)
+    ("loop.eval", 2, "run"),                   # round 1's
     ("export.before_rename", 1, "export"),
     ("report.before_write", 1, "report"),
 ]
-FAST = {"generate.chunk_staged", "commit.files_published", "train.step_logged", "checkpoint.weights_written",
-        "loop.reload", "export.before_rename"}
+FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.step_logged", 3),
+        ("checkpoint.weights_written", 2), ("loop.reload", 1), ("export.before_rename", 1)}
 
 
 def _cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
@@ -147,7 +162,8 @@ def check_invariants(run_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("point,count,command", [
-    pytest.param(*case, marks=() if case[0] in FAST else pytest.mark.slow, id=case[0]) for case in CASES])
+    pytest.param(*case, marks=() if case[:2] in FAST else pytest.mark.slow, id=f"{case[0]}:{case[1]}")
+    for case in CASES])
 def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference, tmp_path):
     assert point in POINTS
     run_dir = tmp_path / "run"
@@ -176,5 +192,7 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
 def test_the_readme_lists_every_point():
     text = (REPO / "README.md").read_text()
     table = text[text.index("## Faults tried"):].split("\n## ", 1)[0]
-    assert [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")] == list(POINTS)
-    assert {case[0] for case in CASES} == set(POINTS)
+    rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `")}
+    assert list(rows) == list(POINTS) and {case[0] for case in CASES} == set(POINTS)
+    for point, count, _ in CASES:  # each kill tried is in its point's row
+        assert f"{count}" in rows[point].split("|")[2], (point, count)
