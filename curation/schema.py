@@ -138,7 +138,10 @@ def _compatible(found: pa.DataType, expected: pa.DataType) -> bool:
     if found == expected or pa.types.is_null(found):
         return True
     if pa.types.is_string(expected):
-        return pa.types.is_string(found) or pa.types.is_large_string(found) or pa.types.is_string_view(found)
+        if pa.types.is_dictionary(found):
+            found = found.value_type
+        return (pa.types.is_string(found) or pa.types.is_large_string(found) or pa.types.is_string_view(found)
+                or pa.types.is_binary(found) or pa.types.is_large_binary(found))  # the cast checks UTF-8
     if pa.types.is_integer(expected):
         return pa.types.is_integer(found) or pa.types.is_dictionary(found) and pa.types.is_integer(found.value_type)
     if pa.types.is_floating(expected):
@@ -204,12 +207,44 @@ def validate(table: pa.Table, name: str, source: str | Path | None = None) -> pa
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a prompt's messages may have."""
+
+
 def _check_prompts(columns: dict[str, pa.ChunkedArray], where: str) -> None:
     prompt, messages = columns["prompt"], columns["messages"]
     both_null = pc.and_(prompt.is_null(), messages.is_null())
     missing = pc.sum(both_null).as_py() or 0
     if missing:
         raise SchemaError(f"{where}: {missing} row(s) have neither 'prompt' nor 'messages'")
+    empty = pc.equal(pc.utf8_length(prompt), 0)
+    if pc.any(empty).as_py():
+        raise SchemaError(f"{where}: column 'prompt': {_rows(empty)} an empty string")
+    no_messages = pc.equal(pc.list_value_length(messages), 0)
+    if pc.any(no_messages).as_py():
+        raise SchemaError(f"{where}: column 'messages': {_rows(no_messages)} an empty list of messages")
+    if messages.null_count == len(messages):
+        return
+    parents = pc.list_parent_indices(messages)
+    flat = pc.list_flatten(messages)
+    for field in ("role", "content"):
+        values = pc.struct_field(flat, field)
+        bad = pc.invert(pc.is_valid(values)) if field == "content" else pc.invert(
+            pc.fill_null(pc.is_in(values, pa.array(CHAT_ROLES)), False))
+        if pc.any(bad).as_py():
+            at = pc.indices_nonzero(bad)[0].as_py()
+            row = parents[at].as_py()
+            found = values[at].as_py()
+            expected = f"one of {', '.join(CHAT_ROLES)}" if field == "role" else "a string"
+            raise SchemaError(f"{where}: column 'messages': row {row} has a message whose {field} is {found!r} "
+                              f"(expected {expected})")
+
+
+def _rows(mask: pa.ChunkedArray) -> str:
+    """'row 3 is' / '2 rows (first: row 3) are': the rows where `mask` is true, for a message."""
+    found = pc.indices_nonzero(pa.chunked_array(mask.chunks) if isinstance(mask, pa.ChunkedArray) else mask)
+    first = found[0].as_py()
+    return f"row {first} is" if len(found) == 1 else f"{len(found)} rows (first: row {first}) are"
 
 
 def read_table_file(path: str | Path, name: str) -> pa.Table:

@@ -174,6 +174,10 @@ def tokenize_prompt(tokenizer, prompt: str | None, messages: list[dict] | None) 
     """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS) or of a
     conversation rendered with the tokenizer's chat template, ready for the answer."""
     if messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'the model')} has no chat "
+                             "template, so prompts given as 'messages' cannot be rendered: give a 'prompt' "
+                             "column, or a model whose tokenizer has one")
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     return list(tokenizer(prompt).input_ids)
@@ -247,13 +251,14 @@ def _load_prompts(path: Path) -> pa.Table:
     if "metadata" in table.column_names and pa.types.is_struct(table.column("metadata").type):
         as_json = [None if m is None else json.dumps(m, sort_keys=True) for m in table.column("metadata").to_pylist()]
         table = table.set_column(table.column_names.index("metadata"), "metadata", pa.array(as_json, pa.string()))
-    if "prompt_id" not in table.column_names:
-        n = table.num_rows
-        prompts = table.column("prompt").to_pylist() if "prompt" in table.column_names else [None] * n
-        messages = table.column("messages").to_pylist() if "messages" in table.column_names else [None] * n
-        ids = [None if p is None and m is None else prompt_id_of(p, m) for p, m in zip(prompts, messages)]
-        table = table.append_column("prompt_id", pa.array(["" if i is None else i for i in ids], pa.string()))
+    computed = "prompt_id" not in table.column_names
+    if computed:  # typed and checked first: the ids are computed from validated columns
+        table = table.append_column("prompt_id", pa.array([""] * table.num_rows, pa.string()))
     table = validate(table, "prompts", path)
+    if computed:
+        ids = [prompt_id_of(p, m) for p, m in zip(table.column("prompt").to_pylist(),
+                                                   table.column("messages").to_pylist())]
+        table = table.set_column(table.column_names.index("prompt_id"), "prompt_id", pa.array(ids, pa.string()))
     first = pc.equal(pc.index_in(table.column("prompt_id"), table.column("prompt_id")),
                      pa.array(range(table.num_rows), pa.int32()))
     return table.filter(first)

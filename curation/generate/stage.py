@@ -39,7 +39,7 @@ from curation.faults import fault_point
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
 from curation.generate.weights import count_parameters, weights_fingerprint
 from curation.runlog import read_json, write_atomic, write_json_atomic
-from curation.schema import SCHEMAS, validate
+from curation.schema import SCHEMAS, SchemaError, validate
 from curation.stages.common import rejects_table
 from curation.store import RunStore, config_hash, known_fingerprint
 
@@ -187,10 +187,11 @@ def generate(
 def _generate(store, generator, prompts, prompts_file, sampling, inputs, config, round, run_id,
               chunk_prompts, progress, stage, fingerprint) -> GenerateResult:
     prompt_ids = prompts.column("prompt_id").to_pylist()
-    token_ids = [
-        generator.tokenize(p, m)
-        for p, m in zip(prompts.column("prompt").to_pylist(), prompts.column("messages").to_pylist())
-    ]
+    try:
+        token_ids = [generator.tokenize(p, m)
+                     for p, m in zip(prompts.column("prompt").to_pylist(), prompts.column("messages").to_pylist())]
+    except ValueError as exc:  # e.g. messages and a tokenizer without a chat template
+        raise SchemaError(f"prompts file ({prompts_file}): {exc}") from None
     # A prompt as long as the context would abort a whole vLLM batch: reject it up front.
     too_long = [i for i, ids in enumerate(token_ids) if len(ids) >= generator.max_model_len]
     todo = [i for i, ids in enumerate(token_ids) if len(ids) < generator.max_model_len]

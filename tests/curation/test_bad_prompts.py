@@ -1,0 +1,116 @@
+"""Bad prompts files through the real CLI (`groupforge generate`): each case gets one error
+line naming the file, the column and the problem (`error: ...`; model loading may print its
+progress bars before it), exit code 2, no traceback, and no table
+written. The corpus is built here, from the toy's prompts, so it needs nothing checked in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import REPO
+
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+def _parquet(table: pa.Table):
+    return lambda path: pq.write_table(table, path)
+
+
+def _bytes(data: bytes):
+    return lambda path: path.write_bytes(data)
+
+
+def _truncated(path: Path) -> None:
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2="]}), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 12])  # the footer cut
+
+
+# (case id, file name, writer, fragments the one error line must hold)
+CASES = [
+    ("prompt-int", "p.parquet", _parquet(pa.table({"prompt": [1, 2]})),
+     ["column 'prompt' has type int64, expected string"]),
+    ("prompt-list", "p.parquet", _parquet(pa.table({"prompt": [["a"], ["b"]]})),
+     ["column 'prompt' has type list<", "expected string"]),
+    ("prompt-struct", "p.parquet", _parquet(pa.table({"prompt": [{"text": "a"}]})),
+     ["column 'prompt' has type struct<text: string>, expected string"]),
+    ("prompt-float", "p.parquet", _parquet(pa.table({"prompt": [1.5]})), ["column 'prompt' has type double"]),
+    ("prompt-bool", "p.parquet", _parquet(pa.table({"prompt": [True]})), ["column 'prompt' has type bool"]),
+    ("prompt-timestamp", "p.parquet", _parquet(pa.table({"prompt": pa.array([0], pa.timestamp("s"))})),
+     ["column 'prompt' has type timestamp["]),
+    ("prompt-nulls", "p.parquet", _parquet(pa.table({"prompt": ["1+1=", None]})),
+     ["1 row(s) have neither 'prompt' nor 'messages'"]),
+    ("prompt-empty-string", "p.parquet", _parquet(pa.table({"prompt": ["1+1=", ""]})),
+     ["column 'prompt': row 1 is an empty string"]),
+    ("prompt-not-utf8", "p.parquet", _parquet(pa.table({"prompt": pa.array([b"1+1=", b"\xff\xfe"], pa.binary())})),
+     ["column 'prompt' cannot be read as string", "Invalid UTF8"]),
+    ("no-prompt-column", "p.parquet", _parquet(pa.table({"question": ["1+1="]})),
+     ["missing column 'prompt' (string) or 'messages'", "found columns: question"]),
+    ("reference-struct", "p.parquet", _parquet(pa.table({"prompt": ["1+1="], "reference": [{"a": 1}]})),
+     ["column 'reference' has type struct<a: int64>, expected string"]),
+    ("messages-strings", "p.parquet", _parquet(pa.table({"messages": [["hi"]]})),
+     ["column 'messages' has type list<", ": string>, expected list<item: struct<role: string, content: string>>"]),
+    ("messages-no-role", "p.parquet", _parquet(pa.table({"messages": [[{"content": "hi"}]]})),
+     ["column 'messages' has type list<", "struct<content: string>>, expected"]),
+    ("messages-unknown-role", "p.parquet",
+     _parquet(pa.table({"messages": pa.array([[{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]],
+                                             MESSAGES)})),
+     ["column 'messages': row 0 has a message whose role is 'wizard' (expected one of system, user"]),
+    ("messages-null-content", "p.parquet",
+     _parquet(pa.table({"messages": pa.array([[{"role": "user", "content": None}]], MESSAGES)})),
+     ["column 'messages': row 0 has a message whose content is None"]),
+    ("messages-empty-list", "p.parquet", _parquet(pa.table({"messages": pa.array([[]], MESSAGES)})),
+     ["column 'messages': row 0 is an empty list of messages"]),
+    ("messages-without-chat-template", "p.parquet",
+     _parquet(pa.table({"messages": pa.array([[{"role": "user", "content": "1+1="}]], MESSAGES)})),
+     ["has no chat template, so prompts given as 'messages' cannot be rendered"]),
+    ("csv-named-parquet", "p.parquet", _bytes(b"prompt,reference\n1+1=,2\n"), ["not a readable Parquet file"]),
+    ("json-named-parquet", "p.parquet", _bytes(json.dumps({"prompt": "1+1="}).encode()),
+     ["not a readable Parquet file"]),
+    ("zero-bytes", "p.parquet", _bytes(b""), ["file is empty (0 bytes)"]),
+    ("truncated-footer", "p.parquet", _truncated, ["not a readable Parquet file"]),
+    ("no-rows", "p.parquet", _parquet(pa.table({"prompt": pa.array([], pa.string())})), ["has no rows"]),
+    ("jsonl-broken", "p.jsonl", _bytes(b'{"prompt": "1+1="}\n{"prompt": \n'), ["not a readable JSON Lines file"]),
+    ("jsonl-prompt-int", "p.jsonl", _bytes(b'{"prompt": 1}\n'), ["column 'prompt' has type int64"]),
+    ("missing-file", "absent.parquet", None, ["file not found"]),
+]
+
+
+@pytest.mark.parametrize("name,file,writer,fragments", CASES, ids=[c[0] for c in CASES])
+def test_a_bad_prompts_file_gets_one_line_naming_it(name, file, writer, fragments, toy_dir, tmp_path):
+    prompts = tmp_path / file
+    if writer is not None:
+        writer(prompts)
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "generate", "--model", str(toy_dir / "model"),
+                           "--prompts", str(prompts), "--out", str(run), "--backend", "hf", "--max-tokens", "4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]  # not progress bars
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-2000:]
+    assert str(prompts) in lines[0] and all(f in lines[0] for f in fragments), lines[0]
+    tables = [p for p in run.rglob("*.parquet")] if run.exists() else []
+    assert tables == []  # nothing written
+
+
+def test_dictionary_encoded_and_binary_utf8_prompts_are_read(toy_dir, tmp_path):
+    """Not bad: a dictionary-encoded or binary (valid UTF-8) prompt column reads as strings,
+    with the same prompt ids as plain strings; duplicate prompts are kept once."""
+    from curation.generate.base import load_prompts
+
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2=", "1+1="]}), plain)
+    want = load_prompts(plain).column("prompt_id").to_pylist()
+    assert len(want) == 2
+    for k, column in enumerate([pa.array(["1+1=", "2+2=", "1+1="]).dictionary_encode(),
+                                pa.array([b"1+1=", b"2+2=", b"1+1="], pa.binary())]):
+        path = tmp_path / f"other-{k}.parquet"
+        pq.write_table(pa.table({"prompt": column}), path)
+        assert load_prompts(path).column("prompt_id").to_pylist() == want
