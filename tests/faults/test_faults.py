@@ -30,39 +30,13 @@ from safetensors.torch import load_file
 
 from curation.faults import FAULT_ENV, POINTS
 from tests.conftest import REPO
+from tests.pipelines.test_run import SPEC as E2E_SPEC
 from tests.pipelines.test_run import _check_tables
 
-SPEC = """
-[run]
-name = "faults"
-rounds = 2
-steps_per_round = 2
-seed = 5
-
-[model]
-path = "{toy}/model"
-
-[prompts]
-train = ["{toy}/train.parquet"]
-eval = "{toy}/eval.parquet"
-per_round = 16
-eval_limit = 32
-
-[generator]
-backend = "hf"
-group_size = 4
-max_tokens = 6
-chunk_prompts = 8
-
-[filter]
-drop_duplicates = false
-
-[train]
-objective = "grpo"
-batch_size = 32
-token_budget = 256
-lr = 1e-4
-"""
+# The round loop test's spec, with the transformers generator (fast to start, deterministic)
+# and two chunks a round (so a kill can land between them).
+SPEC = (E2E_SPEC.replace('backend = "vllm"', 'backend = "hf"\nchunk_prompts = 8')
+        .replace("per_round = 24", "per_round = 16").replace("eval_limit = 64", "eval_limit = 32"))
 
 # (point, count, command): what each kill interrupts. A round commits generate, score, filter,
 # label in that order (commits 1-4 in round 1, 5-8 in round 2); it generates 2 chunks.
@@ -114,7 +88,7 @@ def _commands(spec: Path, run_dir: Path) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def spec(toy_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("spec") / "faults.toml"
-    path.write_text(SPEC.format(toy=toy_dir))
+    path.write_text(SPEC.format(toy=toy_dir, train=f'"{toy_dir}/train.parquet"'))
     return path
 
 

@@ -6,6 +6,7 @@ driver started are gone with it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import duckdb
 import pytest
@@ -42,6 +44,21 @@ def _spec(tmp_path, toy_dir):
     return path
 
 
+@contextlib.contextmanager
+def _ray_env() -> Iterator[tuple[str, dict]]:
+    """A short Ray temp folder (socket paths are limited) and the environment that puts the
+    CLI's private Ray instance there; removed afterwards."""
+    ray_tmp = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")
+    try:
+        yield ray_tmp, {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _cli(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+
+
 def _ray_processes(ray_tmp: str) -> list[str]:
     """Command lines of live processes that belong to the Ray instance under `ray_tmp`."""
     found = []
@@ -57,14 +74,11 @@ def _ray_processes(ray_tmp: str) -> list[str]:
 
 def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
     spec, run_dir = _spec(tmp_path, toy_dir), tmp_path / "run"
-    ray_tmp = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")  # short: Ray's socket paths are limited
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
-    try:
+    with _ray_env() as (ray_tmp, env):
         # The kill lands after step 3 is logged: in round 2's training, while the engines
         # sample round 3 (or just after).
-        crash = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                               env={**env, KILL_AFTER_STEP_ENV: "3"})
+        crash = _cli(cmd, {**env, KILL_AFTER_STEP_ENV: "3"})
         assert crash.returncode == -9, crash.stderr[-3000:]
         assert [r["round"] for r in _rounds(run_dir)] == [0, 1]
         log = crash.stdout + crash.stderr  # progress lines go to stderr
@@ -74,12 +88,9 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
         while _ray_processes(ray_tmp) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _ray_processes(ray_tmp) == []  # engines, raylet and GCS died with the driver
-
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+        done = _cli(cmd, env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert (done.stdout + done.stderr).count("starting the vllm engine") == 1
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     records = _rounds(run_dir)
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     assert [r["policy_version"] for r in records] == [0, 2, 4, 6]
@@ -105,20 +116,15 @@ def test_ddp_trainer_ranks_kept_across_rounds_and_a_killed_rank(toy_dir, tmp_pat
     text = text.replace('objective = "grpo"\n', 'objective = "grpo"\nstrategy = "ddp"\nnproc = 2\nrank_cpus = 0.5\n')
     spec, run_dir = tmp_path / "ddp.toml", tmp_path / "run"
     spec.write_text(text.replace("rounds = 3\n", "rounds = 2\n"))
-    ray_tmp = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
-    try:
-        crash = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                               env={**env, KILL_AFTER_STEP_ENV: "3", KILL_RANK_ENV: "1"})
+    with _ray_env() as (_, env):
+        crash = _cli(cmd, {**env, KILL_AFTER_STEP_ENV: "3", KILL_RANK_ENV: "1"})
         assert crash.returncode != 0
         assert "trainer rank 1 of 2 died training toward step 4" in crash.stderr, crash.stderr[-3000:]
         assert [r["round"] for r in _rounds(run_dir)] == [0, 1]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+        done = _cli(cmd, env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert (done.stdout + done.stderr).count("starting 2 trainer ranks (ddp)") == 1
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     records = _rounds(run_dir)
     assert [r["round"] for r in records] == [0, 1, 2]
     assert [r["policy_version"] for r in records] == [0, 2, 4]
