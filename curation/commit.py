@@ -105,6 +105,10 @@ class Commit:
         part = check_name(part or self.stage, "part")
         final = self.store.partition_dir(table, round) / f"part-{part}.parquet"
         rel = final.relative_to(self.store.root).as_posix()
+        inside = final.parent.resolve()
+        if not inside.is_relative_to(self.store.root.resolve()):  # a table folder linked elsewhere
+            raise ValueError(f"{rel}: the folder resolves to {inside}, outside the run folder {self.store.root} "
+                             "(a symlink?); refusing to write there")
         if final in self._staged:
             raise ValueError(f"{rel} is written twice in one commit of stage {self.stage!r}")
         owner = self._owner(rel)

@@ -116,7 +116,8 @@ class RefillSettings(_Section):
 class RunSection(_Section):
     """The round loop."""
 
-    name: str = Field(..., pattern=r"^[A-Za-z0-9._-]+$", description="Run name; the default run folder is runs/<name>.")
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="Run name; the default run folder is runs/<name>.")
     rounds: int = Field(8, ge=0, description="Training rounds after round 0 (the evaluation of the start model).")
     steps_per_round: int = Field(4, ge=1, description="Optimizer steps per round.")
     replay_rounds: int = Field(

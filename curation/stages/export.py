@@ -116,6 +116,8 @@ def _styled(table: pa.Table, cfg: ExportConfig) -> pa.Table:
 def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -> tuple[Path, int]:
     """Write the export of `run_dir` to `out` (default RUN/exports/<format>-<style>.parquet),
     atomically. Returns the path and the row count."""
+    if out is not None and ".." in Path(out).parts:
+        raise ValueError(f"export path {out}: '..' is refused in an export path; give it without '..'")
     store = RunStore(run_dir)
     tables = {}
     for name in READS[cfg.format]:
@@ -127,6 +129,7 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
                              f"run the stage that writes it before exporting {cfg.format}")
     table = export_table(tables, cfg)
     path = Path(out) if out else store.root / EXPORTS_DIR / f"{cfg.format}-{cfg.style}.parquet"
+
     def write(f) -> None:
         pq.write_table(table, f, compression="zstd")
         fault_point("export.before_rename")

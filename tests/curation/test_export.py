@@ -92,3 +92,9 @@ def test_export_of_missing_table_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="format"):
         ExportConfig(format="dpo")
 
+
+
+def test_an_export_path_with_dotdot_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="'..' is refused in an export path"):
+        run(tmp_path / "run", ExportConfig(format="preference"), tmp_path / "run" / ".." / "x.parquet")
+    assert not (tmp_path / "x.parquet").exists()

@@ -543,3 +543,16 @@ def test_a_prompts_part_claimed_by_another_stage_is_refused(tmp_path):
     with pytest.raises(ValueError, match="belongs to stage 'generate'"):
         with store.commit("refill-1", 3, INPUTS, CONFIG) as c:
             c.write("prompts", prompts, part="A", round=None)
+
+
+def test_a_table_folder_linked_outside_the_run_is_refused(tmp_path):
+    """No write escapes the run folder: a table folder that is a symlink to elsewhere."""
+    store = RunStore(tmp_path / "run")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    store.root.mkdir()
+    (store.root / "samples").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ValueError, match="outside the run folder .* refusing to write there"):
+        with store.commit("generate", 0, {}, {}) as commit:
+            commit.write("samples", samples(0))
+    assert list(outside.rglob("*")) == [] and store.load_manifest("generate", 0) is None

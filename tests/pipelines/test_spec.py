@@ -183,3 +183,11 @@ def test_importing_the_spec_loads_neither_torch_nor_matplotlib():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../up", ".hidden"])
+def test_a_run_name_cannot_leave_the_runs_folder(tmp_path, toy_dir, monkeypatch, name):
+    monkeypatch.chdir(REPO)
+    path = _write(tmp_path, GOOD.replace('name = "t"', f'name = "{name}"'))
+    with pytest.raises(ValueError, match="run.name: String should match pattern"):
+        load_spec(path)
