@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from curation.errors import JobError
 from curation.generate.base import GeneratorConfig, SamplingConfig
 from curation.store import RunLockedError, RunStore
 from pipelines.cli_options import OVERRIDES, build, model_options
@@ -34,6 +35,7 @@ from training.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_LOCKED = 3
+EXIT_JOB = 1
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="groupforge: table-first GRPO/GSPO post-training.")
 toy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The embedded toy task and model.")
@@ -51,13 +53,16 @@ def _fail(message: str, code: int) -> "typer.Exit":
 @contextmanager
 def _exit_codes() -> Iterator[None]:
     """Bad input (a table, file, flag or spec: SchemaError and pydantic's ValidationError are
-    ValueErrors) -> one error line, exit 2; a run locked by another job -> exit 3."""
+    ValueErrors) -> one error line, exit 2; a run locked by another job -> exit 3; a job that
+    cannot go on (curation.errors.JobError) -> one error line, exit 1."""
     try:
         yield
     except (FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc), EXIT_BAD_INPUT) from None
     except RunLockedError as exc:
         raise _fail(str(exc), EXIT_LOCKED) from None
+    except JobError as exc:
+        raise _fail(str(exc), EXIT_JOB) from None
 
 
 def _run_folder(run: Path) -> Path:

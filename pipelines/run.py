@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import Generator, load_prompts
 from curation.rewards.registry import get_reward
@@ -218,7 +219,7 @@ def _ray_session(spec: PipelineSpec) -> Iterator[None]:
     try:
         import ray
     except ImportError:
-        raise RuntimeError("generator.engines > 1, generator.ray_address and train.nproc > 1 run on Ray, which "
+        raise JobError("generator.engines > 1, generator.ray_address and train.nproc > 1 run on Ray, which "
                            "is not installed: pip install 'groupforge[ray]'") from None
     from curation.generate.ray_engines import check_room, connect_ray
 

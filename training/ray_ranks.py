@@ -23,6 +23,8 @@ import os
 import socket
 from pathlib import Path
 
+from curation.errors import JobError
+
 KILL_RANK_ENV = "GROUPFORGE_KILL_RANK"
 """Fault injection for tests: with training.trainer.KILL_AFTER_STEP_ENV, only this rank kills itself."""
 
@@ -31,7 +33,7 @@ ERROR_WAIT_S = 60.0
 """After one rank's train call failed: how long the others may take to fail as well."""
 
 
-class RankDied(RuntimeError):
+class RankDied(JobError):
     """A trainer rank's process died during a train call."""
 
 

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from curation.errors import JobError
 from curation.generate.base import Completion, SamplingConfig, tokenize_prompt
 
 MAX_RESTARTS = 2
@@ -73,7 +74,7 @@ def engine_of(prompt_token_ids: Sequence[int], engines: int) -> int:
     return int.from_bytes(digest, "little") % engines
 
 
-class EngineError(RuntimeError):
+class EngineError(JobError):
     """An engine actor kept dying: the call gave up on its shard."""
 
 

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
 from curation.generate.weights import count_parameters, weights_fingerprint
@@ -107,7 +108,7 @@ def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise RuntimeError(f"generator.engines = {ray_settings.get('engines', 1)} runs the engines on Ray, "
+            raise JobError(f"generator.engines = {ray_settings.get('engines', 1)} runs the engines on Ray, "
                                "which is not installed: pip install 'groupforge[ray]'") from None
         from curation.generate.ray_engines import RayGenerator
 

@@ -152,10 +152,11 @@ import sys
 sys.modules["ray"] = None  # import ray raises ImportError
 import pipelines.run, pipelines.round_steps, curation.generate.stage as stage
 from curation.generate.base import GeneratorConfig
+from curation.errors import JobError
 assert not GeneratorConfig().uses_ray
 try:
     stage.make_generator("hf", {str(toy_dir / "model")!r}, **GeneratorConfig(engines=2).generator_kwargs("hf"))
-except RuntimeError as exc:
+except JobError as exc:
     print(exc)
 """
     import subprocess
