@@ -324,13 +324,11 @@ def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> Train
 def trainer_ranks(ctx: RoundContext) -> "TrainerRanks":
     """The run's trainer ranks (`[train] nproc` Ray actors), started on first use."""
     if ctx.ranks is None:
-        from curation.generate.ray_engines import check_room
         from training.ray_ranks import TrainerRanks
 
         spec = ctx.spec.train
         ctx.log(f"starting {spec.nproc} trainer ranks ({spec.strategy})")
         with ctx.clock("startup"):
-            check_room([("trainer ranks", spec.nproc, spec.rank_cpus, spec.rank_gpus)], "train.rank_cpus / rank_gpus")
             ctx.ranks = TrainerRanks(spec.nproc, rank_cpus=spec.rank_cpus, rank_gpus=spec.rank_gpus,
                                      ray_address=ctx.spec.generator.ray_address)
     return ctx.ranks

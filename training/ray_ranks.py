@@ -13,7 +13,8 @@ new weights for the engines). A rank that dies (killed, out of memory, node lost
 group: the others are killed too (they would wait in a collective) and the call raises
 `RankDied`; a rerun resumes from the newest checkpoint, replaying the rounds after it.
 
-Ray is imported only here. The run folder must be one path every rank can reach (on several
+Ray is imported only here and in curation/ray_cluster.py (the connection and the room check,
+shared with the engines). The run folder must be one path every rank can reach (on several
 machines: shared storage).
 """
 
@@ -24,6 +25,7 @@ import socket
 from pathlib import Path
 
 from curation.errors import JobError
+from curation.ray_cluster import check_room, connect_ray
 
 KILL_RANK_ENV = "GROUPFORGE_KILL_RANK"
 """Fault injection for tests: with training.trainer.KILL_AFTER_STEP_ENV, only this rank kills itself."""
@@ -82,10 +84,8 @@ class TrainerRanks:
                  ray_address: str | None = None) -> None:
         import ray
 
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            ray.init(address="local" if ray_address is None else ray_address, include_dashboard=False,
-                     logging_level="WARNING")
+        self._owns_ray = connect_ray(ray_address)
+        check_room([("trainer ranks", nproc, rank_cpus, rank_gpus)], "train.rank_cpus / rank_gpus")
         remote = ray.remote(_Rank).options(num_cpus=rank_cpus, num_gpus=rank_gpus, max_restarts=0,
                                            scheduling_strategy="SPREAD")
         threads = max(1, int(rank_cpus)) if rank_gpus == 0 else None

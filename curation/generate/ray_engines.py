@@ -34,37 +34,10 @@ from typing import Sequence
 
 from curation.errors import JobError
 from curation.generate.base import Completion, SamplingConfig, tokenize_prompt
+from curation.ray_cluster import actor_env, check_room, connect_ray
 
 MAX_RESTARTS = 2
 """Fresh actors one call may start for one engine before the call fails."""
-
-
-def connect_ray(address: str | None) -> bool:
-    """Join Ray unless this process has already: `address` None starts a private local
-    instance ("local": a stray cluster is never joined), else `ray.init(address)`. Returns
-    whether this call started the connection (its caller then ends it with `ray.shutdown`)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(address="local" if address is None else address, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": _engine_env()})
-    return True
-
-
-def check_room(asks: list[tuple[str, int, float, float]], settings: str) -> None:
-    """Fail in one line, before any actor starts, when the Ray cluster has not got the free
-    CPUs and GPUs that `asks` [(what, count, cpus each, gpus each)] add up to: Ray would
-    otherwise wait for them for ever. `settings` names the keys to change."""
-    import ray
-
-    free = ray.available_resources()
-    for kind, index in (("CPU", 2), ("GPU", 3)):
-        need = sum(ask[1] * ask[index] for ask in asks)
-        if need > free.get(kind, 0) + 1e-9:
-            parts = " + ".join(f"{ask[1]} {ask[0]} x {ask[index]:g}" for ask in asks if ask[index])
-            raise ValueError(f"{parts} {kind}s = {need:g} {kind}s, but the Ray cluster has {free.get(kind, 0):g} "
-                             f"free; lower {settings} (fractions are fine) or add nodes")
 
 
 def engine_of(prompt_token_ids: Sequence[int], engines: int) -> int:
@@ -137,7 +110,7 @@ class RayGenerator:
         self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
         self._kwargs = {**engine_kwargs, "policy_version": policy_version, "trust_remote_code": trust_remote_code}
         self._options = {"num_cpus": engine_cpus, "num_gpus": engine_gpus, "scheduling_strategy": "SPREAD",
-                         "max_restarts": 0, "runtime_env": {"env_vars": _engine_env()}}
+                         "max_restarts": 0, "runtime_env": {"env_vars": actor_env()}}
         self._threads = max(1, int(engine_cpus)) if engine_gpus == 0 else None
         self._weights = None  # what every engine holds beyond the base model: an ObjectRef or a folder
         # One call at a time (the loop samples the next round in a thread while it trains): an
@@ -285,11 +258,3 @@ def _in_order(n: int, shards: dict[int, list[int]], results: dict[int, list]) ->
         for i, value in zip(rows, results[engine]):
             out[i] = value
     return out
-
-
-def _engine_env() -> dict[str, str]:
-    """Environment of the engine actors: vLLM in-process with a small CPU KV cache (as for one
-    engine), quiet logs; whatever the user set wins."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    return {k: os.environ.get(k, v) for k, v in env.items()}

@@ -1,0 +1,46 @@
+"""The Ray connection that engines (curation/generate/ray_engines.py) and trainer ranks
+(training/ray_ranks.py) share: join or start Ray once, the actors' environment, and the check
+that the cluster has room for what a run asks.
+
+Ray is imported inside the functions only: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def connect_ray(address: str | None) -> bool:
+    """Join Ray unless this process has already: `address` None starts a private local
+    instance ("local": a stray cluster is never joined), else `ray.init(address)`. Returns
+    whether this call started the connection (its caller then ends it with `ray.shutdown`)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address="local" if address is None else address, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": actor_env()})
+    return True
+
+
+def check_room(asks: list[tuple[str, int, float, float]], settings: str) -> None:
+    """Fail in one line, before any actor starts, when the Ray cluster has not got the free
+    CPUs and GPUs that `asks` [(what, count, cpus each, gpus each)] add up to: Ray would
+    otherwise wait for them for ever. `settings` names the keys to change."""
+    import ray
+
+    free = ray.available_resources()
+    for kind, index in (("CPU", 2), ("GPU", 3)):
+        need = sum(ask[1] * ask[index] for ask in asks)
+        if need > free.get(kind, 0) + 1e-9:
+            parts = " + ".join(f"{ask[1]} {ask[0]} x {ask[index]:g}" for ask in asks if ask[index])
+            raise ValueError(f"{parts} {kind}s = {need:g} {kind}s, but the Ray cluster has {free.get(kind, 0):g} "
+                             f"free; lower {settings} (fractions are fine) or add nodes")
+
+
+def actor_env() -> dict[str, str]:
+    """Environment of the actors: vLLM in-process with a small CPU KV cache (as for one engine
+    in this process), quiet logs; whatever the user set wins."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return {k: os.environ.get(k, v) for k, v in env.items()}
