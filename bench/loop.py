@@ -81,16 +81,20 @@ def toy_variants(names: list[str] | None) -> dict[str, Path]:
     return folders
 
 
-def run_job(kind: str, job: dict, reuse: bool) -> Curve:
-    """One run in its own process (its memory, threads and engine are its own); its curve."""
+def run_job(kind: str, job: dict, reuse: str | None) -> Curve:
+    """One run in its own process (its memory, threads and engine are its own); its curve. `reuse`
+    "all" (or the run's kind) takes a finished run's JSON instead of running again."""
     result = Path(job["result"])
-    if not (reuse and result.is_file()):
+    if not (reuse in ("all", kind) and result.is_file()):
         result.parent.mkdir(parents=True, exist_ok=True)
         limit = job["minutes"] * 60 * 4 + 600  # evals and start-up come on top of the training budget
         threads = {"OMP_NUM_THREADS": str(job["threads"])} if job.get("threads") else {}
         subprocess.run([sys.executable, __file__, "--worker", kind, json.dumps(job)], check=True, timeout=limit,
                        cwd=ROOT, env={**ENV, **os.environ, **threads})
-    return Curve.from_dict(json.loads(result.read_text()))
+    curve = Curve.from_dict(json.loads(result.read_text()))
+    if job.get("arm"):
+        curve.framework = f"groupforge+{job['arm']}"
+    return curve
 
 
 def worker(kind: str, job: dict) -> None:
@@ -110,19 +114,30 @@ def trl_job(args, variant: str, toy: Path, seed: int, lr: float, minutes: float,
                 temperature=1.0, out_dir=str(folder / f"{name}-out"), result=str(folder / f"{name}.json"))
 
 
-def gf_job(args, variant: str, toy: Path, seed: int) -> dict:
+def gf_job(args, variant: str, toy: Path, seed: int, arm: tuple[str, list[str]] | None = None) -> dict:
     """groupforge evaluates every round here (`eval.every = 1` before --gf-set, which may change it): an
-    eval every 2048 samples like TRL's every 16 x 128, and evals are off both clocks."""
+    eval every 2048 samples like TRL's every 16 x 128, and evals are off both clocks. An `arm` (name,
+    overrides) is the same run with more overrides, on top of --gf-set."""
     from pipelines.spec import EvalSection
 
     folder = OUT / "loop" / variant
     every = ["eval.every=1"] if "every" in EvalSection.model_fields else []
+    name, extra = arm or ("", [])
+    tag = f"-{name}" if name else ""
     return dict(toy=str(toy), variant=variant, seed=seed, minutes=args.gf_minutes, spec=str(args.spec),
-                threads=args.threads, set=every + args.gf_set, rounds=args.gf_rounds,
-                out_dir=str(folder / f"gf-seed{seed}"), result=str(folder / f"groupforge-seed{seed}.json"))
+                threads=args.threads, set=every + args.gf_set + extra, rounds=args.gf_rounds, arm=name,
+                out_dir=str(folder / f"gf{tag}-seed{seed}"), result=str(folder / f"groupforge{tag}-seed{seed}.json"))
 
 
-def run_jobs(jobs: list[tuple[str, dict]], reuse: bool, at_once: int) -> list[Curve]:
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    """"passes1:train.passes=1;eval.every=2" -> ("passes1", ["train.passes=1", "eval.every=2"])."""
+    name, sep, sets = text.partition(":")
+    if not sep or not name.replace("-", "").replace("_", "").isalnum() or not sets.strip():
+        raise argparse.ArgumentTypeError(f"--arm {text!r}: expected NAME:section.key=value[;section.key=value]")
+    return name, [item.strip() for item in sets.split(";") if item.strip()]
+
+
+def run_jobs(jobs: list[tuple[str, dict]], reuse: str | None, at_once: int) -> list[Curve]:
     """Each (kind, job) in its own process, `at_once` of them running at a time; curves in job order."""
     if at_once <= 1:
         return [run_job(kind, job, reuse) for kind, job in jobs]
@@ -186,6 +201,29 @@ def verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
+def arm_table(rows: list[dict]) -> list[str]:
+    """The --arm runs against the plain groupforge run of the same variant and seed: time to TRL's best
+    (and its ratio to TRL's time), plateau, samples/s; empty without arms."""
+    arms = [r for r in rows if r["framework"].startswith("groupforge+")]
+    if not arms:
+        return []
+    by_key = {(r["variant"], r["framework"], r["seed"]): r for r in rows}
+    lines = ["", "Options on/off (each arm is the plain groupforge run plus its overrides, same variant and seed):",
+             "", "| variant | seed | run | s to TRL best | / TRL's time | / plain run's | plateau | plateau - plain "
+             "| samples/s |", "|---|--:|---|--:|--:|--:|--:|--:|--:|"]
+    for r in sorted([r for r in rows if r["framework"].startswith("groupforge")],
+                    key=lambda r: (r["variant"], r["seed"], r["framework"] != "groupforge", r["framework"])):
+        trl, plain = (by_key.get((r["variant"], fw, r["seed"])) for fw in ("trl", "groupforge"))
+        t = r["target_seconds"]
+        to_trl, to_plain = ("-" if t is None or not other or not other["target_seconds"]
+                            else f"{t / other['target_seconds']:.2f}" for other in (trl, plain))
+        delta = "-" if not plain else f"{r['plateau'] - plain['plateau']:+.3f}"
+        name = "plain" if r is plain else r["framework"].replace("groupforge+", "+")
+        lines.append(f"| {r['variant']} | {r['seed']} | {name} | {_s(t)} | {to_trl} | {to_plain} | "
+                     f"{r['plateau']:.3f} | {delta} | {r['samples_per_s']:.0f} |")
+    return lines
+
+
 def breakdown(curves: list[Curve]) -> list[str]:
     """groupforge's round time by phase (RoundRecord.phase_seconds, when the loop records it)."""
     lines = []
@@ -242,6 +280,9 @@ def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: floa
                      f"{r['plateau']:.3f} | {r['samples_per_s']:.0f} | {r['evals']} | {r['seconds']:.0f} | "
                      f"{_s(r['load'], 1)} |")
     lines += ["", *verdicts(rows), *breakdown(curves)]
+    arms = arm_table(rows)
+    if arms:
+        lines += [*arms, "", *(f"- arm {name}: `{'; '.join(sets)}`" for name, sets in args.arm)]
     lines += [f"- figure: `{f.relative_to(ROOT)}`" for f in figures]
     return "\n".join(lines) + "\n"
 
@@ -284,7 +325,11 @@ def main() -> None:
     parser.add_argument("--levels", type=floats, default=[0.5, 0.6, 0.7], help="accuracy levels to time")
     parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
     parser.add_argument("--plateau-evals", type=int, default=5, help="the plateau is the mean of the last N evals")
-    parser.add_argument("--reuse", action="store_true", help="reuse finished runs' JSON under runs/bench/loop/")
+    parser.add_argument("--arm", action="append", type=parse_arm, default=[], metavar="NAME:KEY=VALUE[;KEY=VALUE]",
+                        help="also run groupforge with these overrides (an option on/off), repeatable; reported "
+                             "against the plain run")
+    parser.add_argument("--reuse", nargs="?", const="all", choices=["all", "trl", "groupforge"],
+                        help="reuse finished runs' JSON under runs/bench/loop/ (all, or one framework's)")
     parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
     args = parser.parse_args()
     if args.worker:
@@ -315,6 +360,7 @@ def main() -> None:
                 jobs.append(("trl", trl_job(args, variant, toy, seed, lr, args.trl_minutes, f"trl-seed{seed}")))
             if "groupforge" in frameworks:
                 jobs.append(("groupforge", gf_job(args, variant, toy, seed)))
+                jobs += [("groupforge", gf_job(args, variant, toy, seed, arm)) for arm in args.arm]
     curves = run_jobs(jobs, args.reuse, args.jobs)
     figures = []
     for variant in toys:
