@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.fingerprints import (
     canonical_json,
@@ -40,9 +41,11 @@ from curation.fingerprints import (
 )
 from curation.runlog import fsync_dir, read_json, to_json, write_atomic
 from curation.store import ROUND_TABLES, RunStore, check_name, check_round
+from curation.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
 
 _MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_version", "outputs",
-                    "output_rows", "output_files", "rows_in", "rows_out", "drops", "created_at"}
+                    "output_rows", "output_files", "rows_in", "rows_out", "drops", "created_at",
+                    "format_version", SEAL_FIELD}
 _COMMIT_ROUND: Any = object()  # default of Commit.write(round=...): the commit's round
 SKIPPED_WHEN_EMPTY = frozenset({"rejects"})
 """Tables of which an empty write leaves no part file (no rows dropped: nothing to keep, and a
@@ -130,7 +133,7 @@ class Commit:
         pq.write_table(data, encoded, compression="zstd")
         payload = encoded.getvalue()
         tmp = self._tmp / f"{len(self._staged):06d}.parquet"  # flat: no folders to make and remove
-        with open(tmp, "wb") as f:
+        with disk_write(final), open(tmp, "wb") as f:  # a full disk names the table folder
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -219,12 +222,13 @@ class Commit:
                 touched.add((root / rel).parent)
         for folder in touched:
             fsync_dir(folder)
-        manifest = to_json({
+        content = json.loads(to_json({
             "stage": self.stage, "round": self.round, "inputs": self.inputs, "config": self.config,
-            "config_hash": config_hash(self.config), "code_version": code_version(),
+            "config_hash": config_hash(self.config), "code_version": code_version(), "format_version": FORMAT_VERSION,
             "outputs": outputs, "output_rows": self._rows, "output_files": files,
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
-        })
+        }))
+        manifest = to_json({**content, SEAL_FIELD: seal_of(content)})  # an edit by hand shows (curation/verify.py)
         fault_point("commit.files_published")
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from curation.errors import disk_write
+
 SPEC_FILE = "spec.toml"
 PIPELINE_FILE = "pipeline.json"
 METRICS_FILE = "metrics.jsonl"
@@ -86,23 +88,45 @@ def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], Non
     path.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tmp_dir or path.parent)
     _remove_dead_temps(folder, path.name)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with disk_write(path):
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if callable(data):
+                    data(f)
+                else:
+                    f.write(data.encode("utf-8") if isinstance(data, str) else data)
+                f.flush()
+                os.fsync(f.fileno())
+            if mode is not None:
+                os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     fsync_dir(path.parent)
     return path
+
+
+def append_line(path: Path, line: bytes, sync: bool = True) -> None:
+    """Append `line` and a newline to `path` (created 0644). A last line cut by a kill gets its
+    newline first, so the new line is not glued to it (the cut line stays unparsable, the new
+    one parses); a failed write (a full disk) is truncated away: no half line is left."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        cut = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+        data = memoryview((b"\n" if cut else b"") + line + b"\n")
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+            if sync:
+                os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def to_json(obj: object) -> str:
@@ -222,11 +246,8 @@ class MetricsLog:
         """Append one line; readers see it at once. `sync=False` leaves the fsync to a later
         `sync()` (the trainer's step lines: one fsync per call and checkpoint, not per step)."""
         line = json.dumps(record.to_dict() if isinstance(record, RoundRecord) else record, sort_keys=True)
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
+        with disk_write(self.path):
+            append_line(self.path, line.encode("utf-8"), sync)
 
     def sync(self) -> None:
         """Make every line appended so far durable (fsync)."""

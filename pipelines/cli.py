@@ -26,9 +26,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from curation.errors import JobError
+from curation.errors import JobError, NoSpaceError, is_no_space, no_space_error
 from curation.generate.base import GeneratorConfig, SamplingConfig
 from curation.store import RunLockedError, RunStore
+from curation.verify import check_run
 from pipelines.cli_options import OVERRIDES, build, model_options
 from pipelines.toy import VARIANTS, ToyConfig
 from training.config import TrainConfig
@@ -36,6 +37,8 @@ from training.config import TrainConfig
 EXIT_BAD_INPUT = 2
 EXIT_LOCKED = 3
 EXIT_JOB = 1
+EXIT_NO_SPACE = 4
+DEBUG_ENV = "GROUPFORGE_DEBUG"  # set by --debug: errors keep their tracebacks
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="groupforge: table-first GRPO/GSPO post-training.")
 toy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The embedded toy task and model.")
@@ -54,20 +57,38 @@ def _fail(message: str, code: int) -> "typer.Exit":
 def _exit_codes() -> Iterator[None]:
     """Bad input (a table, file, flag or spec: SchemaError and pydantic's ValidationError are
     ValueErrors) -> one error line, exit 2; a run locked by another job -> exit 3; a job that
-    cannot go on (curation.errors.JobError) -> one error line, exit 1."""
+    cannot go on (curation.errors.JobError) -> one error line, exit 1; a full disk -> one error
+    line naming the folder, exit 4. With --debug (GROUPFORGE_DEBUG) every error keeps its traceback."""
     try:
         yield
-    except (FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc), EXIT_BAD_INPUT) from None
-    except RunLockedError as exc:
-        raise _fail(str(exc), EXIT_LOCKED) from None
-    except JobError as exc:
-        raise _fail(str(exc), EXIT_JOB) from None
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        if isinstance(exc, NoSpaceError) or is_no_space(exc):  # a full disk, whoever wrote
+            message = str(exc) if isinstance(exc, NoSpaceError) else str(no_space_error(getattr(exc, "filename", None)))
+            raise _fail(message, EXIT_NO_SPACE) from None
+        if isinstance(exc, (FileNotFoundError, ValueError)):
+            raise _fail(str(exc), EXIT_BAD_INPUT) from None
+        if isinstance(exc, RunLockedError):
+            raise _fail(str(exc), EXIT_LOCKED) from None
+        if isinstance(exc, JobError):
+            raise _fail(str(exc), EXIT_JOB) from None
+        raise
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceback of every error (also: "
+                                                                 f"{DEBUG_ENV}=1).")) -> None:
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
 
 
 def _run_folder(run: Path) -> Path:
+    """`run`, checked against its manifests (curation/verify.py) before a command reads it."""
     if not run.is_dir():
         raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    with _exit_codes():
+        check_run(run)
     return run
 
 
@@ -411,10 +432,28 @@ def run_(
 
 
 @app.command()
+def verify(run: Path = typer.Argument(..., help="Run folder."),
+           deep: bool = typer.Option(False, "--deep", help="Also hash every file against its manifest's sha256.")
+           ) -> None:
+    """Check that a run folder is what its manifests say: every listed file there with its size,
+    rows (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
+    Parquet file in a table folder. Exit 0 when it is, 2 with the first problem otherwise."""
+    if not run.is_dir():
+        raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    with _exit_codes():
+        found = check_run(run, deep=deep)
+    pending = (f"; {found.pending} commit(s) left pending by a kill (the next run finishes them)"
+               if found.pending else "")
+    console.print(f"{run}: {found.manifests} manifests, {found.files} files ({found.bytes / 2**20:,.1f} MiB) match"
+                  f"{' byte for byte' if deep else ''}{pending}", soft_wrap=True)
+
+
+@app.command()
 def report(run: Path = typer.Argument(..., help="Run folder.")) -> None:
     """Rebuild RUN/report/ (plots and summary.md) from RUN/metrics.jsonl."""
     from pipelines.report import report_run
 
+    _run_folder(run)
     with _exit_codes():
         folder = report_run(run)
     console.print(f"wrote {folder}")

@@ -52,6 +52,7 @@ from curation.runlog import (
     write_atomic,
 )
 from curation.store import RunStore
+from curation.verify import check_run
 from pipelines.prompts import choose_prompts
 from pipelines.refill import refill
 from pipelines.round_steps import (
@@ -86,6 +87,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
     store = RunStore(run_dir)
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
         store.clean_tmp()
+        check_run(run_dir)  # a resumed run folder is what its manifests say, before a round reads it
         target = _target_rounds(run_dir, spec, extra_rounds)
         write_atomic(run_dir / SPEC_FILE, resolved_toml(spec))
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log,

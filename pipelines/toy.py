@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from curation.errors import disk_write
 from curation.fingerprints import config_hash
 
 # torch, transformers and pipelines.toy_model are imported by the build only: the CLI
@@ -281,9 +282,9 @@ def build_toy(
         tmp.chmod(0o755)  # mkdtemp makes it private; the toy is an ordinary folder
         from training.checkpoint import quiet_transformers
 
-        with quiet_transformers():
+        with disk_write(out), quiet_transformers():
             meta = _build_into(tmp, config, seed, progress)
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if not force and _is_cached(out, config, seed):
             return out  # a concurrent build finished first; keep its files
         _replace_dir(tmp, out)

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
+from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.runlog import CHECKPOINTS_DIR, OPTIMIZER_FILE, TRAINER_STATE_FILE, fsync_dir, read_json, write_json_atomic
 
@@ -103,17 +104,8 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, 
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], tokenizer_from: str | Path | None = None,
-                    keep_last: int | None = None) -> Path:
-    """Write checkpoint `step` atomically and return its folder; then keep only the newest
-    `keep_last` checkpoints (None: keep all)."""
-    root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    final = checkpoint_dir(run_dir, step)
-    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            state: dict[str, Any], step: int, tokenizer_from: str | Path | None) -> None:
     with quiet_transformers():
         model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer_from is not None:
@@ -129,6 +121,25 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
             os.fsync(f.fileno())
     # Last: a folder with a trainer_state.json is complete (list_checkpoints relies on it).
     write_json_atomic(tmp / TRAINER_STATE_FILE, {**state, "step": step, "optimizer_param_groups": groups})
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any], tokenizer_from: str | Path | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Write checkpoint `step` atomically and return its folder; then keep only the newest
+    `keep_last` checkpoints (None: keep all)."""
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = checkpoint_dir(run_dir, step)
+    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    try:
+        with disk_write(final):
+            _write_checkpoint_files(tmp, model, optimizer, state, step, tokenizer_from)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk or a crash: free what it took
+        raise
     if final.exists():  # a rerun of the same step (e.g. after a kill between rename and cleanup)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -154,8 +165,15 @@ def load_trainer_state(folder: str | Path) -> dict[str, Any]:
 
 def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
     """Restore the optimizer state saved in checkpoint `folder` (safetensors + JSON, no pickle)."""
+    from curation.generate.weights import check_safetensors
+
     state = load_trainer_state(folder)
-    tensors = load_file(Path(folder) / OPTIMIZER_FILE)
+    file = Path(folder) / OPTIMIZER_FILE
+    if not file.is_file():
+        raise ValueError(f"checkpoint {folder}: no {OPTIMIZER_FILE} (the optimizer state); delete the folder to "
+                         "resume from the checkpoint before it, or start the run again")
+    check_safetensors(file)
+    tensors = load_file(file)
     optimizer_from_tensors(optimizer, tensors, state["optimizer_param_groups"])
 
 
@@ -166,9 +184,10 @@ def load_model(folder: str | Path, device: torch.device | str = "cpu", trainable
     `trainable`."""
     from transformers import AutoModelForCausalLM
 
+    from curation.generate.weights import check_model_folder
+
     folder = Path(folder)
-    if not any(folder.glob("*.safetensors")):
-        raise ValueError(f"model folder {folder}: no *.safetensors files (pickled weights are not loaded)")
+    check_model_folder(folder)
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False,
                                                      use_safetensors=True)

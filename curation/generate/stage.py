@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
-from curation.generate.weights import count_parameters, weights_fingerprint
+from curation.generate.weights import check_model_folder, count_parameters, weights_fingerprint
 from curation.runlog import read_json, write_atomic, write_json_atomic
 from curation.schema import SCHEMAS, SchemaError, validate
 from curation.stages.common import rejects_table
@@ -102,6 +102,7 @@ def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
     folder; `kwargs` go to its class (`GeneratorConfig.generator_kwargs(backend)` gives them
     from a spec's settings). With `engines` > 1 or a `ray_address` it is a
     `curation.generate.ray_engines.RayGenerator` over that many engines of `backend`."""
+    check_model_folder(model, trust_remote_code=kwargs.get("trust_remote_code", False))
     backend = resolve_backend(backend, model)
     ray_settings = {key: kwargs.pop(key) for key in RAY_KEYS if key in kwargs}
     if ray_settings.get("engines", 1) > 1 or ray_settings.get("ray_address") is not None:

@@ -170,3 +170,65 @@ def test_the_readme_lists_every_point():
     assert list(rows) == list(POINTS) and {case[0] for case in CASES} == set(POINTS)
     for point, count, _ in CASES:  # each kill tried is in its point's row
         assert f"{count}" in rows[point].split("|")[2], (point, count)
+
+
+# ---- a full disk ------------------------------------------------------------------------------
+
+def _usage(folder: Path) -> int:
+    """Bytes `folder` takes on a tmpfs: every file rounded up to 4 KiB pages, plus a page per folder."""
+    pages = sum(-(-p.stat().st_size // 4096) if p.is_file() else 1 for p in folder.rglob("*"))
+    return (pages + 1) * 4096
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs mounted at tmp_path/disk; `resize(bytes)` changes its size (frees or takes space)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+
+    def resize(size: int) -> None:
+        options = f"size={size}" if not os.path.ismount(mount) else f"remount,size={size}"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
+
+    yield mount, resize
+    if os.path.ismount(mount):
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("fraction", [pytest.param(0.02, id="early"),
+                                      pytest.param(0.6, id="mid", marks=pytest.mark.slow),
+                                      pytest.param(0.93, id="late", marks=pytest.mark.slow)])
+def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(fraction, spec, reference, small_disk):
+    """The run folder sits on a tmpfs that holds `fraction` of what the finished run needs: the run
+    stops with exit 4 and one line naming a folder of the run, a rerun while still full does the
+    same, and once the space is freed the rerun completes to the uninterrupted run's weights."""
+    mount, resize = small_disk
+    resize(max(64 * 1024, int(_usage(reference) * fraction)))
+    run_dir = mount / "run"
+    for attempt in ("full", "still full"):
+        crash = _cli(_commands(spec, run_dir)["run"])
+        assert crash.returncode == 4, f"{attempt}: exit {crash.returncode}: {crash.stderr[-3000:]}"
+        errors = [line for line in crash.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in crash.stderr, crash.stderr[-3000:]
+        assert "no space left on device in " + str(run_dir) in errors[0], errors[0]
+        assert "rerun the same command" in errors[0]
+        left = [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or ".tmp-step-" in p.name
+                or (p.is_file() and "_tmp" in p.relative_to(run_dir).parts)]
+        assert not left, f"temporary files left on the full disk: {left}"
+    resize(4 * _usage(reference))
+    again = _cli(_commands(spec, run_dir)["run"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_invariants(run_dir)
+    got, want = _final_weights(run_dir), _final_weights(reference)
+    assert all(torch.equal(got[k], want[k]) for k in want), "the final weights differ from the reference"
+
+
+def test_debug_shows_the_traceback(spec, small_disk):
+    mount, resize = small_disk
+    resize(64 * 1024)
+    crash = _cli(["--debug", *_commands(spec, mount / "run")["run"]])
+    assert crash.returncode == 1 and "Traceback" in crash.stderr, crash.stderr[-2000:]
+    assert "NoSpaceError" in crash.stderr, crash.stderr[-2000:]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.spec import PipelineSpec, check_comparable, load_compare, load_spec, parse_overrides, resolved_toml
+from pipelines.spec import (PipelineSpec, check_comparable, dump_toml, load_compare, load_spec, parse_overrides,
+                            resolved_toml)
 from tests.conftest import REPO
 
 SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
@@ -191,3 +192,77 @@ def test_a_run_name_cannot_leave_the_runs_folder(tmp_path, toy_dir, monkeypatch,
     path = _write(tmp_path, GOOD.replace('name = "t"', f'name = "{name}"'))
     with pytest.raises(ValueError, match="run.name: String should match pattern"):
         load_spec(path)
+
+
+# ---- every key wrong once --------------------------------------------------------------------
+
+def _leaf_keys() -> list[tuple[str, str, object]]:
+    """(section, key, pydantic FieldInfo) of every key of every spec section."""
+    return [(section, key, field) for section, info in PipelineSpec.model_fields.items()
+            for key, field in info.annotation.model_fields.items()]
+
+
+def _with(section: str, key: str, value: object) -> str:
+    """GOOD with [section] key = value (replacing GOOD's own, adding the section if need be)."""
+    data = tomllib.loads(GOOD)
+    data.setdefault(section, {})[key] = value
+    return dump_toml(data)
+
+
+def _bound(field) -> tuple[str, object] | None:
+    """A value just outside the first numeric bound of `field` (ge, gt, le, lt), if it has one."""
+    for meta in field.metadata:
+        for name, outside in (("ge", lambda b: b - 1), ("gt", lambda b: b), ("le", lambda b: b + 1),
+                              ("lt", lambda b: b)):
+            bound = getattr(meta, name, None)
+            if bound is not None:
+                return name, outside(bound)
+    return None
+
+
+@pytest.mark.parametrize("section,key", [(s, k) for s, k, _ in _leaf_keys()], ids=lambda x: x)
+def test_every_spec_key_with_a_wrong_type_is_named_with_the_file(section, key, tmp_path, toy_dir, monkeypatch):
+    """A table where a key wants a number, string, list or setting (or, for a key that takes a
+    table, a table with an unknown key): the error names section.key and the spec file."""
+    monkeypatch.chdir(REPO)
+    path = _write(tmp_path, _with(section, key, {"not_a_key": 1}))
+    with pytest.raises(ValueError) as err:
+        load_spec(path, check_files=False)
+    assert f"{section}.{key}" in str(err.value) and str(path) in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("section", list(PipelineSpec.model_fields))
+def test_an_unknown_key_in_every_section_is_named_with_the_file(section, tmp_path, toy_dir, monkeypatch):
+    monkeypatch.chdir(REPO)
+    path = _write(tmp_path, _with(section, "no_such_key", 1))
+    with pytest.raises(ValueError) as err:
+        load_spec(path, check_files=False)
+    assert f"{section}.no_such_key: Extra inputs are not permitted" in str(err.value) and str(path) in str(err.value)
+
+
+BOUNDED = [(s, k, _bound(f)) for s, k, f in _leaf_keys() if _bound(f) is not None]
+
+
+@pytest.mark.parametrize("section,key,bound", BOUNDED, ids=[f"{s}.{k}" for s, k, _ in BOUNDED])
+def test_every_bounded_spec_key_out_of_range_is_named_with_the_file(section, key, bound, tmp_path, toy_dir,
+                                                                     monkeypatch):
+    monkeypatch.chdir(REPO)
+    name, value = bound
+    path = _write(tmp_path, _with(section, key, value))
+    with pytest.raises(ValueError) as err:
+        load_spec(path, check_files=False)
+    words = {"ge": "greater than or equal", "gt": "greater than", "le": "less than or equal", "lt": "less than"}
+    assert f"{section}.{key}: Input should be {words[name]}" in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("model.path", "runs/absent-model", "model.path runs/absent-model"),
+    ("prompts.train", ["runs/absent.parquet"], "runs/absent.parquet"),
+    ("prompts.eval", "runs/absent-eval.parquet", "runs/absent-eval.parquet"),
+])
+def test_a_missing_file_in_a_spec_is_named_with_the_key(key, value, message, tmp_path, toy_dir, monkeypatch):
+    monkeypatch.chdir(REPO)
+    path = _write(tmp_path, _with(*key.split("."), value))
+    with pytest.raises(ValueError) as err:
+        load_spec(path)
+    assert message in str(err.value) and str(path) in str(err.value), str(err.value)
