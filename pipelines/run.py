@@ -88,6 +88,11 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
         store.clean_tmp()
         check_run(run_dir)  # a resumed run folder is what its manifests say, before a round reads it
+        from training.checkpoint import check_checkpoint, latest_checkpoint  # torch: only once a run starts
+
+        newest = latest_checkpoint(run_dir)
+        if newest is not None:
+            check_checkpoint(newest)  # and the checkpoint it resumes from is whole
         target = _target_rounds(run_dir, spec, extra_rounds)
         write_atomic(run_dir / SPEC_FILE, resolved_toml(spec))
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log,

@@ -163,6 +163,23 @@ def load_trainer_state(folder: str | Path) -> dict[str, Any]:
     return state
 
 
+def check_checkpoint(folder: str | Path) -> None:
+    """A ValueError naming the file unless checkpoint `folder` is whole: trainer_state.json, the
+    model folder (config, tokenizer, weights not truncated) and the optimizer state. Header reads
+    only; a resumed run calls it before its first round, so a bad checkpoint stops it before it
+    writes anything."""
+    from curation.generate.weights import check_model_folder, check_safetensors
+
+    folder = Path(folder)
+    load_trainer_state(folder)
+    check_model_folder(folder)
+    file = folder / OPTIMIZER_FILE
+    if not file.is_file():
+        raise ValueError(f"checkpoint {folder}: no {OPTIMIZER_FILE} (the optimizer state); delete the folder to "
+                         "resume from the checkpoint before it, or start the run again")
+    check_safetensors(file)
+
+
 def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
     """Restore the optimizer state saved in checkpoint `folder` (safetensors + JSON, no pickle)."""
     from curation.generate.weights import check_safetensors
@@ -170,8 +187,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None
     state = load_trainer_state(folder)
     file = Path(folder) / OPTIMIZER_FILE
     if not file.is_file():
-        raise ValueError(f"checkpoint {folder}: no {OPTIMIZER_FILE} (the optimizer state); delete the folder to "
-                         "resume from the checkpoint before it, or start the run again")
+        check_checkpoint(folder)  # raises, naming the missing file
     check_safetensors(file)
     tensors = load_file(file)
     optimizer_from_tensors(optimizer, tensors, state["optimizer_param_groups"])

@@ -110,6 +110,7 @@ def load_state_dict(path: str | Path) -> dict[str, "torch.Tensor"]:
     files = _safetensors_files(path) if path.is_dir() else [path]
     state_dict: dict[str, "torch.Tensor"] = {}
     for file in files:
+        check_safetensors(file)  # a truncated file is named here, not deep in the loader
         state_dict.update(load_file(file))
     return state_dict
 

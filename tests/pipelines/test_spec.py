@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.spec import (PipelineSpec, check_comparable, dump_toml, load_compare, load_spec, parse_overrides,
-                            resolved_toml)
+from pipelines.spec import (
+    PipelineSpec,
+    check_comparable,
+    dump_toml,
+    load_compare,
+    load_spec,
+    parse_overrides,
+    resolved_toml,
+)
 from tests.conftest import REPO
 
 SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))

@@ -1,0 +1,245 @@
+"""Bad model folders, checkpoints and run folders through the real CLI: each gets one `error:`
+line naming the file or folder and the problem, exit code 2, no traceback, and nothing
+written (README, "Exit codes"). Built here from the toy and one short run, nothing checked in.
+The prompts-file corpus is tests/curation/test_bad_prompts.py; spec keys are in test_spec.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import REPO
+from tests.faults.test_faults import SPEC as FAULTS_SPEC
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_error_line(done: subprocess.CompletedProcess, code: int = 2) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]  # not progress bars
+    assert done.returncode == code, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-2000:]
+    return lines[0]
+
+
+# ---- model folders ----------------------------------------------------------------------------
+
+def _cut(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def _config(**changes):
+    def edit(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return edit
+
+
+MODEL_CASES = [
+    ("no-config", lambda f: (f / "config.json").unlink(), "config.json", "no config.json"),
+    ("config-not-json", lambda f: (f / "config.json").write_text("{not json"), "config.json", "is not valid JSON"),
+    ("no-tokenizer", lambda f: (f / "tokenizer.json").unlink(), "", "no tokenizer"),
+    ("not-safetensors", lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 100),
+     "model.safetensors", "not a safetensors file, or truncated"),
+    ("corrupt-header", lambda f: (f / "model.safetensors").write_bytes(b"\x04" + b"\x00" * 7 + b"{no}" * 100),
+     "model.safetensors", "corrupt safetensors header"),
+    ("truncated-weights", lambda f: _cut(f / "model.safetensors"), "model.safetensors", "truncated: its tensors end"),
+    ("pickled-weights-only", lambda f: (f / "model.safetensors").rename(f / "pytorch_model.bin"), "",
+     "no *.safetensors files (pickled weights are not loaded)"),
+    ("needs-remote-code", _config(auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}), "",
+     "groupforge does not run a model folder's code (trust_remote_code is off)"),
+    ("unknown-model-type", _config(model_type="no-such-architecture"), "",
+     "model_type 'no-such-architecture' is not one this transformers knows"),
+]
+
+
+@pytest.mark.parametrize("name,damage,file,fragment", MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_bad_model_folder_gets_one_line_naming_it(name, damage, file, fragment, backend, toy_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(toy_dir / "model", model)
+    damage(model)
+    out = tmp_path / "run"
+    line = _one_error_line(_cli("generate", "--model", str(model), "--prompts", str(toy_dir / "eval.parquet"),
+                                "--out", str(out), "--backend", backend, "--max-tokens", "4"))
+    assert str(model) in line and file in line and fragment in line, line
+    assert not list(out.rglob("*.parquet")) if out.exists() else True  # nothing written
+
+
+def test_a_tied_embedding_model_samples_the_same_on_both_backends(toy_dir, tmp_path):
+    """Not bad: a model whose LM head is its embedding (no lm_head.weight in the file) loads in both
+    engines, and they give the same greedy answers."""
+    model = tmp_path / "tied"
+    shutil.copytree(toy_dir / "model", model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights.pop("lm_head.weight").clone()
+    save_file(weights, model / "model.safetensors")
+    _config(tie_word_embeddings=True)(model)
+    from curation.generate.base import tokenize_prompt
+    from curation.generate.stage import make_generator
+
+    answers = []
+    for backend in ("hf", "vllm"):
+        generator = make_generator(backend, model, dtype="float32")
+        ids = [tokenize_prompt(generator.tokenizer, p, None)
+               for p in pq.read_table(toy_dir / "eval.parquet").column("prompt").to_pylist()[:16]]
+        answers.append(generator.greedy(ids, max_tokens=4))
+        generator.close()
+    assert answers[0] == answers[1] and any(answers[0])
+
+
+# ---- checkpoints and run folders ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished(toy_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(spec, run folder) of a 2-round toy run with the transformers generator."""
+    folder = tmp_path_factory.mktemp("finished")
+    spec = folder / "spec.toml"
+    spec.write_text(FAULTS_SPEC.format(toy=toy_dir, train=f'"{toy_dir}/train.parquet"'))
+    run = folder / "run"
+    done = _cli("run", str(spec), "--run-dir", str(run), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return spec, run
+
+
+@pytest.fixture
+def copy(finished, tmp_path) -> tuple[Path, Path]:
+    spec, run = finished
+    shutil.copytree(run, tmp_path / "run")
+    return spec, tmp_path / "run"
+
+
+def _newest_checkpoint(run: Path) -> Path:
+    return max((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
+def _files_and_bytes(run: Path) -> dict[str, bytes]:
+    return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.parametrize("name,damage,fragment", [
+    ("truncated-weights", lambda c: _cut(c / "model.safetensors"), "truncated: its tensors end"),
+    ("missing-optimizer-state", lambda c: (c / "optimizer.safetensors").unlink(),
+     "no optimizer.safetensors (the optimizer state)"),
+    ("truncated-optimizer-state", lambda c: _cut(c / "optimizer.safetensors"), "truncated: its tensors end"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_a_bad_checkpoint_stops_the_resumed_run_with_its_name(name, damage, fragment, copy):
+    spec, run = copy
+    checkpoint = _newest_checkpoint(run)
+    damage(checkpoint)
+    before = _files_and_bytes(run)
+    line = _one_error_line(_cli("run", str(spec), "--run-dir", str(run), "--rounds", "+1", timeout=600))
+    assert str(checkpoint) in line and fragment in line, line
+    after = _files_and_bytes(run)
+    changed = {k for k in before.keys() & after.keys() if before[k] != after[k]} - {"spec.toml", "pipeline.json"}
+    tables = {k for k in after.keys() - before.keys() if k.endswith(".parquet") and not k.startswith("_rounds/")}
+    assert not changed and not tables, f"the failed resume wrote {sorted(changed | tables)}"
+
+
+def _truncate_part(run: Path) -> Path:
+    part = run / "samples" / "round=1" / "part-generate.parquet"
+    _cut(part)
+    return part
+
+
+def _edit_manifest(run: Path) -> Path:
+    path = run / "_manifests" / "score-round=1.json"
+    manifest = json.loads(path.read_text())
+    manifest["rows_out"] += 1
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def _foreign_part(run: Path) -> Path:
+    part = run / "samples" / "round=2" / "part-mine.parquet"
+    shutil.copy(run / "samples" / "round=2" / "part-generate.parquet", part)
+    return part
+
+
+def _newer_format(run: Path) -> Path:
+    path = run / "_manifests" / "label-round=2.json"
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 99
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def _renamed_column(run: Path) -> Path:
+    """A part file rewritten with a column renamed, and its manifest entry updated to match (so only
+    the table contract can tell)."""
+    from curation.verify import seal_of
+
+    part = run / "groups" / "round=1" / "part-label.parquet"
+    table = pq.read_table(part)
+    pq.write_table(table.rename_columns(["advantage_x" if c == "advantage" else c for c in table.column_names]),
+                   part)
+    path = run / "_manifests" / "label-round=1.json"
+    manifest = json.loads(path.read_text())
+    rel = part.relative_to(run).as_posix()
+    manifest["output_files"][rel]["size"] = part.stat().st_size
+    manifest.pop("seal")
+    manifest["seal"] = seal_of(manifest)
+    path.write_text(json.dumps(manifest))
+    return part
+
+
+RUN_CASES = [
+    ("truncated-part", _truncate_part, "bytes, but manifest generate-round=1.json recorded"),
+    ("edited-manifest", _edit_manifest, "edited after its commit"),
+    ("foreign-part", _foreign_part, "no manifest lists (a foreign file"),
+    ("newer-format", _newer_format, "written by a newer groupforge (run-folder format 99"),
+    ("renamed-column", _renamed_column, "missing column 'advantage'"),
+]
+
+
+@pytest.mark.parametrize("command", ["inspect", "report", "export", "verify", "run"])
+@pytest.mark.parametrize("name,damage,fragment", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_a_damaged_run_folder_is_named_by_every_command(name, damage, fragment, command, copy):
+    spec, run = copy
+    path = damage(run)
+    before = _files_and_bytes(run)
+    args = {"inspect": ["inspect", str(run)], "report": ["report", str(run)], "verify": ["verify", str(run)],
+            "export": ["export", str(run), "--format", "unpaired"],
+            "run": ["run", str(spec), "--run-dir", str(run), "--rounds", "+1"]}[command]
+    if name == "renamed-column" and command not in ("inspect", "export"):
+        pytest.skip("the file matches its manifest: only a command that reads the table can tell")
+    line = _one_error_line(_cli(*args, timeout=600))
+    assert str(path) in line and fragment in line, line
+    assert _files_and_bytes(run).keys() <= before.keys() | {"spec.toml"}, "a command wrote into the damaged run"
+
+
+def test_verify_deep_finds_a_changed_byte_that_keeps_the_size(copy):
+    _, run = copy
+    done = _cli("verify", str(run))
+    assert done.returncode == 0 and "match" in done.stdout, done.stderr
+    part = run / "scores" / "round=1" / "part-score.parquet"
+    data = bytearray(part.read_bytes())
+    data[8] ^= 0xFF  # in the first column chunk's data, not the footer
+    part.write_bytes(bytes(data))
+    assert _cli("verify", str(run)).returncode == 0  # size and footer unchanged: only the bytes tell
+    line = _one_error_line(_cli("verify", str(run), "--deep"))
+    assert str(part) in line and "sha256 differs" in line
+
+
+def test_a_table_written_by_hand_reads_as_its_contract_demands(tmp_path):
+    """Not through the CLI: RunStore.read names the file and column of a part with a wrong type."""
+    from curation.store import RunStore
+
+    store = RunStore(tmp_path / "run")
+    (tmp_path / "run" / "scores" / "round=0").mkdir(parents=True)
+    pq.write_table(pa.table({"round": pa.array([0], pa.int32()), "prompt_id": ["x"], "sample_idx": [0],
+                             "reward": ["high"]}), tmp_path / "run" / "scores" / "round=0" / "part-x.parquet")
+    with pytest.raises(ValueError, match=r"part-x.parquet.*reward"):
+        store.read("scores")
