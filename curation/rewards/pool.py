@@ -17,6 +17,13 @@ first item and outside the item timeout (e.g. the math reward imports math-verif
     values, errors = run_isolated(fn, inputs, timeout_s=10, workers=4)
     # values[i]: float | None (the raw return), errors[i]: str | None ("ValueError: ...")
 
+Besides the wall-clock timeout, each worker runs under resource limits (`setrlimit`):
+`memory_mb` caps its address space (RLIMIT_AS), so a reward that allocates without bound
+gets a MemoryError (its row is rejected) or dies alone, instead of the machine's OOM killer
+taking the job; `cpu_s` caps the CPU seconds of each item (RLIMIT_CPU, raised before every
+item), so a reward that burns several cores within its timeout is stopped too. A worker's
+stdout goes to the parent's stderr: a reward that prints never mixes with the CLI's output.
+
 `inputs` is a table of prompt, messages, response and any of registry.TRL_COLUMNS.
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import resource
 import signal
 import subprocess
 import sys
@@ -48,7 +56,7 @@ def error_text(exc: BaseException) -> str:
 
 def as_score(result: object, expected: int) -> list[float | None]:
     """Check a reward function's return value: a list of `expected` numbers or Nones."""
-    if not hasattr(result, "__len__") or isinstance(result, (str, bytes)):
+    if not hasattr(result, "__len__") or isinstance(result, (str, bytes, dict, set, frozenset)):
         raise TypeError(f"reward function returned {type(result).__name__}, expected a list of floats")
     if len(result) != expected:
         raise ValueError(f"reward function returned {len(result)} scores for {expected} completions")
@@ -66,12 +74,30 @@ def as_score(result: object, expected: int) -> list[float | None]:
 # ---- the worker ---------------------------------------------------------------------
 
 
+def _cpu_seconds_used() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _limit_cpu(cpu_s: float | None) -> None:
+    """Let the next item use at most `cpu_s` more CPU seconds (SIGXCPU ends the worker past it)."""
+    if cpu_s is not None:
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        soft = math.ceil(_cpu_seconds_used() + cpu_s)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
 def _worker_main(read_fd: int, write_fd: int, progress_fd: int) -> None:
     """A worker process: load the function, then score chunks until an empty message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which kills us
     conn_in, conn_out = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    cpu_s = None
     try:
-        sys_path, payload = pickle.loads(conn_in.recv_bytes())
+        sys_path, payload, (memory_mb, cpu_s) = pickle.loads(conn_in.recv_bytes())
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a worker ended by a limit leaves no core file
+        if memory_mb is not None:
+            limit = int(memory_mb) * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         sys.path[:] = sys_path
         fn = pickle.loads(payload)
         if hasattr(fn, "prepare"):
@@ -90,6 +116,7 @@ def _worker_main(read_fd: int, write_fd: int, progress_fd: int) -> None:
         prompts, completions, columns = trl_arguments(pa.ipc.open_stream(data).read_all())
         results: list[tuple[float | None, str | None]] = []
         for i in range(len(completions)):
+            _limit_cpu(cpu_s)
             os.write(progress_fd, b".")
             try:
                 value = as_score(fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()}), 1)[0]
@@ -103,7 +130,7 @@ def _worker_main(read_fd: int, write_fd: int, progress_fd: int) -> None:
 
 
 class _Worker:
-    def __init__(self, payload: bytes):
+    def __init__(self, payload: bytes, limits: tuple[int | None, float | None] = (None, None)):
         child_in_r, parent_out_w = os.pipe()
         parent_in_r, child_out_w = os.pipe()
         progress_r, progress_w = os.pipe()
@@ -111,7 +138,8 @@ class _Worker:
                 f"_worker_main({child_in_r}, {child_out_w}, {progress_w})")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.process = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                                        pass_fds=(child_in_r, child_out_w, progress_w), start_new_session=True)
+                                        stdout=_stderr_fd(), pass_fds=(child_in_r, child_out_w, progress_w),
+                                        start_new_session=True)
         for fd in (child_in_r, child_out_w, progress_w):
             os.close(fd)
         self.conn = Connection(parent_in_r, writable=False)
@@ -119,7 +147,7 @@ class _Worker:
         self.progress_fd = progress_r
         os.set_blocking(progress_r, False)
         try:
-            self.out.send_bytes(pickle.dumps((list(sys.path), payload)))
+            self.out.send_bytes(pickle.dumps((list(sys.path), payload, limits)))
         except OSError:
             pass  # it died on start-up (its traceback is on stderr); the parent's loop reports it
         self.ready = False
@@ -172,9 +200,20 @@ class _Worker:
             self.progress_fd = -1
 
 
+def _stderr_fd() -> int | None:
+    """The parent's stderr as a file descriptor for a worker's stdout (None: inherit, when stderr
+    is not a real file, e.g. under a test's capture)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
-                 chunk_rows: int | None = None) -> tuple[list[float | None], list[str | None]]:
-    """Score every row of `inputs` with `fn` in `workers` processes, each item within `timeout_s`."""
+                 chunk_rows: int | None = None, memory_mb: int | None = None,
+                 cpu_s: float | None = None) -> tuple[list[float | None], list[str | None]]:
+    """Score every row of `inputs` with `fn` in `workers` processes, each item within `timeout_s`
+    (wall) and `cpu_s` (CPU seconds), each worker within `memory_mb` of address space."""
     n = inputs.num_rows
     values: list[float | None] = [None] * n
     errors: list[str | None] = [None] * n
@@ -187,7 +226,8 @@ def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
                          "define it at module level, or as a callable class") from None
     chunk_rows = chunk_rows or max(1, min(512, math.ceil(n / (workers * 4))))
     pending = deque((s, min(s + chunk_rows, n)) for s in range(0, n, chunk_rows))
-    pool = [_Worker(payload) for _ in range(min(workers, len(pending)))]
+    limits = (memory_mb, cpu_s)
+    pool = [_Worker(payload, limits) for _ in range(min(workers, len(pending)))]
 
     def requeue_and_replace(k: int, row: int, error: str) -> None:
         worker = pool[k]
@@ -197,7 +237,7 @@ def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
             if task[0] < task[1]:
                 pending.appendleft(task)
         worker.kill()
-        pool[k] = _Worker(payload)
+        pool[k] = _Worker(payload, limits)
 
     try:
         while pending or any(w.task is not None for w in pool):
@@ -233,7 +273,9 @@ def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
                         raise RuntimeError(f"reward worker for {fn!r} died while starting ({code})")
                     if worker.task is None:
                         worker.kill()
-                        pool[k] = _Worker(payload)
+                        pool[k] = _Worker(payload, limits)
+                    elif worker.process.returncode == -signal.SIGXCPU:
+                        requeue_and_replace(k, worker.current_row(), f"over the CPU-time limit of {cpu_s:g}s")
                     else:
                         requeue_and_replace(k, worker.current_row(), f"reward worker died ({code})")
                     continue

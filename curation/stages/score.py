@@ -74,6 +74,11 @@ class ScoreConfig(BaseModel):
                                       description="Reward functions; `reward` is their weighted sum.")
     workers: int | None = Field(None, ge=1, description="Worker processes for isolated rewards; default: the "
                                 "usable CPUs, at most 8. Not part of the config hash (results do not depend on it).")
+    memory_mb: int | None = Field(4096, ge=64, description="Address-space limit of each reward worker process "
+                                  "(RLIMIT_AS); a reward past it gets a MemoryError and its row is rejected. None: "
+                                  "no limit. Not part of the config hash.")
+    cpu_seconds: float | None = Field(None, gt=0, description="CPU seconds each item may use in a reward worker "
+                                      "(RLIMIT_CPU); default: the reward's timeout_s. Not part of the config hash.")
 
     @model_validator(mode="after")
     def _columns_are_distinct(self) -> ScoreConfig:
@@ -130,7 +135,7 @@ def transform(tables: dict[str, pa.Table], cfg: ScoreConfig) -> StageOutput:
         todo = np.flatnonzero(~reused & ~failed)  # rows that failed an earlier reward are rejected anyway
         if len(todo):
             part = rows if len(todo) == n else rows_of(rows, todo)
-            got_values, got_null, errors = _compute(fn, part, spec.timeout_s, cfg.workers)
+            got_values, got_null, errors = _compute(fn, part, spec.timeout_s, cfg)
             where = slice(None) if len(todo) == n else todo  # a slice: no fancy indexing of all rows
             values[where], null[where] = got_values, got_null
             for i, error in errors.items():
@@ -158,7 +163,7 @@ def transform(tables: dict[str, pa.Table], cfg: ScoreConfig) -> StageOutput:
 
 
 def _compute(fn, part: pa.Table, timeout_s: float,
-             workers: int | None) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+             cfg: ScoreConfig) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
     """(values, null mask, {row: error}) of one reward function over the rows of `part`."""
     if hasattr(fn, "vectorized"):
         got = fn.vectorized(part.column("response"), **{c: part.column(c) for c in TRL_COLUMNS})
@@ -167,7 +172,8 @@ def _compute(fn, part: pa.Table, timeout_s: float,
         errors: dict[int, str] = {}
     else:
         if getattr(fn, "isolate", True):
-            scores, texts = run_isolated(fn, part, timeout_s=timeout_s, workers=workers or default_workers())
+            scores, texts = run_isolated(fn, part, timeout_s=timeout_s, workers=cfg.workers or default_workers(),
+                                         memory_mb=cfg.memory_mb, cpu_s=cfg.cpu_seconds or timeout_s)
         else:
             scores, texts = run_inline(fn, part)
         got = pa.array(scores, pa.float64())
@@ -271,9 +277,11 @@ def _weighted_total(columns: dict[str, pa.Array], weights: dict[str, float]) -> 
 
 
 def hashed_config(cfg: ScoreConfig) -> dict:
-    """The config as hashed and recorded: `workers` changes no result, so it is left out."""
+    """The config as hashed and recorded: `workers` changes no result, and the resource limits
+    only the rows of a reward that runs past them, so they are left out."""
     config = dict(as_dict(cfg))
-    config.pop("workers", None)
+    for key in ("workers", "memory_mb", "cpu_seconds"):
+        config.pop(key, None)
     return config
 
 

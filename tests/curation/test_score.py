@@ -73,6 +73,19 @@ def user_module(tmp_path_factory) -> str:
                 return [float("nan")]
             if c == "INF":
                 return [float("-inf")]
+            if c == "MEMORY":  # grows until the worker's address-space limit
+                hoard = []
+                while True:
+                    hoard.append(bytearray(16 * 2**20))
+            if c == "BURN":  # busy, within its wall-clock timeout, past its CPU-time limit
+                while True:
+                    pass
+            if c == "PRINT":
+                print("a reward that talks " * 1000)
+            if c == "LONG":
+                return [0.5, 0.5]
+            if c == "DICT":
+                return {"score": 0.5}
             return [0.5]
     '''))
     sys.path.insert(0, str(folder))
@@ -82,10 +95,10 @@ def user_module(tmp_path_factory) -> str:
 
 
 def score(samples: pa.Table, prompts: pa.Table, rewards: list[RewardSpec], existing: pa.Table | None = None,
-          workers: int | None = None) -> tuple[pa.Table, pa.Table]:
+          workers: int | None = None, **limits) -> tuple[pa.Table, pa.Table]:
     """(scores, rejects) of the score stage's transform, reusing `existing` scores."""
     tables = {"samples": samples, "prompts": prompts, **({"scores": existing} if existing is not None else {})}
-    out = score_stage.transform(tables, ScoreConfig(rewards=rewards, workers=workers))
+    out = score_stage.transform(tables, ScoreConfig(rewards=rewards, workers=workers, **limits))
     assert (out.rows_in, out.rows_out) == (samples.num_rows, out.tables["scores"].num_rows)
     return out.tables["scores"], out.tables["rejects"]
 
@@ -153,6 +166,28 @@ def test_trl_function_gets_chat_prompts_as_messages(user_module):
     scores, rejects = score(samples, prompts, [RewardSpec(name=f"{user_module}:trl_columns")], workers=1)
     assert rejects.num_rows == 0
     assert scores.column(f"{user_module}_trl_columns").to_pylist() == [2.0, 2.0]  # two prompt messages
+
+
+def test_rewards_past_their_memory_or_cpu_limit_or_returning_junk_reject_only_their_rows(user_module, capfd):
+    """The worker limits (ScoreConfig memory_mb, cpu_seconds): a reward that hoards memory gets a
+    MemoryError in its worker, one that spins past its CPU seconds is stopped (well before its
+    wall-clock timeout); wrong lengths and types are rejected with what was wrong; a reward that
+    prints does not reach stdout. The other rows are scored."""
+    responses = ["ok", "MEMORY", "ok", "BURN", "LONG", "ok", "DICT", "PRINT"]
+    samples, prompts = tables(responses, {"a": "ok", "b": "ok", "c": "ok", "d": "ok"})
+    specs = [RewardSpec(name="exact_match"), RewardSpec(name=f"{user_module}:misbehaving", column="bad", timeout_s=30)]
+    tic = time.monotonic()
+    scores, rejects = score(samples, prompts, specs, workers=2, memory_mb=512, cpu_seconds=1)
+    assert time.monotonic() - tic < 25  # the spinning item was stopped at ~1 CPU second, not 30 s of wall
+    got = {(r["prompt_id"], r["sample_idx"]): r["detail"] for r in rejects.to_pylist()}
+    assert got == {("a", 1): "bad: MemoryError", ("b", 1): "bad: over the CPU-time limit of 1s",
+                   ("c", 0): "bad: ValueError: reward function returned 2 scores for 1 completions",
+                   ("d", 0): "bad: TypeError: reward function returned dict, expected a list of floats"}
+    assert scores.select(["prompt_id", "sample_idx"]).to_pylist() == [
+        {"prompt_id": "a", "sample_idx": 0}, {"prompt_id": "b", "sample_idx": 0}, {"prompt_id": "c", "sample_idx": 1},
+        {"prompt_id": "d", "sample_idx": 1}]
+    out, err = capfd.readouterr()
+    assert "a reward that talks" not in out and "a reward that talks" in err
 
 
 def test_hanging_crashing_raising_and_nan_rewards_are_rejected_quickly(user_module):
