@@ -18,6 +18,10 @@ one dictionary lookup. The points, where they sit and what a kill there leaves b
     export.before_rename       an export file is written to its temp path
     report.before_write        the report's numbers are computed, no file written
 
+`GROUPFORGE_PAUSE=<point>:<count>:<folder>` stops there instead: the process writes
+`<folder>/paused` and waits until `<folder>/resume` exists (concurrency tests: a reader runs
+while a commit is half published, without a sleep deciding when).
+
 Imports nothing heavy: curation, training and pipelines all call it.
 """
 
@@ -25,8 +29,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 FAULT_ENV = "GROUPFORGE_FAULT"
+PAUSE_ENV = "GROUPFORGE_PAUSE"
 
 POINTS = ("generate.chunk_staged", "commit.journal_written", "commit.files_published", "stage.before_commit",
           "train.step_logged", "checkpoint.weights_written", "loop.after_curate", "loop.reload", "loop.eval",
@@ -46,8 +53,25 @@ def _targets() -> dict[str, int]:
     return targets
 
 
+def _pause(name: str) -> None:
+    point, count, folder = (os.environ[PAUSE_ENV].split(":", 2) + ["", ""])[:3]
+    if point not in POINTS or not count.isdigit() or not folder:
+        raise ValueError(f"{PAUSE_ENV}={os.environ[PAUSE_ENV]!r}: expected <point>:<count>:<folder>")
+    if point != name:
+        return
+    key = f"pause:{name}"
+    _passed[key] = _passed.get(key, 0) + 1
+    if _passed[key] == int(count):
+        (Path(folder) / "paused").write_text(str(os.getpid()))
+        while not (Path(folder) / "resume").exists():
+            time.sleep(0.02)
+
+
 def fault_point(name: str) -> None:
-    """SIGKILL this process here when GROUPFORGE_FAULT names `name` and this is the pass it counts to."""
+    """SIGKILL this process here when GROUPFORGE_FAULT names `name` and this is the pass it counts
+    to; wait here when GROUPFORGE_PAUSE does."""
+    if PAUSE_ENV in os.environ:
+        _pause(name)
     if FAULT_ENV not in os.environ:
         return
     target = _targets().get(name)

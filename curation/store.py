@@ -120,14 +120,54 @@ def _first_line(exc: BaseException) -> str:
 # ---- the store ----------------------------------------------------------------------
 
 
+def committed_outputs(root: Path) -> set[str]:
+    """Relative paths of the files the run's committed manifests list (RUN/_manifests/*.json)."""
+    outputs: set[str] = set()
+    for path in sorted((root / "_manifests").glob("*.json")):
+        try:
+            outputs.update((read_json(path) or {}).get("outputs", []))
+        except ValueError:
+            continue  # unreadable: verify names it; a reader sees that commit as absent
+    return outputs
+
+
 class RunStore:
     """One run directory (see the module docstring). Creates nothing until something is written."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self._committed: frozenset[Path] | None = None  # set by snapshot(): only these files are read
 
     def __repr__(self) -> str:
-        return f"RunStore({str(self.root)!r})"
+        return f"RunStore({str(self.root)!r}{', snapshot' if self._committed is not None else ''})"
+
+    def snapshot(self) -> RunStore:
+        """A reader's view of the run as of now: the same store, reading only the part files
+        that committed manifests list. A commit publishes its files, then its manifest, so a
+        reader on a snapshot sees each commit (a stage's round) whole or not at all, while a
+        job commits beside it; a plain store (and a bare glob over the table folders) can see
+        a commit's first file before its last. Readers that run beside a job (`export`,
+        `inspect`, `report`, `duckdb_views`) use one; stages run under the writer lock and
+        need none. Take a new snapshot to see later commits."""
+        view = RunStore(self.root)
+        if (self.root / "_manifests").is_dir():  # else tables written by hand: nothing to hold them to
+            view._committed = frozenset(self.root / rel for rel in committed_outputs(self.root))
+        return view
+
+    def duckdb_views(self, con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+        """Create (or replace) a view per table (samples, scores, groups, rejects, pairs, prompts)
+        in `con` over this store's files (use it on a `snapshot()`): e.g.
+        `RunStore("runs/x").snapshot().duckdb_views(duckdb.connect()).sql("SELECT ... FROM groups")`."""
+        for table in schema.SCHEMAS:
+            files = self.files(table)
+            if files:
+                listed = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
+                con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM read_parquet([{listed}], "
+                            "hive_partitioning = false, union_by_name = true)")
+            else:
+                con.register(f"_empty_{table}", schema.empty(table))
+                con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM _empty_{table}")
+        return con
 
     # -- layout
     def table_dir(self, table: str) -> Path:
@@ -155,7 +195,12 @@ class RunStore:
         return sorted(self._round_files(table))
 
     def files(self, table: str, rounds: int | Sequence[int] | None = None) -> list[Path]:
-        """The part files of `table` (all rounds, or the given ones), in round then name order."""
+        """The part files of `table` (all rounds, or the given ones), in round then name order
+        (on a snapshot, only those committed when it was taken)."""
+        found = self._files(table, rounds)
+        return found if self._committed is None else [f for f in found if f in self._committed]
+
+    def _files(self, table: str, rounds: int | Sequence[int] | None = None) -> list[Path]:
         if table == "prompts":
             if rounds is not None:
                 raise ValueError("the prompts table is not partitioned by round")
@@ -178,6 +223,8 @@ class RunStore:
             m = _ROUND_DIR.fullmatch(entry.name)
             if m and entry.is_dir():
                 files = _parquet_files(Path(entry.path))
+                if self._committed is not None:
+                    files = [f for f in files if f in self._committed]
                 if files:
                     found[int(m[1])] = files
         return found

@@ -64,8 +64,14 @@ def check_run(root: str | Path, deep: bool = False) -> RunCheck:
     pending_outputs: set[str] = set()
     result = RunCheck()
     for path in sorted(folder.glob("*.pending")) if folder.is_dir() else []:
+        try:
+            outputs = _read(path).get("outputs", [])
+        except RunFolderError:
+            if path.exists():
+                raise
+            continue  # its commit finished while we looked
         result.pending += 1
-        pending_outputs.update(_read(path).get("outputs", []))
+        pending_outputs.update(outputs)
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         manifest = _read(path)
         result.manifests += 1
@@ -89,15 +95,30 @@ def check_run(root: str | Path, deep: bool = False) -> RunCheck:
         _check_output(root, rel, manifest_path, meta, rows, deep)
         result.files += 1
         result.bytes += int(meta.get("size", 0))
-    for table in schema.SCHEMAS:
-        table_dir = root / table
-        for file in sorted(table_dir.rglob("*.parquet")) if table_dir.is_dir() else []:
-            rel = file.relative_to(root).as_posix()
-            if rel not in listed:
-                raise RunFolderError(f"{file}: a Parquet file in the {table} table folder that no manifest lists (a "
-                                     "foreign file: every reader of the table would count its rows); move it out "
-                                     "of the run folder")
+    unlisted = [(table, file) for table in schema.SCHEMAS if (root / table).is_dir()
+                for file in sorted((root / table).rglob("*.parquet"))
+                if file.relative_to(root).as_posix() not in listed]
+    if unlisted:  # a second look: a commit beside us may have published since (journal first, then manifest)
+        listed = _listed_now(folder)
+    for table, file in unlisted:
+        if file.relative_to(root).as_posix() not in listed and file.exists():
+            raise RunFolderError(f"{file}: a Parquet file in the {table} table folder that no manifest lists (a "
+                                 "foreign file: every reader of the table would count its rows); move it out "
+                                 "of the run folder")
     return result
+
+
+def _listed_now(folder: Path) -> set[str]:
+    """Every output the pending journals, then the manifests, list (in that order: a commit writes
+    its journal before it moves a file and removes it only after its manifest is written)."""
+    listed: set[str] = set()
+    for suffix in ("*.pending", "*.json"):
+        for path in sorted(folder.glob(suffix)):
+            try:
+                listed.update(_read(path).get("outputs", []))
+            except RunFolderError:
+                continue  # gone while we looked
+    return listed
 
 
 def _read(path: Path) -> dict:

@@ -42,7 +42,7 @@ def _checked_files(store: RunStore, name: str) -> list[Path]:
 
 def table_counts(run: str | Path) -> dict[str, dict[int | None, int]]:
     """{table: {round: rows}} from the Parquet footers (prompts: {None: rows}); no data is read."""
-    store = RunStore(run)
+    store = RunStore(run).snapshot()  # whole commits only, while a job may be writing
     counts: dict[str, dict[int | None, int]] = {}
     for name in SCHEMAS:
         files = _checked_files(store, name)
@@ -57,7 +57,7 @@ def table_counts(run: str | Path) -> dict[str, dict[int | None, int]]:
 
 
 def inspect_run(run: Path, rows: int, console: Console) -> None:
-    store = RunStore(run)
+    store = RunStore(run).snapshot()
     counts = table_counts(run)
     if not counts:
         console.print(f"{run}: no tables yet")

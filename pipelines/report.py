@@ -264,7 +264,7 @@ def table_counts_markdown(run_dir: str | Path) -> str:
 
     from curation.store import ROUND_TABLES, RunStore
 
-    store = RunStore(run_dir)
+    store = RunStore(run_dir).snapshot()  # whole commits only, while a job may be writing
     rounds = sorted({round for table in ROUND_TABLES for round in store.rounds(table)})
     if not rounds:
         return ""

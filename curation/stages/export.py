@@ -118,7 +118,7 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
     atomically. Returns the path and the row count."""
     if out is not None and ".." in Path(out).parts:
         raise ValueError(f"export path {out}: '..' is refused in an export path; give it without '..'")
-    store = RunStore(run_dir)
+    store = RunStore(run_dir).snapshot()  # whole commits only, while a job may be writing
     tables = {}
     for name in READS[cfg.format]:
         rounds: Sequence[int] | None = None if name == "prompts" else cfg.rounds
