@@ -28,7 +28,7 @@ READER = """
 import sys, duckdb
 from curation.store import RunStore
 con = RunStore(sys.argv[1]).snapshot().duckdb_views(duckdb.connect())
-print(con.sql("SELECT count(*) FROM samples").fetchall()[0][0], con.sql("SELECT count(*) FROM prompts").fetchall()[0][0])
+print(*(con.sql(f"SELECT count(*) FROM {table}").fetchall()[0][0] for table in ("samples", "prompts")))
 """
 
 
