@@ -10,6 +10,8 @@ file and the problem, raised before anything is read or written:
                the manifest's other fields, written by the commit) that no longer matches
     outputs    a file a manifest lists is missing, or its size or row count differs from
                what the manifest recorded (`deep`: its sha256 too)
+    links      an entry of the run folder (or a round folder) that is a symlink leading out of
+               it: no write of a job may land outside the run folder
     foreign    a *.parquet file in a table folder that no manifest or pending journal lists
                (in a folder with manifests: tables written by hand, with no RUN/_manifests,
                are only held to the table contracts when read)
@@ -58,6 +60,7 @@ class RunCheck:
 def check_run(root: str | Path, deep: bool = False) -> RunCheck:
     """Check the run folder `root` (see the module docstring); what was checked, or a RunFolderError."""
     root = Path(root)
+    _check_links(root)
     folder = root / "_manifests"
     listed: set[str] = set()
     recorded: dict[str, tuple[Path, dict, int | None]] = {}
@@ -119,6 +122,19 @@ def _listed_now(folder: Path) -> set[str]:
             except RunFolderError:
                 continue  # gone while we looked
     return listed
+
+
+def _check_links(root: Path) -> None:
+    """No entry of the run folder (nor a table's round folder) is a symlink that leads out of
+    it: every write of a job stays inside the run folder."""
+    inside = root.resolve()
+    entries = list(root.iterdir()) if root.is_dir() else []
+    entries += [sub for table in schema.SCHEMAS if (root / table).is_dir() and not (root / table).is_symlink()
+                for sub in (root / table).iterdir()]
+    for entry in entries:
+        if entry.is_symlink() and not entry.resolve().is_relative_to(inside):
+            raise RunFolderError(f"{entry}: a symlink to {entry.resolve()}, outside the run folder {root}; "
+                                 "groupforge writes only inside the run folder: replace the link with a folder")
 
 
 def _read(path: Path) -> dict:

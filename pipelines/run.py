@@ -82,7 +82,12 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
     RUN/spec.toml."""
     if not isinstance(spec, PipelineSpec):
         spec = load_spec(spec)
-    run_dir = Path(run_dir or Path("runs") / spec.run.name)
+    if run_dir is None:  # from the spec's name: runs/<name>, which must not lead out of runs/
+        run_dir = Path("runs") / spec.run.name
+        if run_dir.is_symlink() and not run_dir.resolve().is_relative_to(Path("runs").resolve()):
+            raise ValueError(f"run folder {run_dir} (run.name {spec.run.name!r}) is a symlink to {run_dir.resolve()}, "
+                             "outside runs/: refused; give --run-dir to write there on purpose")
+    run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     store = RunStore(run_dir)
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):

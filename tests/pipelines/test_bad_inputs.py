@@ -195,12 +195,28 @@ def _renamed_column(run: Path) -> Path:
     return part
 
 
+def _linked_exports(run: Path) -> Path:
+    outside = run.parent / "elsewhere"
+    outside.mkdir()
+    (run / "exports").symlink_to(outside)
+    return run / "exports"
+
+
+def _linked_round(run: Path) -> Path:
+    outside = run.parent / "elsewhere-round"
+    shutil.move(run / "groups" / "round=2", outside)
+    (run / "groups" / "round=2").symlink_to(outside)
+    return run / "groups" / "round=2"
+
+
 RUN_CASES = [
     ("truncated-part", _truncate_part, "bytes, but manifest generate-round=1.json recorded"),
     ("edited-manifest", _edit_manifest, "edited after its commit"),
     ("foreign-part", _foreign_part, "no manifest lists (a foreign file"),
     ("newer-format", _newer_format, "written by a newer groupforge (run-folder format 99"),
     ("renamed-column", _renamed_column, "missing column 'advantage'"),
+    ("exports-symlinked-out", _linked_exports, "outside the run folder"),
+    ("round-symlinked-out", _linked_round, "outside the run folder"),
 ]
 
 
@@ -243,3 +259,16 @@ def test_a_table_written_by_hand_reads_as_its_contract_demands(tmp_path):
                              "reward": ["high"]}), tmp_path / "run" / "scores" / "round=0" / "part-x.parquet")
     with pytest.raises(ValueError, match=r"part-x.parquet.*reward"):
         store.read("scores")
+
+
+def test_a_run_name_whose_folder_is_a_symlink_out_of_runs_is_refused(finished, tmp_path, monkeypatch):
+    from pipelines.run import run_pipeline
+
+    spec, _ = finished
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "runs" / "e2e").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"run folder runs/e2e \(run.name 'e2e'\) is a symlink to .*outside runs/"):
+        run_pipeline(spec)
+    assert list((tmp_path / "elsewhere").iterdir()) == []
