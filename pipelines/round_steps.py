@@ -152,6 +152,8 @@ def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
     if ctx.generator is None:
         backend = resolve_backend(spec.generator.backend, spec.model.path)
         kwargs = {**spec.generator.generator_kwargs(backend), "policy_version": 0}
+        if spec.model.trust_remote_code:
+            kwargs["trust_remote_code"] = True
         if backend == "vllm":
             kwargs["seed"] = spec.run.seed  # the engine's own seed; every group also has its own
         picked = " (backend auto)" if spec.generator.backend == "auto" else ""
@@ -302,7 +304,8 @@ def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int,
 def train_config(spec: PipelineSpec, round: int, decay_steps: int) -> TrainConfig:
     rounds = list(range(max(1, round - spec.run.replay_rounds), round + 1))
     return TrainConfig(**{**spec.train.model_dump(), "rounds": rounds, "seed": spec.run.seed,
-                          "temperature": spec.generator.temperature, "decay_steps": decay_steps})
+                          "temperature": spec.generator.temperature, "decay_steps": decay_steps,
+                          "trust_remote_code": spec.model.trust_remote_code})
 
 
 def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> TrainResult:

@@ -141,6 +141,8 @@ class RunSection(_Section):
 
 class ModelSection(_Section):
     path: str = Field(..., description="Starting model: a Hugging Face folder with safetensors weights.")
+    trust_remote_code: bool = Field(False, description="Run the model folder's own Python code (config.json "
+                                    "auto_map) in the engines and the trainer. Off: such a folder is refused.")
 
 
 class PromptsSection(_Section):
@@ -190,6 +192,9 @@ class PipelineSpec(_Section):
     def _check(self) -> "PipelineSpec":
         if self.train.rounds is not None:
             raise ValueError("train.rounds is set by the round loop (this round plus run.replay_rounds); remove it")
+        if "trust_remote_code" in self.train.model_fields_set:
+            raise ValueError("train.trust_remote_code is set by the round loop from model.trust_remote_code (one "
+                             "switch for the engines and the trainer); remove it and set [model] trust_remote_code")
         if "seed" in self.train.model_fields_set:
             raise ValueError("train.seed is set by the round loop from run.seed (one seed for prompt choice, "
                              "sampling and row order); remove it and set run.seed")
@@ -242,8 +247,9 @@ def check_comparable(specs: dict[str, PipelineSpec]) -> None:
 
 def resolved_toml(spec: PipelineSpec) -> str:
     """The spec with every default filled in, as TOML (RUN/spec.toml); it loads back as the
-    same spec (the keys the round loop sets, train.seed and train.rounds, are left out)."""
-    return dump_toml(spec.model_dump(mode="json", exclude={"train": {"seed", "rounds"}}))
+    same spec (the keys the round loop sets, train.seed, train.rounds and train.trust_remote_code,
+    are left out)."""
+    return dump_toml(spec.model_dump(mode="json", exclude={"train": {"seed", "rounds", "trust_remote_code"}}))
 
 
 def dump_toml(data: dict[str, Any]) -> str:

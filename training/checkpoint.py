@@ -194,18 +194,18 @@ def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None
 
 
 def load_model(folder: str | Path, device: torch.device | str = "cpu", trainable: bool = False,
-               dtype: torch.dtype = torch.float32):
-    """A causal LM from a safetensors folder (a checkpoint or a base model; no remote code),
-    fp32 master weights (`dtype`: float64 for numerics checks); frozen (eval, no grad) unless
-    `trainable`."""
+               dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """A causal LM from a safetensors folder (a checkpoint or a base model; the folder's own
+    code only with `trust_remote_code`), fp32 master weights (`dtype`: float64 for numerics
+    checks); frozen (eval, no grad) unless `trainable`."""
     from transformers import AutoModelForCausalLM
 
     from curation.generate.weights import check_model_folder
 
     folder = Path(folder)
-    check_model_folder(folder)
+    check_model_folder(folder, trust_remote_code=trust_remote_code)
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False,
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code,
                                                      use_safetensors=True)
     model.to(device)
     model.train(trainable)

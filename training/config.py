@@ -42,6 +42,8 @@ class TrainConfig(BaseModel):
     sft_min_reward: float | None = Field(
         None, description="sft: train on samples with reward >= this (default: advantage > 0).")
     batch_size: int = Field(256, ge=1, description="Sequences (pairwise: pairs) per optimizer step.")
+    trust_remote_code: bool = Field(False, description="Run the model folder's own Python code (auto_map); in "
+                                                       "the round loop it comes from [model] trust_remote_code.")
     passes: float | None = Field(
         None, gt=0, description="Optimizer passes over each new set of training rows (TRL's num_iterations): "
                                 "train stops ceil(passes * rows / batch_size) steps after these rows were first "

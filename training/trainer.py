@@ -206,7 +206,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         if live:
             policy, optimizer = session.policy, session.optimizer
         else:
-            policy = ckpt.load_model(latest or base_model, device, trainable=True, dtype=dtype)
+            policy = ckpt.load_model(latest or base_model, device, trainable=True, dtype=dtype,
+                                     trust_remote_code=cfg.trust_remote_code)
             optimizer = make_optimizer(policy.parameters())
             if latest is not None:
                 ckpt.load_optimizer(optimizer, latest)
@@ -218,7 +219,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         if live and session.reference_from == reference_from:
             reference = session.reference
         else:
-            reference = ckpt.load_model(reference_from, device, dtype=dtype) if reference_from else None
+            reference = (ckpt.load_model(reference_from, device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+                         if reference_from else None)
     if session is not None:
         session.clear()  # the weights change in place from here on; a failure must not leave them live
     if cfg.objective == "pairwise":

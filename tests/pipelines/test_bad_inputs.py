@@ -99,6 +99,48 @@ def test_a_tied_embedding_model_samples_the_same_on_both_backends(toy_dir, tmp_p
     assert answers[0] == answers[1] and any(answers[0])
 
 
+def test_a_model_with_its_own_code_loads_only_when_trusted(toy_dir, tmp_path):
+    """A folder whose config.json maps to code in the folder (a Llama under another name): refused
+    by default (above), loaded by both the sampler and the trainer with trust_remote_code, and it
+    is the same model as the toy's."""
+    import textwrap
+
+    from curation.generate.base import tokenize_prompt
+    from curation.generate.stage import make_generator
+    from training.checkpoint import load_model
+
+    model = tmp_path / "custom"
+    shutil.copytree(toy_dir / "model", model)
+    (model / "configuration_custom.py").write_text(textwrap.dedent("""
+        from transformers import LlamaConfig
+
+        class CustomConfig(LlamaConfig):
+            model_type = "custom-llama"
+    """))
+    (model / "modeling_custom.py").write_text(textwrap.dedent("""
+        from transformers import LlamaForCausalLM
+        from .configuration_custom import CustomConfig
+
+        class CustomForCausalLM(LlamaForCausalLM):
+            config_class = CustomConfig
+    """))
+    _config(model_type="custom-llama", architectures=["CustomForCausalLM"],
+            auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                      "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})(model)
+    with pytest.raises(ValueError, match="trust_remote_code is off"):
+        load_model(model)
+    trained = load_model(model, trust_remote_code=True)
+    assert type(trained).__name__ == "CustomForCausalLM"
+    answers = []
+    for folder, trust in ((model, True), (toy_dir / "model", False)):
+        generator = make_generator("hf", folder, dtype="float32", trust_remote_code=trust)
+        ids = [tokenize_prompt(generator.tokenizer, p, None)
+               for p in pq.read_table(toy_dir / "eval.parquet").column("prompt").to_pylist()[:16]]
+        answers.append(generator.greedy(ids, max_tokens=4))
+        generator.close()
+    assert answers[0] == answers[1]
+
+
 # ---- checkpoints and run folders ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,7 @@ eval = "runs/toy/eval.parquet"
     ("[train]\nrounds = [1]\n", "train.rounds is set by the round loop"),
     ("[train]\nseed = 1\n", "train.seed is set by the round loop from run.seed"),
     ("[train]\nseed = 0\n", "train.seed is set by the round loop from run.seed"),  # even at the default
+    ("[train]\ntrust_remote_code = true\n", "set [model] trust_remote_code"),
     ("[generator]\nseed = 1\n", "generator.seed: Extra inputs are not permitted"),
     ("[generator]\ngroup_size = 0\n", "generator.group_size: Value error, group_size must be >= 1, got 0"),
     ("[generator]\ntemperature = 0.0\n", "generator.temperature: Value error, temperature must be > 0"),
