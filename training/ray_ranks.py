@@ -28,7 +28,7 @@ from curation.errors import JobError
 from curation.ray_cluster import check_room, connect_ray
 
 KILL_RANK_ENV = "GROUPFORGE_KILL_RANK"
-"""Fault injection for tests: with training.trainer.KILL_AFTER_STEP_ENV, only this rank kills itself."""
+"""Fault injection for tests: with curation.faults.FAULT_ENV, only this rank runs its kill points."""
 
 
 ERROR_WAIT_S = 60.0
@@ -60,13 +60,13 @@ class _Rank:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def join(self, rank: int, world: int, address: str, port: int, one_gpu: bool) -> int:
-        from training.trainer import KILL_AFTER_STEP_ENV
+        from curation.faults import FAULT_ENV
 
         # A rank sees only its own GPU (Ray sets CUDA_VISIBLE_DEVICES): it is cuda:0 there.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if one_gpu else str(rank),
                           MASTER_ADDR=address, MASTER_PORT=str(port))
         if os.environ.get(KILL_RANK_ENV, str(rank)) != str(rank):
-            os.environ.pop(KILL_AFTER_STEP_ENV, None)
+            os.environ.pop(FAULT_ENV, None)
         return os.getpid()
 
     def train(self, run_dir: str, cfg, steps: int, model: str | None, save: bool, return_state: bool):

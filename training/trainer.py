@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,10 +53,9 @@ from training.data import POLICY_OBJECTIVES, load_training_data
 from training.objectives import get_pair_loss, get_policy_loss
 from training.step import StepContext, accumulate_gradients, pair_micro_step, policy_micro_step
 
-__all__ = ["KILL_AFTER_STEP_ENV", "TrainConfig", "TrainResult", "TrainSession", "lr_at", "step_rows", "train"]
+__all__ = ["TrainConfig", "TrainResult", "TrainSession", "lr_at", "step_rows", "train"]
 
 # Fault injection for resume tests: SIGKILL this process right after step k is logged.
-KILL_AFTER_STEP_ENV = "GROUPFORGE_KILL_AFTER_STEP"
 
 
 @dataclass
@@ -244,7 +241,6 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
 
     # -- the loop ---------------------------------------------------------------------------
     metrics: dict[str, Any] = {}
-    kill_after = int(os.environ.get(KILL_AFTER_STEP_ENV, "0") or 0)
     saved = None
     size = min(cfg.batch_size, table.num_rows)
     for step in range(start_step + 1, steps + 1):
@@ -272,8 +268,6 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         if world.main:  # synced before a checkpoint and at the end: a step line lost to a
             metrics_log.append(metrics, sync=False)  # power cut is after the newest checkpoint
         fault_point("train.step_logged")
-        if step == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
 
         # -- checkpoint -----------------------------------------------------------------------
         if (save and step == steps) or (cfg.save_every and step % cfg.save_every == 0):

@@ -12,10 +12,10 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
+from curation.faults import FAULT_ENV
 from curation.generate.base import load_prompts
 from curation.store import RunStore
 from tests.conftest import REPO
-from training.trainer import KILL_AFTER_STEP_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_kill_mid_round_resume_extend_and_lock(toy_dir, tmp_path):
 
     # Round 1 trains steps 1-2; the kill lands after step 3 is logged, in round 2's training,
     # after round 2's samples and curation were committed and before its checkpoint.
-    crash = _run(spec, run_dir, env={KILL_AFTER_STEP_ENV: "3"})
+    crash = _run(spec, run_dir, env={FAULT_ENV: "train.step_logged:3"})
     assert crash.returncode == -9, crash.stderr[-2000:]
     assert [r["round"] for r in _rounds(run_dir)] == [0, 1]
     assert RunStore(run_dir).rounds("samples") == [1, 2]

@@ -13,6 +13,7 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
+from curation.faults import FAULT_ENV
 from curation.runlog import PHASES, MetricsLog
 from curation.store import RunStore
 from pipelines.refill import refill_size
@@ -21,7 +22,6 @@ from pipelines.run import run_pipeline
 from pipelines.spec import load_spec
 from tests.conftest import REPO
 from training import checkpoint as ckpt
-from training.trainer import KILL_AFTER_STEP_ENV
 
 SPEC = """
 [run]
@@ -148,7 +148,7 @@ def test_refill_samples_more_prompts_and_resumes_after_kill(tmp_path, toy_dir):
     cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
     env = {**os.environ, "COLUMNS": "60"}  # a narrow, non-terminal stdout
     crash = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                           env={**env, KILL_AFTER_STEP_ENV: "1"})  # killed in round 1's training
+                           env={**env, FAULT_ENV: "train.step_logged:1"})  # killed in round 1's training
     assert crash.returncode == -9, crash.stderr[-2000:]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

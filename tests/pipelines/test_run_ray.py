@@ -19,10 +19,10 @@ from collections.abc import Iterator
 import duckdb
 import pytest
 
+from curation.faults import FAULT_ENV
 from curation.store import RunStore
 from tests.conftest import REPO
 from tests.pipelines.test_run import SPEC, _check_tables, _rounds
-from training.trainer import KILL_AFTER_STEP_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
     with _ray_env() as (ray_tmp, env):
         # The kill lands after step 3 is logged: in round 2's training, while the engines
         # sample round 3 (or just after).
-        crash = _cli(cmd, {**env, KILL_AFTER_STEP_ENV: "3"})
+        crash = _cli(cmd, {**env, FAULT_ENV: "train.step_logged:3"})
         assert crash.returncode == -9, crash.stderr[-3000:]
         assert [r["round"] for r in _rounds(run_dir)] == [0, 1]
         log = crash.stdout + crash.stderr  # progress lines go to stderr
@@ -118,7 +118,7 @@ def test_ddp_trainer_ranks_kept_across_rounds_and_a_killed_rank(toy_dir, tmp_pat
     spec.write_text(text.replace("rounds = 3\n", "rounds = 2\n"))
     cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
     with _ray_env() as (_, env):
-        crash = _cli(cmd, {**env, KILL_AFTER_STEP_ENV: "3", KILL_RANK_ENV: "1"})
+        crash = _cli(cmd, {**env, FAULT_ENV: "train.step_logged:3", KILL_RANK_ENV: "1"})
         assert crash.returncode == 1 and "Traceback" not in crash.stderr, crash.stderr[-3000:]
         assert "error: trainer rank 1 of 2 died training toward step 4" in crash.stderr, crash.stderr[-3000:]
         assert [r["round"] for r in _rounds(run_dir)] == [0, 1]

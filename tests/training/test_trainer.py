@@ -12,10 +12,11 @@ import sys
 import pytest
 import torch
 
+from curation.faults import FAULT_ENV
 from tests.conftest import REPO
 from training import checkpoint as ckpt
 from training.config import TrainConfig
-from training.trainer import KILL_AFTER_STEP_ENV, lr_at, step_rows, train
+from training.trainer import lr_at, step_rows, train
 
 
 def step_records(run_dir):
@@ -157,7 +158,7 @@ def test_kill_during_training_then_resume_reproduces_the_loss_sequence(curated_r
     killed = tmp_path / "killed"
     shutil.copytree(curated_run, killed)
     # Killed after step 3 is logged, before step 4's checkpoint: the newest checkpoint is step 2.
-    crash = _cli(killed, *args, env={KILL_AFTER_STEP_ENV: "3"})
+    crash = _cli(killed, *args, env={FAULT_ENV: "train.step_logged:3"})
     assert crash.returncode == -9, crash.stderr
     assert [r["step"] for r in step_records(killed)] == [1, 2, 3]
     assert ckpt.latest_checkpoint(killed) == ckpt.checkpoint_dir(killed, 2)
