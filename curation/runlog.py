@@ -4,7 +4,7 @@ metrics log with its typed round record, and the round loop's state.
     RUN/spec.toml                         the resolved pipeline spec (written by the round loop)
     RUN/pipeline.json                     the round loop's state: target_rounds, prompt_files
     RUN/metrics.jsonl                     one JSON object per line: "round" and "step" records
-    RUN/checkpoints/step-<k>/             HF folder + optimizer.safetensors + trainer_state.json
+    RUN/checkpoints/step-<k>/             HF folder + optimizer/state.safetensors + trainer_state.json
     RUN/_rounds/round=<n>/prompts.parquet the prompts chosen for round n (written once)
     RUN/_train/                           the trainer's caches (recomputed old log-probs)
     RUN/report/                           plots and summary.md
@@ -32,7 +32,8 @@ PIPELINE_FILE = "pipeline.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_FILE = "optimizer/state.safetensors"  # in a subfolder: vLLM loads every *.safetensors of the folder
+LEGACY_OPTIMIZER_FILE = "optimizer.safetensors"  # checkpoints written before 2026-12-01 (read only)
 ROUNDS_DIR = "_rounds"
 TRAIN_CACHE_DIR = "_train"
 REPORT_DIR = "report"

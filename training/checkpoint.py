@@ -2,7 +2,8 @@
 
     RUN/checkpoints/step-<k>/
         config.json, model.safetensors, tokenizer files   an ordinary HF folder (vLLM loads it)
-        optimizer.safetensors                             every optimizer state tensor
+        optimizer/state.safetensors                       every optimizer state tensor (not in the
+                                                          folder itself: vLLM loads every *.safetensors there)
         trainer_state.json                                step, config, data cursor, param groups
 
 k is the optimizer step, which is also the `policy_version` of samples generated from it.
@@ -28,7 +29,15 @@ from safetensors.torch import load_file, save_file
 
 from curation.errors import disk_write
 from curation.faults import fault_point
-from curation.runlog import CHECKPOINTS_DIR, OPTIMIZER_FILE, TRAINER_STATE_FILE, fsync_dir, read_json, write_json_atomic
+from curation.runlog import (
+    CHECKPOINTS_DIR,
+    LEGACY_OPTIMIZER_FILE,
+    OPTIMIZER_FILE,
+    TRAINER_STATE_FILE,
+    fsync_dir,
+    read_json,
+    write_json_atomic,
+)
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 # Files of a model folder that are not weights: copied so every checkpoint is loadable alone.
@@ -115,10 +124,13 @@ def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.
                 shutil.copy2(source, tmp / name)
     fault_point("checkpoint.weights_written")
     tensors, groups = optimizer_to_tensors(optimizer)
+    (tmp / OPTIMIZER_FILE).parent.mkdir()
     save_file(tensors, tmp / OPTIMIZER_FILE)
-    for path in tmp.iterdir():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir((tmp / OPTIMIZER_FILE).parent)
     # Last: a folder with a trainer_state.json is complete (list_checkpoints relies on it).
     write_json_atomic(tmp / TRAINER_STATE_FILE, {**state, "step": step, "optimizer_param_groups": groups})
 
@@ -173,11 +185,19 @@ def check_checkpoint(folder: str | Path) -> None:
     folder = Path(folder)
     load_trainer_state(folder)
     check_model_folder(folder)
-    file = folder / OPTIMIZER_FILE
+    file = optimizer_file(folder)
     if not file.is_file():
         raise ValueError(f"checkpoint {folder}: no {OPTIMIZER_FILE} (the optimizer state); delete the folder to "
                          "resume from the checkpoint before it, or start the run again")
     check_safetensors(file)
+
+
+def optimizer_file(folder: str | Path) -> Path:
+    """The optimizer state of checkpoint `folder` (the legacy name in the folder itself for
+    checkpoints written before it moved to optimizer/, where vLLM does not take it for weights)."""
+    folder = Path(folder)
+    legacy = folder / LEGACY_OPTIMIZER_FILE
+    return legacy if legacy.is_file() and not (folder / OPTIMIZER_FILE).is_file() else folder / OPTIMIZER_FILE
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
@@ -185,7 +205,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None
     from curation.generate.weights import check_safetensors
 
     state = load_trainer_state(folder)
-    file = Path(folder) / OPTIMIZER_FILE
+    file = optimizer_file(folder)
     if not file.is_file():
         check_checkpoint(folder)  # raises, naming the missing file
     check_safetensors(file)

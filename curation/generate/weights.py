@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 def _safetensors_files(folder: Path) -> list[Path]:
     """The weight files of a model folder: model*.safetensors (as save_pretrained names them),
-    else every *.safetensors file. A training checkpoint's optimizer.safetensors is not weights."""
+    else every *.safetensors file (not the optimizer.safetensors of a checkpoint written before it moved)."""
     files = sorted(folder.glob("model*.safetensors")) or sorted(
         f for f in folder.glob("*.safetensors") if f.name != "optimizer.safetensors")
     if not files:

@@ -6,7 +6,8 @@ the store's code:
 - each (round, prompt_id, sample_idx) once in samples; groups + rejects cover samples exactly
 - every manifest's files exist with the sha256, size and rows it lists; no part file is
   left that no manifest lists; no commit journal is left pending
-- every checkpoint loads with transformers; metrics.jsonl has each round and each step once
+- every checkpoint loads with transformers (and, in the fast subset, the newest with vLLM, which
+  answers greedily as transformers does); metrics.jsonl has each round and each step once
 - the final weights equal those of a run nobody killed (the toy run is deterministic)
 
 Six points run in `make test` without `-m slow`; all of them in `make test` (which runs the
@@ -106,6 +107,29 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "checkpoints" / f"step-{steps[-1]}" / "model.safetensors")
 
 
+ENGINE_CHECK = """
+import sys
+from curation.generate.base import tokenize_prompt
+from curation.generate.stage import make_generator
+answers = []
+for backend in ("vllm", "hf"):
+    g = make_generator(backend, sys.argv[1], dtype="float32")
+    ids = [tokenize_prompt(g.tokenizer, p, None) for p in ("12+7=", "3+45=", "20+20=", "9+9=")]
+    answers.append(g.greedy(ids, max_tokens=4))
+    g.close()
+assert answers[0] == answers[1], answers
+print("ok", answers[0])
+"""
+
+
+def check_engine_loads(folder: Path) -> None:
+    """vLLM loads the checkpoint `folder` and answers greedily as transformers does."""
+    done = subprocess.run([sys.executable, "-c", ENGINE_CHECK, str(folder)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = done.stdout.strip().splitlines()  # vLLM logs to stdout too
+    assert done.returncode == 0 and lines and lines[-1].startswith("ok ["), done.stderr[-3000:]
+
+
 def check_invariants(run_dir: Path) -> None:
     _check_tables(run_dir)
     listed = set()
@@ -153,6 +177,8 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
         again = _cli(commands["run"])  # the run itself is untouched
         assert again.returncode == 0, again.stderr[-3000:]
     check_invariants(run_dir)
+    if (point, count) in FAST:  # the engine start costs ~10 s: the fast subset only
+        check_engine_loads(max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1])))
     got, want = _final_weights(run_dir), _final_weights(reference)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want), f"{point}: the final weights differ from the reference"

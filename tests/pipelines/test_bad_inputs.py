@@ -173,9 +173,9 @@ def _files_and_bytes(run: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("name,damage,fragment", [
     ("truncated-weights", lambda c: _cut(c / "model.safetensors"), "truncated: its tensors end"),
-    ("missing-optimizer-state", lambda c: (c / "optimizer.safetensors").unlink(),
-     "no optimizer.safetensors (the optimizer state)"),
-    ("truncated-optimizer-state", lambda c: _cut(c / "optimizer.safetensors"), "truncated: its tensors end"),
+    ("missing-optimizer-state", lambda c: (c / "optimizer" / "state.safetensors").unlink(),
+     "no optimizer/state.safetensors (the optimizer state)"),
+    ("truncated-optimizer-state", lambda c: _cut(c / "optimizer" / "state.safetensors"), "truncated: its tensors end"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_a_bad_checkpoint_stops_the_resumed_run_with_its_name(name, damage, fragment, copy):
     spec, run = copy

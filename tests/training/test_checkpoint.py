@@ -95,9 +95,10 @@ def test_save_then_load_is_exact(trained, toy_dir, tmp_path):
 def test_nothing_is_pickled(trained, toy_dir, tmp_path):
     model, optimizer = trained
     folder = ckpt.save_checkpoint(tmp_path, 1, model, optimizer, {}, tokenizer_from=toy_dir / "model")
-    names = sorted(p.name for p in folder.iterdir())
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     assert {"config.json", "model.safetensors", OPTIMIZER_FILE, TRAINER_STATE_FILE, "tokenizer.json"} <= set(names)
-    for path in folder.iterdir():
+    assert [p.name for p in folder.glob("*.safetensors")] == ["model.safetensors"]  # what vLLM loads as weights
+    for path in (p for p in folder.rglob("*") if p.is_file()):
         head = path.read_bytes()[:2]
         # pickle protocol 2+ starts with 0x80; torch.save writes a zip (PK)
         assert head[:1] != b"\x80" and head != b"PK", path.name

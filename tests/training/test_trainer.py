@@ -67,7 +67,7 @@ def test_grpo_steps_write_metrics_and_a_loadable_checkpoint(run_copy, toy_dir):
     model = AutoModelForCausalLM.from_pretrained(folder)
     base = AutoModelForCausalLM.from_pretrained(toy_dir / "model")
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
-    assert (folder / "tokenizer.json").is_file() and (folder / "optimizer.safetensors").is_file()
+    assert (folder / "tokenizer.json").is_file() and (folder / "optimizer" / "state.safetensors").is_file()
     # Rerunning to the same step is a no-op; the next call continues from the checkpoint.
     assert train(run_copy, cfg, steps=3, model=toy_dir / "model").skipped
     assert train(run_copy, cfg, steps=4).start_step == 3
