@@ -144,7 +144,11 @@ class HFGenerator:
     def update_weights(self, weights: "dict | str | Path", policy_version: int) -> None:
         state_dict = load_state_dict(weights) if isinstance(weights, (str, Path)) else weights
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        if unexpected or [m for m in missing if "rotary" not in m]:
+        # A tied LM head is the embedding (one tensor): loading the embedding loaded it.
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        shared = {name for name in missing if name in params
+                  and any(params[name] is params[other] for other in state_dict if other in params)}
+        if unexpected or [m for m in missing if "rotary" not in m and m not in shared]:
             raise ValueError(f"update_weights: missing {missing[:5]}, unexpected {unexpected[:5]} parameter names")
         self.policy_version = policy_version
         self.weights_sha256 = weights_fingerprint(weights)

@@ -134,6 +134,7 @@ class VLLMGenerator:
         reload_log.setLevel(logging.ERROR)
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            self.llm.collective_rpc(_refresh_tied_head)
         finally:
             reload_log.setLevel(level)
         self.llm.reset_prefix_cache()
@@ -147,3 +148,14 @@ class VLLMGenerator:
             import gc
 
             gc.collect()
+
+
+def _refresh_tied_head(worker) -> None:
+    """Run on each vLLM worker after an in-place reload. A tied LM head is the embedding tensor,
+    which the reload refreshed, but the loader skips lm_head.weight, so the head's
+    post-load step never reruns: on CPU it keeps a packed copy of the old weights
+    (`cpu_linear`) and samples from the old head. Rerun that step for a tied head."""
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)

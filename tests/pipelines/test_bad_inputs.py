@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import REPO
@@ -79,7 +80,8 @@ def test_a_bad_model_folder_gets_one_line_naming_it(name, damage, file, fragment
 
 def test_a_tied_embedding_model_samples_the_same_on_both_backends(toy_dir, tmp_path):
     """Not bad: a model whose LM head is its embedding (no lm_head.weight in the file) loads in both
-    engines, and they give the same greedy answers."""
+    engines, and they give the same greedy answers, before and after new weights are loaded in
+    place (a reload that left vLLM's head stale would answer differently)."""
     model = tmp_path / "tied"
     shutil.copytree(toy_dir / "model", model)
     weights = load_file(model / "model.safetensors")
@@ -89,14 +91,21 @@ def test_a_tied_embedding_model_samples_the_same_on_both_backends(toy_dir, tmp_p
     from curation.generate.base import tokenize_prompt
     from curation.generate.stage import make_generator
 
+    changed = tmp_path / "tied-changed"  # new weights, the LM head still the embedding
+    shutil.copytree(model, changed)
+    torch.manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn_like(v) for k, v in weights.items()}, changed / "model.safetensors")
     answers = []
     for backend in ("hf", "vllm"):
         generator = make_generator(backend, model, dtype="float32")
         ids = [tokenize_prompt(generator.tokenizer, p, None)
-               for p in pq.read_table(toy_dir / "eval.parquet").column("prompt").to_pylist()[:16]]
-        answers.append(generator.greedy(ids, max_tokens=4))
+               for p in pq.read_table(toy_dir / "eval.parquet").column("prompt").to_pylist()[:32]]
+        before = generator.greedy(ids, max_tokens=4)
+        generator.update_weights(changed, policy_version=1)  # in place: the head must follow the embedding
+        answers.append((before, generator.greedy(ids, max_tokens=4)))
         generator.close()
-    assert answers[0] == answers[1] and any(answers[0])
+    assert answers[0] == answers[1] and any(answers[0][0])
+    assert answers[0][0] != answers[0][1]  # the new weights answer differently
 
 
 def test_a_model_with_its_own_code_loads_only_when_trusted(toy_dir, tmp_path):
