@@ -12,6 +12,7 @@ one dictionary lookup. The points, where they sit and what a kill there leaves b
     stage.before_commit        a curation stage computed its tables, nothing written
     train.step_logged          an optimizer step's metrics line is written
     checkpoint.weights_written a checkpoint's weights are in its temp folder, no optimizer state
+    checkpoint.optimizer_written  ... and its optimizer state, no trainer_state.json (not complete)
     loop.after_curate          a round's curation is committed, training not started
     loop.reload                the engine is loading new weights
     loop.eval                  the greedy evaluation is running
@@ -36,7 +37,7 @@ FAULT_ENV = "GROUPFORGE_FAULT"
 PAUSE_ENV = "GROUPFORGE_PAUSE"
 
 POINTS = ("generate.chunk_staged", "commit.journal_written", "commit.files_published", "stage.before_commit",
-          "train.step_logged", "checkpoint.weights_written", "loop.after_curate", "loop.reload", "loop.eval",
+          "train.step_logged", "checkpoint.weights_written", "checkpoint.optimizer_written", "loop.after_curate", "loop.reload", "loop.eval",
           "export.before_rename", "report.before_write")
 
 _passed: dict[str, int] = {}

@@ -131,6 +131,7 @@ def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
     fsync_dir((tmp / OPTIMIZER_FILE).parent)
+    fault_point("checkpoint.optimizer_written")
     # Last: a folder with a trainer_state.json is complete (list_checkpoints relies on it).
     write_json_atomic(tmp / TRAINER_STATE_FILE, {**state, "step": step, "optimizer_param_groups": groups})
 

@@ -59,6 +59,7 @@ CASES = [
     ("train.step_logged", 4, "run"),           # round 2, last step logged, not checkpointed
     ("checkpoint.weights_written", 1, "run"),  # round 1's checkpoint: weights, no optimizer state
     ("checkpoint.weights_written", 2, "run"),  # round 2's
+    ("checkpoint.optimizer_written", 1, "run"),  # round 1's: weights and optimizer state, no trainer_state.json
     ("loop.after_curate", 1, "run"),           # round 1 curated, not trained
     ("loop.after_curate", 2, "run"),           # round 2
     ("loop.reload", 1, "run"),                 # the engine loads round 1's weights
