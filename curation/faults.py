@@ -37,8 +37,8 @@ FAULT_ENV = "GROUPFORGE_FAULT"
 PAUSE_ENV = "GROUPFORGE_PAUSE"
 
 POINTS = ("generate.chunk_staged", "commit.journal_written", "commit.files_published", "stage.before_commit",
-          "train.step_logged", "checkpoint.weights_written", "checkpoint.optimizer_written", "loop.after_curate", "loop.reload", "loop.eval",
-          "export.before_rename", "report.before_write")
+          "train.step_logged", "checkpoint.weights_written", "checkpoint.optimizer_written", "loop.after_curate",
+          "loop.reload", "loop.eval", "export.before_rename", "report.before_write")
 
 _passed: dict[str, int] = {}
 
