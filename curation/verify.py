@@ -31,6 +31,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.runlog import read_json
 
 FORMAT_VERSION = 1
 """The run-folder format this groupforge writes and reads (manifests' `format_version`; a
@@ -139,11 +140,11 @@ def _check_links(root: Path) -> None:
 
 def _read(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
     except (OSError, ValueError) as exc:
-        raise RunFolderError(f"manifest {path}: cannot be read as JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise RunFolderError(f"manifest {path}: holds a {type(data).__name__}, not a JSON object")
+        raise RunFolderError(f"manifest {exc}") from None
+    if data is None:
+        raise RunFolderError(f"manifest {path}: gone while it was read")
     return data
 
 

@@ -12,6 +12,8 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
+from curation.runlog import read_json
+
 if TYPE_CHECKING:
     import torch
 
@@ -68,11 +70,9 @@ def check_model_folder(folder: str | Path, trust_remote_code: bool = False) -> N
     if not config_file.is_file():
         raise ValueError(f"model folder {folder}: no config.json (not a Hugging Face model folder)")
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"model folder {folder}: config.json is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"model folder {folder}: config.json holds a {type(config).__name__}, not an object")
+        config = read_json(config_file)
+    except ValueError as exc:  # not JSON, or not an object; the message names the file
+        raise ValueError(f"model folder {folder}: {exc}") from None
     if config.get("auto_map") and not trust_remote_code:
         raise ValueError(f"model folder {folder}: config.json maps its classes to Python code in the folder "
                          f"(auto_map: {', '.join(sorted(config['auto_map']))}); groupforge does not run a model "

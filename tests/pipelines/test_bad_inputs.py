@@ -49,7 +49,7 @@ def _config(**changes):
 
 MODEL_CASES = [
     ("no-config", lambda f: (f / "config.json").unlink(), "config.json", "no config.json"),
-    ("config-not-json", lambda f: (f / "config.json").write_text("{not json"), "config.json", "is not valid JSON"),
+    ("config-not-json", lambda f: (f / "config.json").write_text("{not json"), "config.json", "not valid JSON"),
     ("no-tokenizer", lambda f: (f / "tokenizer.json").unlink(), "", "no tokenizer"),
     ("not-safetensors", lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 100),
      "model.safetensors", "not a safetensors file, or truncated"),
