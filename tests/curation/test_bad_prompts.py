@@ -114,3 +114,52 @@ def test_dictionary_encoded_and_binary_utf8_prompts_are_read(toy_dir, tmp_path):
         path = tmp_path / f"other-{k}.parquet"
         pq.write_table(pa.table({"prompt": column}), path)
         assert load_prompts(path).column("prompt_id").to_pylist() == want
+
+
+# Every Arrow type in the two columns a prompts file is read for: the text types read as strings,
+# integers and floats are fine references (answers like 12), the rest is one error naming the type.
+ARROW_TYPES = {
+    "int8": (pa.array([1], pa.int8()), "int8", "string"), "uint64": (pa.array([1], pa.uint64()), "uint64", "string"),
+    "float16": (pa.array([1.0], pa.float16()), "halffloat", "string"),
+    "date32": (pa.array([1], pa.date32()), "date32[day]", None),
+    "decimal": (pa.array([1], pa.decimal128(5, 2)), "decimal128(5, 2)", None),
+    "large_string": (pa.array(["1+1="], pa.large_string()), "string", "string"),
+    "string_view": (pa.array(["1+1="], pa.string_view()), "string", "string"),
+    "large_binary": (pa.array([b"1+1="], pa.large_binary()), "string", "string"),
+    "map": (pa.array([[("a", 1)]], pa.map_(pa.string(), pa.int64())), "map<string, int64", None),
+    "dictionary-int": (pa.array([1]).dictionary_encode(), "int64", "string"),
+    "fixed_binary": (pa.array([b"ab"], pa.binary(2)), "fixed_size_binary[2]", None),
+}
+
+
+@pytest.mark.parametrize("column", ["prompt", "reference"])
+@pytest.mark.parametrize("kind", list(ARROW_TYPES))
+def test_every_arrow_type_in_the_prompt_and_reference_columns(kind, column, tmp_path):
+    from curation.generate.base import load_prompts
+
+    array, shown, as_reference = ARROW_TYPES[kind]
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({column: array} if column == "prompt" else {"prompt": ["1+1="], column: array}), path)
+    text_type = shown == "string"
+    if text_type or (column == "reference" and as_reference):
+        assert load_prompts(path).schema.field(column).type == pa.string()
+    else:
+        with pytest.raises(ValueError) as err:
+            load_prompts(path)
+        assert str(path) in str(err.value) and f"column '{column}' has type {shown}" in str(err.value)
+
+
+def test_a_huge_prompt_is_rejected_as_too_long_not_a_crash(toy_dir, tmp_path):
+    prompts = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=", "1+" * 200_000 + "1="]}), prompts)  # ~400k characters
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "generate", "--model", str(toy_dir / "model"),
+                           "--prompts", str(prompts), "--out", str(run), "--backend", "hf", "--max-tokens", "4",
+                           "-G", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import duckdb
+
+    rejects = f"read_parquet('{run}/rejects/**/*.parquet')"
+    reasons = duckdb.sql(f"SELECT reason, count(*) FROM {rejects} GROUP BY 1").fetchall()
+    samples = duckdb.sql(f"SELECT count(*) FROM read_parquet('{run}/samples/**/*.parquet')").fetchall()[0][0]
+    assert reasons == [("prompt_too_long", 1)] and samples == 2  # one reject row for the prompt, its group unsampled
