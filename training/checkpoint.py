@@ -181,36 +181,34 @@ def check_checkpoint(folder: str | Path) -> None:
     model folder (config, tokenizer, weights not truncated) and the optimizer state. Header reads
     only; a resumed run calls it before its first round, so a bad checkpoint stops it before it
     writes anything."""
-    from curation.generate.weights import check_model_folder, check_safetensors
+    from curation.generate.weights import check_model_folder
 
     folder = Path(folder)
     load_trainer_state(folder)
     check_model_folder(folder)
-    file = optimizer_file(folder)
+    optimizer_file(folder)
+
+
+def optimizer_file(folder: str | Path) -> Path:
+    """The optimizer state of checkpoint `folder`, checked whole (a ValueError naming it when it is
+    missing or truncated); the legacy name in the folder itself for checkpoints written before it
+    moved to optimizer/, where vLLM does not take it for weights."""
+    from curation.generate.weights import check_safetensors
+
+    folder = Path(folder)
+    legacy = folder / LEGACY_OPTIMIZER_FILE
+    file = legacy if legacy.is_file() and not (folder / OPTIMIZER_FILE).is_file() else folder / OPTIMIZER_FILE
     if not file.is_file():
         raise ValueError(f"checkpoint {folder}: no {OPTIMIZER_FILE} (the optimizer state); delete the folder to "
                          "resume from the checkpoint before it, or start the run again")
     check_safetensors(file)
-
-
-def optimizer_file(folder: str | Path) -> Path:
-    """The optimizer state of checkpoint `folder` (the legacy name in the folder itself for
-    checkpoints written before it moved to optimizer/, where vLLM does not take it for weights)."""
-    folder = Path(folder)
-    legacy = folder / LEGACY_OPTIMIZER_FILE
-    return legacy if legacy.is_file() and not (folder / OPTIMIZER_FILE).is_file() else folder / OPTIMIZER_FILE
+    return file
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
     """Restore the optimizer state saved in checkpoint `folder` (safetensors + JSON, no pickle)."""
-    from curation.generate.weights import check_safetensors
-
     state = load_trainer_state(folder)
-    file = optimizer_file(folder)
-    if not file.is_file():
-        check_checkpoint(folder)  # raises, naming the missing file
-    check_safetensors(file)
-    tensors = load_file(file)
+    tensors = load_file(optimizer_file(folder))
     optimizer_from_tensors(optimizer, tensors, state["optimizer_param_groups"])
 
 
