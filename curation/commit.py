@@ -93,11 +93,13 @@ class Commit:
         return False
 
     def write(self, table: str, data: pa.Table, part: str | None = None,
-              round: int | None = _COMMIT_ROUND) -> None:
+              round: int | None = _COMMIT_ROUND, hold: bool = True) -> None:
         """Validate `data` as `table` and stage it as `part-<part>.parquet` (default part: the stage).
 
         `data` is a pyarrow Table or anything `pa.table` accepts (a polars DataFrame, a dict).
         An empty table of `SKIPPED_WHEN_EMPTY` (rejects) is validated and writes no file.
+        `hold=False`: the table is not kept for `written` (a stage writing a large round slice
+        by slice, so memory holds one slice).
         """
         if self._tmp is None:
             raise RuntimeError("Commit.write must be called inside `with store.commit(...)`")
@@ -140,7 +142,8 @@ class Commit:
         self._staged[final] = tmp
         self._rows[rel] = data.num_rows
         self._sha256[rel] = hashlib.sha256(payload).hexdigest()
-        self._tables[rel] = data
+        if hold:
+            self._tables[rel] = data
 
     def record(self, rows_in: int | None = None, rows_out: int | None = None,
                drops: Mapping[str, int] | None = None, **extra) -> None:
@@ -232,7 +235,7 @@ class Commit:
         fault_point("commit.files_published")
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()
-        self.written = {rel: (files[rel], self._tables[rel]) for rel in outputs}
+        self.written = {rel: (files[rel], self._tables[rel]) for rel in outputs if rel in self._tables}
         shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)
 
 

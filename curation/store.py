@@ -85,6 +85,17 @@ def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.T
     return pa.Table.from_arrays(arrays, schema=wanted)
 
 
+def _filtered_read(path: Path, columns: list[str], rows: Callable[[pa.Table], pa.Array],
+                   batch_rows: int = 65_536) -> pa.Table:
+    """The rows of the Parquet file at `path` where `rows(batch)` is true, read batch by batch."""
+    file = pq.ParquetFile(path)
+    kept = []
+    for batch in file.iter_batches(batch_size=batch_rows, columns=columns):
+        part = pa.Table.from_batches([batch])
+        kept.append(part.filter(rows(part)))
+    return pa.concat_tables(kept) if kept else file.schema_arrow.empty_table().select(columns)
+
+
 def _parquet_files(folder: Path) -> list[Path]:
     """The *.parquet files of `folder`, by name ([] when there is no folder)."""
     try:
@@ -273,10 +284,14 @@ class RunStore:
         return result
 
     def read_columns(self, table: str, columns: Sequence[str], rounds: int | Sequence[int] | None = None,
-                     validate: bool = True, exclude_parts: Sequence[str] = ()) -> pa.Table:
+                     validate: bool = True, exclude_parts: Sequence[str] = (),
+                     rows: Callable[[pa.Table], pa.Array] | None = None) -> pa.Table:
         """`columns` of `table` (contract columns, e.g. the keys and reward of scores), the same
         rows and values as `read(...).select(columns)` without reading the other columns.
         `exclude_parts`: part names (`part-<name>.parquet`) left unread, e.g. a stage's own output.
+        `rows`: keep only the rows where this mask of a batch (its `columns` plus prompt_id) is
+        true; files are then read in batches, so memory holds the rows kept, not whole files
+        (a curation stage's slice of a large round: curation/stages/runner.py).
 
         Each file is read on its own with pyarrow (a 64-char string column read through DuckDB
         costs ~1.6x), and the files are concatenated in `files()` order, as DuckDB does. With
@@ -300,7 +315,11 @@ class RunStore:
                     schema.validate(found.empty_table(), table, path)
                 present = [c for c in columns if c in found.names]
                 extra = ["round"] if check_round and "round" not in present else []
-                part = pq.read_table(path, columns=present + extra)
+                if rows is None:
+                    part = pq.read_table(path, columns=present + extra)
+                else:
+                    extra += [] if "prompt_id" in present + extra else ["prompt_id"]
+                    part = _filtered_read(path, present + extra, rows)
             except (pa.ArrowInvalid, OSError):
                 schema.read_table_file(path, table)  # raises SchemaError naming the file
                 raise

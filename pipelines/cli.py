@@ -76,9 +76,19 @@ def _exit_codes() -> Iterator[None]:
         raise
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from groupforge import __version__
+
+        console.print(f"groupforge {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceback of every error (also: "
-                                                                 f"{DEBUG_ENV}=1).")) -> None:
+                                                                 f"{DEBUG_ENV}=1)."),
+             version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                          help="Print groupforge's version and exit.")) -> None:
     if debug:
         os.environ[DEBUG_ENV] = "1"
 

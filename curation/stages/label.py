@@ -58,6 +58,11 @@ class LabelConfig(BaseModel):
 CONFIG = LabelConfig
 
 
+def sliceable(cfg: LabelConfig) -> bool:
+    """batch scales by a std over every kept group of the round, so it needs them all at once."""
+    return cfg.estimator != "batch"
+
+
 def columns(cfg: LabelConfig) -> dict[str, list[str]]:
     return {"samples": list(KEYS), "scores": [*KEYS, "reward"], "rejects": list(KEYS)}
 

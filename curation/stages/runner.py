@@ -10,13 +10,16 @@ A stage is a module (score.py, filter.py, label.py, pair.py) that declares:
     def columns(cfg) -> {table: [column, ...] | None}    what it reads of each (None: all)
     def transform(tables, cfg) -> StageOutput            pure: no I/O, the SQL inline
 
-and, where it needs them, two hooks (only score has them):
+and, where it needs them, three hooks (score has the first two, label the third):
 
     def hashed_config(cfg) -> dict            the config as hashed and recorded (default: all
                                               of it; score leaves out `workers`)
     def reused_tables(store, round, inputs) -> {table: pa.Table}
                                               earlier outputs the transform may reuse (score:
                                               its own scores of the same samples); not with force
+    def sliceable(cfg) -> bool                whether the transform may see a round a slice of
+                                              groups at a time (default True; label's batch
+                                              estimator needs every group of the round at once)
 
 `run_stage` does the rest. The inputs are the part files of READS for the round (prompts:
 the parts its samples came from), each fingerprinted; a stage that also reads a table it writes (filter reads
@@ -27,20 +30,33 @@ A round without its main input is an error. Only the columns the stage uses are 
 samples file is mostly token ids the filter never looks at), each file's footer checked
 against the contract. Callers hold the run's lock
 (`RunStore.lock()`).
+
+Memory. A round whose main input has more than `slice_rows()` rows (default 1,000,000;
+`GROUPFORGE_SLICE_ROWS`) runs in K = ceil(rows / slice_rows) slices: slice s holds the
+groups whose prompt_id hashes to s mod K, read from the input files batch by batch, so a
+group is never split and memory holds one slice of inputs and outputs, not the round. Each
+slice commits its own part file (`part-<STAGE>-s<s>.parquet`), all in the stage's one commit;
+the manifest's counts are the slices' sums. A sliced score stage does not reuse earlier scores
+(it rescores), and a stage that is not sliceable reads the round whole.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
+import re
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
+import polars as pl
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from curation import schema
 from curation.faults import fault_point
@@ -49,6 +65,10 @@ from curation.stages.common import drop_counts
 from curation.store import RunStore, contract_columns
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
+SLICE_ROWS_ENV = "GROUPFORGE_SLICE_ROWS"
+DEFAULT_SLICE_ROWS = 1_000_000
+"""Main-input rows above which a stage runs a round in slices: ~0.6 GiB of peak memory per
+slice for the four stages (BENCHMARKS.md, load check)."""
 
 
 @dataclass
@@ -111,7 +131,7 @@ def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int, exc
     ({relative path: {sha256, size, mtime_ns}}; default: what the round's manifests record)
     or this process holds for their size and mtime_ns are not read again."""
     paths = [path for table in tables for path in _files(store, table, round)
-             if path.stem.removeprefix("part-") not in exclude_parts]
+             if not _own_part(path, exclude_parts)]
     rel = {path: path.relative_to(store.root).as_posix() for path in paths}
     if recorded is None or not all(rel[path] in recorded for path in paths if path.parent.name != "prompts"):
         recorded = {**store.recorded_files(round), **(recorded or {})}
@@ -146,6 +166,9 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
     if not store.files(main, round):
         raise FileNotFoundError(f"run {store.root} has no {main} for round {round}; run {_writer_of(main)} first")
 
+    slices = _slice_count(store, module, cfg, round, own)
+    if slices > 1:
+        return _run_sliced(module, store, round, cfg, inputs, config, own, slices)
     started = time.perf_counter()
     tables = {table: _read(store, table, round, columns, own, held or {}, inputs)
               for table, columns in module.columns(cfg).items()}
@@ -164,6 +187,114 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
                        seconds=time.perf_counter() - started, written=commit.written)
 
 
+def slice_rows() -> int:
+    """Main-input rows a stage takes at once: GROUPFORGE_SLICE_ROWS, else DEFAULT_SLICE_ROWS."""
+    value = os.environ.get(SLICE_ROWS_ENV, "").strip()
+    if not value:
+        return DEFAULT_SLICE_ROWS
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{SLICE_ROWS_ENV}={value!r}: give a whole number of rows >= 1")
+    return int(value)
+
+
+def _slice_count(store: RunStore, module: ModuleType, cfg, round: int, own: tuple[str, ...]) -> int:
+    """K: 1, or ceil(rows of the round's main input / slice_rows()) for a sliceable stage (the
+    row counts come from the files' footers)."""
+    if hasattr(module, "sliceable") and not module.sliceable(cfg):
+        return 1
+    table, rows = module.READS[0], 0
+    for path in store.files(table, round):
+        if _own_part(path, own):
+            continue
+        try:
+            rows += pq.read_metadata(path).num_rows
+        except (pa.ArrowInvalid, OSError):
+            schema.read_table_file(path, table)  # raises SchemaError naming the file
+            raise
+    return max(1, math.ceil(rows / slice_rows()))
+
+
+def in_slice(prompt_ids: pa.Array | pa.ChunkedArray, s: int, k: int) -> pa.Array:
+    """The mask of the rows whose prompt_id falls in slice `s` of `k` (a hash of the id: every
+    row of a group lands in the same slice; the same slices for the same ids in one polars
+    version)."""
+    hashed = pl.Series(prompt_ids).hash(seed=0).to_numpy()
+    return pa.array(hashed % k == s)
+
+
+def _run_sliced(module: ModuleType, store: RunStore, round: int, cfg, inputs: Mapping[str, str],
+                config: Mapping, own: tuple[str, ...], slices: int) -> StageReport:
+    """run_stage's transform and commit for a round taken `slices` slices of groups at a time
+    (the module docstring's "Memory")."""
+    name, started = module.STAGE, time.perf_counter()
+    rows_in = rows_out = 0
+    drops: Counter[str] = Counter()
+    extra: dict[str, Any] = {}
+    with store.commit(name, round, inputs, config) as commit:
+        for s in range(slices):
+            keep = lambda part, s=s: in_slice(part.column("prompt_id"), s, slices)  # noqa: E731
+            tables = {table: _read_slice(store, table, round, columns, own, inputs, keep)
+                      for table, columns in module.columns(cfg).items()}
+            out = module.transform(tables, cfg)
+            if set(out.tables) != set(module.WRITES):
+                raise RuntimeError(f"stage {name!r} returned tables {sorted(out.tables)}, "
+                                   f"declared {list(module.WRITES)}")
+            for table in module.WRITES:
+                commit.write(table, out.tables[table], part=f"{name}-s{s:04d}", hold=False)
+            rows_in, rows_out = rows_in + out.rows_in, rows_out + out.rows_out
+            drops.update(out.drops)
+            extra = _merged(extra, out.extra)
+            del tables, out
+        fault_point("stage.before_commit")
+        commit.record(rows_in=rows_in, rows_out=rows_out, drops=dict(drops), slices=slices, **extra)
+    return StageReport(name, round, skipped=False, rows_in=rows_in, rows_out=rows_out, drops=dict(drops),
+                       seconds=time.perf_counter() - started)
+
+
+def _read_slice(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...],
+                inputs: Mapping[str, str], keep) -> pa.Table:
+    """One slice of `table` for the round (`keep`: its row mask), as `_read` reads the whole."""
+    if table == "prompts":
+        prompts = _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")])
+        return prompts.filter(keep(prompts))
+    if columns is None:
+        raise ValueError(f"a stage that runs in slices must name the columns it reads of {table!r}")
+    return store.read_columns(table, columns, round, exclude_parts=_own_parts(store, table, round, own), rows=keep)
+
+
+def _merged(total: dict[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
+    """Two slices' extra manifest fields as one: numbers add up, dicts merge key by key, and
+    anything else must be equal in every slice (a scorer's fingerprints)."""
+    out = dict(total)
+    for key, value in more.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = _merged(out[key], value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = round(out[key] + value, 6)
+        elif value != out[key]:
+            raise RuntimeError(f"slices of one round disagree on manifest field {key!r}: {out[key]!r} vs {value!r}")
+    return out
+
+
+_SLICE_PART = re.compile(r"(?P<stage>.+)-s\d{4}")
+
+
+def _own_part(path: Path, own: tuple[str, ...]) -> bool:
+    """Whether the part file at `path` is one of the stages' `own` (whole or a slice of it)."""
+    name = path.stem.removeprefix("part-")
+    sliced = _SLICE_PART.fullmatch(name)
+    return name in own or (sliced is not None and sliced["stage"] in own)
+
+
+def _own_parts(store: RunStore, table: str, round: int, own: tuple[str, ...]) -> tuple[str, ...]:
+    """The part names (`part-<name>.parquet`) of `table` in the round that are the stages' `own`."""
+    if not own:
+        return ()
+    return tuple(path.stem.removeprefix("part-") for path in store.files(table, round) if _own_part(path, own))
+
+
 def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...],
           held: Mapping[str, tuple[dict, pa.Table]], inputs: Mapping[str, str]) -> pa.Table:
     """`columns` of the round's `table` (every column, through RunStore.read, when None;
@@ -177,12 +308,12 @@ def _read(store: RunStore, table: str, round: int, columns: list[str] | None, ow
         return store.read(table, round)
     if table == "prompts":
         raise ValueError("a stage reads every column of the prompts table")
-    paths = [path for path in store.files(table, round) if path.stem.removeprefix("part-") not in own]
+    paths = [path for path in store.files(table, round) if not _own_part(path, own)]
     known = [_held(held, store, path) for path in paths]
     if all(part is not None for part in known):  # none at all: the empty table (rejects of no drops)
         return pa.concat_tables([contract_columns(table, part, columns)
                                  for part in known or [schema.empty(table)]])
-    return store.read_columns(table, columns, round, exclude_parts=own)
+    return store.read_columns(table, columns, round, exclude_parts=_own_parts(store, table, round, own))
 
 
 def _files(store: RunStore, table: str, round: int) -> list[Path]:

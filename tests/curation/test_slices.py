@@ -1,0 +1,144 @@
+"""A round larger than GROUPFORGE_SLICE_ROWS runs through each stage a slice of groups at a
+time (curation/stages/runner.py, "Memory"): the same rows as the whole-round path, one part
+file per slice in one commit, counts summed, reruns up to date."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from curation.stages.label import LabelConfig
+from curation.stages.runner import CURATION_STAGES, SLICE_ROWS_ENV, in_slice, run_stage, slice_rows
+from curation.store import RunStore
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "curation.py"
+TABLES = {"scores": "reward", "rejects": "reason", "groups": "advantage", "pairs": "soft_label"}
+
+
+def bench_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("bench_curation", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def curate(run: Path, cfgs) -> dict[str, dict]:
+    """Every stage on round 0; {stage: its manifest}."""
+    with RunStore(run).lock():
+        for name, cfg in zip(CURATION_STAGES, cfgs):
+            run_stage(name, run, 0, cfg)
+    return {name: RunStore(run).load_manifest(name, 0) for name in CURATION_STAGES}
+
+
+def rows(run: Path, table: str) -> list[tuple]:
+    """Every row of a table (independent reader: DuckDB over the Parquet files), sorted."""
+    files = sorted(str(p) for p in (run / table).rglob("*.parquet"))
+    return sorted(duckdb.sql(f"SELECT * EXCLUDE (detail) FROM read_parquet({files})" if table == "rejects"
+                             else f"SELECT * FROM read_parquet({files})").fetchall(), key=repr)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """The same synthetic round of 3,200 samples (400 groups), curated whole and in slices of 700
+    rows (K = 5): (whole, sliced, their manifests, the configs)."""
+    mp = pytest.MonkeyPatch()
+    bench = bench_module(mp)
+    base = tmp_path_factory.mktemp("slices")
+    whole, sliced = base / "whole", base / "sliced"
+    bench.make_run(whole, 3200, seed=5)
+    shutil.copytree(whole, sliced)
+    cfgs = bench.configs(drop_duplicates=True)
+    manifests_whole = curate(whole, cfgs)
+    mp.setenv(SLICE_ROWS_ENV, "700")
+    manifests_sliced = curate(sliced, cfgs)
+    mp.undo()
+    return whole, sliced, manifests_whole, manifests_sliced, cfgs
+
+
+def test_sliced_stages_write_the_rows_the_whole_round_gives(two_runs):
+    whole, sliced, *_ = two_runs
+    for table in TABLES:
+        got, expected = rows(sliced, table), rows(whole, table)
+        assert got == expected, table
+        assert len(expected) > 0, table
+
+
+def test_each_slice_is_a_part_file_of_one_commit_with_summed_counts(two_runs):
+    whole, sliced, manifests_whole, manifests_sliced, _ = two_runs
+    for name in CURATION_STAGES:
+        got, expected = manifests_sliced[name], manifests_whole[name]
+        assert got["slices"] == (5 if name != "pair" else 3), name  # pair's input: the kept groups' rows
+        assert (got["rows_in"], got["rows_out"], got["drops"]) == (expected["rows_in"], expected["rows_out"],
+                                                                  expected["drops"]), name
+        parts = {Path(rel).name for rel in got["outputs"]}
+        assert all(part.startswith(f"part-{name}-s") for part in parts), parts
+    assert manifests_sliced["label"]["rows_in_kept_groups"] == manifests_whole["label"]["rows_in_kept_groups"]
+    score = manifests_sliced["score"]
+    assert score["scorer"] == manifests_whole["score"]["scorer"]
+    assert score["reward_columns"]["exact_match"]["computed"] == 3200
+    # every group lands whole in one slice: no prompt_id in two groups parts
+    files = [str(sliced / rel) for rel in manifests_sliced["label"]["outputs"]]
+    split = duckdb.sql(f"SELECT prompt_id FROM read_parquet({files}, filename = true) GROUP BY prompt_id "
+                       "HAVING count(DISTINCT filename) > 1").fetchall()
+    assert split == []
+
+
+def test_a_sliced_round_reruns_up_to_date_and_back_to_whole(two_runs, monkeypatch, tmp_path):
+    _, sliced, _, _, cfgs = two_runs
+    run = tmp_path / "run"
+    shutil.copytree(sliced, run)
+    monkeypatch.setenv(SLICE_ROWS_ENV, "700")
+    with RunStore(run).lock():
+        assert all(run_stage(name, run, 0, cfg).skipped for name, cfg in zip(CURATION_STAGES, cfgs))
+    expected = rows(sliced, "groups")
+    monkeypatch.delenv(SLICE_ROWS_ENV)
+    with RunStore(run).lock():
+        report = run_stage("label", run, 0, cfgs[2], force=True)
+    assert not report.skipped
+    assert [p.name for p in (run / "groups" / "round=0").iterdir()] == ["part-label.parquet"]  # slices gone
+    assert rows(run, "groups") == expected
+
+
+def test_the_filter_stage_sliced_ignores_its_own_slices(two_runs, monkeypatch, tmp_path):
+    """filter reads rejects but not its own parts: with its slices in place, a forced rerun
+    gives the same rejects (none counted twice)."""
+    _, sliced, _, manifests, cfgs = two_runs
+    run = tmp_path / "run"
+    shutil.copytree(sliced, run)
+    monkeypatch.setenv(SLICE_ROWS_ENV, "700")
+    with RunStore(run).lock():
+        report = run_stage("filter", run, 0, cfgs[1], force=True)
+    assert report.drops == manifests["filter"]["drops"]
+    assert rows(run, "rejects") == rows(sliced, "rejects")
+
+
+def test_label_batch_estimator_reads_the_round_whole(two_runs, monkeypatch, tmp_path):
+    _, sliced, *_ = two_runs
+    run = tmp_path / "run"
+    shutil.copytree(sliced, run)
+    monkeypatch.setenv(SLICE_ROWS_ENV, "700")
+    with RunStore(run).lock():
+        run_stage("label", run, 0, LabelConfig(estimator="batch"))
+    manifest = json.loads((run / "_manifests" / "label-round=0.json").read_text())
+    assert "slices" not in manifest
+    assert manifest["outputs"] == ["groups/round=0/part-label.parquet"]
+
+
+def test_slice_rows_setting_and_the_slice_of_an_id(monkeypatch):
+    monkeypatch.setenv(SLICE_ROWS_ENV, "12x")
+    with pytest.raises(ValueError, match="GROUPFORGE_SLICE_ROWS='12x'"):
+        slice_rows()
+    monkeypatch.setenv(SLICE_ROWS_ENV, "5")
+    assert slice_rows() == 5
+    import pyarrow as pa
+
+    ids = pa.array(["a", "b", "a", "c"])
+    masks = [in_slice(ids, s, 3).to_pylist() for s in range(3)]
+    assert [sum(column) for column in zip(*masks)] == [1, 1, 1, 1]  # each row in exactly one slice
+    assert all(mask[0] == mask[2] for mask in masks)  # equal ids, same slice
