@@ -9,7 +9,10 @@ written as a run folder; then each path runs in its own process, so peak RSS is 
 
     groupforge memory   the pure stage functions on Arrow tables already in memory
     groupforge parquet  the stages' run() on the run folder: the real job (reads, validation,
-                        fingerprints, manifests, atomic zstd writes of scores/rejects/groups/pairs)
+                        fingerprints, manifests, atomic zstd writes of scores/rejects/groups/pairs);
+                        a round above GROUPFORGE_SLICE_ROWS (1M) runs a slice of groups at a time
+    groupforge parquet, whole round
+                        the same with slicing off: each stage holds the whole round
     (a) parquet floor   read the samples file, write the same columns back (zstd)
     (b) pandas          an idiomatic pandas version of the same logic (vectorised: merge, ==,
                         groupby transforms, idxmax/idxmin), Parquet to Parquet
@@ -202,6 +205,14 @@ def gf_parquet(run: Path, drop_duplicates: bool | None, only: str | None = None)
         RECORDS.append({"path": PATH, "stage": "profile", "top": [f"{w} {c:.2f}s" for c, w in own[:8]]})
 
 
+def gf_parquet_whole(run: Path, drop_duplicates: bool | None) -> None:
+    """gf_parquet with slicing off (this worker's process only)."""
+    from curation.stages.runner import SLICE_ROWS_ENV
+
+    os.environ[SLICE_ROWS_ENV] = str(2**62)
+    gf_parquet(run, drop_duplicates)
+
+
 def floor(run: Path, out: Path) -> None:
     with stage("read+write", pq.ParquetFile(run / SAMPLES).metadata.num_rows):
         pq.write_table(pq.read_table(run / SAMPLES), out / "samples-copy.parquet", compression="zstd")
@@ -345,6 +356,7 @@ PATHS = {  # name -> worker(run, out, args); each runs in a fresh process
     "(a) parquet floor": lambda run, out, args: floor(run, out),
     "groupforge memory": lambda run, out, args: gf_memory(run, override(args)),
     "groupforge parquet": lambda run, out, args: gf_parquet(run, override(args), args.profile_stage),
+    "groupforge parquet, whole round": lambda run, out, args: gf_parquet_whole(run, override(args)),
     "(b) pandas": lambda run, out, args: pandas_job(run, out, override(args), "vectorised"),
     "(c) pandas apply": lambda run, out, args: pandas_job(run, out, override(args), "apply"),
     "duckdb sql": lambda run, out, args: duckdb_sql(run, out, None, dedupe(args)),
@@ -464,6 +476,16 @@ def markdown(records: list[dict], data: dict, pandas_rows: dict[str, int], slowe
             + (f"pandas ran on {pandas_rows[path]:,} rows, its rate extrapolated to {n:,}" if scale != 1 else
                f"{check[path]['kept']:,} vs {gf_check['kept']:,} kept rows, {check[path]['pairs']:,} vs "
                f"{gf_check['pairs']:,} pairs"))
+    from curation.stages.runner import slice_rows
+
+    peak = {p: max(r["peak_mb"] for r in timed if r["path"] == p)
+            for p in ("groupforge parquet", "groupforge parquet, whole round")}
+    slices = -(-n // slice_rows())
+    lines.append(f"- **memory: the Parquet job peaks at {peak['groupforge parquet']:,.0f} MiB RSS, "
+                 f"{peak['groupforge parquet'] / data['arrow_mb']:.2f}x the round's {data['arrow_mb']:,.0f} MiB of "
+                 f"samples in Arrow** ({slices} slice(s) of <= {slice_rows():,} samples, GROUPFORGE_SLICE_ROWS); "
+                 f"holding the whole round it peaks at {peak['groupforge parquet, whole round']:,.0f} MiB "
+                 f"({peak['groupforge parquet, whole round'] / data['arrow_mb']:.2f}x)")
     lines += [f"- {same}",
               f"- DuckDB, memory_limit={args.memory_limit} with {data['arrow_mb']:.0f} MiB of samples in Arrow: "
               f"completed in {limited['seconds']:.1f}s, {limited['spilled_mb']:.0f} MiB peak in its temp folder, "

@@ -15,6 +15,7 @@ forgets (see curation/store.py for the run layout).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -78,8 +79,12 @@ class Commit:
         self._tmp: Path | None = None
 
     def __enter__(self) -> Commit:
-        name = f"{self.stage}-round={self.round}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._tmp = self.store.root / "_tmp" / name
+        prefix = f"{self.stage}-round={self.round}-"
+        # Callers hold the run's lock: a temp folder of this stage and round is a killed commit's
+        # (its staged parts, a large round's slices), never one in progress.
+        for stale in (self.store.root / "_tmp").glob(f"{glob.escape(prefix)}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self._tmp = self.store.root / "_tmp" / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._tmp.mkdir(parents=True)
         return self
 
@@ -144,6 +149,13 @@ class Commit:
         self._sha256[rel] = hashlib.sha256(payload).hexdigest()
         if hold:
             self._tables[rel] = data
+
+    def scratch(self, name: str) -> Path:
+        """A path in this commit's temp folder (removed with it, whatever happens) for files a
+        stage needs while it writes, e.g. a large round split into slices."""
+        if self._tmp is None:
+            raise RuntimeError("Commit.scratch must be called inside `with store.commit(...)`")
+        return self._tmp / check_name(name, "scratch")
 
     def record(self, rows_in: int | None = None, rows_out: int | None = None,
                drops: Mapping[str, int] | None = None, **extra) -> None:

@@ -85,17 +85,6 @@ def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.T
     return pa.Table.from_arrays(arrays, schema=wanted)
 
 
-def _filtered_read(path: Path, columns: list[str], rows: Callable[[pa.Table], pa.Array],
-                   batch_rows: int = 65_536) -> pa.Table:
-    """The rows of the Parquet file at `path` where `rows(batch)` is true, read batch by batch."""
-    file = pq.ParquetFile(path)
-    kept = []
-    for batch in file.iter_batches(batch_size=batch_rows, columns=columns):
-        part = pa.Table.from_batches([batch])
-        kept.append(part.filter(rows(part)))
-    return pa.concat_tables(kept) if kept else file.schema_arrow.empty_table().select(columns)
-
-
 def _parquet_files(folder: Path) -> list[Path]:
     """The *.parquet files of `folder`, by name ([] when there is no folder)."""
     try:
@@ -284,20 +273,27 @@ class RunStore:
         return result
 
     def read_columns(self, table: str, columns: Sequence[str], rounds: int | Sequence[int] | None = None,
-                     validate: bool = True, exclude_parts: Sequence[str] = (),
-                     rows: Callable[[pa.Table], pa.Array] | None = None) -> pa.Table:
+                     validate: bool = True, exclude_parts: Sequence[str] = ()) -> pa.Table:
         """`columns` of `table` (contract columns, e.g. the keys and reward of scores), the same
         rows and values as `read(...).select(columns)` without reading the other columns.
         `exclude_parts`: part names (`part-<name>.parquet`) left unread, e.g. a stage's own output.
-        `rows`: keep only the rows where this mask of a batch (its `columns` plus prompt_id) is
-        true; files are then read in batches, so memory holds the rows kept, not whole files
-        (a curation stage's slice of a large round: curation/stages/runner.py).
 
         Each file is read on its own with pyarrow (a 64-char string column read through DuckDB
         costs ~1.6x), and the files are concatenated in `files()` order, as DuckDB does. With
         `validate`, every file's schema (its Parquet footer) is still checked against the whole
         contract, the columns read are checked for nulls, and `round` against the folders.
         """
+        parts = list(self.iter_columns(table, columns, rounds, validate, exclude_parts))
+        if parts:
+            return pa.concat_tables(parts)
+        return pa.schema([schema.SCHEMAS[table].field(c) for c in columns]).empty_table()
+
+    def iter_columns(self, table: str, columns: Sequence[str], rounds: int | Sequence[int] | None = None,
+                     validate: bool = True, exclude_parts: Sequence[str] = (),
+                     batch_rows: int | None = None) -> Iterator[pa.Table]:
+        """read_columns as an iterator: one table per file, or per batch of <= `batch_rows` rows
+        of a file (memory then holds one batch: a curation stage's pass over a large round),
+        each checked as read_columns checks the whole."""
         contract = schema.SCHEMAS[table]
         unknown = [c for c in columns if c not in contract.names]
         if unknown:
@@ -305,7 +301,6 @@ class RunStore:
                              f"known: {', '.join(contract.names)}")
         wanted = pa.schema([contract.field(c) for c in columns])
         check_round = validate and table != "prompts"
-        parts = []
         for path in self.files(table, rounds):
             if path.stem.removeprefix("part-") in exclude_parts:
                 continue
@@ -315,29 +310,29 @@ class RunStore:
                     schema.validate(found.empty_table(), table, path)
                 present = [c for c in columns if c in found.names]
                 extra = ["round"] if check_round and "round" not in present else []
-                if rows is None:
-                    part = pq.read_table(path, columns=present + extra)
+                if batch_rows is None:
+                    pieces: Iterator[pa.Table] = iter([pq.read_table(path, columns=present + extra)])
                 else:
-                    extra += [] if "prompt_id" in present + extra else ["prompt_id"]
-                    part = _filtered_read(path, present + extra, rows)
+                    batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=present + extra)
+                    pieces = (pa.Table.from_batches([batch]) for batch in batches)
+                for part in pieces:
+                    if check_round and part.num_rows:
+                        folder = int(_ROUND_DIR.fullmatch(path.parent.name)[1])
+                        lo, hi = pc.min_max(part.column("round")).as_py().values()
+                        if (lo, hi) != (folder, folder):
+                            raise schema.SchemaError(f"{table} table ({path}): column 'round' holds {lo}..{hi}, "
+                                                     f"but the file is in folder round={folder}")
+                    part = contract_columns(table, part, columns)
+                    if validate:
+                        for field in wanted:
+                            nulls = part.column(field.name).null_count
+                            if not field.nullable and nulls:
+                                raise schema.SchemaError(f"{table} table ({self.table_glob(table)}): column "
+                                                         f"{field.name!r} has {nulls} null value(s)")
+                    yield part
             except (pa.ArrowInvalid, OSError):
                 schema.read_table_file(path, table)  # raises SchemaError naming the file
                 raise
-            if check_round and part.num_rows:
-                folder = int(_ROUND_DIR.fullmatch(path.parent.name)[1])
-                lo, hi = pc.min_max(part.column("round")).as_py().values()
-                if (lo, hi) != (folder, folder):
-                    raise schema.SchemaError(f"{table} table ({path}): column 'round' holds {lo}..{hi}, "
-                                             f"but the file is in folder round={folder}")
-            parts.append(contract_columns(table, part, columns))
-        result = pa.concat_tables(parts) if parts else wanted.empty_table()
-        if validate:
-            for field in wanted:
-                nulls = result.column(field.name).null_count
-                if not field.nullable and nulls:
-                    raise schema.SchemaError(f"{table} table ({self.table_glob(table)}): column {field.name!r} "
-                                             f"has {nulls} null value(s)")
-        return result
 
     def _check_round_folders(self, con: duckdb.DuckDBPyConnection, table: str, paths: list[str]) -> None:
         sql = ("SELECT filename, min(round), max(round) FROM read_parquet($files, hive_partitioning = false,"

@@ -42,6 +42,7 @@ the manifest's counts are the slices' sums. A sliced score stage does not reuse 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
@@ -54,11 +55,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.fingerprints import FileCache, file_stat, known_fingerprint
 from curation.stages.common import drop_counts
@@ -67,6 +70,7 @@ from curation.store import RunStore, contract_columns
 CURATION_STAGES = ("score", "filter", "label", "pair")
 SLICE_ROWS_ENV = "GROUPFORGE_SLICE_ROWS"
 DEFAULT_SLICE_ROWS = 1_000_000
+SPLIT_BATCH_ROWS = 131_072
 """Main-input rows above which a stage runs a round in slices: ~0.6 GiB of peak memory per
 slice for the four stages (BENCHMARKS.md, load check)."""
 
@@ -214,27 +218,31 @@ def _slice_count(store: RunStore, module: ModuleType, cfg, round: int, own: tupl
     return max(1, math.ceil(rows / slice_rows()))
 
 
-def in_slice(prompt_ids: pa.Array | pa.ChunkedArray, s: int, k: int) -> pa.Array:
-    """The mask of the rows whose prompt_id falls in slice `s` of `k` (a hash of the id: every
-    row of a group lands in the same slice; the same slices for the same ids in one polars
-    version)."""
-    hashed = pl.Series(prompt_ids).hash(seed=0).to_numpy()
-    return pa.array(hashed % k == s)
+def slice_of(prompt_ids: pa.Array | pa.ChunkedArray, k: int) -> np.ndarray:
+    """The slice (0..k-1) of each row: a hash of its prompt_id, so every row of a group lands in
+    the same slice (the same slices for the same ids in one polars version)."""
+    return (pl.Series(prompt_ids).hash(seed=0).to_numpy() % k).astype(np.int64)
 
 
 def _run_sliced(module: ModuleType, store: RunStore, round: int, cfg, inputs: Mapping[str, str],
                 config: Mapping, own: tuple[str, ...], slices: int) -> StageReport:
     """run_stage's transform and commit for a round taken `slices` slices of groups at a time
-    (the module docstring's "Memory")."""
+    (the module docstring's "Memory"): one pass splits each input into the slices' Arrow files
+    in the commit's temp folder, then each slice is read, transformed and written on its own."""
     name, started = module.STAGE, time.perf_counter()
     rows_in = rows_out = 0
     drops: Counter[str] = Counter()
     extra: dict[str, Any] = {}
     with store.commit(name, round, inputs, config) as commit:
+        split = {table: _split(store, table, round, columns, own, slices, commit.scratch(f"slices-{table}"))
+                 for table, columns in module.columns(cfg).items() if table != "prompts"}
+        prompts = (_prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")])
+                   if "prompts" in module.READS else None)
+        prompt_slice = None if prompts is None else slice_of(prompts.column("prompt_id"), slices)
         for s in range(slices):
-            keep = lambda part, s=s: in_slice(part.column("prompt_id"), s, slices)  # noqa: E731
-            tables = {table: _read_slice(store, table, round, columns, own, inputs, keep)
-                      for table, columns in module.columns(cfg).items()}
+            tables = {table: _read_arrow(files[s]) for table, files in split.items()}
+            if prompts is not None:
+                tables["prompts"] = prompts.filter(pa.array(prompt_slice == s))
             out = module.transform(tables, cfg)
             if set(out.tables) != set(module.WRITES):
                 raise RuntimeError(f"stage {name!r} returned tables {sorted(out.tables)}, "
@@ -251,15 +259,34 @@ def _run_sliced(module: ModuleType, store: RunStore, round: int, cfg, inputs: Ma
                        seconds=time.perf_counter() - started)
 
 
-def _read_slice(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...],
-                inputs: Mapping[str, str], keep) -> pa.Table:
-    """One slice of `table` for the round (`keep`: its row mask), as `_read` reads the whole."""
-    if table == "prompts":
-        prompts = _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")])
-        return prompts.filter(keep(prompts))
-    if columns is None:
-        raise ValueError(f"a stage that runs in slices must name the columns it reads of {table!r}")
-    return store.read_columns(table, columns, round, exclude_parts=_own_parts(store, table, round, own), rows=keep)
+def _split(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...], k: int,
+           folder: Path) -> list[Path]:
+    """`columns` of the round's `table` split by slice_of into k Arrow files (lz4) in `folder`,
+    read batch by batch: [the file of slice 0, ...]."""
+    if columns is None or "prompt_id" not in columns:
+        raise ValueError(f"a stage that runs in slices must name the columns it reads of {table!r}, "
+                         "prompt_id among them")
+    folder.mkdir(parents=True, exist_ok=True)
+    files = [folder / f"{s:04d}.arrow" for s in range(k)]
+    wanted = pa.schema([schema.SCHEMAS[table].field(c) for c in columns])
+    options = pa.ipc.IpcWriteOptions(compression="lz4")
+    with disk_write(folder), contextlib.ExitStack() as stack:
+        writers = [stack.enter_context(pa.ipc.new_file(str(path), wanted, options=options)) for path in files]
+        for batch in store.iter_columns(table, columns, round, exclude_parts=_own_parts(store, table, round, own),
+                                        batch_rows=SPLIT_BATCH_ROWS):
+            ids = slice_of(batch.column("prompt_id"), k)
+            ends = np.cumsum(np.bincount(ids, minlength=k))
+            batch = batch.take(pa.array(np.argsort(ids, kind="stable")))  # rows of a slice together, in order
+            for s, writer in enumerate(writers):
+                start = int(ends[s - 1]) if s else 0
+                if ends[s] > start:
+                    writer.write_table(batch.slice(start, int(ends[s]) - start))
+    return files
+
+
+def _read_arrow(path: Path) -> pa.Table:
+    with pa.OSFile(str(path)) as source:
+        return pa.ipc.open_file(source).read_all()
 
 
 def _merged(total: dict[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:

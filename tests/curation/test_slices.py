@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
 import pytest
 
 from curation.stages.label import LabelConfig
-from curation.stages.runner import CURATION_STAGES, SLICE_ROWS_ENV, in_slice, run_stage, slice_rows
+from curation.stages.runner import CURATION_STAGES, SLICE_ROWS_ENV, run_stage, slice_of, slice_rows
 from curation.store import RunStore
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "curation.py"
@@ -138,7 +142,36 @@ def test_slice_rows_setting_and_the_slice_of_an_id(monkeypatch):
     assert slice_rows() == 5
     import pyarrow as pa
 
-    ids = pa.array(["a", "b", "a", "c"])
-    masks = [in_slice(ids, s, 3).to_pylist() for s in range(3)]
-    assert [sum(column) for column in zip(*masks)] == [1, 1, 1, 1]  # each row in exactly one slice
-    assert all(mask[0] == mask[2] for mask in masks)  # equal ids, same slice
+    ids = pa.array([f"p{i % 50}" for i in range(200)])
+    slices = slice_of(ids, 3)
+    assert set(slices.tolist()) == {0, 1, 2}  # 50 ids spread over the 3 slices
+    assert (slices[:50] == slices[50:100]).all()  # equal ids, same slice
+
+
+KILLED_CURATE = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from tests.curation.test_slices import bench_module, curate
+import pytest
+curate(Path({run!r}), bench_module(pytest.MonkeyPatch()).configs(drop_duplicates=True))
+"""
+
+
+@pytest.mark.parametrize("point", ["stage.before_commit:1", "commit.files_published:2"])
+def test_a_sliced_round_killed_mid_commit_resumes_to_the_same_rows(two_runs, tmp_path, point):
+    """SIGKILL with score's slices staged (nothing published), or with filter's slice parts in
+    place and no manifest; the rerun gives the whole-round rows and leaves no temp files."""
+    whole, *_ = two_runs
+    run = tmp_path / "run"
+    shutil.copytree(whole, run, ignore=shutil.ignore_patterns("_manifests", "scores", "rejects", "groups", "pairs"))
+    script = KILLED_CURATE.format(root=str(Path(__file__).resolve().parents[2]), run=str(run))
+    env = {**os.environ, SLICE_ROWS_ENV: "700", "GROUPFORGE_FAULT": point}
+    killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    env.pop("GROUPFORGE_FAULT")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for table in TABLES:
+        assert rows(run, table) == rows(whole, table), table
+    assert not any((run / "_tmp").iterdir()) if (run / "_tmp").exists() else True
