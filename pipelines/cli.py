@@ -268,12 +268,17 @@ def export(
     round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
     out: Optional[Path] = typer.Option(None, "--out",
                                        help="Parquet file (default RUN/exports/<format>-<style>.parquet)."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="REPO",
+                                              help="Also push the export and its card to this Hugging Face dataset "
+                                                   "repo (private unless --public), with datasets' push_to_hub."),
+    public: bool = typer.Option(False, "--public", help="With --push-to-hub: a public repo."),
 ) -> None:
-    """Write a TRL-format dataset (Parquet, loadable with datasets.load_dataset)."""
+    """Write a TRL-format dataset (Parquet, loadable with datasets.load_dataset) and the folder's dataset card
+    (README.md: features, splits, row counts, provenance from the run's manifests)."""
     from pydantic import ValidationError
 
     from curation.stages.export import ExportConfig
-    from curation.stages.export import run as run_export
+    from curation.stages.export import run_with_card as run_export
 
     _run_folder(run)
     try:
@@ -281,8 +286,19 @@ def export(
     except ValidationError as exc:
         raise _fail("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors()), EXIT_BAD_INPUT) from None
     with _exit_codes():
-        path, rows = run_export(run, cfg, out)
+        path, rows, card = run_export(run, cfg, out)
     console.print(f"wrote {rows} rows ({format}, {style}) to {path}")
+    if card is None:
+        err_console.print(f"[yellow]warning:[/] {path.parent / 'README.md'} was not written by groupforge: "
+                          "left as it is, no dataset card written")
+    else:
+        console.print(f"dataset card: {card}")
+    if push_to_hub:
+        from curation.card import push
+
+        with _exit_codes():
+            url = push(path, push_to_hub, private=not public)
+        console.print(f"pushed to {url}")
 
 
 @app.command()

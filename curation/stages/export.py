@@ -13,6 +13,9 @@ response as one assistant turn. Every row also carries prompt_id, round and, whe
 apply, chosen_idx / rejected_idx / sample_idx, soft_label, weight, reward — columns TRL
 ignores and a data engineer joins on.
 
+The file's footer carries the export's provenance (curation/card.py), and `run_with_card`
+(what `groupforge export` calls) rewrites the folder's dataset card (README.md).
+
 unpaired labels a response desirable when its advantage is > 0 (better than its group).
 """
 
@@ -26,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from curation.card import provenance, with_provenance, write_card
 from curation.faults import fault_point
 from curation.runlog import EXPORTS_DIR, write_atomic
 from curation.store import RunStore
@@ -128,6 +132,7 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
             raise ValueError(f"{store.root}: the {name} table is empty{where}; "
                              f"run the stage that writes it before exporting {cfg.format}")
     table = export_table(tables, cfg)
+    table = with_provenance(table, provenance(store, cfg.rounds, cfg.format, cfg.style))
     path = Path(out) if out else store.root / EXPORTS_DIR / f"{cfg.format}-{cfg.style}.parquet"
 
     def write(f) -> None:
@@ -136,3 +141,11 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
 
     write_atomic(path, write)
     return path, table.num_rows
+
+
+def run_with_card(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None
+                  ) -> tuple[Path, int, Path | None]:
+    """`run`, then the dataset card of the export's folder (curation/card.py): (path, rows,
+    the card, or None when the folder holds a README.md groupforge did not write)."""
+    path, rows = run(run_dir, cfg, out)
+    return path, rows, write_card(path.parent)
