@@ -196,6 +196,7 @@ def push(export: str | Path, repo: str, private: bool = True) -> str:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import OfflineModeIsEnabled
 
+    datasets.disable_progress_bars()
     export = Path(export)
     metadata = pq.read_schema(export).metadata or {}
     record = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else None
