@@ -458,6 +458,36 @@ def run_(
 
 
 @app.command()
+def init(
+    model: Path = typer.Option(..., "--model", help="Model folder (Hugging Face, safetensors)."),
+    prompts: Path = typer.Option(..., "--prompts", help="Train prompts (Parquet or JSON Lines)."),
+    eval_file: Optional[Path] = typer.Option(None, "--eval", help="Held-out prompts with a reference column "
+                                                                  "(default: the train file, with a comment)."),
+    objective: str = typer.Option("grpo", "--objective", help="grpo | gspo | pairwise | sft"),
+    out: Path = typer.Option(Path("spec.toml"), "--out", help="Where to write the spec."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+) -> None:
+    """Write a commented starter spec for your model and prompts: max_tokens from the answers' lengths, the
+    reward (exact_match with a reference column), the eval set; what it cannot decide is a TODO `run` refuses."""
+    from curation.runlog import write_atomic
+    from pipelines.init import starter_spec
+    from pipelines.spec import load_spec
+
+    if out.exists() and not force:
+        raise _fail(f"{out} exists: give another --out, or --force to replace it", EXIT_BAD_INPUT)
+    with _exit_codes():
+        text = starter_spec(model, prompts, objective, eval_file, out)
+        write_atomic(out, text)
+    console.print(f"wrote {out}")
+    try:
+        load_spec(out)
+    except ValueError as exc:  # its TODOs: the spec is written, the user fills them in
+        err_console.print(f"[yellow]to do before `groupforge run {out}`:[/] {escape(str(exc))}")
+        return
+    console.print(f"check it with: groupforge run {out} --set run.rounds=1")
+
+
+@app.command()
 def verify(run: Path = typer.Argument(..., help="Run folder."),
            deep: bool = typer.Option(False, "--deep", help="Also hash every file against its manifest's sha256.")
            ) -> None:

@@ -209,11 +209,30 @@ class PipelineSpec(_Section):
         return self
 
 
+def todo_keys(raw: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, value) of every string in a parsed TOML document that starts with TODO."""
+    found = []
+    items = raw.items() if isinstance(raw, dict) else enumerate(raw)
+    for key, value in items:
+        dotted = f"{prefix}[{key}]" if isinstance(raw, list) else (f"{prefix}.{key}" if prefix else str(key))
+        if isinstance(value, str) and value.startswith("TODO"):
+            found.append((dotted, value))
+        elif isinstance(value, (dict, list)):
+            found.extend(todo_keys(value, dotted))
+    return found
+
+
 def load_spec(path: str | Path, check_files: bool = True, overrides: list[str] = ()) -> PipelineSpec:
     """A pipeline spec from TOML, with `overrides` ("section.key=value", `parse_overrides`)
     applied; errors name the key and the file. Relative paths in the spec are relative to the
     current directory. With `check_files`, the model folder and prompt files must exist."""
-    spec = validate_model(PipelineSpec, apply_overrides(read_toml(path), parse_overrides(list(overrides))), path)
+    raw = apply_overrides(read_toml(path), parse_overrides(list(overrides)))
+    todo = todo_keys(raw)
+    if todo:  # a starter spec's placeholders (`groupforge init`), named before anything else
+        key, value = todo[0]
+        more = f" (and {len(todo) - 1} more: {', '.join(k for k, _ in todo[1:])})" if len(todo) > 1 else ""
+        raise ValueError(f"config {path}: {key} is still a TODO: {value.removeprefix('TODO:').strip()}{more}")
+    spec = validate_model(PipelineSpec, raw, path)
     if check_files:
         model = Path(spec.model.path)
         if not (model / "config.json").is_file():

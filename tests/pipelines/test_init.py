@@ -1,0 +1,87 @@
+"""`groupforge init` (pipelines/init.py): a starter spec from a real model folder and prompts
+files, that `groupforge run` runs, or whose TODOs it names."""
+
+from __future__ import annotations
+
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.init import starter_spec
+from pipelines.spec import load_spec
+from tests.pipelines.test_cli import ENV, GROUPFORGE
+
+
+def groupforge(*args, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([GROUPFORGE, *map(str, args)], capture_output=True, text=True, env=ENV, cwd=cwd,
+                          timeout=600)
+
+
+def test_a_starter_spec_runs_a_round_on_the_toy(toy_dir, tmp_path):
+    proc = groupforge("init", "--model", toy_dir / "model", "--prompts", toy_dir / "train.parquet",
+                      "--eval", toy_dir / "eval.parquet", "--out", "spec.toml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "check it with: groupforge run spec.toml" in proc.stdout
+    spec = load_spec(tmp_path / "spec.toml")
+    assert spec.model.path == str(toy_dir / "model") and spec.prompts.eval == str(toy_dir / "eval.parquet")
+    assert spec.generator.max_tokens == 16  # the toy's answers are <= 3 tokens: the floor of 16
+    assert [r.name for r in spec.score.rewards] == ["exact_match"] and spec.train.objective == "grpo"
+    run = groupforge("run", "spec.toml", "--set", "run.rounds=1", "--set", "prompts.per_round=16",
+                     "--set", "prompts.eval_limit=32", "--set", "run.steps_per_round=1", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "runs" / spec.run.name / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("objective", ["gspo", "pairwise", "sft"])
+def test_every_objective_gives_a_valid_spec(toy_dir, tmp_path, objective):
+    out = tmp_path / "spec.toml"
+    out.write_text(starter_spec(toy_dir / "model", toy_dir / "train.parquet", objective, out=out))
+    spec = load_spec(out)
+    assert spec.train.objective == objective
+    assert spec.prompts.eval == str(toy_dir / "train.parquet")  # no --eval: the train file, with a warning
+    assert "measures accuracy on prompts it trains on" in out.read_text()
+
+
+def test_max_tokens_follows_the_longest_reference(toy_dir, tmp_path):
+    prompts = tmp_path / "long.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "reference": ["2" * 30, "4"]}), prompts)
+    raw = tomllib.loads(starter_spec(toy_dir / "model", prompts))
+    assert raw["generator"]["max_tokens"] == 60  # one token per character in the toy: 2 x 30
+
+
+def test_prompts_without_references_leave_todos_that_run_names(toy_dir, tmp_path):
+    pq.write_table(pa.table({"prompt": ["hello", "there"]}), tmp_path / "plain.parquet")
+    proc = groupforge("init", "--model", toy_dir / "model", "--prompts", "plain.parquet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "to do before" in proc.stderr
+    run = groupforge("run", "spec.toml", cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "error: config spec.toml: prompts.eval is still a TODO: a held-out prompts file with a reference column "
+        "(eval scores greedy answers) (and 1 more: score.rewards[0].name)"]
+
+
+def test_bad_input_is_one_error_line(toy_dir, tmp_path):
+    (tmp_path / "spec.toml").write_text("# mine\n")
+    kept = groupforge("init", "--model", toy_dir / "model", "--prompts", toy_dir / "train.parquet", cwd=tmp_path)
+    assert kept.returncode == 2 and "spec.toml exists" in kept.stderr
+    assert (tmp_path / "spec.toml").read_text() == "# mine\n"
+    cases = {
+        ("--model", tmp_path, "--prompts", toy_dir / "train.parquet"): f"model folder {tmp_path}",
+        ("--model", toy_dir / "model", "--prompts", tmp_path / "none.parquet"): "file not found",
+        ("--model", toy_dir / "model", "--prompts", toy_dir / "train.parquet", "--objective", "ppo"): "'ppo'",
+    }
+    for args, phrase in cases.items():
+        proc = groupforge("init", *args, "--out", "other.toml", cwd=tmp_path)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+        assert phrase in lines[0], lines[0]
+        assert not (tmp_path / "other.toml").exists()
+    messages = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "1+1="}]]}), messages)
+    proc = groupforge("init", "--model", toy_dir / "model", "--prompts", messages, "--out", "other.toml", cwd=tmp_path)
+    assert proc.returncode == 2 and "has no chat template" in proc.stderr
