@@ -15,6 +15,8 @@ overrides a config file's key. Field types become flags as follows:
     Literal[...]            --objective gspo          (one of the choices)
     tuple[float, float]     --adam-betas 0.9 0.95     (one value per element)
     list[int]               --rounds 0-3,5            (numbers and ranges, comma-separated)
+
+A field holding another model (e.g. TrainConfig.lora) gets no flag: it is set in a config file.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ def model_options(*models: type[BaseModel],
     fields: dict[str, tuple[FieldInfo, str]] = {}
     for model in models:
         for name, info in model.model_fields.items():
+            base = _base_type(info.annotation)
+            if isinstance(base, type) and issubclass(base, BaseModel):
+                continue  # a nested table (e.g. [train] lora): set in a config file or spec, not a flag
             if name in fields:
                 raise TypeError(f"field {name} is in two of the models {[m.__name__ for m in models]}")
             fields[name] = info, f"{model.__name__} options"

@@ -163,7 +163,7 @@ def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
             ctx.generator = make_generator(backend, spec.model.path, **kwargs)
     if ctx.generator.policy_version != policy_version:
         held = ctx.weights is not None and ctx.weights[0] == policy_version
-        weights = ctx.weights[1] if held else ckpt.checkpoint_dir(ctx.run_dir, policy_version)
+        weights = ctx.weights[1] if held else ckpt.engine_weights(ckpt.checkpoint_dir(ctx.run_dir, policy_version))
         with ctx.clock("reload"):
             fault_point("loop.reload")
             ctx.generator.update_weights(weights, policy_version)

@@ -114,14 +114,22 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, 
 
 
 def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                            state: dict[str, Any], step: int, tokenizer_from: str | Path | None) -> None:
+                            state: dict[str, Any], step: int, tokenizer_from: str | Path | None,
+                            merged: bool = False) -> None:
+    from training import lora
+
     with quiet_transformers():
         model.save_pretrained(tmp, safe_serialization=True)
+    folders = [tmp]
+    if merged and lora.is_peft(model):
+        lora.save_merged(model, tmp / lora.MERGED_DIR)
+        folders.append(tmp / lora.MERGED_DIR)
     if tokenizer_from is not None:
-        for name in _TOKENIZER_FILES:
-            source = Path(tokenizer_from) / name
-            if source.is_file() and not (tmp / name).exists():
-                shutil.copy2(source, tmp / name)
+        for folder in folders:
+            for name in _TOKENIZER_FILES:
+                source = Path(tokenizer_from) / name
+                if source.is_file() and not (folder / name).exists():
+                    shutil.copy2(source, folder / name)
     fault_point("checkpoint.weights_written")
     tensors, groups = optimizer_to_tensors(optimizer)
     (tmp / OPTIMIZER_FILE).parent.mkdir()
@@ -138,9 +146,10 @@ def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], tokenizer_from: str | Path | None = None,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, merged: bool = False) -> Path:
     """Write checkpoint `step` atomically and return its folder; then keep only the newest
-    `keep_last` checkpoints (None: keep all)."""
+    `keep_last` checkpoints (None: keep all). A LoRA model (training/lora.py) saves its adapter
+    in peft's format, and with `merged` also merged/, the full model."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):
@@ -149,7 +158,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
     try:
         with disk_write(final):
-            _write_checkpoint_files(tmp, model, optimizer, state, step, tokenizer_from)
+            _write_checkpoint_files(tmp, model, optimizer, state, step, tokenizer_from, merged)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk or a crash: free what it took
         raise
@@ -181,12 +190,34 @@ def check_checkpoint(folder: str | Path) -> None:
     model folder (config, tokenizer, weights not truncated) and the optimizer state. Header reads
     only; a resumed run calls it before its first round, so a bad checkpoint stops it before it
     writes anything."""
-    from curation.generate.weights import check_model_folder
+    from curation.generate.weights import check_model_folder, check_safetensors
+    from training import lora
 
     folder = Path(folder)
-    load_trainer_state(folder)
-    check_model_folder(folder)
+    state = load_trainer_state(folder)
+    if lora.is_adapter_folder(folder):
+        lora.check_adapter_folder(folder)
+        check_safetensors(folder / lora.ADAPTER_WEIGHTS)
+        if state.get("base_model"):
+            check_model_folder(state["base_model"])
+    else:
+        check_model_folder(folder)
     optimizer_file(folder)
+
+
+def engine_weights(folder: str | Path) -> Path | dict[str, torch.Tensor]:
+    """What an engine loads for checkpoint `folder`: the folder itself, or for a LoRA
+    checkpoint its merged/ folder when there is one, else the weights merged from the base
+    model (trainer_state.json's base_model) and the adapter."""
+    from training import lora
+
+    folder = Path(folder)
+    if not lora.is_adapter_folder(folder):
+        return folder
+    if (folder / lora.MERGED_DIR / "config.json").is_file():
+        return folder / lora.MERGED_DIR
+    base = load_model(load_trainer_state(folder)["base_model"])
+    return lora.merged_state_dict(lora.load(base, folder, trainable=False))
 
 
 def optimizer_file(folder: str | Path) -> Path:

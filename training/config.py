@@ -27,6 +27,20 @@ def steps_for_passes(num_rows: int, batch_size: int, passes: float) -> int:
     return max(1, math.ceil(round(passes * num_rows / min(batch_size, num_rows), 9)))
 
 
+class LoraSettings(BaseModel):
+    """LoRA adapters instead of full fine-tuning (training/lora.py, the peft library)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, ge=1, description="Rank of each adapter's A (r x in) and B (out x r).")
+    alpha: float = Field(32.0, gt=0, description="Scale: the update is B A * alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on each adapter's input.")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="Module names to adapt (e.g. [\"q_proj\", \"v_proj\"]), or \"all-linear\": "
+                                  "every linear layer but the LM head.")
+    save_merged: bool = Field(False, description="Also write each checkpoint's merged full model to merged/.")
+
+
 class TrainConfig(BaseModel):
     """Everything `groupforge train` and a spec's [train] section set. CLI flags map 1:1."""
 
@@ -117,6 +131,9 @@ class TrainConfig(BaseModel):
                                                     "trainer rank (1 on a GPU cluster).")
     device: str | None = Field(None, description="torch device (default: cuda when available, else cpu).")
     seed: int = Field(0, description="Seeds the order rows are drawn in.")
+
+    lora: LoraSettings | None = Field(
+        None, description="Train LoRA adapters, e.g. {r = 16, alpha = 32} (a spec or --config file key; no flag).")
 
     # -- checkpoints
     save_every: int | None = Field(None, ge=1, description="Checkpoint every N steps (always at the end).")

@@ -192,7 +192,10 @@ class _HeadChunks:
 
 
 def _lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(decoder body returning last_hidden_state, LM head Linear) of a HF causal LM."""
+    """(decoder body returning last_hidden_state, LM head Linear) of a HF causal LM (a peft
+    model's: its adapters sit inside the base model's layers)."""
+    if hasattr(model, "get_base_model") and hasattr(model, "disable_adapter"):
+        model = model.get_base_model()
     head = model.get_output_embeddings()
     body = model.base_model
     if head is None or body is model:

@@ -46,7 +46,7 @@ import torch
 from curation.faults import fault_point
 from curation.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
-from training import distributed
+from training import distributed, lora
 from training.batching import pair_batches, policy_batches
 from training.config import TrainConfig, steps_for_passes
 from training.data import POLICY_OBJECTIVES, load_training_data
@@ -110,6 +110,10 @@ class TrainSession:
     def clear(self) -> None:
         self.policy = self.optimizer = self.reference = None
         self.reference_from = None
+
+
+ADAPTERS_OFF = "<the policy with its LoRA adapters disabled>"
+"""TrainSession.reference_from of a LoRA policy's reference (training/lora.py)."""
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -196,6 +200,10 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     torch.manual_seed(cfg.seed)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # master weights
     reference_from = str(cfg.ref_model or base_model) if cfg.uses_reference() else None
+    if reference_from is not None and cfg.lora is not None and cfg.ref_model is None:
+        reference_from = ADAPTERS_OFF  # the policy with its adapters disabled: no second copy
+    if cfg.lora is not None and sharded:
+        raise ValueError("[train] lora with strategy fsdp2 is not supported: use single or ddp")
     with timing("load"):
         def make_optimizer(params):
             return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
@@ -203,9 +211,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         if live:
             policy, optimizer = session.policy, session.optimizer
         else:
-            policy = ckpt.load_model(latest or base_model, device, trainable=True, dtype=dtype,
-                                     trust_remote_code=cfg.trust_remote_code)
-            optimizer = make_optimizer(policy.parameters())
+            policy = _load_policy(latest, base_model, cfg, device, dtype)
+            optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad])
             if latest is not None:
                 ckpt.load_optimizer(optimizer, latest)
             if sharded:
@@ -215,6 +222,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
                                                resumed=latest is not None)
         if live and session.reference_from == reference_from:
             reference = session.reference
+        elif reference_from == ADAPTERS_OFF:
+            reference = lora.AdaptersOff(policy)
         else:
             reference = (ckpt.load_model(reference_from, device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
                          if reference_from else None)
@@ -286,7 +295,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
                         run_dir, step, plain, plain_optimizer,
                         {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
                          "temperature": ctx.temperature},
-                        tokenizer_from=base_model, keep_last=cfg.keep_last or None)
+                        tokenizer_from=base_model, keep_last=cfg.keep_last or None,
+                        merged=cfg.lora is not None and cfg.lora.save_merged)
                 else:
                     saved = ckpt.checkpoint_dir(run_dir, step)
                 sync.barrier()  # no rank reads the run before the checkpoint is whole
@@ -334,8 +344,35 @@ def _final_weights(policy: torch.nn.Module, optimizer, sharded: bool) -> dict[st
 
 
 def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the model's weights on the CPU (the live ones keep changing in a session)."""
+    """A copy of the model's weights on the CPU (the live ones keep changing in a session); a
+    LoRA policy's merged weights under the base model's names (what an engine loads)."""
+    if lora.is_peft(model):
+        return lora.merged_state_dict(model)
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
+
+
+def _load_policy(latest: Path | None, base_model: Path, cfg: TrainConfig, device: torch.device,
+                 dtype: torch.dtype) -> torch.nn.Module:
+    """The trainable policy: the newest checkpoint, else the base model; with [train] lora, the
+    base model with the checkpoint's adapter (or fresh adapters)."""
+    adapter = latest is not None and lora.is_adapter_folder(latest)
+    if cfg.lora is None:
+        if adapter:
+            raise ValueError(f"checkpoint {latest} holds a LoRA adapter: keep [train] lora set to resume this run")
+        return ckpt.load_model(latest or base_model, device, trainable=True, dtype=dtype,
+                               trust_remote_code=cfg.trust_remote_code)
+    if latest is not None and not adapter:
+        raise ValueError(f"checkpoint {latest} is a full model (this run trained without LoRA): to train adapters "
+                         f"on it, start a new run with [model] path = \"{latest}\"")
+    base = ckpt.load_model(base_model, device, trainable=True, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    if not adapter:
+        return lora.wrap(base, cfg.lora)
+    policy = lora.load(base, latest, trainable=True)
+    saved = policy.peft_config[lora.ADAPTER]
+    if (saved.r, float(saved.lora_alpha)) != (cfg.lora.r, float(cfg.lora.alpha)):
+        raise ValueError(f"checkpoint {latest}: its adapter has r={saved.r}, alpha={saved.lora_alpha}, but [train] "
+                         f"lora asks r={cfg.lora.r}, alpha={cfg.lora.alpha}: keep the run's adapter settings")
+    return policy
 
 
 def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
