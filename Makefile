@@ -36,7 +36,7 @@ demo: toy
 
 # ruff first (seconds), then every test; pytest exits non-zero when no test ran (exit 5).
 test: install lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: install lint
 	$(PY) -m pytest -q -m "not slow"
