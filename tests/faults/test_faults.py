@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -170,9 +171,8 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
     assert point in POINTS
     run_dir = tmp_path / "run"
     commands = _commands(spec, run_dir)
-    if command != "run":  # export and report work on a finished run
-        done = _cli(commands["run"])
-        assert done.returncode == 0, done.stderr[-3000:]
+    if command != "run":  # export and report work on a finished run: a copy of the reference
+        shutil.copytree(reference, run_dir, symlinks=True)
     crash = _cli(commands[command], fault=f"{point}:{count}")
     assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
     again = _cli(commands[command])
@@ -229,7 +229,6 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.parametrize("fraction", [pytest.param(0.02, id="early"),
-                                      pytest.param(0.6, id="mid", marks=pytest.mark.slow),
                                       pytest.param(0.93, id="late", marks=pytest.mark.slow)])
 def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(fraction, spec, reference, small_disk):
     """The run folder sits on a tmpfs that holds `fraction` of what the finished run needs: the run
