@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	$(PY) -m pip install -q -c requirements/cpu.lock -e ".[cpu,dev,ray,lora]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, torch, duckdb, polars; print('groupforge env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+		>/dev/null; } || echo "warning: no chromium (the report's browser test needs the Debian package)"
 	touch $(STAMP)
 
 toy: install

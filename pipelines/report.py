@@ -350,8 +350,9 @@ def _summary_markdown(run_dir: Path, rounds: list[dict], steps: list[dict], skip
 
 
 def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Write progress.png, training.png and summary.md for a run into `out_dir` (default
-    RUN/report/) and return that folder. A run without metrics.jsonl raises ValueError."""
+    """Write progress.png, training.png, summary.md and index.html (pipelines/html_report.py)
+    for a run into `out_dir` (default RUN/report/) and return that folder. A run without
+    metrics.jsonl raises ValueError."""
     run_dir = Path(run_dir)
     rounds, steps, skipped = MetricsLog(run_dir).read()
     out = Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR
@@ -366,6 +367,9 @@ def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     summary = _summary_markdown(run_dir, rounds, steps, skipped, objective) + table_counts_markdown(run_dir)
     fault_point("report.before_write")
     write_atomic(out / "summary.md", summary)
+    from pipelines.html_report import write_html_report
+
+    write_html_report(run_dir, out, rounds)  # index.html: curves, times, rejects, a sample browser
     return out
 
 

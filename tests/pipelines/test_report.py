@@ -99,7 +99,8 @@ def test_load_metrics_dedups_last_wins_sorts_and_skips_a_cut_line(tmp_path):
 def test_report_run_writes_valid_pngs_and_the_right_numbers(grpo_report):
     run, out = grpo_report
     assert out == run / "report"
-    assert sorted(p.name for p in out.iterdir()) == ["progress.png", "summary.md", "training.png"]  # no temp files
+    assert sorted(p.name for p in out.iterdir()) == ["data", "index.html", "progress.png", "summary.md",
+                                                     "training.png"]  # no temp files
     assert_png(out / "progress.png", 9 * 120, 7 * 120)
     assert_png(out / "training.png", 12 * 120, 8 * 120)
 
