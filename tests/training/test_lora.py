@@ -60,6 +60,8 @@ def test_a_lora_checkpoint_is_a_peft_adapter_and_its_merge_is_the_same_model(tra
     names = {p.name for p in folder.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "merged", "optimizer"} <= names
     assert "model.safetensors" not in names  # the adapter, not a full copy
+    adapter_bytes = (folder / "adapter_model.safetensors").stat().st_size
+    assert adapter_bytes < 0.15 * (toy_dir / "model" / "model.safetensors").stat().st_size
     samples = RunStore(curated).read("samples")
     base = load_fp32(toy_dir / "model")
     base_logp = transformers_logprobs(base, samples)
@@ -152,18 +154,20 @@ def test_vllm_reloaded_from_a_lora_checkpoint_samples_the_adapted_policy(trained
         vllm_generator.update_weights(toy_dir / "model", policy_version=0)
 
 
-def test_the_round_loop_trains_adapters(tmp_path):
-    """Two rounds of toy-grpo with [train] lora: the engine gets the merged weights in memory
-    and checkpoints are adapters (a restarted engine's merge: the vLLM test above)."""
-    base = ["--set", "run.steps_per_round=1", "--set", "prompts.per_round=16", "--set", "prompts.eval_limit=32",
-            "--set", "train.lora={r=4, alpha=8}", "--set", "train.lr=1e-2", "--set", "run.checkpoint_every=1",
+def test_the_round_loop_learns_with_adapters(tmp_path):
+    """Six rounds of toy-grpo with [train] lora (r 16, lr 1e-3): the engine gets the merged
+    weights in memory, checkpoints are adapters, and greedy accuracy on 200 eval prompts rises
+    (measured: 0.34 -> 0.385 -> 0.42; deterministic on this toy)."""
+    args = ["--set", "run.rounds=6", "--set", "run.steps_per_round=2", "--set", "prompts.per_round=64",
+            "--set", "prompts.eval_limit=200", "--set", "eval.every=3", "--set", "train.lora={r=16, alpha=32}",
+            "--set", "train.lr=1e-3", "--set", "train.batch_size=128", "--set", "run.checkpoint_every=3",
             "--run-dir", tmp_path / "run"]
     spec = REPO / "pipelines" / "specs" / "toy-grpo.toml"
-    first = subprocess.run([GROUPFORGE, "run", spec, "--set", "run.rounds=2", *map(str, base)], cwd=REPO, env=ENV,
-                           capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr
+    done = subprocess.run([GROUPFORGE, "run", spec, *map(str, args)], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
     newest = ckpt.latest_checkpoint(tmp_path / "run")
-    assert lora.is_adapter_folder(newest) and ckpt.load_trainer_state(newest)["step"] == 2
+    assert lora.is_adapter_folder(newest) and ckpt.load_trainer_state(newest)["step"] == 12
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rounds = [r for r in records if r.get("event") == "round"]
-    assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[-1]["policy_version"] == 2
+    accuracy = [r["eval_accuracy"] for r in records if r.get("event") == "round" and r["eval_accuracy"] is not None]
+    assert len(accuracy) == 3 and accuracy[-1] >= accuracy[0] + 0.04, accuracy
