@@ -14,6 +14,7 @@ with "TODO" that `load_spec` refuses, naming the key, until it is filled in.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,7 +139,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         "drop_zero_variance = true # groups whose rewards are all equal carry no signal",
         "",
         "[train]",
-        *_train_lines(objective),
+        *_train_lines(objective, parameter_count(model)),
         "",
         "[eval]",
         'metric = "exact_match"',
@@ -158,8 +159,25 @@ def _line(key: str, value, note: str) -> str:
     return f"{key} = {value}".ljust(25) + f" # {note}"
 
 
-def _train_lines(objective: str) -> list[str]:
-    common = ["lr = 1e-5                 # AdamW peak; tiny models take ~1e-4", "warmup_steps = 10"]
+def parameter_count(model: Path) -> int:
+    """Weights in the model folder's safetensors files, from their headers (no tensor read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def _train_lines(objective: str, parameters: int) -> list[str]:
+    if parameters < 50_000_000:  # the toy's recipe (pipelines/specs/toy-grpo.toml) for tiny models
+        lr = _line("lr", "2e-4", f"AdamW peak, for a {parameters / 1e6:.1f}M-weight model; "
+                   "~1e-5 from ~1B weights")
+    else:
+        lr = _line("lr", "1e-5", f"AdamW peak, for a {parameters / 1e9:.2f}B-weight model; tiny models take ~2e-4")
+    common = [lr, "warmup_steps = 10"]
     return {
         "grpo": ['objective = "grpo"', "batch_size = 256", *common],
         "gspo": ['objective = "gspo"        # sequence-level ratio; the paper\'s clip ranges by default',
