@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from curation.errors import JobError
 from curation.fingerprints import code_version
-from curation.runlog import write_atomic
+from curation.runlog import read_json, write_atomic
 from curation.store import RunStore
 
 CARD_FILE = "README.md"
@@ -47,7 +47,7 @@ def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str, 
     for path in sorted((store.root / "_manifests").glob("*-round=*.json")):
         stage, _, number = path.stem.partition("-round=")
         if number.isdigit() and (rounds is None or int(number) in rounds):
-            manifests[(stage, int(number))] = json.loads(path.read_text())
+            manifests[(stage, int(number))] = read_json(path) or {}
     used = sorted({r for _, r in manifests})
     generate = [m for (stage, _), m in sorted(manifests.items()) if stage == "generate"]
     by_stage = {stage: [m for (s, _), m in sorted(manifests.items()) if s == stage] for stage in CURATION}

@@ -154,19 +154,21 @@ class RunStore:
             view._committed = frozenset(self.root / rel for rel in committed_outputs(self.root))
         return view
 
-    def duckdb_views(self, con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    def duckdb_views(self, con: duckdb.DuckDBPyConnection, rounds: int | Sequence[int] | None = None,
+                     prefix: str = "") -> duckdb.DuckDBPyConnection:
         """Create (or replace) a view per table (samples, scores, groups, rejects, pairs, prompts)
         in `con` over this store's files (use it on a `snapshot()`): e.g.
-        `RunStore("runs/x").snapshot().duckdb_views(duckdb.connect()).sql("SELECT ... FROM groups")`."""
+        `RunStore("runs/x").snapshot().duckdb_views(duckdb.connect()).sql("SELECT ... FROM groups")`.
+        `rounds`: only those rounds' files (prompts: every file); `prefix`: before each view's name."""
         for table in schema.SCHEMAS:
-            files = self.files(table)
+            files = self.files(table, None if table == "prompts" else rounds)
             if files:
                 listed = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
-                con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM read_parquet([{listed}], "
+                con.execute(f"CREATE OR REPLACE VIEW {prefix}{table} AS SELECT * FROM read_parquet([{listed}], "
                             "hive_partitioning = false, union_by_name = true)")
             else:
                 con.register(f"_empty_{table}", schema.empty(table))
-                con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM _empty_{table}")
+                con.execute(f"CREATE OR REPLACE VIEW {prefix}{table} AS SELECT * FROM _empty_{table}")
         return con
 
     # -- layout

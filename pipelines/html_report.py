@@ -21,6 +21,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from curation import schema
 from curation.runlog import write_atomic
 from curation.store import RunStore, connect
@@ -44,9 +47,9 @@ def write_html_report(run_dir: str | Path, out: Path, rounds: list[dict]) -> Pat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     pages, rejects = {}, []
-    for round in sorted({r for r in (_round_of(p) for p in store.files("samples")) if r is not None}):
-        _round_views(con, store, round)
-        pages[round] = _write_round_pages(con, round, tmp)
+    for round in store.rounds("samples"):
+        store.duckdb_views(con, rounds=round, prefix="r_")
+        pages[round] = _write_round_pages(con, round, store.read_columns("samples", ["prompt_id"], round), tmp)
         rejects += [{"round": round, "stage": stage, "reason": why, "rows": n} for stage, why, n in con.sql(
             "SELECT stage, reason, count(*) FROM r_rejects GROUP BY ALL ORDER BY stage, reason").fetchall()]
     run = {"name": Path(run_dir).name, "rounds": [_round_fields(r) for r in rounds], "rejects": rejects,
@@ -59,38 +62,19 @@ def write_html_report(run_dir: str | Path, out: Path, rounds: list[dict]) -> Pat
     return index
 
 
-def _round_of(path: Path) -> int | None:
-    name = path.parent.name
-    return int(name.removeprefix("round=")) if name.startswith("round=") and name[6:].isdigit() else None
-
-
-def _round_views(con, store: RunStore, round: int) -> None:
-    """Views r_samples, r_scores, r_groups, r_rejects, r_pairs over round `round`'s files only."""
-    for table in ("samples", "scores", "groups", "rejects", "pairs"):
-        files = store.files(table, round)
-        if files:
-            listed = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
-            extra = ", filename = true, file_row_number = true" if table == "samples" else ""  # the order written
-            con.sql(f"CREATE OR REPLACE VIEW r_{table} AS SELECT * FROM read_parquet([{listed}], "
-                        f"hive_partitioning = false, union_by_name = true{extra})")
-        else:
-            con.register(f"_empty_{table}", schema.empty(table))
-            con.sql(f"CREATE OR REPLACE VIEW r_{table} AS SELECT * FROM _empty_{table}")
-
-
 def _round_fields(record: dict) -> dict[str, Any]:
     keep = ("round", "eval_accuracy", "reward_mean", "kept_groups", "groups", "samples", "pairs", "policy_version",
             "wall_seconds", "model_seconds", "phase_seconds")
     return {k: record.get(k) for k in keep if k in record}
 
 
-def _write_round_pages(con, round: int, folder: Path) -> dict[str, int]:
-    """Write round `round`'s pages (views from `_round_views`); {"pages": written, "groups": in
-    the round, "shown": groups written}."""
-    total = con.sql("SELECT count(DISTINCT prompt_id) FROM r_samples").fetchall()[0][0]
-    con.sql("CREATE OR REPLACE TEMP TABLE shown AS SELECT prompt_id, row_number() OVER (ORDER BY f, r) - 1 AS n "
-                "FROM (SELECT prompt_id, min(filename) AS f, min(file_row_number) AS r FROM r_samples GROUP BY "
-                "prompt_id) ORDER BY f, r LIMIT $limit", params={"limit": GROUPS_PER_PAGE * MAX_PAGES})
+def _write_round_pages(con, round: int, samples: pa.Table, folder: Path) -> dict[str, int]:
+    """Write round `round`'s pages (views r_<table> over its files; `samples`: its prompt_id
+    column, in the order generate wrote it); {"pages": written, "groups": in the round,
+    "shown": groups written: the first GROUPS_PER_PAGE * MAX_PAGES}."""
+    ids = pc.unique(samples.column("prompt_id"))  # first-seen order
+    shown_ids = ids.slice(0, GROUPS_PER_PAGE * MAX_PAGES)
+    con.register("shown", pa.table({"prompt_id": shown_ids, "n": pa.array(range(len(shown_ids)), pa.int64())}))
     rows = con.sql("""
         SELECT sh.n, s.prompt_id, p.prompt, p.reference, s.sample_idx, s.response, sc.reward, g.advantage,
                g.group_kept, r.stage, r.reason
@@ -105,7 +89,7 @@ def _write_round_pages(con, round: int, folder: Path) -> dict[str, int]:
     pairs = con.sql("""
         SELECT sh.n, p.prompt_id, p.chosen_idx, p.rejected_idx, p.chosen_reward, p.rejected_reward, p.soft_label
         FROM r_pairs p JOIN shown sh USING (prompt_id) ORDER BY sh.n, p.chosen_idx, p.rejected_idx""").fetchall()
-    shown = con.sql("SELECT count(*) FROM shown").fetchall()[0][0]
+    shown = len(shown_ids)
     count = max(1, -(-shown // GROUPS_PER_PAGE))
     pages: list[dict] = [{"round": round, "page": page, "groups": [], "pairs": []} for page in range(count)]
     for n, prompt_id, prompt, reference, idx, response, reward, advantage, kept, stage, reason in rows:
@@ -121,7 +105,7 @@ def _write_round_pages(con, round: int, folder: Path) -> dict[str, int]:
             "rejected_reward": rejected_reward, "soft_label": soft_label})
     for page in pages:
         (folder / f"round-{round}-{page['page']}.js").write_text(_script(page))
-    return {"pages": count, "groups": total, "shown": shown}
+    return {"pages": count, "groups": len(ids), "shown": shown}
 
 
 def _cut(text: str | None) -> str | None:

@@ -37,14 +37,11 @@ class PromptFacts:
     answer_tokens: tuple[int, int] | None  # median, max of the references, in tokens
 
 
-def inspect_prompts(model: Path, prompts: Path) -> PromptFacts:
-    """Columns and token lengths of `prompts` under `model`'s tokenizer (errors name the file)."""
-    from transformers import AutoTokenizer
-
+def inspect_prompts(tokenizer, model: Path, prompts: Path) -> PromptFacts:
+    """Columns and token lengths of `prompts` under `model`'s `tokenizer` (errors name the file)."""
     from curation.generate.base import load_prompts, tokenize_prompt
 
     table = load_prompts(prompts)
-    tokenizer = AutoTokenizer.from_pretrained(str(model), trust_remote_code=False)
     n = table.num_rows
     rows = np.sort(np.random.default_rng(0).choice(n, size=min(n, SAMPLED_ROWS), replace=False))
     sample = table.take(rows).to_pylist()
@@ -72,8 +69,11 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         raise ValueError(f"--objective {objective!r}: one of {', '.join(OBJECTIVES)}")
     model, prompts = Path(model), Path(prompts)
     check_model_folder(model)
-    facts = inspect_prompts(model, prompts)
-    eval_facts = inspect_prompts(model, Path(eval_file)) if eval_file is not None else None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model), trust_remote_code=False)
+    facts = inspect_prompts(tokenizer, model, prompts)
+    eval_facts = inspect_prompts(tokenizer, model, Path(eval_file)) if eval_file is not None else None
     if eval_facts is not None and not eval_facts.has_reference:
         raise ValueError(f"eval file {eval_file}: has no 'reference' values; eval scores greedy answers against them")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model.resolve().name}-{objective}").strip("-.") or objective

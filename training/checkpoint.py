@@ -190,14 +190,13 @@ def check_checkpoint(folder: str | Path) -> None:
     model folder (config, tokenizer, weights not truncated) and the optimizer state. Header reads
     only; a resumed run calls it before its first round, so a bad checkpoint stops it before it
     writes anything."""
-    from curation.generate.weights import check_model_folder, check_safetensors
+    from curation.generate.weights import check_model_folder
     from training import lora
 
     folder = Path(folder)
     state = load_trainer_state(folder)
     if lora.is_adapter_folder(folder):
         lora.check_adapter_folder(folder)
-        check_safetensors(folder / lora.ADAPTER_WEIGHTS)
         if state.get("base_model"):
             check_model_folder(state["base_model"])
     else:

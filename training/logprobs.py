@@ -45,6 +45,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from training.lora import is_peft
+
 __all__ = ["ChunkedTokenLogProbs", "token_logprobs", "token_logprobs_reference", "truncate_"]
 
 
@@ -194,7 +196,7 @@ class _HeadChunks:
 def _lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(decoder body returning last_hidden_state, LM head Linear) of a HF causal LM (a peft
     model's: its adapters sit inside the base model's layers)."""
-    if hasattr(model, "get_base_model") and hasattr(model, "disable_adapter"):
+    if is_peft(model):
         model = model.get_base_model()
     head = model.get_output_embeddings()
     body = model.base_model

@@ -47,15 +47,15 @@ def load(base: torch.nn.Module, folder: str | Path, trainable: bool) -> torch.nn
     """The adapter saved in `folder` on `base` (a model loaded from the run's base model)."""
     from peft import PeftModel
 
-    from curation.generate.weights import check_safetensors
-
     check_adapter_folder(folder)
-    check_safetensors(Path(folder) / ADAPTER_WEIGHTS)
     return PeftModel.from_pretrained(base, str(folder), is_trainable=trainable)
 
 
 def check_adapter_folder(folder: str | Path) -> None:
-    """A ValueError naming the file unless `folder` holds a readable peft LoRA adapter."""
+    """A ValueError naming the file unless `folder` holds a readable peft LoRA adapter (its
+    config, and its weights whole: header checks, no tensor loaded)."""
+    from curation.generate.weights import check_safetensors
+
     folder = Path(folder)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (folder / name).is_file():
@@ -66,6 +66,7 @@ def check_adapter_folder(folder: str | Path) -> None:
         raise ValueError(f"checkpoint {folder}: {ADAPTER_CONFIG} is not JSON ({exc})") from None
     if config.get("peft_type") != "LORA":
         raise ValueError(f"checkpoint {folder}: {ADAPTER_CONFIG} is a {config.get('peft_type')!r} adapter, not LORA")
+    check_safetensors(folder / ADAPTER_WEIGHTS)
 
 
 def is_peft(model: object) -> bool:

@@ -70,9 +70,10 @@ from curation.store import RunStore, contract_columns
 CURATION_STAGES = ("score", "filter", "label", "pair")
 SLICE_ROWS_ENV = "GROUPFORGE_SLICE_ROWS"
 DEFAULT_SLICE_ROWS = 1_000_000
-SPLIT_BATCH_ROWS = 131_072
 """Main-input rows above which a stage runs a round in slices: ~0.6 GiB of peak memory per
 slice for the four stages (BENCHMARKS.md, load check)."""
+SPLIT_BATCH_ROWS = 131_072
+"""Rows read at a time while a sliced stage splits its inputs."""
 
 
 @dataclass
