@@ -404,9 +404,9 @@ def _round_row(rec: dict) -> list[str]:
 
 
 def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int],
-             no_wait: bool, overrides: list[str] = ()) -> tuple[Path, list[dict]]:
+             no_wait: bool, overrides: list[str] = (), report: bool = False) -> tuple[Path, list[dict]]:
     """Run one spec (a file, with `overrides`, or a PipelineSpec) to its last round, printing a
-    line per round; returns (run folder, round records)."""
+    line per round (and with `report`, writing RUN/report/); returns (run folder, round records)."""
     from pipelines.run import run_pipeline
     from pipelines.spec import load_spec
 
@@ -429,8 +429,8 @@ def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int
 
     with _exit_codes():
         records = run_pipeline(parsed, run_dir=folder, extra_rounds=extra, wait=not no_wait,
-                               log=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False),
-                               on_round=on_round)
+                               log=lambda msg: err_console.print(f"[dim]{msg}[/]", highlight=False, soft_wrap=True),
+                               on_round=on_round, report=report)
     return folder, records
 
 
@@ -445,16 +445,16 @@ def run_(
     no_wait: bool = _NO_WAIT,
 ) -> None:
     """Run the round loop (generate -> curate -> train -> evaluate); rerun to resume after a kill."""
-    from pipelines.report import report_run
+    from curation.runlog import REPORT_DIR
 
-    folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait, overrides)
+    folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait, overrides, report=True)
     _show_table(f"{folder}", _ROUND_COLUMNS, [_round_row(rec) for rec in records])
     evaluated = [rec["eval_accuracy"] for rec in records if rec.get("eval_accuracy") is not None]
     if evaluated:
         start, final = evaluated[0], evaluated[-1]
         console.print(f"eval accuracy {100 * start:.1f}% -> {100 * final:.1f}% "
                       f"({100 * (final - start):+.1f} points) in {records[-1].get('elapsed_seconds', 0):.0f} s")
-    console.print(f"report: {report_run(folder)}")
+    console.print(f"report: {folder / REPORT_DIR}")
 
 
 @app.command()

@@ -70,18 +70,21 @@ from pipelines.round_steps import (
     train_round,
 )
 from pipelines.spec import PipelineSpec, load_spec, resolved_toml
+from pipelines.trackers import Trackers, check_installed, spec_params
 
 __all__ = ["RoundContext", "choose_prompts", "evaluate", "run_pipeline", "run_round"]
 
 
 def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
                  extra_rounds: int | None = None, wait: bool = True, log: Callable[[str], None] = print,
-                 on_round: Callable[[dict], None] | None = None) -> list[dict]:
+                 on_round: Callable[[dict], None] | None = None, report: bool = False) -> list[dict]:
     """Run (or resume, or extend by `extra_rounds`) the pipeline of `spec` (a spec or its
     TOML file); returns the round records of the run. The resolved spec is written to
-    RUN/spec.toml."""
+    RUN/spec.toml. With `report` (or `[run] trackers`, whose artifacts it is) the run ends by
+    writing RUN/report/."""
     if not isinstance(spec, PipelineSpec):
         spec = load_spec(spec)
+    check_installed(spec.run.trackers)  # before anything is written
     if run_dir is None:  # from the spec's name: runs/<name>, which must not lead out of runs/
         run_dir = Path("runs") / spec.run.name
         if run_dir.is_symlink() and not run_dir.resolve().is_relative_to(Path("runs").resolve()):
@@ -100,18 +103,28 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
             check_checkpoint(newest)  # and the checkpoint it resumes from is whole
         target = _target_rounds(run_dir, spec, extra_rounds)
         write_atomic(run_dir / SPEC_FILE, resolved_toml(spec))
+        rounds, steps, _ = MetricsLog(run_dir).read() if MetricsLog(run_dir).exists() else ([], [], 0)
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log,
-                           records={record["round"]: record for record in MetricsLog(run_dir).rounds()})
+                           records={record["round"]: record for record in rounds})
+        trackers = Trackers(spec.run.trackers, run_dir, spec_params(spec.model_dump(mode="json")), warn=log)
         try:
+            trackers.catch_up(rounds, steps)
             for round in range(target + 1):
                 if round in ctx.records:
                     continue
+                position = ctx.metrics.position()
                 record = evaluate_start(ctx) if round == 0 else run_round(ctx, round)
                 ctx.metrics.append(record)
                 ctx.records[round] = record.to_dict()
+                trackers.log_records(ctx.metrics.records_since(position))
                 if on_round is not None:
                     on_round(record.to_dict())
+            if report or trackers.logged:
+                from pipelines.report import report_run
+
+                trackers.finish(report_run(run_dir))
         finally:
+            trackers.close()
             ctx.finish_prefetch()
             if ctx.generator is not None:
                 ctx.generator.close()

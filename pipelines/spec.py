@@ -133,6 +133,10 @@ class RunSection(_Section):
         "auto", description="The pair stage in the loop: 'auto' runs it each round when the objective trains on "
                             "pairs (pairwise), 'every_round' always. Pairs of every round can be made later from "
                             "the groups tables: `groupforge pair RUN`.")
+    trackers: list[Literal["tensorboard", "mlflow", "trackio", "wandb"]] = Field(
+        [], description="Experiment trackers that get the round and step metrics, the spec and the report's plots "
+                        "(offline, under RUN/trackers/; pipelines/trackers.py). Each needs "
+                        "pip install 'groupforge[trackers]'; a failing tracker is turned off, the run goes on.")
     overlap: int = Field(0, ge=0, le=1, description="1: the engines sample round n+1 while round n trains (with "
                                                     "the weights round n started from: one round off-policy; "
                                                     "samples keep their policy_version). Needs the engines on Ray "
