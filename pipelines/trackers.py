@@ -27,8 +27,9 @@ A tracker that raises is turned off for the rest of the run with one warning; th
 on. RUN/trackers/state.json keeps the last round logged and the MLflow/W&B run ids, so a
 resumed run continues the same tracker runs and first logs what a kill left unlogged; a
 tracker added to a finished run's spec gets the whole history on the next invocation.
-Each tracker is an optional package (`pip install 'groupforge[trackers]'`); a missing one
-is one error line before the run starts.
+Each tracker is an optional extra of its own name (`pip install 'groupforge[wandb]'`;
+`groupforge[trackers]` installs all four); a missing one is one error line before the run
+starts.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def check_installed(names: Iterable[str]) -> None:
     missing = [name for name in names if importlib.util.find_spec(_MODULES[name]) is None]
     if missing:
         raise JobError(f"[run] trackers lists {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-                       f"not installed: pip install 'groupforge[{EXTRA}]'")
+                       f"not installed: pip install 'groupforge[{','.join(missing)}]' (or groupforge[{EXTRA}] "
+                       "for all four)")
 
 
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, float]:

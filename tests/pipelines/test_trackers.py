@@ -168,7 +168,8 @@ def test_a_missing_tracker_package_is_one_error_line(toy_dir, tmp_path):
                 prelude="sys.modules['wandb'] = None  # as if wandb were not installed")
     assert done.returncode == 1
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert lines == ["error: [run] trackers lists wandb, which is not installed: pip install 'groupforge[trackers]'"]
+    assert lines == ["error: [run] trackers lists wandb, which is not installed: pip install 'groupforge[wandb]' "
+                     "(or groupforge[trackers] for all four)"]
     assert not (run_dir / "metrics.jsonl").exists()
 
 
