@@ -130,6 +130,14 @@ class TrainConfig(BaseModel):
     rank_gpus: float = Field(0.0, ge=0, description="Round loop with nproc > 1: GPUs Ray reserves for each "
                                                     "trainer rank (1 on a GPU cluster).")
     device: str | None = Field(None, description="torch device (default: cuda when available, else cpu).")
+    grad_noise: bool = Field(
+        False, description="Measure each step's gradient signal and noise from its micro-batches' gradients "
+                           "(training/grad_noise.py): step records gain grad_signal (||E g||^2 per sample, "
+                           "unbiased, may be < 0), grad_noise (tr Sigma per sample) and grad_snr (max(signal, 0) / "
+                           "(noise / batch)); absent on a step of one micro-batch. Keeps a float64 copy of the "
+                           "gradient on the CPU, read after each micro-batch; never changes the weights. "
+                           "Micro-batches are packed by length, so noise errs high when gradients depend on "
+                           "length. Not with fsdp2.")
     seed: int = Field(0, description="Seeds the order rows are drawn in.")
 
     lora: LoraSettings | None = Field(
@@ -144,6 +152,9 @@ class TrainConfig(BaseModel):
         # Every registered default beta of pairwise is > 0, so only an explicit one can be bad.
         if self.objective == "pairwise" and self.beta is not None and self.beta <= 0:
             raise ValueError("pairwise needs beta > 0: h = beta * (log-ratio difference) would be constant")
+        if self.grad_noise and self.strategy == "fsdp2":
+            raise ValueError("grad_noise is not supported with strategy = 'fsdp2' (each micro-batch's gradient is "
+                             "reduce-scattered into shards during backward): use strategy 'single' or 'ddp'")
         if self.rollout_correction != "off":
             if self.old_logprobs != "recompute":
                 raise ValueError(f"rollout_correction = {self.rollout_correction!r} needs old_logprobs = 'recompute' "

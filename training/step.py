@@ -4,7 +4,9 @@ A micro-batch's forward and loss is `policy_micro_step` (grpo, gspo, gspo_token,
 `pair_micro_step` (pairwise), chosen once per run; both read a frozen `StepContext` (the
 models, the loss and its ObjectiveConfig, temperature, pad id, device, autocast), and
 `accumulate_gradients` runs one of them over a step's micro-batches, each loss normalised by
-the step's totals, so any split into micro-batches gives the one-batch gradient.
+the step's totals, so any split into micro-batches gives the one-batch gradient. With
+`StepContext.grad_noise` it also measures the step's gradient signal and noise from the
+micro-batches' gradients (training.grad_noise).
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ import torch
 from training.batching import MicroBatch, step_normalizer
 from training.correction import CorrectionConfig, correction_weights, mismatch_metrics
 from training.distributed import StepSync
+from training.grad_noise import grad_noise_from_sums
 from training.logprobs import token_logprobs
 from training.objectives import Metrics, Normalizer, ObjectiveConfig
 
-__all__ = ["MicroStep", "StepContext", "accumulate_gradients", "pair_micro_step", "policy_micro_step"]
+__all__ = ["ZERO_ADVANTAGE", "MicroStep", "StepContext", "accumulate_gradients", "pair_micro_step",
+           "policy_micro_step"]
+
+ZERO_ADVANTAGE = 1e-6
+"""|advantage| below this counts as zero in zero_adv_frac (a group whose rewards were all equal)."""
+
 
 @dataclass(frozen=True)
 class StepContext:
@@ -45,6 +53,9 @@ class StepContext:
     top_k: int = 0
     top_p: float = 1.0
     """The sampler's truncation: logp and old_logp are computed under it (training.logprobs)."""
+    grad_noise: bool = False
+    """Measure grad_signal, grad_noise and grad_snr from the micro-batches' gradients
+    (TrainConfig.grad_noise); off: nothing is read or kept."""
 
     def logprobs(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """(b, L-1) log-probs of `model` at mb's positions (0 where target_mask is False)."""
@@ -75,7 +86,9 @@ class MicroStep(NamedTuple):
 def policy_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
     """grpo, gspo, gspo_token, sft: loss(logp, old_logp, advantages, mask) on b sequences;
     in decoupled mode (the batch has behavior_logp) also the mismatch metrics, and with a
-    rollout correction its weights (`is_weight`) and their metrics."""
+    rollout correction its weights (`is_weight`) and their metrics. zero_adv_frac: the share of
+    the b sequences with |advantage| < ZERO_ADVANTAGE, which give no policy gradient (sft: of
+    the kept samples' advantages, which its loss does not use)."""
     logp = ctx.logprobs(ctx.policy, mb)
     ref_logp = ctx.reference_logprobs(mb)
     mask = mb.target_mask.to(logp.dtype)
@@ -88,6 +101,7 @@ def policy_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> Mic
     loss, metrics = ctx.loss(logp, mb.old_logp, mb.advantages, mask, ctx.objective, ref_logp=ref_logp, norm=norm,
                              **weights)
     metrics.update({key: float(value) for key, value in extra.items()})
+    metrics["zero_adv_frac"] = float((mb.advantages.abs() < ZERO_ADVANTAGE).double().mean())
     return MicroStep(loss, metrics, weight=mb.input_ids.shape[0], logp=logp)
 
 
@@ -115,6 +129,12 @@ def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, Mi
     decoupled mode old_behavior_gap_lag0 / _lag1 / _lag2+ are the mean |old - behavior| over
     the response tokens of rows 0, 1 and 2 or more rounds older than the newest.
 
+    With ctx.grad_noise and K >= 2 micro-batches (over all ranks), training.grad_noise's
+    estimates with the micro-batches as the parts: grad_signal (||E G||^2, unbiased, may be
+    < 0), grad_noise (tr Sigma of the per-sample gradients) and grad_snr (max(signal, 0) /
+    (noise / B), absent when noise is 0), B the step's sequences (pairs); absent with K < 2.
+    They describe the gradient before clipping; the gradient itself is only read.
+
     `sync` (training.distributed): the step's counts, gradients and metric sums are summed
     over the ranks, each rank holding its shard of the step's rows in `batches` (possibly
     none); without it this process is the whole step."""
@@ -125,6 +145,8 @@ def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, Mi
     def add(key: str, value: float) -> None:
         sums[key] = sums.get(key, 0.0) + value
 
+    params = [p for p in ctx.policy.parameters() if p.requires_grad]
+    parts = _PartGradients(params) if ctx.grad_noise else None
     for mb in batches:
         mb = mb.to(ctx.device)
         out = micro_step(ctx, mb, norm)
@@ -145,6 +167,9 @@ def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, Mi
                     add(f"lag_sum:{bucket}", float(gap[sel].sum()))
                     add(f"lag_tokens:{bucket}", int(sel.sum()))
         out.loss.backward()
+        if parts is not None:
+            add("grad_parts", 1)
+            add("grad_part_sq", parts.add(out.weight))
         add("loss", float(out.loss.detach()))
         for key, value in out.metrics.items():
             add(f"metric:{key}", float(value) * out.weight)
@@ -152,7 +177,7 @@ def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, Mi
         add("tokens", int(mb.attention_mask.sum()))
         add("response_tokens", int(mb.target_mask.sum()))
         add("micro_batches", 1)
-    sync.gradients([p for p in ctx.policy.parameters() if p.requires_grad])
+    sync.gradients(params)
     sums = sync.sums(sums)
     weight = sums.get("weight", 0.0) or 1.0
     metrics = {key.removeprefix("metric:"): value / weight for key, value in sums.items() if key.startswith("metric:")}
@@ -163,4 +188,37 @@ def accumulate_gradients(ctx: StepContext, micro_step: Callable[[StepContext, Mi
     for bucket in ("lag0", "lag1", "lag2+"):
         if sums.get(f"lag_tokens:{bucket}"):
             metrics[f"old_behavior_gap_{bucket}"] = sums[f"lag_sum:{bucket}"] / sums[f"lag_tokens:{bucket}"]
+    if parts is not None and sums.get("grad_parts", 0) >= 2:
+        # g_k = B c_k / n_k, so sum_k n_k ||g_k||^2 = B^2 sum_k ||c_k||^2 / n_k; gbar: the summed gradient
+        B = norm.num_seqs
+        est = grad_noise_from_sums(B * B * sums["grad_part_sq"], _sq_norm(params), B, int(sums["grad_parts"]))
+        metrics.update(grad_signal=est.signal, grad_noise=est.noise)
+        if est.snr is not None:
+            metrics["grad_snr"] = est.snr
     return metrics
+
+
+class _PartGradients:
+    """grad_noise: each micro-batch's contribution to the step gradient, c_k = p.grad after its
+    backward - p.grad before, read (p.grad keeps accumulating untouched) as float64 copies on the
+    CPU: one copy of the gradient, however many micro-batches."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.before: list[torch.Tensor | None] = [None] * len(params)
+
+    def add(self, n: int) -> float:
+        """||c_k||^2 / n_k of the micro-batch just backpropagated, of `n` sequences (pairs)."""
+        sq = 0.0
+        for i, p in enumerate(self.params):
+            if p.grad is None:  # no micro-batch reached it yet
+                continue
+            now = p.grad.detach().to("cpu", torch.float64, copy=True)
+            diff = now if self.before[i] is None else now - self.before[i]
+            sq += float((diff * diff).sum())
+            self.before[i] = now
+        return sq / n
+
+
+def _sq_norm(params: list[torch.nn.Parameter]) -> float:
+    return sum(float(p.grad.detach().double().pow(2).sum()) for p in params if p.grad is not None)

@@ -12,7 +12,8 @@ step count is the policy_version of the weights, continued across calls and roun
     loop     per step: `batch_size` rows from a seeded permutation of the rows, token-budget
              micro-batches, gradient accumulation normalised by the step's totals (so any
              split gives the one-batch gradient; training/step.py), grad clipping, one
-             optimizer step, one line in RUN/metrics.jsonl (curation.runlog.MetricsLog)
+             optimizer step, one line in RUN/metrics.jsonl (curation.runlog.MetricsLog; with
+             `grad_noise`, the step gradient's signal and noise: training/grad_noise.py)
     save     RUN/checkpoints/step-<k>/ every `save_every` steps and at the end (unless `save=False`)
 
 With `passes` set, a call also stops once the current rows have been drawn `passes` times:
@@ -240,7 +241,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
         pad_id=policy.config.pad_token_id if isinstance(policy.config.pad_token_id, int) else 0,
         device=device, autocast=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"),
         measure_gap=cfg.old_logprobs == "generator",
-        correction=cfg.correction_config() if cfg.rollout_correction != "off" else None,
+        correction=cfg.correction_config() if cfg.rollout_correction != "off" else None, grad_noise=cfg.grad_noise,
         **({"top_k": data.top_k, "top_p": data.top_p} if cfg.truncated_logprobs else {}))
     table = data.table
     if cfg.old_logprobs == "recompute" and cfg.objective in POLICY_OBJECTIVES:

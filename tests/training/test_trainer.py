@@ -4,6 +4,7 @@ end to end, resume after kill -9, CLI errors. (Fixtures: tests/training/conftest
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -187,3 +188,67 @@ def test_cli_errors_are_clear(run_copy, toy_dir, tmp_path):
     assert out.returncode == 2 and "beta > 0" in out.stderr
     out = _cli(run_copy, "--steps", "1", "--model", str(toy_dir / "model"), "--rounds", "5")
     assert out.returncode == 2 and "round(s) [5]" in out.stderr
+
+
+def test_grad_noise_measures_each_step_without_changing_the_weights(curated_run, toy_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from training.data import load_training_data
+
+    runs = {}
+    for on in (False, True):
+        runs[on] = tmp_path / f"grad_noise_{on}"
+        shutil.copytree(curated_run, runs[on])
+        cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=256, lr=1e-4, grad_noise=on)
+        train(runs[on], cfg, steps=3, model=toy_dir / "model")
+    off_weights, on_weights = (load_file(ckpt.checkpoint_dir(runs[on], 3) / "model.safetensors") for on in (0, 1))
+    assert off_weights.keys() == on_weights.keys()
+    assert all(torch.equal(off_weights[k], on_weights[k]) for k in off_weights)  # bit for bit
+    timing = ("seconds", "tokens_per_s")
+    names = ("grad_signal", "grad_noise", "grad_snr")
+    data = load_training_data(runs[True], "grpo", None, None, None)
+    advantage = data.table.column("advantage").to_numpy()
+    for off, on in zip(step_records(runs[False]), step_records(runs[True]), strict=True):
+        assert {k: v for k, v in off.items() if k not in timing} == \
+               {k: v for k, v in on.items() if k not in timing + names}
+        assert on["micro_batches"] > 1 and all(math.isfinite(on[k]) for k in names)
+        assert on["grad_noise"] > 0 and on["grad_snr"] >= 0
+        # signal + noise / B = ||step gradient||^2 (before clipping: grad_norm)
+        assert on["grad_signal"] + on["grad_noise"] / on["rows"] == pytest.approx(on["grad_norm"] ** 2, rel=1e-4)
+        rows = step_rows(data.table.num_rows, 32, 0, 0, on["step"])
+        assert on["zero_adv_frac"] == pytest.approx(float((abs(advantage[rows]) < 1e-6).mean()), abs=1e-12)
+    # a step of one micro-batch has no estimate
+    train(runs[True], TrainConfig(objective="grpo", batch_size=32, token_budget=100_000, grad_noise=True), steps=4)
+    last = step_records(runs[True])[-1]
+    assert last["micro_batches"] == 1 and not set(names) & set(last)
+
+
+def test_grad_noise_under_two_ddp_ranks_and_refused_with_fsdp2(curated_run, toy_dir, tmp_path):
+    """Parts are every rank's micro-batches: their sums go over the ranks like the gradient."""
+    from pydantic import ValidationError
+    from safetensors.torch import load_file
+
+    settings = dict(objective="grpo", dtype="float64", batch_size=24, token_budget=160, lr=1e-3, seed=3)
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    shutil.copytree(curated_run, single)
+    shutil.copytree(curated_run, ddp)
+    train(single, TrainConfig(**settings, grad_noise=True), steps=2, model=toy_dir / "model")
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "pipelines.cli", "train", str(ddp), "--steps", "2", "--model", str(toy_dir / "model"), "--strategy",
+           "ddp", "--grad-noise", *flags]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    a, b = load_file(ckpt.checkpoint_dir(single, 2) / "model.safetensors"), \
+        load_file(ckpt.checkpoint_dir(ddp, 2) / "model.safetensors")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-9
+    for one, two in zip(step_records(single), step_records(ddp), strict=True):
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-9)
+        assert two["zero_adv_frac"] == one["zero_adv_frac"]
+        assert two["micro_batches"] >= 2 and two["grad_noise"] > 0
+        # the two ranks' micro-batches split the step differently, but gbar is the same gradient
+        assert two["grad_signal"] + two["grad_noise"] / two["rows"] == pytest.approx(two["grad_norm"] ** 2, rel=1e-9)
+        assert one["grad_signal"] + one["grad_noise"] / one["rows"] == pytest.approx(one["grad_norm"] ** 2, rel=1e-9)
+    with pytest.raises(ValidationError, match="grad_noise is not supported with strategy = 'fsdp2'"):
+        TrainConfig(strategy="fsdp2", grad_noise=True)
