@@ -519,21 +519,48 @@ def report(run: Path = typer.Argument(..., help="Run folder.")) -> None:
 def compare(
     specs: list[Path] = typer.Argument(..., help="Pipeline specs, or one compare file (pipelines/specs/compare.toml)."),
     out: Optional[Path] = typer.Option(None, "--out",
-                                       help="Folder for the runs and the report (default: runs/compare)."),
+                                       help="Folder for the runs and the report (default: the compare file's out, "
+                                            "or runs/compare)."),
+    quick: bool = typer.Option(False, "--quick", help="Run the compare file's [compare.quick] study instead (a small "
+                                                      "one, in [compare.quick] out: by default out + '-quick')."),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="Study runs at a time, each in a worker process with "
+                                                      "cpu_count / jobs torch threads (their wall seconds then "
+                                                      "include the contention)."),
     no_wait: bool = _NO_WAIT,
 ) -> None:
-    """Run each spec from the same starting model at equal data, then write OUT/report/compare.{png,md}."""
+    """Compare objectives at equal data; write OUT/report/compare.{png,md}.
+
+    Spec files, or a compare file without `seeds` and `sweep`: each spec runs once from the same
+    start model. A compare file with them runs a study (pipelines/study.py): a sweep per objective
+    scored on a validation split of the train prompts, then each objective's best setting over
+    the seeds, reported with 95% confidence intervals. Every run is resumable: a rerun skips the
+    finished ones."""
     from pipelines.report import report_compare
-    from pipelines.spec import load_compare
+    from pipelines.spec import load_compare, load_compare_section
 
     with _exit_codes():
-        parsed, default_out = load_compare(specs)
-    out = out or default_out or Path("runs/compare")
-    runs = {}
-    for spec in parsed.values():
-        folder, _ = _run_one(spec, out / spec.run.name, None, no_wait)
-        runs[spec.run.name] = folder
-    report_dir = report_compare(runs, out / "report")
+        section = load_compare_section(specs[0], quick) if len(specs) == 1 else None
+        if quick and section is None:
+            raise ValueError("--quick needs one compare file")
+    if section is not None and section.study:
+        from pipelines.study import run_study
+        from pipelines.study_report import report_study
+
+        def log(message: str) -> None:
+            console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+        with _exit_codes():
+            report_dir = report_study(run_study(section, out or Path(section.out), jobs=jobs, wait=not no_wait,
+                                                log=log))
+    else:
+        with _exit_codes():
+            parsed, default_out = load_compare(specs)
+        out = out or default_out or Path("runs/compare")
+        runs = {}
+        for spec in parsed.values():
+            folder, _ = _run_one(spec, out / spec.run.name, None, no_wait)
+            runs[spec.run.name] = folder
+        report_dir = report_compare(runs, out / "report")
     console.print((report_dir / "compare.md").read_text(), markup=False, highlight=False)
     console.print(f"report: {report_dir}")
 
@@ -544,16 +571,20 @@ def toy_build(
     variant: str = typer.Option("default", "--variant", help=f"Named config to start from ({', '.join(VARIANTS)}); "
                                                              "the ToyConfig flags given override its fields."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for model/, train.parquet, eval.parquet "
-                                       "(default: runs/toy, runs/toy-<variant>, or runs/toy-<config hash>)."),
+                                       "(default: runs/toy, runs/toy-<variant>, runs/toy-scratchpad[-<variant>], "
+                                       "or runs/toy-<config hash>)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the data split and the warm start."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if a matching toy is cached."),
     overrides: dict = OVERRIDES,
 ) -> None:
-    """Build the embedded arithmetic task and its warm-started Llama model (cached)."""
+    """Build an embedded arithmetic task (--task addition or scratchpad) and its warm-started Llama model
+    (cached)."""
     from pipelines.toy import build_toy, default_out, variant_config
 
     with _exit_codes():
-        config = build(ToyConfig, {**variant_config(variant).model_dump(), **overrides})
+        # the variant of the task given (its defaults differ), then the flags given on top
+        config = build(ToyConfig, {**variant_config(variant, overrides.get("task", "addition")).model_dump(),
+                                   **overrides})
         path = build_toy(out or default_out(config), seed=seed, force=force, progress=True, config=config)
     console.print(f"toy ready in {path}")
 

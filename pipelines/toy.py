@@ -1,4 +1,5 @@
-"""The embedded default: two-digit addition, a character-level tokenizer, a tiny Llama.
+"""The embedded default: two-digit addition (or a long-response scratchpad), a character-level
+tokenizer, a tiny Llama.
 
 No model can be downloaded on a fresh machine, so groupforge builds its own. `build_toy`
 writes, atomically and once per (config, seed):
@@ -29,6 +30,19 @@ of them together. Seed 0, 400 eval prompts each (greedy / pass@8 from the build,
     deep     num_layers 4                           1054k   31 s   0.30    0.67
     noisy    label_noise 0.25, target 0.25           529k   24 s   0.25    0.59
     small    n_train 768, target 0.20                529k   17 s   0.21    0.45
+
+`--task scratchpad` is a second task with long responses, where token-level and
+sequence-level importance ratios differ: three-digit addition written column by column,
+
+    347+586=  ->  7+6+0=13 4+8+1=13 3+5+1=09 #### 933     (36-37 tokens with EOS)
+
+rewarded by `final_answer` (the text after `####` equals the reference; partial credit:
+`scratchpad_steps`, both in curation/rewards/scratchpad.py). Its defaults (TASK_DEFAULTS): a
+134k-parameter model (width 64), 20,000 train prompts, one torch thread. Seed 0 (2 shared CPU
+cores): the warm start stops at step 215 with greedy eval accuracy 0.285 and 99.75% of greedy
+responses well-formed, in ~130-145 s; at temperature 0.7, 12% of samples are right, 97%
+well-formed, pass@8 0.55 (at 1.0 errors compound: pass@8 0.32). Variants apply to it as the
+fields they change (`--task scratchpad --variant deep`: runs/toy-scratchpad-deep).
 """
 
 from __future__ import annotations
@@ -42,15 +56,16 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from curation.errors import disk_write
 from curation.fingerprints import config_hash
+from curation.rewards.scratchpad import WELL_FORMED, final_answer, scratchpad_solution
 
 # torch, transformers and pipelines.toy_model are imported by the build only: the CLI
 # generates `groupforge toy build`'s flags from ToyConfig and must stay light.
@@ -67,12 +82,46 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """The head sizes vLLM's CPU attention supports (`CPUAttentionBackend.get_supported_head_sizes`)."""
 
 
+Task = Literal["addition", "scratchpad"]
+TASKS: tuple[str, ...] = get_args(Task)
+"""The toy's tasks; addition is the default."""
+TASK_DESCRIPTIONS = {
+    "addition": "two-digit addition; reward = exact match of response.strip() with reference",
+    "scratchpad": "addition with a column-by-column scratchpad; reward = final_answer (the text after the last "
+    "'####' equals reference), partial credit = scratchpad_steps",
+}
+TASK_DEFAULTS: dict[str, dict] = {
+    # 3-digit operands (36-37 tokens per response), a train set the size of a warm start
+    # rather than all 809,600 prompts, a quarter of the addition model's weights and one
+    # thread: ~4x longer sequences make tokens the cost of the build and of every RL round
+    "scratchpad": {
+        "operand_min": 100,
+        "operand_max": 999,
+        "n_train": 20000,
+        "hidden_size": 64,
+        "num_heads": 2,
+        "intermediate_size": 256,
+        "target_accuracy": 0.25,  # accuracy climbs in jumps here (0.12 -> 0.29 -> 0.41 in 10 steps)
+        "num_threads": 1,
+    },
+}
+"""The field defaults of a task other than addition, where they differ from ToyConfig's."""
+
+
 class ToyConfig(BaseModel):
     """Everything that determines the built toy, together with the seed."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # --- task ---
+    task: Task = Field(
+        "addition",
+        exclude_if=lambda v: v == "addition",
+        description="addition: '37+48=' -> '85'. scratchpad: '347+586=' -> '7+6+0=13 4+8+1=13 3+5+1=09 #### 933' "
+        "(20-60 tokens; reward final_answer), whose fields default to: "
+        + ", ".join(f"{k} {v}" for k, v in TASK_DEFAULTS["scratchpad"].items())
+        + ".",
+    )
     operand_min: int = Field(10, description="Smallest operand (inclusive).")
     operand_max: int = Field(99, description="Largest operand (inclusive).")
     n_eval: int = Field(400, description="Prompts held out for eval; train prompts come from the rest.")
@@ -118,6 +167,14 @@ class ToyConfig(BaseModel):
     )
     num_threads: int = Field(2, description="torch intra-op threads (fixed for determinism).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _task_defaults(cls, data):
+        """Fields not given take the task's defaults (TASK_DEFAULTS), then the field defaults."""
+        if isinstance(data, dict) and data.get("task") in TASK_DEFAULTS:
+            return {**TASK_DEFAULTS[data["task"]], **data}
+        return data
+
     @model_validator(mode="after")
     def _buildable(self) -> ToyConfig:
         check_config(self)
@@ -143,6 +200,16 @@ def check_config(config: ToyConfig) -> None:
             f"n_train={config.n_train} is more than the {n_problems - config.n_eval} prompts left after "
             f"n_eval={config.n_eval} (operands {config.operand_min}..{config.operand_max})"
         )
+    if config.task != "addition":
+        if config.label_noise:
+            raise ValueError(f"label_noise is for the addition task only, not {config.task}")
+        # BOS + "a+b=" + the longest response + EOS
+        longest = 1 + 2 * len(str(config.operand_max)) + 2 + longest_response(config) + 1
+        if longest > config.max_position_embeddings:
+            raise ValueError(
+                f"max_position_embeddings={config.max_position_embeddings} is shorter than the longest "
+                f"{config.task} sequence ({longest} tokens with operands up to {config.operand_max})"
+            )
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,6 +236,28 @@ def make_problems(config: ToyConfig, seed: int) -> tuple[pa.Table, pa.Table]:
         )
 
     return table(order[config.n_eval : config.n_eval + n_train]), table(order[: config.n_eval])
+
+
+def longest_response(config: ToyConfig) -> int:
+    """Characters (= tokens, without EOS) of the longest reference response of the task."""
+    if config.task == "addition":
+        return len(str(2 * config.operand_max))
+    return len(scratchpad_solution(config.operand_max, config.operand_max))
+
+
+def response_answer(config: ToyConfig, response: str) -> str | None:
+    """The final answer a response gives: all of it (addition), or what follows the last
+    `####` (scratchpad; None without one). Exact match with the reference is the reward."""
+    return response.strip() if config.task == "addition" else final_answer(response)
+
+
+def supervised_responses(train: pa.Table, config: ToyConfig, seed: int) -> list[str]:
+    """The responses the warm start learns: `supervised_answers` (addition), or the full
+    scratchpad solution of each prompt."""
+    if config.task == "addition":
+        return supervised_answers(train, config, seed)
+    operands = (prompt.removesuffix("=").split("+") for prompt in train.column("prompt").to_pylist())
+    return [scratchpad_solution(int(a), int(b)) for a, b in operands]
 
 
 def supervised_answers(train: pa.Table, config: ToyConfig, seed: int) -> list[str]:
@@ -204,20 +293,35 @@ VARIANTS: dict[str, ToyConfig] = {
 """Task variants for benchmarks: recipe defaults are chosen on these together, never on one."""
 
 
-def variant_config(variant: str) -> ToyConfig:
-    """The config of a named variant; a one-line error naming the variants otherwise."""
+def variant_config(variant: str, task: str = "addition") -> ToyConfig:
+    """The config of a named variant of a task: for addition the variant itself, for another
+    task the task's config with the fields the variant changes (e.g. deep: 4 layers); a
+    one-line error naming the variants (or tasks) otherwise."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown toy variant {variant!r}: one of {', '.join(VARIANTS)}")
-    return VARIANTS[variant]
+    if task == "addition":
+        return VARIANTS[variant]
+    if task not in TASKS:
+        raise ValueError(f"unknown toy task {task!r}: one of {', '.join(TASKS)}")
+    try:
+        return ToyConfig(**VARIANTS[variant].model_dump(exclude_defaults=True), task=task)
+    except ValidationError as exc:
+        problems = "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
+        raise ValueError(f"toy variant {variant!r} of the {task} task: {problems}") from None
 
 
 def default_out(config: ToyConfig, runs: str | Path = "runs") -> Path:
     """Where a config is built unless told: runs/toy for "default", runs/toy-<variant> for
-    another variant, runs/toy-<config hash> for any other config (so a config of its own
-    never replaces a variant's cached build)."""
-    for name, known in VARIANTS.items():
+    another variant, runs/toy-scratchpad[-<variant>] for the scratchpad task, runs/toy-<config
+    hash> for any other config (so a config of its own never replaces a variant's cached build)."""
+    for name in VARIANTS:
+        try:
+            known = variant_config(name, config.task)
+        except ValueError:  # a variant the task has not (noisy: label noise is addition's)
+            continue
         if config == known:
-            return Path(runs) / ("toy" if name == "default" else f"toy-{name}")
+            parts = ["toy"] + [config.task] * (config.task != "addition") + [name] * (name != "default")
+            return Path(runs) / "-".join(parts)
     return Path(runs) / f"toy-{config_hash(config.model_dump())[:10]}"
 
 
@@ -332,19 +436,19 @@ def _replace_dir(new: Path, out: Path) -> None:
 def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> dict:
     import torch
 
-    from pipelines.toy_model import greedy_accuracy, make_model, make_tokenizer, pass_at_k, warm_start
+    from pipelines.toy_model import TASK_CHARACTERS, greedy_responses, make_model, make_tokenizer, pass_at_k, warm_start
 
     started = time.perf_counter()
     train, eval_ = make_problems(config, seed)
     pq.write_table(train, folder / TRAIN_FILE)
     pq.write_table(eval_, folder / EVAL_FILE)
-    answers = supervised_answers(train, config, seed)
-    supervised = train.set_column(1, "reference", pa.array(answers, pa.string()))
-    n_wrong = sum(a != r for a, r in zip(answers, train.column("reference").to_pylist()))
+    responses = supervised_responses(train, config, seed)
+    supervised = train.set_column(1, "reference", pa.array(responses, pa.string()))
+    n_wrong = sum(response_answer(config, a) != r for a, r in zip(responses, train.column("reference").to_pylist()))
 
     with _torch_threads(config.num_threads):
         torch.manual_seed(seed)
-        tokenizer = make_tokenizer(config.max_position_embeddings)
+        tokenizer = make_tokenizer(config.max_position_embeddings, TASK_CHARACTERS[config.task])
         model = make_model(config, tokenizer)
         warm = warm_start(model, tokenizer, supervised, eval_, config, seed, progress)
         model_dir = folder / MODEL_DIR
@@ -352,8 +456,11 @@ def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> d
         tokenizer.save_pretrained(model_dir)
         for path in model_dir.iterdir():
             path.chmod(0o644)  # safetensors writes its file private; this is a shared model
-        eval_accuracy = greedy_accuracy(model_dir, folder / EVAL_FILE)
-        eval_pass_at_8 = pass_at_k(model_dir, folder / EVAL_FILE, k=8, temperature=1.0, seed=seed)
+        greedy, references = greedy_responses(model_dir, folder / EVAL_FILE, config=config)
+        eval_accuracy = float(np.mean([response_answer(config, g) == r for g, r in zip(greedy, references)]))
+        eval_pass_at_8 = pass_at_k(model_dir, folder / EVAL_FILE, k=8, temperature=1.0, seed=seed, config=config)
+        measures = _scratchpad_measures(model, tokenizer, eval_, config, seed, responses, greedy) \
+            if config.task == "scratchpad" else {}
     if eval_accuracy < config.target_accuracy / 2:
         warnings.warn(
             f"toy warm start ended at greedy eval accuracy {eval_accuracy:.3f} after "
@@ -363,7 +470,7 @@ def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> d
 
     return {
         **_fingerprint(config, seed),
-        "task": "two-digit addition; reward = exact match of response.strip() with reference",
+        "task": TASK_DESCRIPTIONS[config.task],
         "model": {
             "architecture": "LlamaForCausalLM",
             "parameters": sum(p.numel() for p in model.parameters()),
@@ -375,5 +482,38 @@ def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> d
         "warm_start": warm,
         "eval_greedy_accuracy": eval_accuracy,
         "eval_pass_at_8": eval_pass_at_8,
+        **measures,
         "build_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+SCRATCHPAD_TEMPERATURE = 0.7
+"""The sampling temperature of pipelines/specs/toy-scratchpad-grpo.toml: at 1.0 errors compound
+over ~37 tokens (seed 0: 6% of samples right, 60% well-formed), at 0.7 samples stay in the
+format and differ in their digits, which gives group RL its mixed groups."""
+
+
+def _scratchpad_measures(model, tokenizer, eval_: pa.Table, config: ToyConfig, seed: int, supervised: list[str],
+                         greedy: list[str]) -> dict:
+    """How long the reference responses are (tokens with EOS), how well the warm start learned
+    the format (greedy eval responses that are well-formed), and what 8 samples per eval prompt
+    at SCRATCHPAD_TEMPERATURE look like."""
+    from pipelines.toy_model import generate_responses, max_new_tokens
+
+    lengths = [len(r) + 1 for r in supervised]  # one token per character
+    references = eval_.column("reference").to_pylist()
+    samples = generate_responses(model, tokenizer, eval_.column("prompt").to_pylist(), num_samples=8,
+                                 temperature=SCRATCHPAD_TEMPERATURE, max_new_tokens=max_new_tokens(config),
+                                 generator_seed=seed)
+    right = [[response_answer(config, x) == ref for x in group] for group, ref in zip(samples, references)]
+    flat = [x for group in samples for x in group]
+    return {
+        "response_tokens": {"min": min(lengths), "max": max(lengths), "mean": round(float(np.mean(lengths)), 2)},
+        "eval_well_formed": float(np.mean([WELL_FORMED.match(g) is not None for g in greedy])),
+        "eval_samples": {
+            "temperature": SCRATCHPAD_TEMPERATURE,
+            "accuracy": float(np.mean(right)),
+            "pass_at_8": float(np.mean([any(group) for group in right])),
+            "well_formed": float(np.mean([WELL_FORMED.match(x) is not None for x in flat])),
+        },
     }

@@ -20,6 +20,9 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 CHARACTERS = "0123456789+-*="
 """The character vocabulary after the special tokens (ids 4..); `-` and `*` are unused by
 the addition task but keep the tokenizer usable for other arithmetic."""
+TASK_CHARACTERS = {"addition": CHARACTERS, "scratchpad": CHARACTERS + " #"}
+"""Each task's vocabulary: the scratchpad's separator and answer marker come after the
+addition's characters, which keep their ids."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -27,14 +30,14 @@ the addition task but keep the tokenizer usable for other arithmetic."""
 # ---------------------------------------------------------------------------------------
 
 
-def make_tokenizer(model_max_length: int):
-    """A character-level tokenizer: one token per character, BOS prepended, decode() fuses
-    characters without spaces. Saved as tokenizer.json (loads as `TokenizersBackend`, the
-    transformers 5 name of PreTrainedTokenizerFast)."""
+def make_tokenizer(model_max_length: int, characters: str = CHARACTERS):
+    """A character-level tokenizer: one token per character (a space too), BOS prepended,
+    decode() fuses characters without adding spaces. Saved as tokenizer.json (loads as
+    `TokenizersBackend`, the transformers 5 name of PreTrainedTokenizerFast)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *characters])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -86,6 +89,17 @@ def make_model(config: ToyConfig, tokenizer):
 # ---------------------------------------------------------------------------------------
 
 MAX_NEW_TOKENS = 8  # answers are at most 3 characters + EOS; room to see a non-stopping model
+
+
+def max_new_tokens(config: ToyConfig | None) -> int:
+    """Greedy/eval response length: MAX_NEW_TOKENS for addition; for another task its longest
+    response + EOS + 7 tokens of room, within max_position_embeddings."""
+    from pipelines.toy import longest_response
+
+    if config is None or config.task == "addition":
+        return MAX_NEW_TOKENS
+    longest_prompt = 1 + 2 * len(str(config.operand_max)) + 2
+    return min(longest_response(config) + 8, config.max_position_embeddings - longest_prompt)
 
 
 @torch.no_grad()
@@ -144,24 +158,42 @@ def _read_prompts(prompts_parquet: str | Path, limit: int | None) -> tuple[list[
     return table.column("prompt").to_pylist(), table.column("reference").to_pylist()
 
 
-def _accuracy(responses: list[list[str]], references: list[str]) -> tuple[float, float]:
-    """(mean exact match of the first response, fraction with any exact match)."""
-    first = [r[0].strip() == ref for r, ref in zip(responses, references)]
-    any_ = [any(x.strip() == ref for x in r) for r, ref in zip(responses, references)]
+def _accuracy(responses: list[list[str]], references: list[str], config: ToyConfig | None = None
+              ) -> tuple[float, float]:
+    """(mean exact match of the first response's answer, fraction with any exact match)."""
+    from pipelines.toy import ToyConfig, response_answer
+
+    config = config or ToyConfig()
+    first = [response_answer(config, r[0]) == ref for r, ref in zip(responses, references)]
+    any_ = [any(response_answer(config, x) == ref for x in r) for r, ref in zip(responses, references)]
     return float(np.mean(first)), float(np.mean(any_))
 
 
-def greedy_accuracy(
-    model_dir: str | Path, prompts_parquet: str | Path, limit: int | None = None
-) -> float:
-    """Exact-match accuracy of greedy decoding (transformers, fp32) on the first `limit`
-    rows of a prompt/reference Parquet file."""
+def _load(model_dir: str | Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def greedy_responses(
+    model_dir: str | Path, prompts_parquet: str | Path, limit: int | None = None, config: ToyConfig | None = None
+) -> tuple[list[str], list[str]]:
+    """(greedy response, reference) of the first `limit` rows of a prompt/reference Parquet
+    file (transformers, fp32); `config` sets the response length (default: addition's)."""
+    model, tokenizer = _load(model_dir)
     prompts, references = _read_prompts(prompts_parquet, limit)
-    return _accuracy(generate_responses(model, tokenizer, prompts), references)[0]
+    responses = generate_responses(model, tokenizer, prompts, max_new_tokens=max_new_tokens(config))
+    return [r[0] for r in responses], references
+
+
+def greedy_accuracy(
+    model_dir: str | Path, prompts_parquet: str | Path, limit: int | None = None, config: ToyConfig | None = None
+) -> float:
+    """Exact-match accuracy of the answers of greedy decoding (transformers, fp32) on the first
+    `limit` rows of a prompt/reference Parquet file; `config` gives the task (default: addition)."""
+    responses, references = greedy_responses(model_dir, prompts_parquet, limit, config)
+    return _accuracy([[r] for r in responses], references, config)[0]
 
 
 def pass_at_k(
@@ -171,17 +203,16 @@ def pass_at_k(
     temperature: float = 1.0,
     limit: int | None = None,
     seed: int = 0,
+    config: ToyConfig | None = None,
 ) -> float:
     """Fraction of prompts with at least one exact match among k samples at `temperature`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model, tokenizer = _load(model_dir)
     prompts, references = _read_prompts(prompts_parquet, limit)
     responses = generate_responses(
-        model, tokenizer, prompts, num_samples=k, temperature=temperature, generator_seed=seed
+        model, tokenizer, prompts, num_samples=k, temperature=temperature, generator_seed=seed,
+        max_new_tokens=max_new_tokens(config),
     )
-    return _accuracy(responses, references)[1]
+    return _accuracy(responses, references, config)[1]
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,9 +223,9 @@ def pass_at_k(
 def _supervised_batch(tokenizer, prompts: list[str], references: list[str]):
     """input_ids (right-padded) and labels that are -100 except on answer + EOS tokens."""
     rows, labels = [], []
-    for prompt, reference in zip(prompts, references):
-        prompt_ids = tokenizer(prompt).input_ids
-        answer_ids = tokenizer(reference, add_special_tokens=False).input_ids
+    encoded_prompts = tokenizer(prompts).input_ids  # batched: one call, not one per row
+    encoded_answers = tokenizer(references, add_special_tokens=False).input_ids
+    for prompt_ids, answer_ids in zip(encoded_prompts, encoded_answers):
         ids = prompt_ids + answer_ids + [tokenizer.eos_token_id]
         rows.append(ids)
         labels.append([-100] * len(prompt_ids) + answer_ids + [tokenizer.eos_token_id])
@@ -208,8 +239,9 @@ def _supervised_batch(tokenizer, prompts: list[str], references: list[str]):
 def warm_start(
     model, tokenizer, train: pa.Table, eval_: pa.Table, config: ToyConfig, seed: int, progress: bool
 ) -> dict:
-    """Teacher-forced SFT on answer + EOS tokens until greedy eval accuracy, checked every
-    `eval_every` steps, reaches `target_accuracy`. Deterministic given the seed: fixed data
+    """Teacher-forced SFT on response + EOS tokens (train's `reference` column holds the
+    supervised responses) until greedy eval accuracy, checked every `eval_every` steps,
+    reaches `target_accuracy`. Deterministic given the seed: fixed data
     order, no dropout, fixed thread count (set by the caller)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -253,7 +285,8 @@ def warm_start(
             if step % config.eval_every and step < config.max_steps:
                 continue
 
-            accuracy = _accuracy(generate_responses(model, tokenizer, eval_prompts), eval_references)[0]
+            responses = generate_responses(model, tokenizer, eval_prompts, max_new_tokens=max_new_tokens(config))
+            accuracy = _accuracy(responses, eval_references, config)[0]
             history.append({"step": step, "loss": round(loss, 4), "eval_accuracy": accuracy})
             bar.update(task, status=f"loss {loss:.3f}  eval acc {accuracy:.3f}")
             if accuracy >= config.target_accuracy:

@@ -1,7 +1,7 @@
 """Reward functions with TRL's signature `f(prompts, completions, **columns) -> list[float | None]`.
 
-Shipped (by registry name): exact_match, math, regex, length_penalty, overlong_penalty,
-reward_model. Any importable function is usable as 'module:function'.
+Shipped (by registry name): exact_match, final_answer, math, regex, length_penalty,
+overlong_penalty, reward_model, scratchpad_steps. Any importable function is usable as 'module:function'.
 """
 
 from curation.rewards.registry import (

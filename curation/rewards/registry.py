@@ -168,3 +168,4 @@ def _load_builtins() -> None:
     importlib.import_module("curation.rewards.rules")
     importlib.import_module("curation.rewards.math")
     importlib.import_module("curation.rewards.reward_model")
+    importlib.import_module("curation.rewards.scratchpad")
