@@ -8,6 +8,10 @@
     compare_figure    eval accuracy vs samples and vs wall seconds, reward mean vs samples,
                       grad norm, clip fraction (low + high) and ratio range per step, one
                       colour per run
+    study_accuracy_figure      a study's eval accuracy vs samples, wall seconds and steps: mean
+                               over seeds with its 95% CI band (pipelines/study_report.py)
+    study_measurements_figure  a study's grad norm, clip fraction, zero-advantage fraction,
+                               gradient signal and noise per step and SNR per round, over seeds
 
 Figures are drawn on `matplotlib.figure.Figure` with the Agg canvas: no pyplot state, no
 global backend switch, nothing left open after a call. This is the only module that imports
@@ -237,4 +241,81 @@ def compare_figure(runs: dict[str, tuple[list[dict], list[dict]]], objectives: d
     handles = [Line2D([], [], color=colors[label], marker="o", label=f"{label} ({objectives[label] or '?'})")
                for label in runs]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 6), title="run (objective)")
+    return fig
+
+
+# -- comparison studies (pipelines/study_report.py) -------------------------------------------
+
+STUDY_AXES = {"samples": ("samples generated (cumulative)", "equal axis"),
+              "seconds": ("wall seconds since the run started", "for reference"),
+              "steps": ("optimizer steps (policy version)", "for reference")}
+
+
+def _band(ax, x: list[float], intervals: list, color: str, label: str, scale: float = 1.0,
+          markers: bool = True) -> None:
+    """The mean as a line and, where the points have one, the 95% CI as a shaded band."""
+    ax.plot(x, [scale * iv.mean for iv in intervals], marker=_marker(len(x)) if markers else None, markersize=3,
+            color=color, label=label)
+    shaded = [(xi, iv) for xi, iv in zip(x, intervals) if iv.half is not None]
+    if shaded:
+        ax.fill_between([p[0] for p in shaded], [scale * p[1].low for p in shaded],
+                        [scale * p[1].high for p in shaded], color=color, alpha=0.2, linewidth=0)
+
+
+def study_accuracy_figure(bands: dict[str, dict[str, tuple[list[float], list]]], marks: dict[str, float],
+                          n_seeds: int) -> Figure:
+    """Eval accuracy vs samples, wall seconds and steps: per objective the mean over seeds and
+    its 95% CI band; `marks` draws the equal wall time and equal steps as dashed lines."""
+    fig = _figure(18, 5.5)
+    axes = fig.subplots(1, 3)
+    fig.suptitle(f"Eval accuracy, mean and 95% CI over {n_seeds} seeds")
+    colors = {name: f"C{i % 10}" for i, name in enumerate(bands)}
+    for ax, (axis, (xlabel, role)) in zip(axes, STUDY_AXES.items()):
+        drawn = 0
+        for name, curves in bands.items():
+            x, intervals = curves.get(axis, ([], []))
+            if x:
+                _band(ax, x, intervals, colors[name], name, scale=100.0, markers=axis != "seconds")
+                drawn += 1
+        if not drawn:
+            _empty(ax, f"no eval points on the {axis} axis")
+            continue
+        if axis in marks:
+            ax.axvline(marks[axis], color="0.4", linestyle="--", linewidth=1, label=f"compared at {marks[axis]:.4g}")
+        ax.set_ylim(-2, 102)
+        ax.legend(loc="lower right")
+        _style(ax, f"Eval accuracy vs {axis} ({role})", xlabel, "eval accuracy (%)", integer_x=axis != "seconds")
+    return fig
+
+
+STUDY_MEASURES = (("grad_norm", "Gradient norm (before clipping) per step", "grad norm", False),
+                  ("clip_frac", "Clip fraction (low + high) per step", "fraction clipped", False),
+                  ("zero_adv_frac", "Rows with zero advantage per step", "fraction of rows", False),
+                  ("grad_signal", "Gradient signal |E G|^2 per step (unbiased)", "signal", False),
+                  ("grad_noise", "Gradient noise tr Sigma per step", "noise", True),
+                  ("grad_snr", "Gradient SNR per round\n(signal, noise averaged over its steps and seeds first)",
+                   "SNR", True))
+
+
+def study_measurements_figure(measures: dict[str, dict[str, tuple[list[float], list]]], n_seeds: int) -> Figure:
+    """Per optimizer step, each objective's mean over seeds (and CI band) of the STUDY_MEASURES;
+    a panel says so when no objective logged its statistic."""
+    fig = _figure(18, 9)
+    axes = fig.subplots(2, 3).flatten()
+    fig.suptitle(f"Per-step measurements, mean over {n_seeds} seeds")
+    colors = {name: f"C{i % 10}" for i, name in enumerate(measures)}
+    for ax, (key, title, ylabel, log_scale) in zip(axes, STUDY_MEASURES):
+        drawn = [name for name, by_key in measures.items() if key in by_key]
+        if not drawn:
+            hint = " ([train] grad_noise = true, 2+ micro-batches)" if key.startswith("grad_") and key != "grad_norm" \
+                else ""
+            _empty(ax, f"{title}\n\nno objective logged '{key}'{hint}")
+            continue
+        for name in drawn:
+            x, intervals = measures[name][key]
+            _band(ax, x, intervals, colors[name], name)
+        if log_scale and all(iv.mean > 0 for name in drawn for iv in measures[name][key][1]):
+            ax.set_yscale("log")
+        ax.legend(loc="best")
+        _style(ax, title, "round" if key == "grad_snr" else "optimizer step", ylabel)
     return fig
