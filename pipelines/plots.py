@@ -288,13 +288,13 @@ def study_accuracy_figure(bands: dict[str, dict[str, tuple[list[float], list]]],
     return fig
 
 
-STUDY_MEASURES = (("grad_norm", "Gradient norm (before clipping) per step", "grad norm", False),
-                  ("clip_frac", "Clip fraction (low + high) per step", "fraction clipped", False),
-                  ("zero_adv_frac", "Rows with zero advantage per step", "fraction of rows", False),
-                  ("grad_signal", "Gradient signal |E G|^2 per step (unbiased)", "signal", False),
-                  ("grad_noise", "Gradient noise tr Sigma per step", "noise", True),
+STUDY_MEASURES = (("grad_norm", "Gradient norm (before clipping) per step", "grad norm"),
+                  ("clip_frac", "Clip fraction (low + high) per step", "fraction clipped"),
+                  ("zero_adv_frac", "Rows with zero advantage per step", "fraction of rows"),
+                  ("grad_signal", "Gradient signal |E G|^2 per step (unbiased)", "signal"),
+                  ("grad_noise", "Gradient noise tr Sigma per step", "noise"),
                   ("grad_snr", "Gradient SNR per round\n(signal, noise averaged over its steps and seeds first)",
-                   "SNR", True))
+                   "SNR"))
 
 
 def study_measurements_figure(measures: dict[str, dict[str, tuple[list[float], list]]], n_seeds: int) -> Figure:
@@ -304,7 +304,7 @@ def study_measurements_figure(measures: dict[str, dict[str, tuple[list[float], l
     axes = fig.subplots(2, 3).flatten()
     fig.suptitle(f"Per-step measurements, mean over {n_seeds} seeds")
     colors = {name: f"C{i % 10}" for i, name in enumerate(measures)}
-    for ax, (key, title, ylabel, log_scale) in zip(axes, STUDY_MEASURES):
+    for ax, (key, title, ylabel) in zip(axes, STUDY_MEASURES):
         drawn = [name for name, by_key in measures.items() if key in by_key]
         if not drawn:
             hint = " ([train] grad_noise = true, 2+ micro-batches)" if key.startswith("grad_") and key != "grad_norm" \
@@ -314,8 +314,6 @@ def study_measurements_figure(measures: dict[str, dict[str, tuple[list[float], l
         for name in drawn:
             x, intervals = measures[name][key]
             _band(ax, x, intervals, colors[name], name)
-        if log_scale and all(iv.mean > 0 for name in drawn for iv in measures[name][key][1]):
-            ax.set_yscale("log")
         ax.legend(loc="best")
         _style(ax, title, "round" if key == "grad_snr" else "optimizer step", ylabel)
     return fig

@@ -196,6 +196,8 @@ def execute(plans: list[RunPlan], jobs: int = 1, wait: bool = True, log: Callabl
         else:
             todo.append(plan)
     if jobs <= 1 or not todo:
+        if todo:
+            warm_imports()
         for plan in todo:
             tic = time.perf_counter()
             log(f"{plan.label}: {plan.spec.train.objective}, {plan.spec.run.rounds} rounds -> {plan.run_dir}")
@@ -222,6 +224,20 @@ def _worker_start(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
+    warm_imports()
+
+
+WARM_MODULES = ("torch", "transformers", "pipelines.run", "training.trainer", "training.checkpoint",
+                "curation.generate.hf")
+
+
+def warm_imports() -> None:
+    """Import what a run would otherwise import inside its round 0 (torch, transformers, the
+    trainer), so no run's wall seconds pay for it: each run pays its own engine start only."""
+    import importlib
+
+    for module in WARM_MODULES:
+        importlib.import_module(module)
 
 
 def run_plan(spec: PipelineSpec, run_dir: Path, wait: bool, log_file: Path | None = None,

@@ -100,11 +100,15 @@ AXES = {"samples": "samples_total", "seconds": "elapsed_seconds", "steps": "poli
 
 
 def seed_curves(rounds: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
-    """A run's eval curve on each axis: {axis: (x, eval accuracy)} over the rounds that evaluated."""
+    """A run's eval curve on each axis: {axis: (x, eval accuracy)} over the rounds that evaluated.
+    The wall-seconds curve starts at 0 s with round 0's accuracy: until round 1 trains, the policy
+    is the start model (round 0's elapsed seconds are its engine start and its eval)."""
     out = {}
     for axis, key in AXES.items():
         points = [(x, acc) for r in rounds if (x := number(r, key)) is not None
                   and (acc := number(r, "eval_accuracy")) is not None]
+        if axis == "seconds" and rounds and rounds[0].get("round") == 0 and points and points[0][0] > 0:
+            points.insert(0, (0.0, points[0][1]))
         out[axis] = ([p[0] for p in points], [p[1] for p in points])
     return out
 
@@ -279,14 +283,25 @@ def ranking_sentence(leaders: dict[str, str | None]) -> str:
 
 
 def edge_note(name: str, values: list, chosen: object, key: str) -> str | None:
-    """A note when the chosen value of a numeric one-key grid is its smallest or largest: the
-    best setting may lie outside the grid."""
+    """A note when the chosen value of a numeric one-key grid of 3 or more values is its smallest
+    or largest: the best setting may lie outside the grid (with 2 values every choice is an edge)."""
     numeric = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if len(values) < 2 or len(numeric) < len(values) or chosen not in (min(values), max(values)):
+    if len(values) < 3 or len(numeric) < len(values) or chosen not in (min(values), max(values)):
         return None
     side = "largest" if chosen == max(values) else "smallest"
     return (f"{name}: the sweep chose the {side} {key} of its grid ({chosen}); a better setting may lie "
             "outside the grid.")
+
+
+def tie_note(name: str, scores: dict[str, float | None], chosen: str) -> str | None:
+    """A note when other settings ({label: validation score}) tied with the chosen one."""
+    best = scores.get(chosen)
+    tied = [label for label, score in scores.items() if label != chosen and score is not None and best is not None
+            and abs(score - best) < 1e-12]
+    if not tied:
+        return None
+    return (f"{name}: {', '.join(tied)} tied with {chosen} on validation ({pct(best)}); the first listed was kept, "
+            "so the sweep did not tell these settings apart.")
 
 
 def caveats(*, n_seeds: int, device: str, cpu_count: int, jobs: int, max_tokens: int, eval_prompts: int | None,
@@ -448,6 +463,9 @@ def report_study(result: "StudyResult") -> Path:
             max(known, key=lambda k: known[k].mean) if known else None)
     shows.append(ranking_sentence(leaders))
     for name, s in swept.items():
+        note = tie_note(name, {x.label: s.scores.get(x.slug) for x in s.settings}, s.chosen.label)
+        if note:
+            shows.append(note)
         if len(s.chosen.values) == 1:
             key, value = next(iter(s.chosen.values.items()))
             note = edge_note(name, section.sweep[name][key], value, key)

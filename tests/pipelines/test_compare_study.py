@@ -29,8 +29,10 @@ from pipelines.study_report import (
     mean_ci,
     pooled_snr,
     ranking_sentence,
+    seed_curves,
     step_bands,
     t_975,
+    tie_note,
 )
 from tests.conftest import REPO
 
@@ -226,6 +228,20 @@ def test_ranking_and_edge_notes():
         "The objective with the highest mean depends on the axis: equal samples: sft; equal steps: grpo."
     assert "largest train.lr" in edge_note("grpo", [1e-4, 2e-4, 5e-4], 5e-4, "train.lr")
     assert edge_note("grpo", [1e-4, 2e-4, 5e-4], 2e-4, "train.lr") is None
+    assert edge_note("grpo", [1e-4, 2e-4], 2e-4, "train.lr") is None  # two values: every choice is an edge
+    assert tie_note("pairwise", {"beta=0.05": 0.34, "beta=0.1": 0.34, "beta=0.3": 0.2}, "beta=0.05") == (
+        "pairwise: beta=0.1 tied with beta=0.05 on validation (34.0%); the first listed was kept, so the sweep did "
+        "not tell these settings apart.")
+    assert tie_note("pairwise", {"beta=0.05": 0.35, "beta=0.1": 0.34}, "beta=0.05") is None
+
+
+def test_the_wall_curve_starts_at_zero_with_the_start_model():
+    rounds = [{"round": 0, "eval_accuracy": 0.3, "elapsed_seconds": 4.0, "samples_total": 0, "policy_version": 0},
+              {"round": 1, "eval_accuracy": None, "elapsed_seconds": 9.0, "samples_total": 64, "policy_version": 2},
+              {"round": 2, "eval_accuracy": 0.5, "elapsed_seconds": 14.0, "samples_total": 128, "policy_version": 4}]
+    curves = seed_curves(rounds)
+    assert curves["seconds"] == ([0.0, 4.0, 14.0], [0.3, 0.3, 0.5])
+    assert curves["samples"] == ([0.0, 128.0], [0.3, 0.5]) and curves["steps"] == ([0.0, 4.0], [0.3, 0.5])
 
 
 # ---------------------------------------------------------------------------------------------
