@@ -275,6 +275,39 @@ def test_bad_compare_files_are_refused(tmp_path, text, error):
         load_compare_section(path)
 
 
+def test_a_sweep_that_changes_the_sample_budget_is_refused_before_any_run(toy_dir, tmp_path, monkeypatch):
+    from pipelines.study import run_study
+
+    monkeypatch.chdir(REPO)
+    path = tmp_path / "compare.toml"
+    tiny = TINY.format(out=tmp_path / "study")
+    path.write_text(tiny + '[compare.sweep."toy-gspo"]\n"prompts.per_round" = [8, 16]\n')
+    with pytest.raises(ValueError, match=r"compare.sweep: toy-gspo is no spec's run.name \(toy-grpo, toy-sft\)"):
+        run_study(load_compare_section(path), tmp_path / "study")
+    path.write_text(tiny.replace("toy-sft", "toy-gspo") + '"prompts.per_round" = [8, 16]\n')
+    # per_round = 8 is the budget every run has (the overrides); 16 is not
+    with pytest.raises(ValueError, match=r"toy-gspo with train.lr=0.0001, prompts.per_round=16 differs from "
+                                         r"toy-grpo in prompts.per_round"):
+        run_study(load_compare_section(path), tmp_path / "study")
+    assert not (tmp_path / "study" / "sweep").exists() and not (tmp_path / "study" / "final").exists()
+
+
+def test_a_run_folder_made_from_another_spec_is_refused(toy_dir, tmp_path, monkeypatch):
+    from pipelines.spec import load_spec, resolved_toml
+    from pipelines.study import RunPlan, finished
+
+    monkeypatch.chdir(REPO)
+    spec = load_spec(REPO / "pipelines/specs/toy-grpo.toml")
+    plan = RunPlan("final toy-grpo seed 0", spec, tmp_path / "run")
+    assert not finished(plan)
+    write_atomic(tmp_path / "run" / "spec.toml", resolved_toml(spec))
+    MetricsLog(tmp_path / "run").append({"event": "round", "round": spec.run.rounds, "eval_accuracy": 0.5})
+    assert finished(plan)
+    other = load_spec(REPO / "pipelines/specs/toy-grpo.toml", overrides=["train.lr=0.001"])
+    with pytest.raises(ValueError, match="made from another spec"):
+        finished(RunPlan("final toy-grpo seed 0", other, tmp_path / "run"))
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end: `groupforge compare` on the toy
 # ---------------------------------------------------------------------------------------------
