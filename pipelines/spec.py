@@ -418,13 +418,14 @@ def compare_overrides(section: CompareSection | None) -> list[str]:
     return [*section.overrides, *([f"run.rounds={section.rounds}"] if section.rounds is not None else [])]
 
 
-def load_compare(paths: list[str | Path], quick: bool = False) -> tuple[dict[str, PipelineSpec], Path | None]:
+def load_compare(paths: list[str | Path], quick: bool = False,
+                 check_files: bool = True) -> tuple[dict[str, PipelineSpec], Path | None]:
     """The specs of a comparison (by file name): the given spec files, or those a compare file
     (a TOML with a [compare] section) lists, with its `overrides` and `rounds` applied; and its
-    output folder."""
+    output folder. `check_files` as in `load_spec`."""
     section = load_compare_section(paths[0], quick) if len(paths) == 1 else None
     if section is not None:
         paths = section.specs
-    specs = {str(p): load_spec(p, overrides=compare_overrides(section)) for p in paths}
+    specs = {str(p): load_spec(p, check_files=check_files, overrides=compare_overrides(section)) for p in paths}
     check_comparable(specs)
     return specs, Path(section.out) if section is not None else None

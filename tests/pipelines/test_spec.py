@@ -27,20 +27,22 @@ SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
 def test_the_expected_specs_are_shipped():
     names = {p.name for p in SPECS}
     for name in ("toy-grpo.toml", "toy-gspo.toml", "toy-pairwise.toml", "toy-sft.toml", "compare.toml",
-                 "gpu-math-grpo.toml", "gpu-cluster.toml"):
+                 "gpu-math-grpo.toml", "gpu-cluster.toml", "compare-scratchpad.toml",
+                 *(f"toy-scratchpad-{objective}.toml" for objective in ("grpo", "gspo", "pairwise", "sft"))):
         assert name in names, name
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)
 def test_every_shipped_spec_validates(path, toy_dir, monkeypatch):
     monkeypatch.chdir(REPO)  # spec paths are relative to the repo root, where `make demo` runs
-    if path.name == "compare.toml":
-        specs, out = load_compare([path])
+    toy = "runs/toy-scratchpad" if "scratchpad" in path.name else "runs/toy"
+    if path.name.startswith("compare"):
+        specs, out = load_compare([path], check_files=toy == "runs/toy")
         assert {s.train.objective for s in specs.values()} == {"grpo", "gspo", "pairwise", "sft"}
         assert {s.run.rounds for s in specs.values()} == {tomllib.loads(path.read_text())["compare"]["rounds"]}
+        assert {s.model.path for s in specs.values()} == {f"{toy}/model"}
         return
     gpu = path.name.startswith("gpu-")
-    toy = "runs/toy-scratchpad" if "scratchpad" in path.name else "runs/toy"
     # the GPU example names a model this machine lacks; the scratchpad toy is built by its own tests
     spec = load_spec(path, check_files=not gpu and toy == "runs/toy")
     assert isinstance(spec, PipelineSpec)
