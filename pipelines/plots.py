@@ -317,3 +317,20 @@ def study_measurements_figure(measures: dict[str, dict[str, tuple[list[float], l
         ax.legend(loc="best")
         _style(ax, title, "round" if key == "grad_snr" else "optimizer step", ylabel)
     return fig
+
+
+def ratio_spread_figure(spreads: dict[str, list[dict]]) -> Figure:
+    """Token vs sequence importance-ratio std against mean response length, one colour per
+    objective (solid: token ratios, dashed: sequence ratios); rows from
+    study_report.pooled_spread."""
+    fig = _figure(8, 5)
+    ax = fig.subplots()
+    for i, (name, buckets) in enumerate(spreads.items()):
+        x = [b["mean_length"] for b in buckets]
+        ax.plot(x, [b["token_ratio_std"] for b in buckets], "-o", color=f"C{i % 10}", label=f"{name}: token ratios")
+        ax.plot(x, [b["seq_ratio_std"] for b in buckets], "--s", color=f"C{i % 10}",
+                label=f"{name}: sequence ratios")
+    ax.legend(loc="best")
+    _style(ax, "Importance-ratio spread by response length", "mean response tokens (length bucket)",
+           "std of the ratio")
+    return fig

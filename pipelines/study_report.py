@@ -11,6 +11,8 @@ the numbers.
                           optimizer steps (for reference): mean over seeds and its 95% CI band
         measurements.png  grad norm, clip fraction, zero-advantage fraction, gradient signal,
                           noise and SNR per optimizer step, averaged over seeds
+        ratio_spread.png  token vs sequence importance-ratio std by response length, for the
+                          ratio-weighted objectives (grpo, gspo), from pipelines/ratio_spread.py
 
 Statistics: the CI of n values is mean ± t_{0.975, n-1} s / sqrt(n) (Student t, s the sample
 standard deviation, ddof 1); t comes from T_975 (no scipy here). Each seed's accuracy curve is
@@ -362,6 +364,83 @@ def _samples_at(runs: ObjectiveRuns, share: float) -> Interval | None:
     return at(curves, share * total)
 
 
+RATIO_OBJECTIVES = ("grpo", "gspo", "gspo_token")
+"""Objectives whose loss weighs samples by importance ratios: the study measures their spread."""
+MIN_BUCKET_SAMPLES = 20
+"""Length buckets with fewer samples are left out of the ratio-spread sentences."""
+
+
+def pooled_spread(rows: list[dict]) -> list[dict]:
+    """Rows of `ratio_spread_for_run` (one per round and length bucket) pooled over rounds, one
+    per bucket: samples and tokens summed; the token columns weighted by tokens, the sequence
+    columns by samples, each round's own statistic (so a pooled std is the mean of the rounds'
+    stds, not the std of the pooled ratios)."""
+    by_bucket: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_bucket.setdefault((row["length_lo"], row["length_hi"]), []).append(row)
+    out = []
+    for (lo, hi), group in sorted(by_bucket.items(), key=lambda item: item[0][0]):
+        samples, tokens = sum(r["samples"] for r in group), sum(r["tokens"] for r in group)
+        if not samples:
+            continue
+        out.append({"length_lo": lo, "length_hi": hi, "samples": samples, "tokens": tokens,
+                    "mean_length": tokens / samples, "rounds": sorted({r["round"] for r in group}),
+                    **{k: _weighted(group, k, "tokens") for k in ("token_ratio_std", "token_clip_frac")},
+                    **{k: _weighted(group, k, "samples")
+                       for k in ("token_ratio_within_std", "seq_ratio_std", "seq_clip_frac")}})
+    return out
+
+
+def _weighted(rows: list[dict], key: str, weight: str) -> float:
+    total = sum(r[weight] for r in rows)
+    return sum(r[key] * r[weight] for r in rows) / total if total else float("nan")
+
+
+def spread_sentence(name: str, pooled: list[dict]) -> str:
+    """What the ratio spread of one objective's run says, from its pooled buckets."""
+    kept = [b for b in pooled if b["samples"] >= MIN_BUCKET_SAMPLES]
+    if not kept:
+        return f"{name}: too few samples per length bucket to read the ratio spread."
+    token = [b["token_ratio_std"] for b in kept]
+    seq = [b["seq_ratio_std"] for b in kept]
+    lengths = f"{kept[0]['mean_length']:.1f}-{kept[-1]['mean_length']:.1f} tokens" if len(kept) > 1 else \
+        f"{kept[0]['mean_length']:.1f} tokens"
+    lower = sum(s < t for s, t in zip(seq, token))
+    text = (f"{name}: the sequence ratios' std was {min(seq):.3f}-{max(seq):.3f} against the token ratios' "
+            f"{min(token):.3f}-{max(token):.3f} (mean response lengths {lengths}); lower in {lower} of "
+            f"{len(kept)} length buckets")
+    if len(kept) > 1:
+        trend = lambda first, last: "rose" if last > first * 1.1 else "fell" if last < first / 1.1 else "stayed flat"  # noqa: E731
+        text += (f". From the shortest to the longest bucket the token spread {trend(token[0], token[-1])} and the "
+                 f"sequence spread {trend(seq[0], seq[-1])}")
+    return text + "."
+
+
+def ratio_spreads(result: "StudyResult", objectives: dict[str, str]) -> dict[str, list[dict] | str]:
+    """For each ratio-weighted objective, its first seed's final run measured with
+    `pipelines.ratio_spread.ratio_spread_for_run` and pooled over the measured rounds; a string
+    says why a run could not be measured (no checkpoint that trained on a round, ...)."""
+    import warnings
+
+    from pipelines.ratio_spread import RatioSpreadSkip, ratio_spread_for_run
+
+    out: dict[str, list[dict] | str] = {}
+    for name, objective in objectives.items():
+        if objective not in RATIO_OBJECTIVES:
+            continue
+        run_dir = next(iter(result.finals[name].values()))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RatioSpreadSkip)
+                table = ratio_spread_for_run(run_dir)
+        except (OSError, ValueError) as exc:
+            out[name] = f"not measured ({exc})"
+            continue
+        out[name] = pooled_spread(table.to_pylist()) if table.num_rows else \
+            "not measured (no round has the checkpoint that trained on it: [run] checkpoint_every, [train] keep_last)"
+    return out
+
+
 def report_study(result: "StudyResult") -> Path:
     """Write OUT/report/compare.md, compare.png and measurements.png; returns the folder."""
     from pipelines.spec import read_toml
@@ -441,6 +520,30 @@ def report_study(result: "StudyResult") -> Path:
                                                                     "grad_snr", "zero_adv_frac", "clip_frac")]]
                               for name in names]), ""]
 
+    # -- importance-ratio spread by response length ----------------------------------------------
+    spreads = ratio_spreads(result, {name: o.objective for name, o in runs.items()})
+    if spreads:
+        parts += ["## Importance-ratio spread by response length", "",
+                  "Each ratio-weighted objective's first-seed final run, measured after the fact "
+                  "(pipelines/ratio_spread.py): per response-length bucket, the std of the token ratios r_it and of "
+                  "the sequence ratios s_i (their geometric mean per response) between the behavior log-probs and "
+                  "the checkpoint that trained on the round, pooled over the measured rounds (sample-weighted "
+                  "means of each round's statistic). Clip fractions: ratios outside the paper ranges, 0.2 for "
+                  "tokens and 3e-4 / 4e-4 for sequences.", ""]
+        rows = []
+        for name, pooled in spreads.items():
+            if isinstance(pooled, str):
+                rows.append([name, pooled, "", "", "", "", "", ""])
+                continue
+            for b in pooled:
+                lengths = f"{b['length_lo']}-{b['length_hi']}" if b["length_hi"] is not None else f"{b['length_lo']}+"
+                rows.append([name, lengths, str(b["samples"]), f"{b['token_ratio_std']:.4f}",
+                             f"{b['token_ratio_within_std']:.4f}", f"{b['seq_ratio_std']:.4f}",
+                             f"{100 * b['token_clip_frac']:.1f}", f"{100 * b['seq_clip_frac']:.1f}"])
+        parts += [markdown_table(["objective", "response tokens", "samples", "token ratio std",
+                                  "within-response std", "sequence ratio std", "tokens clipped (%)",
+                                  "sequences clipped (%)"], rows), ""]
+
     # -- figures ------------------------------------------------------------------------------
     from pipelines import plots  # matplotlib only when a report is drawn
 
@@ -452,6 +555,10 @@ def report_study(result: "StudyResult") -> Path:
                                                       n_seeds), report_dir / "measurements.png")
     parts += ["## Figures", "", "![eval accuracy vs samples, wall seconds and steps](compare.png)", "",
               "![per-step measurements averaged over seeds](measurements.png)", ""]
+    measured = {name: pooled for name, pooled in spreads.items() if not isinstance(pooled, str) and pooled}
+    if measured:
+        plots.save_figure(plots.ratio_spread_figure(measured), report_dir / "ratio_spread.png")
+        parts += ["![token vs sequence ratio spread by response length](ratio_spread.png)", ""]
 
     # -- write-up -----------------------------------------------------------------------------
     leaders = {}
@@ -462,6 +569,7 @@ def report_study(result: "StudyResult") -> Path:
         leaders[{"samples": "equal samples", "seconds": "equal wall time", "steps": "equal steps"}[axis]] = (
             max(known, key=lambda k: known[k].mean) if known else None)
     shows.append(ranking_sentence(leaders))
+    shows += [spread_sentence(name, pooled) for name, pooled in spreads.items() if not isinstance(pooled, str)]
     for name, s in swept.items():
         note = tie_note(name, {x.label: s.scores.get(x.slug) for x in s.settings}, s.chosen.label)
         if note:

@@ -28,8 +28,10 @@ from pipelines.study_report import (
     lead_sentence,
     mean_ci,
     pooled_snr,
+    pooled_spread,
     ranking_sentence,
     seed_curves,
+    spread_sentence,
     step_bands,
     t_975,
     tie_note,
@@ -308,6 +310,38 @@ def test_a_run_folder_made_from_another_spec_is_refused(toy_dir, tmp_path, monke
         finished(RunPlan("final toy-grpo seed 0", other, tmp_path / "run"))
 
 
+def _bucket(round, lo, hi, samples, tokens, token_std, within, seq_std, token_clip=0.0, seq_clip=0.0):
+    return {"round": round, "length_lo": lo, "length_hi": hi, "samples": samples, "tokens": tokens,
+            "token_ratio_std": token_std, "token_ratio_within_std": within, "seq_ratio_std": seq_std,
+            "token_clip_frac": token_clip, "seq_clip_frac": seq_clip}
+
+
+def test_ratio_spread_pools_rounds_by_bucket_with_token_and_sample_weights():
+    rows = [_bucket(10, 2, 3, 30, 90, 0.10, 0.05, 0.04, 0.2, 0.5),
+            _bucket(20, 2, 3, 10, 20, 0.20, 0.07, 0.08, 0.4, 1.0),
+            _bucket(20, 4, None, 25, 125, 0.06, 0.03, 0.02)]
+    pooled = pooled_spread(rows)
+    assert [(b["length_lo"], b["length_hi"], b["samples"], b["tokens"], b["rounds"]) for b in pooled] == \
+        [(2, 3, 40, 110, [10, 20]), (4, None, 25, 125, [20])]
+    short = pooled[0]
+    assert short["mean_length"] == pytest.approx(110 / 40)
+    assert short["token_ratio_std"] == pytest.approx((0.10 * 90 + 0.20 * 20) / 110)  # by tokens
+    assert short["token_clip_frac"] == pytest.approx((0.2 * 90 + 0.4 * 20) / 110)
+    assert short["seq_ratio_std"] == pytest.approx((0.04 * 30 + 0.08 * 10) / 40)  # by samples
+    assert short["token_ratio_within_std"] == pytest.approx((0.05 * 30 + 0.07 * 10) / 40)
+    assert short["seq_clip_frac"] == pytest.approx((0.5 * 30 + 1.0 * 10) / 40)
+
+
+def test_ratio_spread_sentences():
+    pooled = pooled_spread([_bucket(1, 2, 3, 40, 100, 0.10, 0.05, 0.05), _bucket(1, 4, 7, 50, 250, 0.15, 0.06, 0.03),
+                            _bucket(1, 8, None, 5, 45, 0.90, 0.5, 0.8)])  # 5 samples: left out
+    assert spread_sentence("grpo", pooled) == (
+        "grpo: the sequence ratios' std was 0.030-0.050 against the token ratios' 0.100-0.150 (mean response "
+        "lengths 2.5-5.0 tokens); lower in 2 of 2 length buckets. From the shortest to the longest bucket the "
+        "token spread rose and the sequence spread fell.")
+    assert spread_sentence("gspo", pooled[2:]) == "gspo: too few samples per length bucket to read the ratio spread."
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end: `groupforge compare` on the toy
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +382,7 @@ def test_compare_runs_a_tiny_study_and_a_rerun_skips_every_run(toy_dir, tmp_path
     out = tmp_path / "study"
     compare_file.write_text(TINY.format(out=out))
     cmd = [sys.executable, "-m", "pipelines.cli", "compare", str(compare_file)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
 
     markdown = (out / "report" / "compare.md").read_text()
@@ -395,8 +429,14 @@ def test_compare_runs_a_tiny_study_and_a_rerun_skips_every_run(toy_dir, tmp_path
         assert row["setting"] == study["objectives"][name]["chosen_label"]
     assert re.search(r"At equal samples \(64 per run: 2 rounds x 8 prompts x 4\), toy-(grpo|sft) (led|and)", markdown)
 
+    # the ratio spread of the grpo run (sft weighs no ratios): round 2, the one its checkpoint trained on
+    spread_rows = _md_rows(markdown, "sequence ratio std")
+    assert {r["objective"] for r in spread_rows} == {"toy-grpo"}
+    assert sum(int(r["samples"]) for r in spread_rows) == 8 * 4
+    assert (out / "report" / "ratio_spread.png").stat().st_size > 0 and "\n- toy-grpo: " in markdown
+
     # a rerun skips every finished run and writes the same tables
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("finished, skipped") == 4 + 6
     assert (out / "report" / "compare.md").read_text() == markdown
