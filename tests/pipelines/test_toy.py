@@ -145,14 +145,21 @@ def test_second_build_is_a_cache_hit(toy_dir: Path):
     assert {p: p.stat().st_mtime_ns for p in toy_dir.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.filterwarnings("ignore:toy warm start ended")
-def test_same_seed_gives_identical_files_and_another_config_rebuilds(tmp_path: Path):
-    a = build_toy(tmp_path / "a", seed=3, progress=False, config=TINY)
-    b = build_toy(tmp_path / "b", seed=3, progress=False, config=TINY)
+def check_same_seed_same_bytes(tmp_path: Path, config) -> Path:
+    """Builds `config` twice with seed 3 (a, b: byte-identical files) and once with seed 4 (c:
+    other weights); returns a."""
+    a = build_toy(tmp_path / "a", seed=3, progress=False, config=config)
+    b = build_toy(tmp_path / "b", seed=3, progress=False, config=config)
     for name in ("model/model.safetensors", "model/tokenizer.json", "train.parquet", "eval.parquet"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    c = build_toy(tmp_path / "c", seed=4, progress=False, config=TINY)
+    c = build_toy(tmp_path / "c", seed=4, progress=False, config=config)
     assert (a / "model/model.safetensors").read_bytes() != (c / "model/model.safetensors").read_bytes()
+    return a
+
+
+@pytest.mark.filterwarnings("ignore:toy warm start ended")
+def test_same_seed_gives_identical_files_and_another_config_rebuilds(tmp_path: Path):
+    a = check_same_seed_same_bytes(tmp_path, TINY)
 
     # A different config (or seed) at the same place is rebuilt and replaces the old build.
     before = json.loads((a / META_FILE).read_text())

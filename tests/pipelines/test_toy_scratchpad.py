@@ -32,6 +32,7 @@ from pipelines.toy import (
 from pipelines.toy_model import TASK_CHARACTERS, greedy_responses, make_tokenizer
 from tests.conftest import REPO
 from tests.pipelines.test_cli import ENV, GROUPFORGE
+from tests.pipelines.test_toy import check_same_seed_same_bytes
 
 SCRATCHPAD = ToyConfig(task="scratchpad")
 # A few warm-start steps on 20 eval prompts and 512 train prompts: the whole build in seconds.
@@ -111,12 +112,7 @@ def test_rewards_give_one_on_the_reference_solution_and_zero_on_a_wrong_answer()
 
 @pytest.mark.filterwarnings("ignore:toy warm start ended")
 def test_same_seed_gives_identical_files(tmp_path: Path):
-    a = build_toy(tmp_path / "a", seed=3, progress=False, config=TINY)
-    b = build_toy(tmp_path / "b", seed=3, progress=False, config=TINY)
-    for name in ("model/model.safetensors", "model/tokenizer.json", "train.parquet", "eval.parquet"):
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    c = build_toy(tmp_path / "c", seed=4, progress=False, config=TINY)
-    assert (a / "model/model.safetensors").read_bytes() != (c / "model/model.safetensors").read_bytes()
+    a = check_same_seed_same_bytes(tmp_path, TINY)
     meta = json.loads((a / META_FILE).read_text())
     assert meta["config"] == TINY.model_dump() and meta["rows"] == {"train": 512, "eval": 20}
     assert meta["model"]["vocab_size"] == 4 + len(TASK_CHARACTERS["scratchpad"]) == 20
