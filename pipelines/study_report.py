@@ -406,9 +406,10 @@ def spread_sentence(name: str, pooled: list[dict]) -> str:
     lengths = f"{kept[0]['mean_length']:.1f}-{kept[-1]['mean_length']:.1f} tokens" if len(kept) > 1 else \
         f"{kept[0]['mean_length']:.1f} tokens"
     lower = sum(s < t for s, t in zip(seq, token))
-    text = (f"{name}: the sequence ratios' std was {min(seq):.3f}-{max(seq):.3f} against the token ratios' "
-            f"{min(token):.3f}-{max(token):.3f} (mean response lengths {lengths}); lower in {lower} of "
-            f"{len(kept)} length buckets")
+    span = lambda values: f"{min(values):.3f}" if f"{min(values):.3f}" == f"{max(values):.3f}" else \
+        f"{min(values):.3f}-{max(values):.3f}"  # noqa: E731
+    text = (f"{name}: the sequence ratios' std was {span(seq)} against the token ratios' {span(token)} (mean "
+            f"response lengths {lengths}); lower in {lower} of {len(kept)} length bucket{'s' * (len(kept) > 1)}")
     if len(kept) > 1:
         trend = lambda first, last: "rose" if last > first * 1.1 else "fell" if last < first / 1.1 else "stayed flat"  # noqa: E731
         text += (f". From the shortest to the longest bucket the token spread {trend(token[0], token[-1])} and the "

@@ -340,6 +340,9 @@ def test_ratio_spread_sentences():
         "lengths 2.5-5.0 tokens); lower in 2 of 2 length buckets. From the shortest to the longest bucket the "
         "token spread rose and the sequence spread fell.")
     assert spread_sentence("gspo", pooled[2:]) == "gspo: too few samples per length bucket to read the ratio spread."
+    assert spread_sentence("sft", pooled[1:]) == (
+        "sft: the sequence ratios' std was 0.030 against the token ratios' 0.150 (mean response lengths 5.0 "
+        "tokens); lower in 1 of 1 length bucket.")
 
 
 # ---------------------------------------------------------------------------------------------
