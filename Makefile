@@ -43,7 +43,7 @@ demo: toy
 test: install lint
 	$(PY) -m pytest -q --durations=30 -m "not exhaustive"
 
-# Everything, the exhaustive cases too (8 more fault kills; ~3 min more).
+# Everything, the exhaustive cases too (13 more fault kills; ~5 min more).
 test-exhaustive: install lint
 	$(PY) -m pytest -q --durations=30
 
