@@ -103,7 +103,8 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
             check_checkpoint(newest)  # and the checkpoint it resumes from is whole
         target = _target_rounds(run_dir, spec, extra_rounds)
         write_atomic(run_dir / SPEC_FILE, resolved_toml(spec))
-        rounds, steps, _ = MetricsLog(run_dir).read() if MetricsLog(run_dir).exists() else ([], [], 0)
+        metrics = MetricsLog(run_dir)
+        rounds, steps, _ = metrics.read() if metrics.exists() else ([], [], 0)
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log,
                            records={record["round"]: record for record in rounds})
         trackers = Trackers(spec.run.trackers, run_dir, spec_params(spec.model_dump(mode="json")), warn=log)
@@ -112,11 +113,12 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
             for round in range(target + 1):
                 if round in ctx.records:
                     continue
-                position = ctx.metrics.position()
+                position = ctx.metrics.position() if trackers else None
                 record = evaluate_start(ctx) if round == 0 else run_round(ctx, round)
                 ctx.metrics.append(record)
                 ctx.records[round] = record.to_dict()
-                trackers.log_records(ctx.metrics.records_since(position))
+                if trackers:  # the round's step lines and its record, read back from metrics.jsonl
+                    trackers.log_records(ctx.metrics.records_since(position))
                 if on_round is not None:
                     on_round(record.to_dict())
             if report or trackers.logged:

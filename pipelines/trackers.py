@@ -45,22 +45,21 @@ from typing import Any, Callable, Iterable, Iterator
 from curation.errors import JobError
 from curation.runlog import read_json, write_json_atomic
 
-TRACKERS = ("tensorboard", "mlflow", "trackio", "wandb")
 TRACKERS_DIR = "trackers"
 STATE_FILE = "state.json"
 PROJECT = "groupforge"
 EXTRA = "trackers"
-AXES = {"round": "round", "step": "step"}
-"""Each metrics.jsonl event and the field its records are logged against."""
+EVENTS = ("round", "step")
+"""The metrics.jsonl events the trackers get; each record is logged against its own number
+(a round record against `round`, a step record against `step`)."""
 ARTIFACTS = ("progress.png", "training.png", "summary.md")
 """The report's files each tracker gets at the end of a run."""
 
-_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "trackio": "trackio", "wandb": "wandb"}
-
 
 def check_installed(names: Iterable[str]) -> None:
-    """A JobError naming the extra to install when a listed tracker's package is missing."""
-    missing = [name for name in names if importlib.util.find_spec(_MODULES[name]) is None]
+    """A JobError naming the extra to install when a listed tracker's package (of the tracker's
+    name) is missing."""
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
     if missing:
         raise JobError(f"[run] trackers lists {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                        f"not installed: pip install 'groupforge[{','.join(missing)}]' (or groupforge[{EXTRA}] "
@@ -265,8 +264,7 @@ class Trackers:
 
     def __init__(self, names: Iterable[str], run_dir: str | Path, params: dict[str, Any],
                  warn: Callable[[str], None] = print):
-        names = list(dict.fromkeys(names))
-        check_installed(names)
+        names = list(dict.fromkeys(names))  # the caller has run check_installed(names)
         self.folder = Path(run_dir) / TRACKERS_DIR
         self.warn = warn
         self.state = (read_json(self.folder / STATE_FILE) or {}) if names else {}
@@ -313,13 +311,12 @@ class Trackers:
             return
         for record in records:
             event = record.get("event")
-            axis = AXES.get(event)
-            index = record.get(axis) if axis else None
+            index = record.get(event) if event in EVENTS else None
             if not isinstance(index, int) or index <= (self.step_mark if event == "step" else self.round_mark):
                 continue
             values = flatten({k: v for k, v in record.items() if k != "event"})
             for tracker in list(self.live):
-                self._call(tracker, "log", axis, index, values)
+                self._call(tracker, "log", event, index, values)
             if event == "step":
                 self.step_mark = index
             else:
