@@ -85,7 +85,7 @@ def split_prompts(train_files: list[str], eval_file: str, size: int, out_dir: Pa
     import pyarrow.parquet as pq
 
     from curation.fingerprints import fingerprint_file
-    from curation.generate.base import load_prompts
+    from curation.generate.base import first_of_each_prompt, load_prompts
 
     folder = out_dir / DATA_DIR
     split = Split(folder / "train.parquet", folder / "validation.parquet", {
@@ -100,10 +100,7 @@ def split_prompts(train_files: list[str], eval_file: str, size: int, out_dir: Pa
                              "folder or delete this one")
         if split.train.is_file() and split.validation.is_file():
             return Split(split.train, split.validation, existing)
-    table = pa.concat_tables([load_prompts(f) for f in train_files], promote_options="default")
-    ids = table.column("prompt_id")
-    first = pc.equal(pc.index_in(ids, ids), pa.array(range(table.num_rows), pa.int32()))
-    table = table.filter(first)  # a prompt in two files counts once
+    table = first_of_each_prompt(pa.concat_tables([load_prompts(f) for f in train_files], promote_options="default"))
     held = validation_ids(table.column("prompt_id").to_pylist(), size,
                           load_prompts(eval_file).column("prompt_id").to_pylist())
     is_held = pc.is_in(table.column("prompt_id"), value_set=pa.array(sorted(held), pa.string()))
@@ -182,8 +179,7 @@ def finished(plan: RunPlan) -> bool:
     if spec_file.is_file() and spec_file.read_text() != resolved_toml(plan.spec):
         raise ValueError(f"{plan.run_dir}: made from another spec than this study's {plan.label} (compare its "
                          f"{SPEC_FILE} with the compare file); use another out folder or delete the run")
-    log = MetricsLog(plan.run_dir)
-    return log.exists() and any(r["round"] >= plan.spec.run.rounds for r in log.rounds())
+    return any(r["round"] >= plan.spec.run.rounds for r in MetricsLog(plan.run_dir).rounds())
 
 
 def execute(plans: list[RunPlan], jobs: int = 1, wait: bool = True, log: Callable[[str], None] = print) -> None:

@@ -259,6 +259,12 @@ def _load_prompts(path: Path) -> pa.Table:
         ids = [prompt_id_of(p, m) for p, m in zip(table.column("prompt").to_pylist(),
                                                    table.column("messages").to_pylist())]
         table = table.set_column(table.column_names.index("prompt_id"), "prompt_id", pa.array(ids, pa.string()))
+    return first_of_each_prompt(table)
+
+
+def first_of_each_prompt(table: pa.Table) -> pa.Table:
+    """The rows of a prompts table whose prompt_id has not come before (a prompt listed twice,
+    or in two files, counts once), in table order."""
     first = pc.equal(pc.index_in(table.column("prompt_id"), table.column("prompt_id")),
                      pa.array(range(table.num_rows), pa.int32()))
     return table.filter(first)
