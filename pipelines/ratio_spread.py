@@ -260,7 +260,7 @@ def ratio_spread_for_run(run_dir: str | Path, rounds: Sequence[int] | None = Non
     from curation.runlog import MetricsLog
     from curation.store import RunStore
     from training.checkpoint import checkpoint_dir, list_checkpoints
-    from training.data import _sampling  # the trainer's reading of the generate manifests
+    from training.data import round_sampling  # the trainer's reading of the generate manifests
 
     run_dir = Path(run_dir)
     store = RunStore(run_dir).snapshot()
@@ -287,7 +287,7 @@ def ratio_spread_for_run(run_dir: str | Path, rounds: Sequence[int] | None = Non
     parts = []
     for round in chosen:
         step, sampled = found[round]
-        sampling = _sampling(store, [round])
+        sampling = round_sampling(store, [round])
         model = _load_policy(checkpoint_dir(run_dir, step), trust_remote_code)
         d, lengths = token_log_ratios(model, samples[round], temperature=sampling["temperature"] or 1.0,
                                       top_k=int(sampling["top_k"] or 0),

@@ -79,7 +79,7 @@ def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[str]:
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 
 
-def _sampling(store: RunStore, rounds: list[int]) -> dict[str, float | None]:
+def round_sampling(store: RunStore, rounds: list[int]) -> dict[str, float | None]:
     """The rounds' temperature, top_k and top_p from their generate manifests (each read
     once): one value per setting, or None when no manifest records it; rounds that differ are
     an error."""
@@ -188,7 +188,7 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
         raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"
                          f"{'' if max_staleness is None else f' within max_staleness={max_staleness}'})")
-    sampling = _sampling(store, chosen)
+    sampling = round_sampling(store, chosen)
     return TrainingData(objective=objective, rounds=chosen, table=table, fingerprint=h.hexdigest(),
                         temperature=sampling["temperature"], top_k=int(sampling["top_k"] or 0),
                         top_p=1.0 if sampling["top_p"] is None else sampling["top_p"])
