@@ -203,8 +203,7 @@ def check_config(config: ToyConfig) -> None:
     if config.task != "addition":
         if config.label_noise:
             raise ValueError(f"label_noise is for the addition task only, not {config.task}")
-        # BOS + "a+b=" + the longest response + EOS
-        longest = 1 + 2 * len(str(config.operand_max)) + 2 + longest_response(config) + 1
+        longest = longest_prompt(config) + longest_response(config) + 1  # + EOS
         if longest > config.max_position_embeddings:
             raise ValueError(
                 f"max_position_embeddings={config.max_position_embeddings} is shorter than the longest "
@@ -236,6 +235,11 @@ def make_problems(config: ToyConfig, seed: int) -> tuple[pa.Table, pa.Table]:
         )
 
     return table(order[config.n_eval : config.n_eval + n_train]), table(order[: config.n_eval])
+
+
+def longest_prompt(config: ToyConfig) -> int:
+    """Tokens of the longest prompt: BOS + "a+b=" with both operands at their widest."""
+    return 1 + 2 * len(str(config.operand_max)) + 2
 
 
 def longest_response(config: ToyConfig) -> int:

@@ -94,12 +94,11 @@ MAX_NEW_TOKENS = 8  # answers are at most 3 characters + EOS; room to see a non-
 def max_new_tokens(config: ToyConfig | None) -> int:
     """Greedy/eval response length: MAX_NEW_TOKENS for addition; for another task its longest
     response + EOS + 7 tokens of room, within max_position_embeddings."""
-    from pipelines.toy import longest_response
+    from pipelines.toy import longest_prompt, longest_response
 
     if config is None or config.task == "addition":
         return MAX_NEW_TOKENS
-    longest_prompt = 1 + 2 * len(str(config.operand_max)) + 2
-    return min(longest_response(config) + 8, config.max_position_embeddings - longest_prompt)
+    return min(longest_response(config) + 8, config.max_position_embeddings - longest_prompt(config))
 
 
 @torch.no_grad()
