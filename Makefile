@@ -40,15 +40,18 @@ demo: toy
 	$(VENV)/bin/groupforge run pipelines/specs/toy-grpo.toml --set run.rounds=60
 
 # ruff first (seconds), then every test; pytest exits non-zero when no test ran (exit 5).
+# Two pytest-xdist workers, a test file at a time each, the long files first (tests/conftest.py);
+# PARALLEL="-n 0" runs them in one process.
+PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: install lint
-	$(PY) -m pytest -q --durations=30 -m "not exhaustive"
+	$(PY) -m pytest -q --durations=30 -m "not exhaustive" $(PARALLEL)
 
 # Everything, the exhaustive cases too (13 more fault kills; ~5 min more).
 test-exhaustive: install lint
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=30 $(PARALLEL)
 
 test-fast: install lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(PARALLEL)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -30,7 +30,7 @@ from pipelines.toy import (
     variant_config,
 )
 from pipelines.toy_model import TASK_CHARACTERS, greedy_responses, make_tokenizer
-from tests.conftest import REPO
+from tests.conftest import REPO, build_lock
 from tests.pipelines.test_cli import ENV, GROUPFORGE
 from tests.pipelines.test_toy import check_same_seed_same_bytes
 
@@ -42,7 +42,9 @@ SPEC = REPO / "pipelines" / "specs" / "toy-scratchpad-grpo.toml"
 
 @pytest.fixture(scope="module")
 def scratchpad_dir() -> Path:
-    return build_toy(REPO / default_out(SCRATCHPAD), progress=False, config=SCRATCHPAD)
+    out = REPO / default_out(SCRATCHPAD)
+    with build_lock(out):
+        return build_toy(out, progress=False, config=SCRATCHPAD)
 
 
 # --- the task and its rewards (no build) ----------------------------------------------------

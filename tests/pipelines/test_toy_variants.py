@@ -31,7 +31,7 @@ from pipelines.toy import (
     supervised_answers,
     variant_config,
 )
-from tests.conftest import REPO
+from tests.conftest import REPO, build_lock
 
 TOY_BUILD = typer.main.get_command(app).commands["toy"].commands["build"]
 # A few warm-start steps on 50 eval prompts: the whole build in seconds.
@@ -194,7 +194,8 @@ def test_a_bad_build_flag_is_one_error_line(tmp_path: Path, argv, message):
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "default"])
 def test_each_variant_reaches_its_warm_start_and_leaves_room_for_group_rl(variant):
     config = VARIANTS[variant]
-    out = build_toy(REPO / default_out(config), progress=False, config=config)
+    with build_lock(REPO / default_out(config)):
+        out = build_toy(REPO / default_out(config), progress=False, config=config)
     meta = json.loads((out / META_FILE).read_text())
     assert meta["warm_start"]["steps"] < config.max_steps  # stopped on the target, not the cap
     assert config.target_accuracy <= meta["eval_greedy_accuracy"] <= config.target_accuracy + 0.1
