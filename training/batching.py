@@ -10,6 +10,12 @@ Positions are next-token positions: column t of `target_mask` / `old_logp` (shap
 is the prediction of token t+1. A row with prompt length p and response length r has
 targets at t = p-1 .. p+r-2, the positions `token_logprobs` returns log-probs for.
 
+With `share_prompts`, the rows of a micro-batch that have the same prompt are also laid out
+as one packed sequence, the prompt followed by its responses (`SharedPrompts`): the model
+computes each prompt once instead of once per response, and each response attends to the
+prompt and to itself only, at the positions it has on its own, so the log-probs are those
+of the unpacked rows (to float rounding). The loss sees the unpacked (b, L-1) layout either way.
+
 `step_normalizer` sums the counts over *all* micro-batches of one optimizer step, so each
 micro-batch's loss is its share of the step loss and the gradient does not depend on the
 split (see `training.objectives.Normalizer`).
@@ -26,7 +32,34 @@ import torch
 
 from training.objectives import Normalizer
 
-__all__ = ["MicroBatch", "pair_batches", "policy_batches", "step_normalizer"]
+__all__ = ["SHARED_MAX_LEN", "MicroBatch", "SharedPrompts", "pair_batches", "policy_batches", "step_normalizer"]
+
+SHARED_MAX_LEN = 1024
+"""share_prompts: the longest packed sequence. A prompt's responses are split over as many
+packed sequences (each repeating the prompt) as keep them under it; a response that alone
+is longer gets one of its own. The attention mask is dense (length^2 per packed sequence),
+hence the cap: sharing pays for short responses after a prompt that is long next to them."""
+
+
+@dataclass
+class SharedPrompts:
+    """A micro-batch laid out so that each prompt is computed once: P packed sequences, each a
+    prompt followed by responses to it. The model runs on these tensors; `source` maps its
+    hidden states back to the micro-batch's (b, L-1) positions."""
+
+    input_ids: torch.LongTensor
+    """(P, Lp) a prompt, then its responses one after another, right-padded with pad_id."""
+    position_ids: torch.LongTensor
+    """(P, Lp) the prompt at 0..p-1, each response at p.. as if it followed the prompt alone."""
+    attention_mask: torch.BoolTensor
+    """(P, 1, Lp, Lp) True where a token may attend: the prompt causally, a response the whole
+    prompt and its own earlier tokens; padding attends to itself only."""
+    source: torch.LongTensor
+    """(N,) for each True of the micro-batch's target_mask (row-major), the flat index
+    p * Lp + t of the packed hidden state that predicts that token."""
+
+    def to(self, device: torch.device | str) -> SharedPrompts:
+        return SharedPrompts(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 @dataclass
@@ -63,11 +96,14 @@ class MicroBatch:
     staleness: torch.LongTensor | None = None
     """(b,) rounds between each sequence's round and the newest round of the table, when it
     has a round column (policy batches only)."""
+    shared: SharedPrompts | None = None
+    """The same sequences with each prompt computed once (policy_batches with share_prompts)."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device`."""
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return MicroBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+        return MicroBatch(**{k: v.to(device) if isinstance(v, (torch.Tensor, SharedPrompts)) else v
+                             for k, v in moved.items()})
 
 
 # ---- reading list columns -----------------------------------------------------------------
@@ -182,9 +218,57 @@ def _buffers(b: int, L: int, pad_id: int, with_old: bool):
             np.zeros((b, L - 1), dtype=bool), np.zeros((b, L - 1), dtype=np.float32) if with_old else None)
 
 
+def _shared_prompts(prompts: _Ragged, responses: _Ragged, group: np.ndarray, pad_id: int,
+                    max_len: int) -> SharedPrompts:
+    """The micro-batch of rows `group` (in this order) packed prompt by prompt (SharedPrompts)."""
+    by_prompt: dict[bytes, list[int]] = {}
+    for j, i in enumerate(group):
+        by_prompt.setdefault(prompts.row(i).tobytes(), []).append(j)
+    packed = []  # (prompt row, [in-batch rows]) per packed sequence
+    for rows in by_prompt.values():
+        p = int(prompts.lengths[group[rows[0]]])
+        current, length = [], p
+        for j in rows:
+            r = int(responses.lengths[group[j]])
+            if current and length + r > max_len:
+                packed.append(current)
+                current, length = [], p
+            current.append(j)
+            length += r
+        packed.append(current)
+    lengths = [int(prompts.lengths[group[rows[0]]] + responses.lengths[group[rows]].sum()) for rows in packed]
+    P, Lp = len(packed), max(lengths)
+    ids = np.full((P, Lp), pad_id, dtype=np.int64)
+    positions = np.zeros((P, Lp), dtype=np.int64)
+    mask = np.zeros((P, 1, Lp, Lp), dtype=bool)
+    mask[:, 0, np.arange(Lp), np.arange(Lp)] = True  # padding attends to itself: no empty softmax row
+    predicts = [np.empty(0, dtype=np.int64)] * len(group)  # per in-batch row: its packed source indices
+    causal = np.tril(np.ones((Lp, Lp), dtype=bool))
+    for q, rows in enumerate(packed):
+        prompt = prompts.row(group[rows[0]])
+        p = prompt.size
+        ids[q, :p] = prompt
+        positions[q, :p] = np.arange(p)
+        mask[q, 0, :p, :p] = causal[:p, :p]
+        s = p
+        for j in rows:
+            response = responses.row(group[j])
+            r = response.size
+            ids[q, s : s + r] = response
+            positions[q, s : s + r] = np.arange(p, p + r)
+            mask[q, 0, s : s + r, :p] = True
+            mask[q, 0, s : s + r, s : s + r] = causal[:r, :r]
+            # token 0 is predicted by the prompt's last state, token k >= 1 by response token k-1
+            predicts[j] = q * Lp + np.concatenate([[p - 1], np.arange(s, s + r - 1)])
+            s += r
+    return SharedPrompts(torch.from_numpy(ids), torch.from_numpy(positions), torch.from_numpy(mask),
+                         torch.from_numpy(np.concatenate(predicts).astype(np.int64)))
+
+
 # ---- public --------------------------------------------------------------------------------
 
-def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[MicroBatch]:
+def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_prompts: bool = False,
+                   shared_max_len: int = SHARED_MAX_LEN) -> list[MicroBatch]:
     """Micro-batches of a samples-like table for the policy losses (grpo, gspo, sft).
 
     Columns: prompt_token_ids, response_token_ids (list<int>); optional old_logprobs and
@@ -192,7 +276,8 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[
     there, else behavior_logprobs) and behavior_logp (when both are there); optional
     advantage (float) -> advantages (zeros when absent); optional policy_version (int) ->
     policy_version; optional round (int) -> staleness. Every row lands in exactly one
-    micro-batch.
+    micro-batch. `share_prompts`: each micro-batch also carries `shared` (SharedPrompts, packed
+    sequences no longer than `shared_max_len`), which the log-probs are computed from.
     """
     _check_budget(token_budget)
     _require(table, ["prompt_token_ids", "response_token_ids"], "policy_batches")
@@ -230,7 +315,9 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[
                                   policy_version=None if versions is None
                                   else torch.from_numpy(versions[group].astype(np.int64)),
                                   behavior_logp=None if behavior_buf is None else torch.from_numpy(behavior_buf),
-                                  staleness=None if staleness is None else torch.from_numpy(staleness[group])))
+                                  staleness=None if staleness is None else torch.from_numpy(staleness[group]),
+                                  shared=_shared_prompts(prompts, responses, group, pad_id, shared_max_len)
+                                  if share_prompts else None))
     return batches
 
 

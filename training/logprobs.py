@@ -42,10 +42,15 @@ every real token of a right-padded row; the attention mask keeps padded keys out
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from training.lora import is_peft
+
+if TYPE_CHECKING:
+    from training.batching import SharedPrompts
 
 __all__ = ["ChunkedTokenLogProbs", "token_logprobs", "token_logprobs_reference", "truncate_"]
 
@@ -206,6 +211,15 @@ def _lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return body, head
 
 
+def _attention_mask(body: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """A custom (P, 1, Lp, Lp) mask as the model's attention takes it: sdpa and the other
+    kernels a boolean (True: attend), eager an additive float mask."""
+    if getattr(body.config, "_attn_implementation", None) != "eager":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(torch.float32).min)
+
+
 def _check_inputs(input_ids, attention_mask, target_mask) -> None:
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be (B, L), got "
@@ -218,7 +232,8 @@ def _check_inputs(input_ids, attention_mask, target_mask) -> None:
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    target_mask: torch.Tensor, *, temperature: float = 1.0,
-                   chunk_tokens: int = 2048, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+                   chunk_tokens: int = 2048, top_k: int = 0, top_p: float = 1.0,
+                   shared: SharedPrompts | None = None) -> torch.Tensor:
     """Per-token log-probs of the next token, only where `target_mask` is True.
 
     Returns logp of shape (B, L-1): logp[b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1])
@@ -227,7 +242,9 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     for a float64 model), differentiable w.r.t. every model parameter. The B x L x V logits
     are never materialised, in forward or backward (see the module docstring); under
     autocast the head matmuls run in the autocast dtype and the log-softmax in float32.
-    Rows must be right-padded.
+    Rows must be right-padded. `shared` (training.batching.SharedPrompts): the model runs on
+    its packed sequences instead, each prompt once, and the states are mapped back to these
+    rows; input_ids and target_mask still give the targets and the output's layout.
     """
     _check_inputs(input_ids, attention_mask, target_mask)
     if chunk_tokens <= 0:
@@ -237,8 +254,13 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     if not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"top_p must be in (0, 1] and top_k >= 0, got top_p {top_p}, top_k {top_k}")
     body, head = _lm_parts(model)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    hidden = hidden[:, :-1][target_mask]  # (N, H): the states that predict a response token
+    if shared is None:
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = hidden[:, :-1][target_mask]  # (N, H): the states that predict a response token
+    else:
+        packed = body(input_ids=shared.input_ids, attention_mask=_attention_mask(body, shared.attention_mask),
+                      position_ids=shared.position_ids, use_cache=False).last_hidden_state
+        hidden = packed.reshape(-1, packed.shape[-1])[shared.source]
     targets = input_ids[:, 1:][target_mask]
     device_type = hidden.device.type
     compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)

@@ -63,7 +63,7 @@ class StepContext:
         compute = getattr(model, "groupforge_logprobs", None) or (lambda *a, **k: token_logprobs(model, *a, **k))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return compute(mb.input_ids, mb.attention_mask, mb.target_mask,
-                           temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+                           temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, shared=mb.shared)
 
     def reference_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
         if self.reference is None:

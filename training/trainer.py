@@ -34,6 +34,7 @@ same metrics lines. The caller must replay those calls before training on anythi
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -128,19 +129,37 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def step_rows(num_rows: int, batch_size: int, seed: int, segment_start: int, step: int) -> np.ndarray:
+def step_rows(num_rows: int, batch_size: int, seed: int, segment_start: int, step: int,
+              groups: np.ndarray | None = None) -> np.ndarray:
     """Row indices of optimizer step `step`: consecutive slices of a stream of seeded
     permutations of the rows (epoch e uses permutation e), counted from `segment_start`,
     the step after which these rows were first trained on. Depends on nothing else, so a
-    resumed run draws exactly the rows an uninterrupted one would."""
+    resumed run draws exactly the rows an uninterrupted one would. `groups` (a group id per
+    row, 0..n_groups-1): epoch e permutes the groups instead, each group's rows together in
+    row order, so a step holds whole groups (one may straddle two steps)."""
     size = min(batch_size, num_rows)
     first = (step - segment_start - 1) * size
     out = []
     for epoch in range(first // num_rows, (first + size - 1) // num_rows + 1):
-        perm = np.random.default_rng([seed, segment_start, epoch]).permutation(num_rows)
+        rng = np.random.default_rng([seed, segment_start, epoch])
+        if groups is None:
+            perm = rng.permutation(num_rows)
+        else:
+            rank = np.empty(int(groups.max()) + 1, dtype=np.int64)
+            rank[rng.permutation(rank.size)] = np.arange(rank.size)
+            perm = np.lexsort((np.arange(num_rows), rank[groups]))
         lo, hi = max(first - epoch * num_rows, 0), min(first + size - epoch * num_rows, num_rows)
         out.append(perm[lo:hi])
     return np.concatenate(out)
+
+
+def prompt_groups(table: pa.Table) -> np.ndarray:
+    """A group id per row: rows with the same prompt_token_ids share one (first seen: 0, ...)."""
+    ids: dict[bytes, int] = {}
+    column = table.column("prompt_token_ids").combine_chunks()
+    offsets, values = column.offsets.to_numpy(), column.values.to_numpy(zero_copy_only=False)
+    return np.array([ids.setdefault(values[a:b].tobytes(), len(ids)) for a, b in zip(offsets[:-1], offsets[1:])],
+                    dtype=np.int64)
 
 
 def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
@@ -233,7 +252,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     if cfg.objective == "pairwise":
         loss, micro_batches, micro_step = get_pair_loss(cfg.objective), pair_batches, pair_micro_step
     else:
-        loss, micro_batches, micro_step = get_policy_loss(cfg.objective), policy_batches, policy_micro_step
+        loss, micro_step = get_policy_loss(cfg.objective), policy_micro_step
+        micro_batches = functools.partial(policy_batches, share_prompts=cfg.share_prompts)
     ctx = StepContext(
         policy=policy, reference=reference, loss=loss,
         objective=cfg.objective_config(longest_response=_longest_response(data.table)),
@@ -253,9 +273,10 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     metrics: dict[str, Any] = {}
     saved = None
     size = min(cfg.batch_size, table.num_rows)
+    groups = prompt_groups(table) if cfg.share_prompts and table.num_rows else None
     for step in range(start_step + 1, steps + 1):
         tic = time.perf_counter()
-        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step)
+        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step, groups)
         mine = world.shard(rows)  # every rank draws the same rows and takes its share
         batch = micro_batches(table.take(pa.array(mine)), cfg.token_budget, pad_id=ctx.pad_id) if len(mine) else []
         lr = lr_at(step, cfg, steps)

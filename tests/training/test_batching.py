@@ -266,7 +266,8 @@ def _step_grads(model, batches, loss_of):
     norm = step_normalizer(batches)
     total = 0.0
     for batch in batches:
-        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, chunk_tokens=16)
+        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, chunk_tokens=16,
+                              shared=batch.shared)
         loss = loss_of(logp, batch, norm)
         loss.backward()
         total += loss.item()
@@ -359,3 +360,69 @@ def test_pairwise_split_invariance(toy64, cfg):
         return loss
 
     _assert_split_invariant(toy64, lambda budget: pair_batches(table, budget), loss_of)
+
+
+# ---- share_prompts: each prompt computed once ------------------------------------------------
+
+def test_shared_prompts_layout_exact():
+    table = _policy_table(prompts=[[1, 5], [1, 7, 8], [1, 5]], responses=[[9, 10], [11], [12, 13, 14]])
+    (batch,) = policy_batches(table, 100, pad_id=0, share_prompts=True)
+    assert batch.rows.tolist() == [0, 1, 2]  # sorted by length (4, 4, 5 tokens), ties by row
+    shared = batch.shared
+    # one packed sequence per prompt, in the order the prompts first appear in the micro-batch
+    assert shared.input_ids.tolist() == [[1, 5, 9, 10, 12, 13, 14], [1, 7, 8, 11, 0, 0, 0]]
+    assert shared.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4], [0, 1, 2, 3, 0, 0, 0]]
+    m = shared.attention_mask[0, 0].int().tolist()
+    assert m[1] == [1, 1, 0, 0, 0, 0, 0]  # prompt: causal
+    assert m[3] == [1, 1, 1, 1, 0, 0, 0]  # response 1, token 2: the prompt and its own tokens
+    assert m[5] == [1, 1, 0, 0, 1, 1, 0]  # response 2, token 2: the prompt and its own tokens, not response 1
+    assert shared.attention_mask[1, 0, 5].int().tolist() == [0, 0, 0, 0, 0, 1, 0]  # padding: itself only
+    # row 0's 9, 10 <- packed (0, 1), (0, 2); row 1's 11 <- (1, 2); row 2's 12, 13, 14 <- (0, 1), (0, 4), (0, 5)
+    L = 7
+    assert shared.source.tolist() == [1, 2, L + 2, 1, 4, 5]
+    assert int(batch.target_mask.sum()) == shared.source.numel()
+
+
+def _grouped_table(rng, groups=6, max_group=8):
+    prompts, responses = [], []
+    for _ in range(groups):
+        prompt = [1] + rng.integers(3, 18, size=int(rng.integers(2, 9))).tolist()
+        k = int(rng.integers(1, max_group + 1))
+        prompts += [prompt] * k
+        responses += _random_lists(rng, k, 1, 10)
+    n = len(prompts)
+    return _policy_table(prompts, responses, logprobs=[(-rng.uniform(0.1, 3, len(r))).tolist() for r in responses],
+                         advantage=rng.normal(size=n).tolist())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("max_len", [1024, 24], ids=["one-per-prompt", "split-prompts"])
+def test_shared_prompts_give_the_unpacked_logprobs_and_gradient(toy_dir, attn, max_len):
+    model = AutoModelForCausalLM.from_pretrained(toy_dir / "model", dtype=torch.float32,
+                                                 attn_implementation=attn).to(torch.float64)
+    table = _grouped_table(np.random.default_rng(5))
+    (plain,) = policy_batches(table, 100_000)
+    (shared,) = policy_batches(table, 100_000, share_prompts=True, shared_max_len=max_len)
+    assert shared.shared.input_ids.numel() < plain.input_ids.numel()  # fewer tokens to run
+    if max_len == 24:  # some prompt's responses went to two packed sequences
+        assert shared.shared.input_ids.shape[0] > len(set(map(tuple, table.column("prompt_token_ids").to_pylist())))
+        assert shared.shared.input_ids.shape[1] <= 24 + 9
+    lp_plain = token_logprobs(model, plain.input_ids, plain.attention_mask, plain.target_mask)
+    lp_shared = token_logprobs(model, shared.input_ids, shared.attention_mask, shared.target_mask,
+                               shared=shared.shared)
+    # eager attention takes its softmax in float32 whatever the model's dtype: rounding, not a bug
+    atol, grad_atol = (1e-10, 1e-6) if attn == "sdpa" else (1e-5, 1e-4)
+    torch.testing.assert_close(lp_shared, lp_plain, atol=atol, rtol=0)
+    cfg = ObjectiveConfig(agg="token-mean")
+
+    def loss_of(logp, batch, norm):
+        return get_policy_loss("grpo")(logp, batch.old_logp.to(logp.dtype), batch.advantages.to(logp.dtype),
+                                       batch.target_mask, cfg, norm=norm)[0]
+
+    loss_1, grads_1 = _step_grads(model, [plain], loss_of)
+    loss_2, grads_2 = _step_grads(model, policy_batches(table, 60, share_prompts=True, shared_max_len=max_len),
+                                  loss_of)  # split into micro-batches too
+    assert loss_2 == pytest.approx(loss_1, abs=grad_atol)
+    assert sum(g.norm() ** 2 for g in grads_1.values()) > 1e-6
+    for name, g in grads_1.items():
+        torch.testing.assert_close(grads_2[name], g, atol=grad_atol, rtol=0, msg=name)

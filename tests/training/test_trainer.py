@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,6 +35,29 @@ def test_step_rows_are_a_seeded_stream_of_permutations():
     assert list(step_rows(10, 4, seed=3, segment_start=0, step=2)) == list(rows[1])  # pure function
     assert list(step_rows(10, 4, seed=4, segment_start=0, step=1)) != list(rows[0])
     assert sorted(step_rows(3, 8, seed=0, segment_start=5, step=6)) == [0, 1, 2]  # batch capped at the rows
+
+
+def test_step_rows_by_group_keep_each_group_together():
+    groups = np.array([2, 0, 1, 2, 3, 0, 2, 4, 3, 1, 2, 4])  # 12 rows in 5 groups, not adjacent
+    rows = [step_rows(12, 4, seed=1, segment_start=0, step=s, groups=groups) for s in range(1, 7)]
+    epoch = np.concatenate(rows[:3])
+    assert sorted(epoch) == list(range(12))  # an epoch is a permutation of the rows
+    stream = groups[epoch]
+    assert [g for i, g in enumerate(stream) if i == 0 or g != stream[i - 1]] == list(dict.fromkeys(stream))
+    assert all(list(epoch[stream == g]) == sorted(epoch[stream == g]) for g in range(5))  # row order inside
+    assert not np.array_equal(np.concatenate(rows[3:]), epoch)  # the next epoch, another group order
+    assert np.array_equal(step_rows(12, 4, seed=1, segment_start=0, step=2, groups=groups), rows[1])  # pure
+
+
+def test_share_prompts_trains_on_policy_and_is_not_for_pairwise(run_copy, toy_dir):
+    cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=256, lr=1e-4, share_prompts=True)
+    train(run_copy, cfg, steps=2, model=toy_dir / "model")
+    first, second = step_records(run_copy)
+    # step 1: the shared layout's log-probs are the sampler's (same weights, same positions)
+    assert first["behavior_logp_gap"] < 1e-4 and first["ratio_max"] == pytest.approx(1.0, abs=1e-3)
+    assert second["grad_norm"] > 0 and first["rows"] == 32
+    with pytest.raises(ValueError, match="share_prompts is for the policy objectives"):
+        TrainConfig(objective="pairwise", share_prompts=True)
 
 
 def test_lr_schedule_warmup_then_cosine():
