@@ -72,6 +72,9 @@ class TrainConfig(BaseModel):
                            "groups of the same prompt, in a seeded order) so that a step holds whole groups. "
                            "Pays when prompts are long next to responses: 2x fewer forward tokens on the toy. "
                            "Packed sequences are capped at 1,024 tokens (the mask is dense).")
+    share_prompts_rows: int | None = Field(
+        None, ge=1, description="share_prompts: a step draws a group's rows in runs of this many (more prompts a "
+                                "step, less sharing); default: the whole group.")
     old_logprobs: Literal["generator", "recompute"] = Field(
         "generator", description="old_logp from samples.behavior_logprobs (bypass mode: the PPO ratio is "
                                  "current/behavior), or recomputed by the trainer when it first trains on a set "

@@ -130,27 +130,41 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
 
 
 def step_rows(num_rows: int, batch_size: int, seed: int, segment_start: int, step: int,
-              groups: np.ndarray | None = None) -> np.ndarray:
+              groups: np.ndarray | None = None, per_group: int | None = None) -> np.ndarray:
     """Row indices of optimizer step `step`: consecutive slices of a stream of seeded
     permutations of the rows (epoch e uses permutation e), counted from `segment_start`,
     the step after which these rows were first trained on. Depends on nothing else, so a
     resumed run draws exactly the rows an uninterrupted one would. `groups` (a group id per
-    row, 0..n_groups-1): epoch e permutes the groups instead, each group's rows together in
-    row order, so a step holds whole groups (one may straddle two steps)."""
+    row, 0..n_groups-1): epoch e permutes units instead, a unit being a group's rows in row
+    order, cut into runs of `per_group` rows (None: the whole group), so a step holds whole
+    units (one may straddle two steps)."""
     size = min(batch_size, num_rows)
     first = (step - segment_start - 1) * size
+    units = None if groups is None else _units(groups, per_group)
     out = []
     for epoch in range(first // num_rows, (first + size - 1) // num_rows + 1):
         rng = np.random.default_rng([seed, segment_start, epoch])
-        if groups is None:
+        if units is None:
             perm = rng.permutation(num_rows)
         else:
-            rank = np.empty(int(groups.max()) + 1, dtype=np.int64)
+            rank = np.empty(int(units.max()) + 1, dtype=np.int64)
             rank[rng.permutation(rank.size)] = np.arange(rank.size)
-            perm = np.lexsort((np.arange(num_rows), rank[groups]))
+            perm = np.lexsort((np.arange(num_rows), rank[units]))
         lo, hi = max(first - epoch * num_rows, 0), min(first + size - epoch * num_rows, num_rows)
         out.append(perm[lo:hi])
     return np.concatenate(out)
+
+
+def _units(groups: np.ndarray, per_group: int | None) -> np.ndarray:
+    """A unit id per row: its group, or with `per_group` its group's k-th run of that many rows."""
+    if per_group is None:
+        return groups
+    order = np.lexsort((np.arange(groups.size), groups))
+    starts = np.flatnonzero(np.r_[True, groups[order][1:] != groups[order][:-1]])
+    position = np.empty(groups.size, dtype=np.int64)
+    position[order] = np.arange(groups.size) - np.repeat(starts, np.diff(np.r_[starts, groups.size]))
+    _, units = np.unique(groups * (groups.size + 1) + position // per_group, return_inverse=True)
+    return units
 
 
 def prompt_groups(table: pa.Table) -> np.ndarray:
@@ -276,7 +290,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     groups = prompt_groups(table) if cfg.share_prompts and table.num_rows else None
     for step in range(start_step + 1, steps + 1):
         tic = time.perf_counter()
-        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step, groups)
+        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step, groups,
+                         cfg.share_prompts_rows)
         mine = world.shard(rows)  # every rank draws the same rows and takes its share
         batch = micro_batches(table.take(pa.array(mine)), cfg.token_budget, pad_id=ctx.pad_id) if len(mine) else []
         lr = lr_at(step, cfg, steps)

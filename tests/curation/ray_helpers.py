@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import os
-from pathlib import Path
+import shutil
+import tempfile
 
 import pyarrow as pa
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a test's own local cluster needs no tokens
 
 
-def ray_temp_dir(tmp_path_factory) -> str:
-    """A short temp folder for Ray's sessions and sockets (unix socket paths are limited to 107 bytes)."""
-    return str(Path(tmp_path_factory.mktemp("ray")).resolve())
+def ray_temp_dir(tmp_path_factory=None) -> str:
+    """A short temp folder for Ray's sessions and sockets: unix socket paths are limited to 107
+    bytes, and pytest's (with xdist's popen-gwN) leave too little. Removed at exit."""
+    path = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def sample_columns(samples: pa.Table) -> list[dict]:

@@ -190,8 +190,10 @@ def test_a_bad_build_flag_is_one_error_line(tmp_path: Path, argv, message):
 # --- the real variants (slow: each builds in ~15-35 s, cached in runs/toy-<variant>) --------------
 
 
+# deep only changes the layer count (the longest build, ~50 s): `make test-exhaustive` builds it
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "default"])
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.exhaustive) if v == "deep" else v
+                                     for v in VARIANTS if v != "default"])
 def test_each_variant_reaches_its_warm_start_and_leaves_room_for_group_rl(variant):
     config = VARIANTS[variant]
     with build_lock(REPO / default_out(config)):

@@ -47,6 +47,12 @@ def test_step_rows_by_group_keep_each_group_together():
     assert all(list(epoch[stream == g]) == sorted(epoch[stream == g]) for g in range(5))  # row order inside
     assert not np.array_equal(np.concatenate(rows[3:]), epoch)  # the next epoch, another group order
     assert np.array_equal(step_rows(12, 4, seed=1, segment_start=0, step=2, groups=groups), rows[1])  # pure
+    # per_group=2: a group's rows in runs of two (its 1st and 2nd row, its 3rd and 4th, ...)
+    halves = np.concatenate([step_rows(12, 4, seed=1, segment_start=0, step=s, groups=groups, per_group=2)
+                             for s in (1, 2, 3)])
+    assert sorted(halves) == list(range(12))
+    pairs = {tuple(sorted(halves[i : i + 2])) for i in range(0, 12, 2)}
+    assert pairs == {(0, 3), (6, 10), (2, 9), (1, 5), (4, 8), (7, 11)}
 
 
 def test_share_prompts_trains_on_policy_and_is_not_for_pairwise(run_copy, toy_dir):
