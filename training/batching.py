@@ -224,7 +224,7 @@ def _shared_prompts(prompts: _Ragged, responses: _Ragged, group: np.ndarray, pad
     by_prompt: dict[bytes, list[int]] = {}
     for j, i in enumerate(group):
         by_prompt.setdefault(prompts.row(i).tobytes(), []).append(j)
-    packed = []  # (prompt row, [in-batch rows]) per packed sequence
+    packed = []  # per packed sequence: its in-batch rows, all of one prompt
     for rows in by_prompt.values():
         p = int(prompts.lengths[group[rows[0]]])
         current, length = [], p
