@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +33,8 @@ import torch
 
 from training.objectives import Normalizer
 
-__all__ = ["SHARED_MAX_LEN", "MicroBatch", "SharedPrompts", "pair_batches", "policy_batches", "step_normalizer"]
+__all__ = ["SHARED_MAX_LEN", "MicroBatch", "SharedPrompts", "pair_batches", "policy_batches", "prompt_groups",
+           "step_normalizer"]
 
 SHARED_MAX_LEN = 1024
 """share_prompts: the longest packed sequence. A prompt's responses are split over as many
@@ -218,14 +220,19 @@ def _buffers(b: int, L: int, pad_id: int, with_old: bool):
             np.zeros((b, L - 1), dtype=bool), np.zeros((b, L - 1), dtype=np.float32) if with_old else None)
 
 
+def _same_prompt(prompts: _Ragged, rows: Iterable[int]) -> dict[bytes, list[int]]:
+    """The positions in `rows` of each distinct prompt (its token ids' bytes), first seen first."""
+    by_prompt: dict[bytes, list[int]] = {}
+    for j, i in enumerate(rows):
+        by_prompt.setdefault(prompts.row(i).tobytes(), []).append(j)
+    return by_prompt
+
+
 def _shared_prompts(prompts: _Ragged, responses: _Ragged, group: np.ndarray, pad_id: int,
                     max_len: int) -> SharedPrompts:
     """The micro-batch of rows `group` (in this order) packed prompt by prompt (SharedPrompts)."""
-    by_prompt: dict[bytes, list[int]] = {}
-    for j, i in enumerate(group):
-        by_prompt.setdefault(prompts.row(i).tobytes(), []).append(j)
     packed = []  # per packed sequence: its in-batch rows, all of one prompt
-    for rows in by_prompt.values():
+    for rows in _same_prompt(prompts, group).values():
         p = int(prompts.lengths[group[rows[0]]])
         current, length = [], p
         for j in rows:
@@ -365,6 +372,16 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
                                   weight=torch.from_numpy(weight[group].astype(np.float32)),
                                   num_pairs=k))
     return batches
+
+
+def prompt_groups(table: pa.Table) -> np.ndarray:
+    """A group id per row of a table with prompt_token_ids: rows with the same prompt share one
+    (numbered as first seen), the key share_prompts packs by."""
+    prompts = _ragged(table, "prompt_token_ids")
+    groups = np.empty(table.num_rows, dtype=np.int64)
+    for g, rows in enumerate(_same_prompt(prompts, range(table.num_rows)).values()):
+        groups[rows] = g
+    return groups
 
 
 def step_normalizer(batches: list[MicroBatch]) -> Normalizer:

@@ -49,7 +49,7 @@ from curation.faults import fault_point
 from curation.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
 from training import distributed, lora
-from training.batching import pair_batches, policy_batches
+from training.batching import pair_batches, policy_batches, prompt_groups
 from training.config import TrainConfig, steps_for_passes
 from training.data import POLICY_OBJECTIVES, load_training_data
 from training.objectives import get_pair_loss, get_policy_loss
@@ -130,17 +130,15 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
 
 
 def step_rows(num_rows: int, batch_size: int, seed: int, segment_start: int, step: int,
-              groups: np.ndarray | None = None, per_group: int | None = None) -> np.ndarray:
+              units: np.ndarray | None = None) -> np.ndarray:
     """Row indices of optimizer step `step`: consecutive slices of a stream of seeded
     permutations of the rows (epoch e uses permutation e), counted from `segment_start`,
     the step after which these rows were first trained on. Depends on nothing else, so a
-    resumed run draws exactly the rows an uninterrupted one would. `groups` (a group id per
-    row, 0..n_groups-1): epoch e permutes units instead, a unit being a group's rows in row
-    order, cut into runs of `per_group` rows (None: the whole group), so a step holds whole
-    units (one may straddle two steps)."""
+    resumed run draws exactly the rows an uninterrupted one would. `units` (a unit id per
+    row, 0..n_units-1; `group_units`): epoch e permutes the units instead, each unit's rows
+    together in row order, so a step holds whole units (one may straddle two steps)."""
     size = min(batch_size, num_rows)
     first = (step - segment_start - 1) * size
-    units = None if groups is None else _units(groups, per_group)
     out = []
     for epoch in range(first // num_rows, (first + size - 1) // num_rows + 1):
         rng = np.random.default_rng([seed, segment_start, epoch])
@@ -155,8 +153,9 @@ def step_rows(num_rows: int, batch_size: int, seed: int, segment_start: int, ste
     return np.concatenate(out)
 
 
-def _units(groups: np.ndarray, per_group: int | None) -> np.ndarray:
-    """A unit id per row: its group, or with `per_group` its group's k-th run of that many rows."""
+def group_units(groups: np.ndarray, per_group: int | None = None) -> np.ndarray:
+    """step_rows' units: a group id per row, or with `per_group` a unit per run of that many
+    rows of a group (its 1st..per_group-th rows in row order, the next ones, ...)."""
     if per_group is None:
         return groups
     order = np.lexsort((np.arange(groups.size), groups))
@@ -165,15 +164,6 @@ def _units(groups: np.ndarray, per_group: int | None) -> np.ndarray:
     position[order] = np.arange(groups.size) - np.repeat(starts, np.diff(np.r_[starts, groups.size]))
     _, units = np.unique(groups * (groups.size + 1) + position // per_group, return_inverse=True)
     return units
-
-
-def prompt_groups(table: pa.Table) -> np.ndarray:
-    """A group id per row: rows with the same prompt_token_ids share one (first seen: 0, ...)."""
-    ids: dict[bytes, int] = {}
-    column = table.column("prompt_token_ids").combine_chunks()
-    offsets, values = column.offsets.to_numpy(), column.values.to_numpy(zero_copy_only=False)
-    return np.array([ids.setdefault(values[a:b].tobytes(), len(ids)) for a, b in zip(offsets[:-1], offsets[1:])],
-                    dtype=np.int64)
 
 
 def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
@@ -287,11 +277,11 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     metrics: dict[str, Any] = {}
     saved = None
     size = min(cfg.batch_size, table.num_rows)
-    groups = prompt_groups(table) if cfg.share_prompts and table.num_rows else None
+    units = group_units(prompt_groups(table), cfg.share_prompts_rows) if cfg.share_prompts and table.num_rows \
+        else None  # share_prompts: a step draws a prompt's rows together
     for step in range(start_step + 1, steps + 1):
         tic = time.perf_counter()
-        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step, groups,
-                         cfg.share_prompts_rows)
+        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step, units)
         mine = world.shard(rows)  # every rank draws the same rows and takes its share
         batch = micro_batches(table.take(pa.array(mine)), cfg.token_budget, pad_id=ctx.pad_id) if len(mine) else []
         lr = lr_at(step, cfg, steps)

@@ -12,7 +12,7 @@ import pyarrow as pa
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a test's own local cluster needs no tokens
 
 
-def ray_temp_dir(tmp_path_factory=None) -> str:
+def ray_temp_dir() -> str:
     """A short temp folder for Ray's sessions and sockets: unix socket paths are limited to 107
     bytes, and pytest's (with xdist's popen-gwN) leave too little. Removed at exit."""
     path = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")

@@ -26,9 +26,9 @@ SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=11)
 
 
 @pytest.fixture(scope="module")
-def engines(toy_dir, tmp_path_factory):
+def engines(toy_dir):
     """Two vLLM engines (one CPU each) on a private 2-CPU Ray instance."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=ray_temp_dir(tmp_path_factory),
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=ray_temp_dir(),
              logging_level="WARNING")
     settings = GeneratorConfig(engines=2, dtype="float32")
     generator = make_generator("vllm", toy_dir / "model", **settings.generator_kwargs("vllm"))

@@ -19,7 +19,7 @@ from tests.curation.ray_helpers import ray_temp_dir, sample_columns
 SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=5)
 
 
-def test_one_engine_per_node_on_a_three_node_cluster(toy_dir, tmp_path, tmp_path_factory):
+def test_one_engine_per_node_on_a_three_node_cluster(toy_dir, tmp_path):
     prompts_file = tmp_path / "prompts.parquet"
     pq.write_table(pq.read_table(toy_dir / "eval.parquet").slice(0, 64), prompts_file)
     local = VLLMGenerator(toy_dir / "model", dtype="float32")
@@ -30,7 +30,7 @@ def test_one_engine_per_node_on_a_three_node_cluster(toy_dir, tmp_path, tmp_path
 
     os.makedirs("/tmp/ray", exist_ok=True)  # Cluster records its address in /tmp/ray whatever temp_dir says
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                            "temp_dir": ray_temp_dir(tmp_path_factory)})
+                                                            "temp_dir": ray_temp_dir()})
     workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     try:

@@ -18,7 +18,7 @@ from curation.faults import FAULT_ENV
 from tests.conftest import REPO
 from training import checkpoint as ckpt
 from training.config import TrainConfig
-from training.trainer import lr_at, step_rows, train
+from training.trainer import group_units, lr_at, step_rows, train
 
 
 def step_records(run_dir):
@@ -39,16 +39,16 @@ def test_step_rows_are_a_seeded_stream_of_permutations():
 
 def test_step_rows_by_group_keep_each_group_together():
     groups = np.array([2, 0, 1, 2, 3, 0, 2, 4, 3, 1, 2, 4])  # 12 rows in 5 groups, not adjacent
-    rows = [step_rows(12, 4, seed=1, segment_start=0, step=s, groups=groups) for s in range(1, 7)]
+    rows = [step_rows(12, 4, seed=1, segment_start=0, step=s, units=groups) for s in range(1, 7)]
     epoch = np.concatenate(rows[:3])
     assert sorted(epoch) == list(range(12))  # an epoch is a permutation of the rows
     stream = groups[epoch]
     assert [g for i, g in enumerate(stream) if i == 0 or g != stream[i - 1]] == list(dict.fromkeys(stream))
     assert all(list(epoch[stream == g]) == sorted(epoch[stream == g]) for g in range(5))  # row order inside
     assert not np.array_equal(np.concatenate(rows[3:]), epoch)  # the next epoch, another group order
-    assert np.array_equal(step_rows(12, 4, seed=1, segment_start=0, step=2, groups=groups), rows[1])  # pure
+    assert np.array_equal(step_rows(12, 4, seed=1, segment_start=0, step=2, units=groups), rows[1])  # pure
     # per_group=2: a group's rows in runs of two (its 1st and 2nd row, its 3rd and 4th, ...)
-    halves = np.concatenate([step_rows(12, 4, seed=1, segment_start=0, step=s, groups=groups, per_group=2)
+    halves = np.concatenate([step_rows(12, 4, seed=1, segment_start=0, step=s, units=group_units(groups, 2))
                              for s in (1, 2, 3)])
     assert sorted(halves) == list(range(12))
     pairs = {tuple(sorted(halves[i : i + 2])) for i in range(0, 12, 2)}
