@@ -57,3 +57,58 @@ def test_hf_samples_the_full_vocabulary(tmp_path, toy_dir):
                         "response_token_ids": [c.token_ids for c in groups[0]]})
     got = [c.logprobs for c in groups[0]]
     assert mean_abs_diff(got, transformers_logprobs(model.eval(), samples)) < 1e-4
+
+
+def test_hf_greedy_matches_transformers_generate_one_prompt_at_a_time(toy_dir):
+    """Batched (left padding, rows leaving the cache at EOS) greedy equals transformers'
+    own `generate` on each prompt alone."""
+    import pyarrow.parquet as pq
+
+    from curation.generate.hf import HFGenerator
+
+    generator = HFGenerator(toy_dir / "model", batch_size=16)
+    prompts = pq.read_table(toy_dir / "eval.parquet").column("prompt").to_pylist()[:30]
+    prompts[::3] = [p.replace("+", "+0+") for p in prompts[::3]]  # longer prompts among the rest
+    prompts[1::7] = [p[1:] for p in prompts[1::7]]  # and shorter ones
+    ids = [generator.tokenize(p, None) for p in prompts]
+    assert len({len(x) for x in ids}) > 1, "the batch should mix prompt lengths"
+    model = load_fp32(toy_dir / "model")
+    expected = []
+    for prompt_ids in ids:
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=8,
+                             eos_token_id=sorted(generator.eos_ids), pad_token_id=generator.pad_id,
+                             top_k=None, top_p=None, temperature=None)
+        expected.append(generator.tokenizer.decode(out[0, len(prompt_ids):], skip_special_tokens=True))
+    assert generator.greedy(ids, 8) == expected
+
+
+def test_hf_top_k_and_top_p_sample_from_the_truncated_distribution(toy_dir):
+    """top_k / top_p: every sampled token is inside the kept set of a fresh forward, and its
+    behavior logprob is log softmax over that set."""
+    from curation.generate.hf import HFGenerator
+
+    generator = HFGenerator(toy_dir / "model")
+    model = load_fp32(toy_dir / "model")
+    ids = [generator.tokenize(p, None) for p in ("12+34=", "7+5=", "40+60=")]
+    for cfg in (SamplingConfig(group_size=16, max_tokens=8, temperature=1.5, top_k=2),
+                SamplingConfig(group_size=16, max_tokens=8, temperature=1.5, top_p=0.6)):
+        groups = generator.sample(ids, [1, 2, 3], cfg)
+        checked = 0
+        for prompt_ids, group in zip(ids, groups):
+            for completion in group:
+                seq = torch.tensor([prompt_ids + completion.token_ids])
+                with torch.no_grad():
+                    logits = model(seq).logits[0, len(prompt_ids) - 1 : -1] / cfg.temperature
+                probs, order = logits.softmax(-1).sort(-1, descending=True)
+                if cfg.top_k:
+                    kept = torch.arange(logits.shape[-1]) < cfg.top_k
+                    kept = kept.expand_as(probs)
+                else:
+                    kept = probs.cumsum(-1) - probs < cfg.top_p
+                for t, token in enumerate(completion.token_ids):
+                    allowed = order[t][kept[t]]
+                    assert token in allowed.tolist()
+                    want = logits[t, allowed].log_softmax(-1)[(allowed == token).nonzero()[0, 0]]
+                    assert abs(completion.logprobs[t] - want.item()) < 1e-4
+                    checked += 1
+        assert checked > 48
