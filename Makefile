@@ -35,9 +35,9 @@ toy: install
 
 # The round loop on the toy: GRPO rounds of sampling (transformers: backend "auto" on this
 # 0.5M model), curation and training, a line per round, and runs/toy-grpo/report/ (plots,
-# summary). The first 60 of toy-grpo's 90 rounds, to fit 3 minutes. Rerunning shows the result.
+# summary). The first 90 of toy-grpo's 180 rounds (its lr decay), to fit 3 minutes. Rerunning shows the result.
 demo: toy
-	$(VENV)/bin/groupforge run pipelines/specs/toy-grpo.toml --set run.rounds=60
+	$(VENV)/bin/groupforge run pipelines/specs/toy-grpo.toml --set run.rounds=90
 
 # ruff first (seconds), then every test; pytest exits non-zero when no test ran (exit 5).
 # Two pytest-xdist workers, a test file at a time each, the long files first (tests/conftest.py);

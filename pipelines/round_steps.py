@@ -284,9 +284,7 @@ def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int,
     `[train] passes` the steps that draw its rows that many times. Checkpoints every
     `checkpoint_every` rounds and in the last. Returns (policy_version after, cosine horizon)."""
     spec = ctx.spec
-    # A cosine schedule spans the whole run unless the spec pins decay_steps (a run extended
-    # with --rounds +K stretches it from there on).
-    decay_steps = spec.train.decay_steps or ctx.target_rounds * spec.run.steps_per_round
+    decay_steps = cosine_horizon(spec, ctx.target_rounds)
     cfg = train_config(spec, round, decay_steps)
     steps = spec.run.steps_per_round
     if cfg.passes is not None:
@@ -299,6 +297,15 @@ def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int,
     except NoTrainingData as exc:
         ctx.log(f"round {round}: no training ({exc})")
         return start_version, decay_steps
+
+
+def cosine_horizon(spec: PipelineSpec, target_rounds: int) -> int:
+    """The step where a cosine lr reaches its floor: train.decay_steps if pinned, else the end of
+    round run.decay_rounds, or of the run's last round when that comes first or decay_rounds is
+    unset (a run extended with --rounds +K stretches an unpinned schedule from there on)."""
+    if spec.train.decay_steps:
+        return spec.train.decay_steps
+    return min(spec.run.decay_rounds or target_rounds, target_rounds) * spec.run.steps_per_round
 
 
 def train_config(spec: PipelineSpec, round: int, decay_steps: int) -> TrainConfig:
@@ -352,8 +359,7 @@ def replay(ctx: RoundContext, round: int, start_version: int) -> None:
         if 0 < done < round and record.policy_version > have and record.steps > 0:
             ctx.log(f"round {round}: replaying round {done} (steps {record.policy_version - record.steps + 1}.."
                     f"{record.policy_version}; no checkpoint holds them)")
-            decay_steps = record.decay_steps or ctx.spec.train.decay_steps or \
-                ctx.target_rounds * ctx.spec.run.steps_per_round
+            decay_steps = record.decay_steps or cosine_horizon(ctx.spec, ctx.target_rounds)
             _train(ctx, train_config(ctx.spec, done, decay_steps), record.policy_version, save=False)
             have = record.policy_version
 

@@ -120,6 +120,10 @@ class RunSection(_Section):
                       description="Run name; the default run folder is runs/<name>.")
     rounds: int = Field(8, ge=0, description="Training rounds after round 0 (the evaluation of the start model).")
     steps_per_round: int = Field(4, ge=1, description="Optimizer steps per round.")
+    decay_rounds: int | None = Field(
+        None, ge=1, description="[train] lr_schedule = 'cosine': the lr reaches min_lr_ratio x lr at the end of this "
+                                "round and stays there (a shorter run decays over all of its rounds); default: "
+                                "the last round. train.decay_steps, when set, wins.")
     replay_rounds: int = Field(
         0, ge=0, description="Also train on up to this many earlier rounds (subject to train.max_staleness).")
     seed: int = Field(0, description="Seeds prompt choice, sampling and row order.")

@@ -122,6 +122,29 @@ def test_eval_every_checkpoint_every_replay_and_the_breakdown(tmp_path, toy_dir)
     assert round_1.split(" | ")[1] == "—"  # no eval in round 1
 
 
+def test_decay_rounds_holds_the_cosine_floor_after_that_round(tmp_path, toy_dir):
+    """[run] decay_rounds = 2 of 4 rounds (2 steps each): the lr falls along the cosine to
+    min_lr_ratio x lr by step 4 and stays there; a run shorter than decay_rounds decays over
+    all of its rounds, as without the option."""
+    import math
+
+    from pipelines.round_steps import cosine_horizon
+
+    lr, floor = 1e-4, 0.1
+    cosine = ["train.lr_schedule=cosine", f"train.min_lr_ratio={floor}", "run.decay_rounds=2"]
+    spec = load_spec(_spec(tmp_path, toy_dir, rounds=4, eval_every=4), overrides=cosine)
+    run_pipeline(spec, tmp_path / "run", log=lambda msg: None)
+    got = {step: record["lr"] for step, record in _steps(tmp_path / "run").items()}
+    want = {step: lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step, 4) / 4)))
+            for step in range(1, 9)}
+    assert got == pytest.approx(want, rel=1e-9)
+    assert got[4] == got[8] == pytest.approx(lr * floor)
+
+    assert cosine_horizon(spec, 4) == 4  # 2 rounds x 2 steps
+    assert cosine_horizon(spec, 1) == 2  # a 1-round run decays over its own round
+    assert cosine_horizon(load_spec(_spec(tmp_path, toy_dir), overrides=["train.decay_steps=7"]), 4) == 7
+
+
 def test_the_loop_pairs_every_round_when_asked_and_groupforge_pair_does_it_afterwards(tmp_path, toy_dir):
     spec_file = _spec(tmp_path, toy_dir, rounds=2)
     every = run_pipeline(load_spec(spec_file, overrides=["run.pairs=every_round"]), tmp_path / "every",
