@@ -5,6 +5,10 @@
         commit.record(rows_in=..., drops=...)   # counts for the manifest
     # here: part files renamed into place, stale parts of the stage removed, manifest written
 
+`encode_part` does a write's validation and Parquet encoding without touching the disk, and
+`Commit.put` stages what it made: the round loop encodes a stage's tables at once and leaves
+the commit to a background thread (pipelines/round_steps.py `Publisher`).
+
 The manifest (`RUN/_manifests/<stage>-round=<n>.json`) is written last: it is the commit
 point. It records each output file's sha256 (hashed while it was written), size and mtime_ns
 (`output_files`), so the next stage fingerprints its inputs without reading them again
@@ -15,13 +19,13 @@ forgets (see curation/store.py for the run layout).
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
 import shutil
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,7 @@ from curation.fingerprints import (
     file_stat,
     remember_fingerprint,
 )
-from curation.runlog import fsync_dir, read_json, to_json, write_atomic
+from curation.runlog import fsync_dir, read_json, to_json
 from curation.store import ROUND_TABLES, RunStore, check_name, check_round
 from curation.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
 
@@ -51,6 +55,52 @@ _COMMIT_ROUND: Any = object()  # default of Commit.write(round=...): the commit'
 SKIPPED_WHEN_EMPTY = frozenset({"rejects"})
 """Tables of which an empty write leaves no part file (no rows dropped: nothing to keep, and a
 file fewer to write, sync and fingerprint)."""
+
+
+@dataclass(frozen=True)
+class EncodedPart:
+    """One part file's table, validated against its contract and encoded as Parquet (zstd)
+    in memory: what a commit writes, known (bytes, rows, sha256) before any file is."""
+
+    table: str
+    final: Path
+    """Where the commit puts it: RUN/<table>/round=<n>/part-<part>.parquet."""
+    rel: str
+    data: pa.Table
+    payload: pa.Buffer
+    sha256: str
+
+
+def part_file(store: RunStore, stage: str, table: str, part: str | None, round: int | None) -> tuple[Path, str]:
+    """(path, path relative to the run) of stage `stage`'s part `part` (default: the stage's
+    name) of `table` in `round` (None: prompts, not partitioned)."""
+    if table in ROUND_TABLES and round is None:
+        raise ValueError(f"the {table} table is partitioned by round; give a round")
+    final = store.partition_dir(table, round) / f"part-{check_name(part or stage, 'part')}.parquet"
+    return final, final.relative_to(store.root).as_posix()
+
+
+def encode_part(store: RunStore, stage: str, table: str, data: pa.Table, part: str | None = None,
+                round: int | None = None) -> EncodedPart | None:
+    """`data` validated as `table` and encoded for stage `stage`'s part file (see `part_file`),
+    without touching the disk; None for an empty table of SKIPPED_WHEN_EMPTY (no file)."""
+    final, rel = part_file(store, stage, table, part, round)
+    data = data if isinstance(data, pa.Table) else pa.table(data)
+    data = schema.validate(data, table, source=f"{rel}, written by stage {stage!r}")
+    if table in SKIPPED_WHEN_EMPTY and data.num_rows == 0:
+        return None
+    if round is not None and data.num_rows:
+        bounds = pc.min_max(data["round"])
+        lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+        if (lo, hi) != (round, round):
+            raise schema.SchemaError(f"{table} table ({rel}): column 'round' holds {lo}..{hi}, "
+                                     f"but it is written to round={round}")
+    # Encoded in memory, then hashed and written in one go (a Python file object in between
+    # would take pyarrow's many small writes one call at a time: ~2x the write).
+    encoded = pa.BufferOutputStream()
+    pq.write_table(data, encoded, compression="zstd")
+    payload = encoded.getvalue()
+    return EncodedPart(table, final, rel, data, payload, hashlib.sha256(payload).hexdigest())
 
 
 class Commit:
@@ -77,14 +127,22 @@ class Commit:
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
         self._owners: dict[bool, dict[str, str]] | None = None  # round table or prompts -> {output: stage}
         self._tmp: Path | None = None
+        self._pending: bool | None = None  # any journal pending when the commit started writing
+        self._inside: set[Path] = set()  # table folders checked to resolve inside the run folder
+        self._root_resolved = store.root.resolve()
 
     def __enter__(self) -> Commit:
         prefix = f"{self.stage}-round={self.round}-"
+        tmp_root = self.store.root / "_tmp"
         # Callers hold the run's lock: a temp folder of this stage and round is a killed commit's
         # (its staged parts, a large round's slices), never one in progress.
-        for stale in (self.store.root / "_tmp").glob(f"{glob.escape(prefix)}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        self._tmp = self.store.root / "_tmp" / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            stale = [entry.path for entry in os.scandir(tmp_root) if entry.name.startswith(prefix)]
+        except FileNotFoundError:
+            stale = []
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        self._tmp = tmp_root / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._tmp.mkdir(parents=True)
         return self
 
@@ -110,45 +168,51 @@ class Commit:
             raise RuntimeError("Commit.write must be called inside `with store.commit(...)`")
         if round is _COMMIT_ROUND:
             round = None if table == "prompts" else self.round
-        if table in ROUND_TABLES and round is None:
-            raise ValueError(f"the {table} table is partitioned by round; give a round")
-        part = check_name(part or self.stage, "part")
-        final = self.store.partition_dir(table, round) / f"part-{part}.parquet"
-        rel = final.relative_to(self.store.root).as_posix()
-        inside = final.parent.resolve()
-        if not inside.is_relative_to(self.store.root.resolve()):  # a table folder linked elsewhere
-            raise ValueError(f"{rel}: the folder resolves to {inside}, outside the run folder {self.store.root} "
-                             "(a symlink?); refusing to write there")
+        final, rel = part_file(self.store, self.stage, table, part, round)
+        self._check_target(final, rel)
+        encoded = encode_part(self.store, self.stage, table, data, part, round)
+        if encoded is not None:  # None: an empty rejects table, no file (an earlier attempt's is stale)
+            self._stage_file(encoded, hold)
+
+    def put(self, encoded: EncodedPart, hold: bool = True) -> None:
+        """Stage a part that `encode_part` validated and encoded beforehand (the round loop
+        encodes a stage's tables at once and leaves the commit to a background thread)."""
+        if self._tmp is None:
+            raise RuntimeError("Commit.put must be called inside `with store.commit(...)`")
+        self._check_target(encoded.final, encoded.rel)
+        self._stage_file(encoded, hold)
+
+    def _check_target(self, final: Path, rel: str) -> None:
+        """A part file this commit may write: inside the run folder, once, not another stage's."""
+        self._check_inside(final.parent, rel)
         if final in self._staged:
             raise ValueError(f"{rel} is written twice in one commit of stage {self.stage!r}")
         owner = self._owner(rel)
         if owner is not None and owner != self.stage:
             raise ValueError(f"{rel} belongs to stage {owner!r}; "
                              f"stage {self.stage!r} must write another part name")
-        data = data if isinstance(data, pa.Table) else pa.table(data)
-        data = schema.validate(data, table, source=f"{rel}, written by stage {self.stage!r}")
-        if table in SKIPPED_WHEN_EMPTY and data.num_rows == 0:
-            return  # no file; an earlier attempt's part is deleted as stale when the commit publishes
-        if round is not None and data.num_rows:
-            lo, hi = pc.min(data["round"]).as_py(), pc.max(data["round"]).as_py()
-            if (lo, hi) != (round, round):
-                raise schema.SchemaError(f"{table} table ({rel}): column 'round' holds {lo}..{hi}, "
-                                         f"but it is written to round={round}")
-        # Encoded in memory, hashed and written in one go (a Python file object in between
-        # would take pyarrow's many small writes one call at a time: ~2x the write).
-        encoded = pa.BufferOutputStream()
-        pq.write_table(data, encoded, compression="zstd")
-        payload = encoded.getvalue()
+
+    def _stage_file(self, encoded: EncodedPart, hold: bool) -> None:
         tmp = self._tmp / f"{len(self._staged):06d}.parquet"  # flat: no folders to make and remove
-        with disk_write(final), open(tmp, "wb") as f:  # a full disk names the table folder
-            f.write(payload)
+        with disk_write(encoded.final), open(tmp, "wb") as f:  # a full disk names the table folder
+            f.write(encoded.payload)
             f.flush()
             os.fsync(f.fileno())
-        self._staged[final] = tmp
-        self._rows[rel] = data.num_rows
-        self._sha256[rel] = hashlib.sha256(payload).hexdigest()
+        self._staged[encoded.final] = tmp
+        self._rows[encoded.rel] = encoded.data.num_rows
+        self._sha256[encoded.rel] = encoded.sha256
         if hold:
-            self._tables[rel] = data
+            self._tables[encoded.rel] = encoded.data
+
+    def _check_inside(self, folder: Path, rel: str) -> None:
+        """Refuse a table folder that resolves outside the run folder (a symlink), once per folder."""
+        if folder in self._inside:
+            return
+        inside = folder.resolve()
+        if not inside.is_relative_to(self._root_resolved):
+            raise ValueError(f"{rel}: the folder resolves to {inside}, outside the run folder {self.store.root} "
+                             "(a symlink?); refusing to write there")
+        self._inside.add(folder)
 
     def scratch(self, name: str) -> Path:
         """A path in this commit's temp folder (removed with it, whatever happens) for files a
@@ -175,15 +239,16 @@ class Commit:
         """The manifests and pending journals that can list a file of this commit: those of
         its round for a round table (a part file of round n is only ever written in round n),
         every one for prompts (not partitioned by round)."""
-        pattern = f"*-round={self.round}.*" if round_table else "*"
-        return [path for path in sorted((self.store.root / "_manifests").glob(pattern))
+        if round_table:
+            return sorted(self.store.round_manifests(self.round) + self.store.round_manifests(self.round, ".pending"))
+        return [path for path in sorted((self.store.root / "_manifests").glob("*"))
                 if path.suffix in (".json", ".pending")]
 
     def _owner(self, rel: str) -> str | None:
         """The stage whose manifest (or pending journal) lists `rel`, if any; looked up only
         when the file exists or a journal is pending (a new file has no owner)."""
         round_table = Path(rel).parts[0] != "prompts"
-        if not (self.store.root / rel).exists() and not any((self.store.root / "_manifests").glob("*.pending")):
+        if not (self.store.root / rel).exists() and not self._journals_pending():
             return None
         if self._owners is None or round_table not in self._owners:
             self._owners = self._owners or {}
@@ -194,6 +259,16 @@ class Commit:
                     found[out] = manifest.get("stage")
             self._owners[round_table] = found
         return self._owners[round_table].get(rel)
+
+    def _journals_pending(self) -> bool:
+        """Whether any commit's journal (`_manifests/*.pending`) is there (looked up once per commit)."""
+        if self._pending is None:
+            try:
+                entries = os.scandir(self.store.root / "_manifests")
+                self._pending = any(entry.name.endswith(".pending") for entry in entries)
+            except FileNotFoundError:
+                self._pending = False
+        return self._pending
 
     def _listed_elsewhere(self, candidates: set[str]) -> set[str]:
         """The `candidates` that another manifest lists too (a prompts part shared by rounds)."""
@@ -217,7 +292,8 @@ class Commit:
         before = {rel for rel in before if _is_part_file(rel)}  # never delete anything else
         outputs = sorted(self._rows)
         journal = {"stage": self.stage, "round": self.round, "outputs": sorted(before | set(outputs))}
-        write_atomic(journal_path, to_json(journal), tmp_dir=self._tmp)
+        journal_path.parent.mkdir(exist_ok=True)
+        self._put(journal_path, to_json(journal))
         fault_point("commit.journal_written")
         touched = set()
         files = {}
@@ -245,10 +321,25 @@ class Commit:
         }))
         manifest = to_json({**content, SEAL_FIELD: seal_of(content)})  # an edit by hand shows (curation/verify.py)
         fault_point("commit.files_published")
-        write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
+        self._put(manifest_path, manifest)  # last: the commit point
         journal_path.unlink()
         self.written = {rel: (files[rel], self._tables[rel]) for rel in outputs if rel in self._tables}
         shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)
+
+
+    def _put(self, path: Path, text: str) -> None:
+        """`text` at `path` whole or not at all, and durable: written and fsynced in the commit's
+        temp folder, renamed into place, the folder fsynced (runlog.write_atomic without its
+        mkstemp and dead-temp scan: the temp folder is this commit's own)."""
+        tmp = self._tmp / f"{path.name}.tmp"
+        with disk_write(path):
+            with open(tmp, "wb") as f:
+                f.write(text.encode("utf-8"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        fsync_dir(path.parent)
 
 
 def _is_part_file(rel: str) -> bool:

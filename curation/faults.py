@@ -13,7 +13,7 @@ one dictionary lookup. The points, where they sit and what a kill there leaves b
     train.step_logged          an optimizer step's metrics line is written
     checkpoint.weights_written a checkpoint's weights are in its temp folder, no optimizer state
     checkpoint.optimizer_written  ... and its optimizer state, no trainer_state.json (not complete)
-    loop.after_curate          a round's curation is committed, training not started
+    loop.after_curate          a round's curation is computed (its commits may still be in flight), training not started
     loop.reload                the engine is loading new weights
     loop.eval                  the greedy evaluation is running
     export.before_rename       an export file is written to its temp path

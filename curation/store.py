@@ -362,11 +362,21 @@ class RunStore:
     def load_manifest(self, stage: str, round: int) -> dict | None:
         return read_json(self.manifest_path(stage, round))
 
+    def round_manifests(self, round: int, suffix: str = ".json") -> list[Path]:
+        """The manifests (`suffix` ".pending": the journals) of every stage of `round`, by name
+        (one scan of the folder: a run of many rounds holds thousands; the loop asks each stage)."""
+        tail = f"-round={check_round(round)}{suffix}"
+        try:
+            entries = os.scandir(self.root / "_manifests")
+            return sorted(Path(entry.path) for entry in entries if entry.name.endswith(tail))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def recorded_files(self, round: int) -> dict[str, dict]:
         """{relative path: {sha256, size, mtime_ns}} of every file the round's manifests record
         as written (`output_files`; manifests of older runs record none)."""
         recorded: dict[str, dict] = {}
-        for path in sorted((self.root / "_manifests").glob(f"*-round={check_round(round)}.json")):
+        for path in self.round_manifests(round):
             files = (read_json(path) or {}).get("output_files")
             if isinstance(files, dict):
                 recorded.update(files)
@@ -379,7 +389,7 @@ class RunStore:
         no prompts part): then only the whole prompts table is sure to hold its prompts."""
         samples = {path.relative_to(self.root).as_posix() for path in self.files("samples", round)}
         prompts: set[str] = set()
-        for path in (self.root / "_manifests").glob(f"*-round={check_round(round)}.json"):
+        for path in self.round_manifests(round):
             outputs = set((read_json(path) or {}).get("outputs", []))
             mine = outputs & samples
             listed = {rel for rel in outputs if rel.startswith("prompts/")}

@@ -38,7 +38,7 @@ from curation.faults import fault_point
 from curation.generate.base import Generator
 from curation.generate.stage import GenerateResult, generate, make_generator, resolve_backend
 from curation.runlog import PHASES, MetricsLog, RoundRecord
-from curation.stages.runner import StageReport, run_stage
+from curation.stages.runner import StageReport, fresh_round, prepare_stage, run_stage
 from curation.store import RunStore
 from pipelines.curate import STAGES
 from pipelines.spec import PipelineSpec
@@ -88,6 +88,61 @@ class Phases:
                       {**self.seconds, "other": max(0.0, wall - known)}.items()}
 
 
+class Publisher:
+    """The round loop's curation commits, made in order by one background thread while the
+    loop goes on to train: the stages hand their tables over in memory, and the files and
+    manifests land beside the optimizer steps (`prepare_stage`). `settle()` waits for every
+    commit so far (and raises the first failure); the loop settles before anything reads the
+    round's files and before the round's record is written, so a recorded round is a
+    committed one, as before. After a failed commit the later ones are not made."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[dict]] = []
+        self._failed = False
+
+    def submit(self, publish: Callable[[], dict]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupforge-commit")
+        self._pending.append(self._pool.submit(self._run, publish))
+
+    def _run(self, publish: Callable[[], dict]) -> dict:
+        if self._failed:
+            raise RuntimeError("not committed: an earlier commit of the round failed")
+        try:
+            return publish()
+        except BaseException:
+            self._failed = True
+            raise
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    def settle(self) -> dict[str, tuple[dict, pa.Table]]:
+        """Wait for every commit submitted so far; their `written` entries merged (the files as
+        published: size and mtime_ns). Raises the first commit's error."""
+        pending, self._pending = self._pending, []
+        written: dict[str, tuple[dict, pa.Table]] = {}
+        error: BaseException | None = None
+        for future in pending:
+            try:
+                written.update(future.result())
+            except BaseException as exc:  # wait for the rest (they are skipped), then raise the first
+                error = error or exc
+        self._failed = False
+        if error is not None:
+            raise error
+        return written
+
+    def close(self) -> None:
+        """Let the pending commits finish (a commit is never cut by the loop itself) and stop the thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._pending = []
+
+
 @dataclass
 class EvalSet:
     """The eval prompts as the engine and the metric take them: read and tokenized once per run."""
@@ -126,6 +181,14 @@ class RoundContext:
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
     ranks: "TrainerRanks | None" = None
     """The trainer ranks (Ray actors) of `[train] nproc` > 1, started on first use."""
+    publisher: Publisher = field(default_factory=Publisher)
+    """The round's curation commits, made in the background (`curate`)."""
+
+    def settle(self) -> None:
+        """Wait for the round's background commits; `held` then has their files as published."""
+        if self.publisher.busy:
+            published = self.publisher.settle()
+            self.held.update({rel: entry for rel, entry in published.items() if rel in self.held})
 
     def finish_prefetch(self) -> None:
         """Wait for a generate call still running in the background (it commits atomically or
@@ -235,11 +298,21 @@ def loop_stages(spec: PipelineSpec) -> tuple[str, ...]:
 
 def curate(ctx: RoundContext, round: int, stages: Sequence[str] = STAGES) -> dict[str, StageReport]:
     """`stages` (default score -> filter -> label -> pair) on the round; each stage reads what
-    the ones before it just committed from memory (`ctx.held`)."""
+    the ones before it produced from memory (`ctx.held`). On a fresh round (`fresh_round`: the
+    loop's first curation of it) each stage's commit is made by `ctx.publisher` in the
+    background (`prepare_stage`), and `ctx.settle()` waits for them; otherwise (a resumed
+    round, a refill, a round taken in slices) each stage commits before the next one runs."""
     reports = {}
+    ctx.settle()
+    background = fresh_round(ctx.store, round, stages, ctx.held)
     for stage in stages:
         with ctx.clock(stage):
-            reports[stage] = run_stage(stage, ctx.run_dir, round, getattr(ctx.spec, stage), held=ctx.held)
+            if background:
+                prepared = prepare_stage(stage, ctx.store, round, getattr(ctx.spec, stage), ctx.held)
+                ctx.publisher.submit(prepared.publish)
+                reports[stage] = prepared.report
+            else:
+                reports[stage] = run_stage(stage, ctx.run_dir, round, getattr(ctx.spec, stage), held=ctx.held)
         ctx.held.update(reports[stage].written)
     return reports
 

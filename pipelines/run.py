@@ -24,7 +24,9 @@ The run's lock keeps a second job off the same run.
 
 Within one process the loop keeps what it already has: the trainer's model and optimizer
 (`TrainSession`), the new weights for the engine (loaded from memory, no checkpoint read),
-the tokenized eval prompts, the round records, and the tables the stages just committed.
+the tokenized eval prompts, the round records, and the tables the stages just produced: on a
+fresh round each curation stage reads the one before from memory, and their commits are made
+by a background thread (`Publisher`) that the round waits for before its record is written.
 
 The run folder's non-table files (spec.toml, pipeline.json, metrics.jsonl, _rounds/) are
 named, read and written by curation/runlog.py; a round's record is its `RoundRecord`. The
@@ -127,6 +129,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
                 trackers.finish(report_run(run_dir))
         finally:
             trackers.close()
+            ctx.publisher.close()
             ctx.finish_prefetch()
             if ctx.generator is not None:
                 ctx.generator.close()
@@ -156,6 +159,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     reports = curate(ctx, round, stages)
     refilled = 0
     if spec.run.refill is not None:
+        ctx.settle()  # refill samples and curates again from the round's files
         reports, refilled = refill(ctx, round, start_version, reports, stages)
     ctx.held.clear()
     fault_point("loop.after_curate")
@@ -163,6 +167,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
         prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start_version)
 
     # -- train -------------------------------------------------------------------------------
+    ctx.settle()
     since = ctx.metrics.position()
     steps, decay_steps = train_round(ctx, round, start_version)
     rates = [s["tokens_per_s"] for s in ctx.metrics.records_since(since)
@@ -173,6 +178,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     stats = round_stats(ctx.store, round, reports)
     tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in sampling_manifests(ctx.store, round))
                               for key in ("response_tokens", "sample_seconds"))
+    ctx.settle()  # the round's commits are made before its record says it is done (a wait is "other")
     wall, phases = clock.result()
     decimals = builtins.round  # `round` is the round number here
     return RoundRecord(

@@ -135,5 +135,6 @@ def weights_fingerprint(weights: "Mapping[str, torch.Tensor] | str | Path") -> s
     for name in sorted(weights):
         tensor = weights[name].detach().to("cpu").contiguous()
         h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        if tensor.numel():
+            h.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the bytes in place: no copy
     return h.hexdigest()

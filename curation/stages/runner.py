@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import polars as pl
@@ -61,6 +61,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.commit import encode_part
 from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.fingerprints import FileCache, file_stat, known_fingerprint
@@ -171,7 +172,7 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
     if not store.files(main, round):
         raise FileNotFoundError(f"run {store.root} has no {main} for round {round}; run {_writer_of(main)} first")
 
-    slices = _slice_count(store, module, cfg, round, own)
+    slices = _slice_count(store, module, cfg, round, own, held or {})
     if slices > 1:
         return _run_sliced(module, store, round, cfg, inputs, config, own, slices)
     started = time.perf_counter()
@@ -192,6 +193,92 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
                        seconds=time.perf_counter() - started, written=commit.written)
 
 
+@dataclass
+class PreparedStage:
+    """A stage's round computed in memory, its commit not yet made (`prepare_stage`)."""
+
+    report: StageReport
+    """What run_stage would return, `written` included, whose entries hold each part's
+    sha256 and size, and mtime_ns None until `publish` has put the file in place."""
+    publish: Callable[[], dict[str, tuple[dict, pa.Table]]]
+    """Make the commit (files, then manifest): what run_stage commits, byte for byte. Returns
+    the commit's `written` (with mtime_ns). Call it once, in order after the earlier stages'."""
+
+
+def fresh_round(store: RunStore, round: int, stages: Sequence[str | ModuleType],
+                held: Mapping[str, tuple[dict, pa.Table]]) -> bool:
+    """Whether `prepare_stage` may run `stages` (in order) on `round`: none of them has a
+    manifest or a pending journal for it, every part file the round holds of a table they
+    read or write is one `held` has as it is on disk (the round loop: the samples the
+    generate stage just committed), and no stage would take the round in slices."""
+    modules = [stage_module(stage) for stage in stages]
+    names = {module.STAGE for module in modules}
+    for path in store.round_manifests(round) + store.round_manifests(round, ".pending"):
+        if path.name.rsplit("-round=", 1)[0] in names:
+            return False  # run before: run_stage decides what is up to date
+    tables = {table for module in modules for table in (*module.READS, *module.WRITES)} - {"prompts"}
+    rows: dict[str, int] = {}
+    for table in tables:
+        for path in store.files(table, round):
+            part = _held(held, store, path)
+            if part is None:
+                return False
+            rows[table] = rows.get(table, 0) + part.num_rows
+    return all(rows.get(module.READS[0], 0) <= slice_rows() for module in modules)
+
+
+def prepare_stage(stage: str | ModuleType, store: RunStore, round: int, cfg,
+                  held: Mapping[str, tuple[dict, pa.Table]]) -> PreparedStage:
+    """run_stage's work on a round `fresh_round` accepted, from the tables in `held` (the
+    generate stage's and the earlier stages' outputs, published or not), without a file
+    read or written: inputs fingerprinted from their sha256, the transform, and its tables
+    validated and encoded. The commit is left to `PreparedStage.publish`, so the round loop
+    can go on (train) while a background thread writes (pipelines/round_steps.py). The
+    manifest it writes is the one run_stage would: run_stage afterwards finds it up to date."""
+    module = stage_module(stage)
+    name = module.STAGE
+    own = (name,) if set(module.READS) & set(module.WRITES) else ()
+    parts: dict[str, list[tuple[str, pa.Table]]] = {table: [] for table in module.READS}
+    for rel in sorted(held):  # as store.files lists them: by name within the round folder
+        name_of = rel.split("/", 1)[0]
+        if name_of in parts and name_of != "prompts" and not _own_part(Path(rel), own):
+            parts[name_of].append((rel, held[rel][1]))
+    inputs = {rel: held[rel][0]["sha256"] for found in parts.values() for rel, _ in found}
+    if "prompts" in module.READS:
+        inputs.update(input_fingerprints(store, ("prompts",), round))
+    config = module.hashed_config(cfg) if hasattr(module, "hashed_config") else as_dict(cfg)
+    started = time.perf_counter()
+    tables = {}
+    for table, columns in module.columns(cfg).items():
+        if table == "prompts":
+            tables[table] = _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")])
+        elif columns is None:
+            raise ValueError(f"stage {name!r} reads every column of {table!r}: run it with run_stage")
+        else:
+            tables[table] = pa.concat_tables([contract_columns(table, part, columns)
+                                              for part in [t for _, t in parts[table]] or [schema.empty(table)]])
+    out = module.transform(tables, cfg)
+    if set(out.tables) != set(module.WRITES):
+        raise RuntimeError(f"stage {name!r} returned tables {sorted(out.tables)}, declared {list(module.WRITES)}")
+    drops = out.drops
+    fault_point("stage.before_commit")
+    encoded = [part for part in (encode_part(store, name, table, out.tables[table], name, round)
+                                 for table in module.WRITES) if part is not None]
+    written = {part.rel: ({"sha256": part.sha256, "size": part.payload.size, "mtime_ns": None}, part.data)
+               for part in encoded}
+
+    def publish() -> dict[str, tuple[dict, pa.Table]]:
+        with store.commit(name, round, inputs, config) as commit:
+            for part in encoded:
+                commit.put(part)
+            commit.record(rows_in=out.rows_in, rows_out=out.rows_out, drops=drops, **out.extra)
+        return commit.written
+
+    report = StageReport(name, round, skipped=False, rows_in=out.rows_in, rows_out=out.rows_out, drops=drops,
+                         seconds=time.perf_counter() - started, written=written)
+    return PreparedStage(report, publish)
+
+
 def slice_rows() -> int:
     """Main-input rows a stage takes at once: GROUPFORGE_SLICE_ROWS, else DEFAULT_SLICE_ROWS."""
     value = os.environ.get(SLICE_ROWS_ENV, "").strip()
@@ -202,14 +289,19 @@ def slice_rows() -> int:
     return int(value)
 
 
-def _slice_count(store: RunStore, module: ModuleType, cfg, round: int, own: tuple[str, ...]) -> int:
+def _slice_count(store: RunStore, module: ModuleType, cfg, round: int, own: tuple[str, ...],
+                 held: Mapping[str, tuple[dict, pa.Table]]) -> int:
     """K: 1, or ceil(rows of the round's main input / slice_rows()) for a sliceable stage (the
-    row counts come from the files' footers)."""
+    row counts come from the tables `held` for the files, else from the files' footers)."""
     if hasattr(module, "sliceable") and not module.sliceable(cfg):
         return 1
     table, rows = module.READS[0], 0
     for path in store.files(table, round):
         if _own_part(path, own):
+            continue
+        known = _held(held, store, path)
+        if known is not None:
+            rows += known.num_rows
             continue
         try:
             rows += pq.read_metadata(path).num_rows

@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 
 import duckdb
+import pyarrow.parquet as pq
 import pytest
 
+from curation.fingerprints import file_stat, fingerprint_file
 from curation.stages.label import LabelConfig
 from curation.stages.runner import CURATION_STAGES, SLICE_ROWS_ENV, run_stage, slice_of, slice_rows
 from curation.store import RunStore
@@ -175,3 +177,29 @@ def test_a_sliced_round_killed_mid_commit_resumes_to_the_same_rows(two_runs, tmp
     for table in TABLES:
         assert rows(run, table) == rows(whole, table), table
     assert not any((run / "_tmp").iterdir()) if (run / "_tmp").exists() else True
+
+
+def test_stages_fed_held_tables_slice_the_round_as_from_the_files(two_runs, monkeypatch, tmp_path):
+    """The round loop hands each stage the tables the one before committed (`held`); the slice
+    count then comes from those tables' rows, not the files' footers: the same slices, rows and counts."""
+    whole, _, _, manifests_sliced, cfgs = two_runs
+    run = tmp_path / "held"
+    shutil.copytree(whole, run, ignore=shutil.ignore_patterns("scores", "rejects", "groups", "pairs"))
+    for path in (run / "_manifests").iterdir():
+        if not path.name.startswith("generate-"):
+            path.unlink()
+    monkeypatch.setenv(SLICE_ROWS_ENV, "700")
+    store = RunStore(run)
+    held = {path.relative_to(run).as_posix(): ({"sha256": fingerprint_file(path), **file_stat(path)},
+                                               pq.read_table(path)) for path in store.files("samples", 0)}
+    assert held
+    with store.lock():
+        for name, cfg in zip(CURATION_STAGES, cfgs):
+            report = run_stage(name, run, 0, cfg, held=held)
+            held.update(report.written)
+    for name in CURATION_STAGES:
+        manifest = RunStore(run).load_manifest(name, 0)
+        assert manifest["slices"] == manifests_sliced[name]["slices"], name
+        assert manifest["rows_out"] == manifests_sliced[name]["rows_out"], name
+    for table in TABLES:
+        assert rows(run, table) == rows(whole, table), table
