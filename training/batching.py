@@ -120,7 +120,8 @@ class _Ragged:
 
 
 def _require(table: pa.Table, columns: list[str], what: str) -> None:
-    missing = [c for c in columns if c not in table.column_names]
+    names = set(table.column_names)
+    missing = [c for c in columns if c not in names]
     if missing:
         raise ValueError(f"{what}: missing column(s) {missing}; the table has {table.column_names}")
 
@@ -179,15 +180,16 @@ def _pack(lengths: np.ndarray, token_budget: int, seqs_per_item: int) -> list[np
     """Items (rows) sorted by length, ties by row, cut greedily into groups whose padded
     size (sequences x longest length) fits the budget; an item over the budget alone."""
     order = np.lexsort((np.arange(lengths.size), lengths))
-    groups, current = [], []
-    for i in order:
-        # ascending order: this item is the longest of the group if it joins
-        if current and (len(current) + 1) * seqs_per_item * int(lengths[i]) > token_budget:
-            groups.append(np.array(current))
-            current = []
-        current.append(i)
-    if current:
-        groups.append(np.array(current))
+    padded = seqs_per_item * lengths[order].astype(np.int64)
+    groups, start = [], 0
+    while start < order.size:
+        # ascending order: the k-th item from `start` is the longest of a group of k, which
+        # costs k x its length; that grows with k, so the greedy cut is a binary search
+        window = min(order.size - start, token_budget // max(int(padded[start]), 1) + 1)  # no group is longer
+        cost = np.arange(1, window + 1) * padded[start : start + window]
+        size = max(1, int(np.searchsorted(cost, token_budget, side="right")))
+        groups.append(order[start : start + size])
+        start += size
     return groups
 
 
