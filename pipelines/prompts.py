@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,8 @@ def choose_prompts(ctx: _Context, round: int) -> Path:
     if path.is_file():
         return path
     state = load_pipeline_state(ctx.run_dir)
-    chosen = ranked_prompts(ctx, round, state).slice(0, ctx.spec.prompts.per_round)
+    pool, keys = _ranking_keys(ctx, round, state)
+    chosen = pool.table.take(pa.array(first_in_order(keys, ctx.spec.prompts.per_round), type=pa.int64()))
     write_atomic(path, lambda f: pq.write_table(chosen, f))
     files = sorted(set(state.get("prompt_files", [])) | {str(f) for f in ctx.spec.prompts.train})
     if files != state.get("prompt_files"):
@@ -101,25 +103,52 @@ def ranked_prompts(ctx: _Context, round: int, state: dict | None = None,
     """The whole pool in the order `round` takes it (choose_prompts takes the first
     `per_round`; a round that needs more prompts can take the next ones), minus the prompt
     ids in `exclude`. `state` is RUN/pipeline.json (read when not given)."""
+    pool, keys = _ranking_keys(ctx, round, load_pipeline_state(ctx.run_dir) if state is None else state)
+    order = np.lexsort(keys[::-1]).tolist()
+    if exclude:
+        order = [i for i in order if pool.ids[i] not in exclude]
+    return pool.table.take(pa.array(order, type=pa.int64()))
+
+
+def _ranking_keys(ctx: _Context, round: int, state: dict) -> tuple[_Pool, list[np.ndarray]]:
+    """The pool and its sort keys for `round`, most significant first (the module docstring):
+    least_used (2 * times used + not new, h), informative (not new, -ln(u) / weight, h)."""
     spec = ctx.spec
     choice = prompt_choice(spec)
-    state = load_pipeline_state(ctx.run_dir) if state is None else state
     seen = set(state.get("prompt_files", []))
     pool = _prompt_pool(spec.prompts.train, seen if seen else None)
-    ids = pool.ids
     h = tiebreak(spec.run.seed, round, pool.keys)
     if choice.strategy == "least_used":
-        used = pool.per_prompt(times_used(ctx.store, round), 0)
-        order = np.lexsort((h, pool.not_new, used))
-    else:
-        rates = pass_rates(ctx.store, round, choice.window)
-        weight = pool.per_prompt({prompt_id: choice.floor for prompt_id, (_, flat) in rates.items() if flat}, 1.0)
-        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53  # h's top 53 bits, in (0, 1)
-        order = np.lexsort((h, -np.log(u) / weight, pool.not_new))
-    order = order.tolist()
-    if exclude:
-        order = [i for i in order if ids[i] not in exclude]
-    return pool.table.take(pa.array(order, type=pa.int64()))
+        # (times used, not new) as one key: not_new is 0 or 1.
+        return pool, [_used_in_pool(ctx.store, round, pool) * 2 + pool.not_new, h]
+    rates = pass_rates(ctx.store, round, choice.window)
+    weight = pool.per_prompt({prompt_id: choice.floor for prompt_id, (_, flat) in rates.items() if flat}, 1.0)
+    u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53  # h's top 53 bits, in (0, 1)
+    return pool, [pool.not_new, -np.log(u) / weight, h]
+
+
+def first_in_order(keys: list[np.ndarray], count: int) -> np.ndarray:
+    """The positions of the first `count` items in the order `np.lexsort(keys[::-1])` gives
+    (`keys` most significant first; ties in every key go to the earlier position), without
+    sorting them all: each key in turn keeps the items below its count-th smallest value
+    (they are in) and narrows the rest to those equal to it; the few kept are then sorted."""
+    size = len(keys[0])
+    if count >= size:
+        return np.lexsort(keys[::-1])
+    sure: list[np.ndarray] = []
+    tied = np.arange(size)
+    need = count
+    for at, key in enumerate(keys):
+        if need == 0 or len(tied) <= need:
+            break
+        values = key if at == 0 else key[tied]
+        kth = np.partition(values, need - 1)[need - 1]
+        below = tied[values < kth]
+        sure.append(below)
+        need -= len(below)
+        tied = tied[values == kth]
+    picked = np.sort(np.concatenate([*sure, tied[:need]]))  # ascending: lexsort is stable
+    return picked[np.lexsort([key[picked] for key in keys[::-1]])]
 
 
 def prompt_choice(spec: object) -> PromptChoice:
@@ -136,16 +165,135 @@ rewritten one has another size or mtime_ns and is read again)."""
 
 
 def times_used(store: RunStore, round: int) -> dict[str, int]:
-    """Per prompt_id: how many rounds before `round` sampled it. Each round's samples parts are
-    read once per process (their prompt_id column only); later rounds reuse them."""
-    counts: Counter[str] = Counter()
-    for earlier in [r for r in store.rounds("samples") if r < round]:
-        ids: set[str] = set()
-        for path in store.files("samples", earlier):
-            ids |= _SAMPLED.get(path, lambda path=path: frozenset(
-                pq.read_table(path, columns=["prompt_id"]).column("prompt_id").unique().to_pylist()))
-        counts.update(ids)
-    return dict(counts)
+    """Per prompt_id: how many rounds before `round` sampled it."""
+    return dict(Counter(prompt_id for ids in _sampled_rounds(store, round).values() for prompt_id in ids))
+
+
+@dataclass(frozen=True)
+class _RoundFolder:
+    """A samples round folder as this process last listed it."""
+
+    mtime_ns: int
+    listed_ns: int
+    """time.time_ns() when it was listed."""
+    files: tuple[tuple[str, int, int], ...]
+    """Its part files: (path, size, mtime_ns)."""
+    ids: frozenset[str]
+    """The prompt ids its part files hold."""
+
+
+_FOLDERS: dict[str, _RoundFolder] = {}  # by the folder's absolute path
+_RACY_NS = 2_000_000_000
+"""A folder listed less than this after its last change is listed again on the next call: a
+file system's clock may tick as rarely as once a second, so a file added in the same tick as
+the listing would leave the folder's mtime_ns unchanged."""
+
+
+def _sampled_rounds(store: RunStore, round: int) -> dict[int, frozenset[str]]:
+    """{earlier round: the prompt ids its samples parts hold} for the rounds before `round`
+    that hold a samples part. A round folder is listed again only when its mtime_ns changed
+    (a part added, replaced or removed) and a part read again only when its size or mtime_ns
+    changed (rewritten in place), so a call costs two stats per earlier round, not a listing
+    and a read of each."""
+    if getattr(store, "_committed", None) is not None:  # a snapshot reads only its committed files
+        return {earlier: _read_ids(store.files("samples", earlier))
+                for earlier in store.rounds("samples") if earlier < round}
+    try:
+        entries = list(os.scandir(store.table_dir("samples")))
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    found: dict[int, frozenset[str]] = {}
+    for entry in entries:
+        digits = entry.name[len("round="):]
+        # Only the folders RunStore.partition_dir names (round=<n>, no leading zeros) hold a round.
+        if not (entry.name.startswith("round=") and digits.isdecimal() and digits.isascii()
+                and entry.name == f"round={int(digits)}") or int(digits) >= round:
+            continue
+        folder = _round_folder(entry.path)
+        if folder is not None and folder.files:
+            found[int(digits)] = folder.ids
+    return found
+
+
+def _round_folder(key: str) -> _RoundFolder | None:
+    """The listing and prompt ids of the samples round folder at path `key` (None: not a
+    folder), from _FOLDERS while the folder and its parts are unchanged."""
+    try:
+        mtime_ns = os.stat(key).st_mtime_ns
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    known = _FOLDERS.get(key)
+    if known is not None and known.mtime_ns == mtime_ns and known.listed_ns - mtime_ns > _RACY_NS:
+        try:
+            for file, size, file_mtime_ns in known.files:
+                stat = os.stat(file)
+                if stat.st_size != size or stat.st_mtime_ns != file_mtime_ns:
+                    break
+            else:
+                return known
+        except FileNotFoundError:
+            pass
+    listed_ns = time.time_ns()
+    parts = _parquet_parts(Path(key))
+    files = tuple((str(part), *file_stat(part).values()) for part in parts)
+    if key not in _FOLDERS and len(_FOLDERS) >= 1 << 16:
+        _FOLDERS.pop(next(iter(_FOLDERS)))
+    folder = _FOLDERS[key] = _RoundFolder(mtime_ns, listed_ns, files, _read_ids(parts))
+    return folder
+
+
+def _parquet_parts(folder: Path) -> list[Path]:
+    """The *.parquet files of a round folder, by name (as `RunStore.files` lists them)."""
+    try:
+        return sorted(folder / entry.name for entry in os.scandir(folder)
+                      if entry.name.endswith(".parquet") and entry.is_file())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _read_ids(parts: list[Path]) -> frozenset[str]:
+    """The prompt ids the samples parts hold (each part read once per process: _SAMPLED)."""
+    ids: set[str] = set()
+    for path in parts:
+        ids |= _SAMPLED.get(path, lambda path=path: frozenset(
+            pq.read_table(path, columns=["prompt_id"]).column("prompt_id").unique().to_pylist()))
+    return frozenset(ids)
+
+
+@dataclass
+class _UsedCounts:
+    """Times used in one pool's order, for the rounds (and their ids) counted so far."""
+
+    counted: dict[int, frozenset[str]]
+    used: np.ndarray
+
+
+_USED: dict[tuple[str, int], tuple[_Pool, _UsedCounts]] = {}  # by (samples folder, id(pool)); the last 4
+
+
+def _used_in_pool(store: RunStore, round: int, pool: _Pool) -> np.ndarray:
+    """Times used (rounds before `round` that sampled the prompt) of each prompt of `pool`, in
+    pool order. Kept between calls and updated by the rounds that changed: a new round's ids
+    are added, a round whose parts changed is taken out and added again."""
+    rounds = _sampled_rounds(store, round)
+    key = (str(store.table_dir("samples")), id(pool))
+    cached = _USED.get(key)
+    if cached is None or cached[0] is not pool:
+        if len(_USED) >= 4:
+            _USED.pop(next(iter(_USED)))
+        counts = _USED[key] = (pool, _UsedCounts({}, np.zeros(len(pool.ids), dtype=np.int64)))
+        counts = counts[1]
+    else:
+        counts = cached[1]
+    for earlier, ids in list(counts.counted.items()):
+        if rounds.get(earlier) is not ids:
+            counts.used[pool.positions(ids)] -= 1
+            del counts.counted[earlier]
+    for earlier, ids in rounds.items():
+        if earlier not in counts.counted:
+            counts.used[pool.positions(ids)] += 1
+            counts.counted[earlier] = ids
+    return counts.used.copy()
 
 
 _PASS_RATE_SQL = """
@@ -174,7 +322,7 @@ def pass_rates(store: RunStore, round: int, window: int) -> dict[str, tuple[floa
     return {prompt_id: (float(rate), bool(saturated)) for prompt_id, rate, saturated in rows}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Pool:
     table: pa.Table
     """Every prompt of the train files, the first occurrence of each prompt_id."""
@@ -185,6 +333,11 @@ class _Pool:
     """Per prompt: s(prompt_id), the first 8 bytes of sha256(prompt_id) as a uint64."""
     index: dict[str, int]
     """prompt_id -> its position in the pool."""
+
+    def positions(self, ids: frozenset[str]) -> np.ndarray:
+        """The pool positions of the ids that are in the pool (each once: `ids` is a set)."""
+        index = self.index
+        return np.fromiter((index[i] for i in ids if i in index), dtype=np.int64)
 
     def per_prompt(self, values: dict[str, float], default: float) -> np.ndarray:
         """`values` (by prompt_id; ids not in the pool ignored) as an array in pool order."""

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from training.objectives import Normalizer
@@ -118,12 +118,10 @@ class _Ragged:
     starts: np.ndarray
     lengths: np.ndarray
 
-    def row(self, i: int) -> np.ndarray:
-        return self.values[self.starts[i] : self.starts[i] + self.lengths[i]]
-
 
 def _require(table: pa.Table, columns: list[str], what: str) -> None:
-    missing = [c for c in columns if c not in table.column_names]
+    names = set(table.column_names)
+    missing = [c for c in columns if c not in names]
     if missing:
         raise ValueError(f"{what}: missing column(s) {missing}; the table has {table.column_names}")
 
@@ -182,32 +180,53 @@ def _pack(lengths: np.ndarray, token_budget: int, seqs_per_item: int) -> list[np
     """Items (rows) sorted by length, ties by row, cut greedily into groups whose padded
     size (sequences x longest length) fits the budget; an item over the budget alone."""
     order = np.lexsort((np.arange(lengths.size), lengths))
-    groups, current = [], []
-    for i in order:
-        # ascending order: this item is the longest of the group if it joins
-        if current and (len(current) + 1) * seqs_per_item * int(lengths[i]) > token_budget:
-            groups.append(np.array(current))
-            current = []
-        current.append(i)
-    if current:
-        groups.append(np.array(current))
+    padded = seqs_per_item * lengths[order].astype(np.int64)
+    groups, start = [], 0
+    while start < order.size:
+        # ascending order: the k-th item from `start` is the longest of a group of k, which
+        # costs k x its length; that grows with k, so the greedy cut is a binary search
+        window = min(order.size - start, token_budget // max(int(padded[start]), 1) + 1)  # no group is longer
+        cost = np.arange(1, window + 1) * padded[start : start + window]
+        size = max(1, int(np.searchsorted(cost, token_budget, side="right")))
+        groups.append(order[start : start + size])
+        start += size
     return groups
 
 
-def _fill(prompt: np.ndarray, response: np.ndarray, logprobs: np.ndarray | None, j: int,
+def _spans(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows given by `starts` and `lengths` of a flat array, laid end to end: for each of their
+    elements (row number 0..n-1, offset within its row, index into the flat array). The
+    micro-batches are filled with these index arrays in one numpy assignment per column,
+    not with a Python loop over rows."""
+    ends = np.cumsum(lengths)
+    row = np.repeat(np.arange(lengths.size), lengths)
+    within = np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - lengths, lengths)
+    return row, within, starts[row] + within
+
+
+def _fill(prompts: _Ragged, responses: _Ragged, logprobs: _Ragged | None, items: np.ndarray, first: int,
           ids: np.ndarray, attention: np.ndarray, targets: np.ndarray, old: np.ndarray | None) -> None:
-    p, r = prompt.size, response.size
-    ids[j, :p] = prompt
-    ids[j, p : p + r] = response
-    attention[j, : p + r] = 1
-    targets[j, p - 1 : p + r - 1] = True
+    """Table rows `items` into buffer rows first, first+1, ...: the prompt then the response
+    (prompt length p, response length r), attention on both, targets at t = p-1 .. p+r-2, and
+    with `old` the response's log-probs at those positions."""
+    slots = slice(first, first + items.size)
+    p, r = prompts.lengths[items], responses.lengths[items]
+    row, k, at = _spans(prompts.starts[items], p)
+    ids[first + row, k] = prompts.values[at]
+    row, k, at = _spans(responses.starts[items], r)
+    ids[first + row, p[row] + k] = responses.values[at]
+    columns = np.arange(ids.shape[1])
+    attention[slots] = columns < (p + r)[:, None]
+    targets[slots] = (columns[:-1] >= (p - 1)[:, None]) & (columns[:-1] < (p + r - 1)[:, None])
     if old is not None:
-        _place(logprobs, j, p, old)
+        _place(logprobs, items, first, p, old)
 
 
-def _place(logprobs: np.ndarray, j: int, p: int, buffer: np.ndarray) -> None:
-    """Row j's response log-probs into `buffer` at their next-token positions (prompt length p)."""
-    buffer[j, p - 1 : p - 1 + logprobs.size] = logprobs
+def _place(logprobs: _Ragged, items: np.ndarray, first: int, p: np.ndarray, buffer: np.ndarray) -> None:
+    """Rows `items`' response log-probs into buffer rows first, first+1, ... at their
+    next-token positions (prompt lengths p)."""
+    row, k, at = _spans(logprobs.starts[items], logprobs.lengths[items])
+    buffer[first + row, p[row] - 1 + k] = logprobs.values[at]
 
 
 def _tensors(ids, attention, targets, old):
@@ -220,56 +239,53 @@ def _buffers(b: int, L: int, pad_id: int, with_old: bool):
             np.zeros((b, L - 1), dtype=bool), np.zeros((b, L - 1), dtype=np.float32) if with_old else None)
 
 
-def _same_prompt(prompts: _Ragged, rows: Iterable[int]) -> dict[bytes, list[int]]:
-    """The positions in `rows` of each distinct prompt (its token ids' bytes), first seen first."""
-    by_prompt: dict[bytes, list[int]] = {}
-    for j, i in enumerate(rows):
-        by_prompt.setdefault(prompts.row(i).tobytes(), []).append(j)
-    return by_prompt
+def _prompt_numbers(prompts: _Ragged, rows: np.ndarray) -> np.ndarray:
+    """A number per row of `rows`, equal for rows whose prompt token ids are equal, numbered
+    in order of first appearance: the prompts as byte strings, numbered by Arrow's hash
+    (dictionary_encode keeps first-seen order)."""
+    lengths = prompts.lengths[rows]
+    flat = np.ascontiguousarray(prompts.values[_spans(prompts.starts[rows], lengths)[2]])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64) * flat.itemsize
+    keys = pa.Array.from_buffers(pa.large_binary(), rows.size, [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
+    return pc.dictionary_encode(keys).indices.to_numpy().astype(np.int64)
 
 
 def _shared_prompts(prompts: _Ragged, responses: _Ragged, group: np.ndarray, pad_id: int,
                     max_len: int) -> SharedPrompts:
-    """The micro-batch of rows `group` (in this order) packed prompt by prompt (SharedPrompts)."""
-    packed = []  # per packed sequence: its in-batch rows, all of one prompt
-    for rows in _same_prompt(prompts, group).values():
-        p = int(prompts.lengths[group[rows[0]]])
-        current, length = [], p
-        for j in rows:
-            r = int(responses.lengths[group[j]])
-            if current and length + r > max_len:
-                packed.append(current)
-                current, length = [], p
-            current.append(j)
-            length += r
-        packed.append(current)
-    lengths = [int(prompts.lengths[group[rows[0]]] + responses.lengths[group[rows]].sum()) for rows in packed]
-    P, Lp = len(packed), max(lengths)
+    """The micro-batch of rows `group` (in this order) packed prompt by prompt (SharedPrompts):
+    prompts in order of first appearance, each one's rows in batch order, cut greedily into
+    packed sequences of at most `max_len` tokens."""
+    prompt_of = _prompt_numbers(prompts, group)
+    p_of, r_of = prompts.lengths[group], responses.lengths[group]
+    seq = np.empty(group.size, dtype=np.int64)  # per in-batch row: its packed sequence
+    start = np.empty(group.size, dtype=np.int64)  # ... and where its response starts in it
+    firsts, q, length, last = [], -1, 0, -1
+    order = np.argsort(prompt_of, kind="stable")
+    for j, prompt, p, r in zip(order.tolist(), prompt_of[order].tolist(), p_of[order].tolist(), r_of[order].tolist()):
+        if prompt != last or length + r > max_len:  # a new prompt, or this response would not fit
+            q, length, last = q + 1, p, prompt
+            firsts.append(j)
+        seq[j], start[j] = q, length
+        length += r
+    P, Lp = q + 1, int((start + r_of).max())
     ids = np.full((P, Lp), pad_id, dtype=np.int64)
     positions = np.zeros((P, Lp), dtype=np.int64)
-    mask = np.zeros((P, 1, Lp, Lp), dtype=bool)
-    mask[:, 0, np.arange(Lp), np.arange(Lp)] = True  # padding attends to itself: no empty softmax row
-    predicts = [np.empty(0, dtype=np.int64)] * len(group)  # per in-batch row: its packed source indices
-    causal = np.tril(np.ones((Lp, Lp), dtype=bool))
-    for q, rows in enumerate(packed):
-        prompt = prompts.row(group[rows[0]])
-        p = prompt.size
-        ids[q, :p] = prompt
-        positions[q, :p] = np.arange(p)
-        mask[q, 0, :p, :p] = causal[:p, :p]
-        s = p
-        for j in rows:
-            response = responses.row(group[j])
-            r = response.size
-            ids[q, s : s + r] = response
-            positions[q, s : s + r] = np.arange(p, p + r)
-            mask[q, 0, s : s + r, :p] = True
-            mask[q, 0, s : s + r, s : s + r] = causal[:r, :r]
-            # token 0 is predicted by the prompt's last state, token k >= 1 by response token k-1
-            predicts[j] = q * Lp + np.concatenate([[p - 1], np.arange(s, s + r - 1)])
-            s += r
-    return SharedPrompts(torch.from_numpy(ids), torch.from_numpy(positions), torch.from_numpy(mask),
-                         torch.from_numpy(np.concatenate(predicts).astype(np.int64)))
+    segment = np.broadcast_to(-1 - np.arange(Lp), (P, Lp)).copy()  # padding: its own segment
+    packed_p = p_of[firsts]
+    q_of, k, at = _spans(prompts.starts[group[firsts]], packed_p)
+    ids[q_of, k], positions[q_of, k], segment[q_of, k] = prompts.values[at], k, 0
+    j_of, k, at = _spans(responses.starts[group], r_of)
+    t = start[j_of] + k
+    ids[seq[j_of], t], positions[seq[j_of], t], segment[seq[j_of], t] = responses.values[at], p_of[j_of] + k, j_of + 1
+    # token t attends token u <= t of its own segment (the prompt, a response, a padding
+    # position), and a response token also the whole prompt
+    mask = segment[:, None, :] == segment[:, :, None]
+    mask &= np.tri(Lp, dtype=bool)
+    mask |= (segment[:, None, :] == 0) & (segment[:, :, None] > 0)
+    # token 0 of a response is predicted by the prompt's last state, token k >= 1 by token k-1
+    source = seq[j_of] * Lp + np.where(k == 0, p_of[j_of] - 1, t - 1)
+    return SharedPrompts(torch.from_numpy(ids), torch.from_numpy(positions),
+                         torch.from_numpy(mask.reshape(P, 1, Lp, Lp)), torch.from_numpy(source.astype(np.int64)))
 
 
 # ---- public --------------------------------------------------------------------------------
@@ -310,12 +326,10 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
     for group in _pack(prompts.lengths + responses.lengths, token_budget, seqs_per_item=1):
         L = int((prompts.lengths[group] + responses.lengths[group]).max())
         ids, attention, targets, old_buf = _buffers(len(group), L, pad_id, old is not None)
+        _fill(prompts, responses, old, group, 0, ids, attention, targets, old_buf)
         behavior_buf = None if behavior is None else np.zeros_like(old_buf)
-        for j, i in enumerate(group):
-            _fill(prompts.row(i), responses.row(i), None if old is None else old.row(i),
-                  j, ids, attention, targets, old_buf)
-            if behavior_buf is not None:
-                _place(behavior.row(i), j, prompts.lengths[i], behavior_buf)
+        if behavior_buf is not None:
+            _place(behavior, group, 0, prompts.lengths[group], behavior_buf)
         batches.append(MicroBatch(*_tensors(ids, attention, targets, old_buf),
                                   advantages=torch.from_numpy(advantage[group].astype(np.float32)),
                                   rows=torch.from_numpy(group.astype(np.int64)),
@@ -361,10 +375,8 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
     for group in _pack(pair_lengths, token_budget, seqs_per_item=2):
         k, L = len(group), int(pair_lengths[group].max())
         ids, attention, targets, old = _buffers(2 * k, L, pad_id, chosen_lp is not None)
-        for j, i in enumerate(group):
-            for side, (tokens, logprobs) in enumerate(((chosen, chosen_lp), (rejected, rejected_lp))):
-                _fill(prompts.row(i), tokens.row(i), None if logprobs is None else logprobs.row(i),
-                      side * k + j, ids, attention, targets, old)
+        _fill(prompts, chosen, chosen_lp, group, 0, ids, attention, targets, old)
+        _fill(prompts, rejected, rejected_lp, group, k, ids, attention, targets, old)
         batches.append(MicroBatch(*_tensors(ids, attention, targets, old),
                                   advantages=torch.zeros(2 * k, dtype=torch.float32),
                                   rows=torch.from_numpy(np.concatenate([group, group]).astype(np.int64)),
@@ -377,11 +389,7 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
 def prompt_groups(table: pa.Table) -> np.ndarray:
     """A group id per row of a table with prompt_token_ids: rows with the same prompt share one
     (numbered as first seen), the key share_prompts packs by."""
-    prompts = _ragged(table, "prompt_token_ids")
-    groups = np.empty(table.num_rows, dtype=np.int64)
-    for g, rows in enumerate(_same_prompt(prompts, range(table.num_rows)).values()):
-        groups[rows] = g
-    return groups
+    return _prompt_numbers(_ragged(table, "prompt_token_ids"), np.arange(table.num_rows))
 
 
 def step_normalizer(batches: list[MicroBatch]) -> Normalizer:

@@ -4,27 +4,42 @@
     sft                      samples JOIN groups  WHERE advantage > 0          (or reward >= sft_min_reward)
     pairwise                 pairs JOIN samples (chosen) JOIN samples (rejected)   one row per pair
 
-Every part file's schema is checked against `curation.schema` before the query runs, so a
-wrong table fails with a message naming the file and column. Rows come out in key order
-(round, prompt_id, sample_idx / chosen_idx, rejected_idx), so the same tables always give
-the same dataset, and `fingerprint` names it.
+Every part file's schema is checked against `curation.schema` before it is read (once per
+file version in a process), so a wrong table fails with a message naming the file and
+column. Rows come out in key order (round, prompt_id, sample_idx / chosen_idx,
+rejected_idx; ties in row order), so the same tables always give the same dataset, and
+`fingerprint` names it.
+
+The joins run in pyarrow on the few columns they need (a round's files are small: a DuckDB
+query cost ~4 ms of planning and threads for ~1 ms of work), and a caller that has just
+committed the tables passes them as `held` so that nothing is read back from disk.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.fingerprints import known_fingerprint
-from curation.store import RunStore, connect
+from curation.fingerprints import FileCache, file_stat, known_fingerprint
+from curation.store import RunStore, contract_columns
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token")
 OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")
+
+Held = Mapping[str, tuple[dict, pa.Table]]
+"""Tables a caller has just committed: {path relative to the run: ({sha256, size, mtime_ns},
+the table as written)}, e.g. `StageReport.written` / `Commit.written`. A held table is used
+instead of its file while the file's size and mtime_ns are the recorded ones."""
 
 
 class NoTrainingData(ValueError):
@@ -55,25 +70,78 @@ class TrainingData:
 
 def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max_staleness: int | None) -> list[int]:
     """The rounds to train on: the given ones (or every round with labels/pairs), minus those
-    more than `max_staleness` rounds older than the newest round of samples in the run."""
+    more than `max_staleness` rounds older than the newest round of samples in the run. Given
+    rounds look only at their own folders, so a call costs the same in round 5 and round 500."""
     source = "pairs" if objective == "pairwise" else "groups"
-    available = store.rounds(source)
-    chosen = available if rounds is None else sorted(set(rounds))
-    missing = [round for round in chosen if round not in available]
-    if missing:
-        raise ValueError(f"{store.root}: no {source} table for round(s) {missing}; rounds with {source}: "
-                         f"{available or 'none'} (run `groupforge curate` first)")
+    if rounds is None:
+        chosen = store.rounds(source)
+    else:
+        chosen = sorted(set(rounds))
+        missing = [round for round in chosen if not store.files(source, round)]
+        if missing:
+            available = store.rounds(source)
+            raise ValueError(f"{store.root}: no {source} table for round(s) {missing}; rounds with {source}: "
+                             f"{available or 'none'} (run `groupforge curate` first)")
     if max_staleness is not None and chosen:
-        newest = max(store.rounds("samples") or chosen)
+        newest = _newest_round(store, "samples")
+        newest = max(chosen) if newest is None else newest
         chosen = [round for round in chosen if newest - round <= max_staleness]
     return chosen
 
 
-def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[str]:
+_ROUND_FOLDER = re.compile(r"round=(\d+)")  # RunStore.partition_dir's folder names
+
+
+def _newest_round(store: RunStore, table: str) -> int | None:
+    """The newest round of `table` with a part file (`max(store.rounds(table))`), from one
+    listing of the table folder: only the newest round folders are looked into."""
+    try:
+        names = [entry.name for entry in os.scandir(store.table_dir(table)) if entry.is_dir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    found = sorted((int(m[1]) for m in map(_ROUND_FOLDER.fullmatch, names) if m), reverse=True)
+    return next((round for round in found if store.files(table, round)), None)
+
+
+_SCHEMA_CHECKED: FileCache[bool] = FileCache(max_entries=100_000)
+"""Part files whose Parquet footer met their table's contract, while size and mtime_ns hold."""
+
+
+def _checked_files(store: RunStore, table: str, rounds: list[int], held: Held | None = None) -> list[Path]:
+    """The rounds' part files of `table`, each one's schema checked against the contract
+    (a held table was checked when it was written)."""
     files = store.files(table, rounds)
     for path in files:
-        schema.validate(pq.read_schema(path).empty_table(), table, path)
-    return [str(f) for f in files]
+        if _held(store, held, path) is None:
+            _SCHEMA_CHECKED.get(path, lambda path=path: bool(
+                schema.validate(pq.read_schema(path).empty_table(), table, path)))
+    return files
+
+
+def _held(store: RunStore, held: Held | None, path: Path) -> tuple[dict, pa.Table] | None:
+    """`held`'s entry for the part file `path`, while the file is the one it was committed as."""
+    entry = held.get(path.relative_to(store.root).as_posix()) if held else None
+    if entry is None:
+        return None
+    recorded = entry[0]
+    return entry if file_stat(path) == {"size": recorded["size"], "mtime_ns": recorded["mtime_ns"]} else None
+
+
+def _read(store: RunStore, table: str, files: list[Path], columns: list[str], held: Held | None) -> pa.Table:
+    """`columns` of `table`'s part `files` (checked), in file order, with the contract's types;
+    a held part from memory."""
+    parts = []
+    for path in files:
+        entry = _held(store, held, path)
+        if entry is not None:
+            part = entry[1].select(columns)
+        else:
+            with pq.ParquetFile(path) as f:
+                part = f.read(columns=columns, use_threads=False)
+        parts.append(contract_columns(table, part, columns))
+    if not parts:
+        return pa.schema([schema.SCHEMAS[table].field(c) for c in columns]).empty_table()
+    return pa.concat_tables(parts)
 
 
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -99,91 +167,146 @@ def round_sampling(store: RunStore, rounds: list[int]) -> dict[str, float | None
     return {key: found.pop() if found else None for key, found in values.items()}
 
 
-_SAMPLE_COLUMNS = ("s.run_id, s.round, s.prompt_id, s.sample_idx, s.prompt_token_ids, s.response_token_ids, "
-                   "s.behavior_logprobs, s.policy_version")
-
-# The selections, as FROM ... WHERE clauses: load_training_data reads their columns in key
-# order, count_training_rows only counts them.
-_POLICY_FROM = """
-FROM read_parquet($samples, hive_partitioning = false, union_by_name = true) AS s
-JOIN read_parquet($groups, hive_partitioning = false, union_by_name = true) AS g
-  USING (run_id, round, prompt_id, sample_idx)
-WHERE {where}
-"""
-_POLICY_SQL = f"SELECT {_SAMPLE_COLUMNS}, g.advantage, g.reward {{from_where}} ORDER BY s.round, s.prompt_id, " \
-              "s.sample_idx"
-
-_PAIRS_FROM = """
-FROM read_parquet($pairs, hive_partitioning = false, union_by_name = true) AS p
-JOIN read_parquet($samples, hive_partitioning = false, union_by_name = true) AS c
-  ON c.run_id = p.run_id AND c.round = p.round AND c.prompt_id = p.prompt_id AND c.sample_idx = p.chosen_idx
-JOIN read_parquet($samples, hive_partitioning = false, union_by_name = true) AS r
-  ON r.run_id = p.run_id AND r.round = p.round AND r.prompt_id = p.prompt_id AND r.sample_idx = p.rejected_idx
-"""
-_PAIRS_SQL = """
-SELECT p.run_id, p.round, p.prompt_id, p.chosen_idx, p.rejected_idx,
-       c.prompt_token_ids,
-       c.response_token_ids AS chosen_token_ids, c.behavior_logprobs AS chosen_logprobs,
-       r.response_token_ids AS rejected_token_ids, r.behavior_logprobs AS rejected_logprobs,
-       p.chosen_reward, p.rejected_reward, p.soft_label, p.weight
-{from_where}
-ORDER BY p.round, p.prompt_id, p.chosen_idx, p.rejected_idx
-"""
+_KEYS = ["run_id", "round", "prompt_id"]  # + sample_idx (policy) or chosen_idx / rejected_idx (pairs)
+_SAMPLE_COLUMNS = ["run_id", "round", "prompt_id", "sample_idx", "prompt_token_ids", "response_token_ids",
+                   "behavior_logprobs", "policy_version"]
+_PAIR_COLUMNS = ["run_id", "round", "prompt_id", "chosen_idx", "rejected_idx", "chosen_reward", "rejected_reward",
+                 "soft_label", "weight"]
 
 
-def _selection(objective: str, sft_min_reward: float | None) -> str:
-    """The FROM ... WHERE clause of the objective's rows (objective checked by `_inputs`)."""
-    if objective == "pairwise":
-        return _PAIRS_FROM
+def _match(left: pa.Table, left_on: list[str], right: pa.Table, right_on: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices (i, j) of every pair of rows with left[i][left_on] == right[j][right_on] (an
+    inner join: duplicates give every combination, a null key matches nothing), in (i, j)
+    order. Each key column of both sides is numbered by Arrow's hash (equal values, equal
+    numbers), the numbered keys are matched with a sort and a binary search, and the caller
+    `take`s the columns it needs (a hash join would also cost ~4x as much here)."""
+    n = left.num_rows
+    key, distinct, valid = np.zeros(n + right.num_rows, dtype=np.int64), 1, np.ones(n + right.num_rows, dtype=bool)
+    for a, b in zip(left_on, right_on):  # key = number of the key tuple so far, in mixed radix
+        encoded = pc.dictionary_encode(pa.concat_arrays(left.column(a).chunks + right.column(b).chunks))
+        valid &= encoded.indices.is_valid().to_numpy(zero_copy_only=False)
+        size = max(len(encoded.dictionary), 1)
+        if distinct * size >= 2**62:  # renumber the tuples so far densely before they overflow
+            key = np.unique(key, return_inverse=True)[1].reshape(-1)
+            distinct = int(key.max()) + 1
+        key = key * size + encoded.indices.fill_null(0).to_numpy()
+        distinct *= size
+    key[~valid] = -1
+    left_key, right_key = key[:n], key[n:]
+    order = np.flatnonzero(right_key >= 0)
+    order = order[np.argsort(right_key[order], kind="stable")]  # right rows by key, row order within
+    ordered = right_key[order]
+    lo, hi = np.searchsorted(ordered, left_key, "left"), np.searchsorted(ordered, left_key, "right")
+    counts = np.where(left_key >= 0, hi - lo, 0)
+    ends = np.cumsum(counts)
+    within = np.arange(int(ends[-1]) if n else 0) - np.repeat(ends - counts, counts)
+    return np.repeat(np.arange(n), counts), order[np.repeat(lo, counts) + within]
+
+
+def _in_key_order(table: pa.Table, keys: list[str]) -> pa.Table:
+    """`table` sorted by `keys` (stable: ties stay in row order)."""
+    return table.take(pc.sort_indices(table, sort_keys=[(key, "ascending") for key in keys]))
+
+
+def _kept_groups(groups: pa.Table, objective: str, sft_min_reward: float | None) -> pa.Table:
+    """The groups rows the objective trains on: kept groups (policy), advantage > 0 or reward
+    >= sft_min_reward (sft); a null never passes."""
     if objective == "sft":
-        where = "g.advantage > 0" if sft_min_reward is None else f"g.reward >= {float(sft_min_reward)!r}"
+        keep = pc.greater(groups["advantage"], 0.0) if sft_min_reward is None else \
+            pc.greater_equal(groups["reward"], float(sft_min_reward))
     else:
-        where = "g.group_kept"
-    return _POLICY_FROM.format(where=where)
+        keep = groups["group_kept"]
+    return groups.filter(keep)
 
 
-def _query(sql: str, files: dict[str, list[str]]) -> pa.Table:
-    con = connect()  # a private connection on the process database: ~1.5 ms, not ~17
-    try:
-        return con.sql(sql, params=files).to_arrow_table()
-    finally:
-        con.close()
+def _policy_rows(store: RunStore, files: dict[str, list[Path]], objective: str, sft_min_reward: float | None,
+                 held: Held | None, count: bool = False) -> pa.Table | int:
+    """samples JOIN groups on the keys, the objective's groups rows only, in key order: the
+    sample columns then advantage and reward; with `count`, only how many rows."""
+    filter_column = "group_kept" if objective != "sft" else "advantage" if sft_min_reward is None else "reward"
+    keys = _KEYS + ["sample_idx"]
+    groups = _kept_groups(_read(store, "groups", files["groups"], list(dict.fromkeys(
+        keys + ([] if count else ["advantage", "reward"]) + [filter_column])), held), objective, sft_min_reward)
+    samples = _read(store, "samples", files["samples"], keys if count else _SAMPLE_COLUMNS, held)
+    s, g = _match(samples, keys, groups, keys)
+    if count:
+        return int(s.size)
+    rows = samples.take(s)
+    for name in ("advantage", "reward"):
+        rows = rows.append_column(name, groups[name].take(g))
+    return _in_key_order(rows, ["round", "prompt_id", "sample_idx"])
 
 
-def _inputs(run_dir: str | Path, objective: str, rounds: list[int] | None,
-            max_staleness: int | None) -> tuple[RunStore, list[int], dict[str, list[str]]]:
+def _pair_rows(store: RunStore, files: dict[str, list[Path]], held: Held | None,
+               count: bool = False) -> pa.Table | int:
+    """pairs JOIN samples (chosen) JOIN samples (rejected), in key order: the pair's keys, the
+    prompt and both responses with their behavior log-probs, rewards, soft_label, weight; with
+    `count`, only how many rows."""
+    pairs = _read(store, "pairs", files["pairs"], _KEYS + ["chosen_idx", "rejected_idx"] if count else _PAIR_COLUMNS,
+                  held)
+    samples = _read(store, "samples", files["samples"], _KEYS + ["sample_idx"] if count else _SAMPLE_COLUMNS, held)
+    p_c, c = _match(pairs, _KEYS + ["chosen_idx"], samples, _KEYS + ["sample_idx"])
+    p_r, r = _match(pairs, _KEYS + ["rejected_idx"], samples, _KEYS + ["sample_idx"])
+    # each pair row with each of its chosen and each of its rejected matches (one and one)
+    both = pa.table({"p": p_c, "c": c}).join(pa.table({"p": p_r, "r": r}), keys="p", join_type="inner",
+                                             use_threads=False)
+    both = _in_key_order(both, ["p", "c", "r"])
+    if count:
+        return both.num_rows
+    chosen, rejected = samples.take(both["c"]), samples.take(both["r"])
+    kept = pairs.take(both["p"])
+    rows = pa.table({
+        **{name: kept[name] for name in _PAIR_COLUMNS[:5]},
+        "prompt_token_ids": chosen["prompt_token_ids"],
+        "chosen_token_ids": chosen["response_token_ids"], "chosen_logprobs": chosen["behavior_logprobs"],
+        "rejected_token_ids": rejected["response_token_ids"], "rejected_logprobs": rejected["behavior_logprobs"],
+        **{name: kept[name] for name in _PAIR_COLUMNS[5:]},
+    })
+    return _in_key_order(rows, ["round", "prompt_id", "chosen_idx", "rejected_idx"])
+
+
+def _inputs(run_dir: str | Path, objective: str, rounds: list[int] | None, max_staleness: int | None,
+            held: Held | None = None) -> tuple[RunStore, list[int], dict[str, list[Path]]]:
     """The run, the chosen rounds and their checked part files per table."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
     store = RunStore(run_dir)
     chosen = select_rounds(store, objective, rounds, max_staleness)
     source = "pairs" if objective == "pairwise" else "groups"
-    return store, chosen, {"samples": _checked_files(store, "samples", chosen),
-                           source: _checked_files(store, source, chosen)}
+    return store, chosen, {"samples": _checked_files(store, "samples", chosen, held),
+                           source: _checked_files(store, source, chosen, held)}
 
 
 def count_training_rows(run_dir: str | Path, objective: str, rounds: list[int] | None = None,
-                        max_staleness: int | None = None, sft_min_reward: float | None = None) -> int:
+                        max_staleness: int | None = None, sft_min_reward: float | None = None,
+                        held: Held | None = None) -> int:
     """How many rows `load_training_data` would return, without reading token lists or hashing
-    files (DuckDB reads only the key and filter columns): the round loop sizes a round's
+    files (only the key and filter columns are read): the round loop sizes a round's
     training (`training.config.steps_for_passes`) before it starts. 0 when there are none."""
-    _, chosen, files = _inputs(run_dir, objective, rounds, max_staleness)
+    store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness, held)
     if not (chosen and all(files.values())):
         return 0
-    return int(_query(f"SELECT count(*) AS n {_selection(objective, sft_min_reward)}", files).column(0)[0].as_py())
+    if objective == "pairwise":
+        return _pair_rows(store, files, held, count=True)
+    return _policy_rows(store, files, objective, sft_min_reward, held, count=True)
 
 
 def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | None = None,
-                       max_staleness: int | None = None, sft_min_reward: float | None = None) -> TrainingData:
-    """The rows `objective` trains on from `rounds` of the run (see the module docstring)."""
-    store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness)
-    sql = (_PAIRS_SQL if objective == "pairwise" else _POLICY_SQL).format(
-        from_where=_selection(objective, sft_min_reward))
-    table = _query(sql, files) if chosen and all(files.values()) else None
+                       max_staleness: int | None = None, sft_min_reward: float | None = None,
+                       held: Held | None = None) -> TrainingData:
+    """The rows `objective` trains on from `rounds` of the run (see the module docstring).
+    `held`: tables the caller has just committed (see `Held`), used instead of reading their
+    files back; the rows are the same either way."""
+    store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness, held)
+    table = None
+    if chosen and all(files.values()):
+        table = _pair_rows(store, files, held) if objective == "pairwise" else \
+            _policy_rows(store, files, objective, sft_min_reward, held)
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
         for path in files[table_name]:
-            h.update(f"{Path(path).relative_to(store.root)}={known_fingerprint(path)}\n".encode())
+            entry = _held(store, held, path)
+            h.update(f"{path.relative_to(store.root)}={known_fingerprint(path, entry and entry[0])}\n".encode())
     if table is None or table.num_rows == 0:
         raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"

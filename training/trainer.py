@@ -51,7 +51,7 @@ from training import checkpoint as ckpt
 from training import distributed, lora
 from training.batching import pair_batches, policy_batches, prompt_groups
 from training.config import TrainConfig, steps_for_passes
-from training.data import POLICY_OBJECTIVES, load_training_data
+from training.data import POLICY_OBJECTIVES, Held, load_training_data
 from training.objectives import get_pair_loss, get_policy_loss
 from training.step import StepContext, accumulate_gradients, pair_micro_step, policy_micro_step
 
@@ -168,11 +168,13 @@ def group_units(groups: np.ndarray, per_group: int | None = None) -> np.ndarray:
 
 def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
           progress: Callable[[int, int, dict], None] | None = None, session: TrainSession | None = None,
-          save: bool = True, return_state: bool = False) -> TrainResult:
+          save: bool = True, return_state: bool = False, held: Held | None = None) -> TrainResult:
     """Train until optimizer step `steps` (sooner with `cfg.passes`), starting from the live
     `session`, else the newest checkpoint of the run, else the model folder `model`.
     `save=False` writes no checkpoint at the end (save_every still does); `return_state`
-    puts the final weights in `TrainResult.state_dict`."""
+    puts the final weights in `TrainResult.state_dict`. `held`: tables the caller has just
+    committed (`training.data.Held`, e.g. the round's stage reports' `written`), used instead
+    of reading those files back while they are unchanged on disk; the rows are the same."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
     timing = _Timing()
@@ -210,7 +212,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
 
     # -- data -------------------------------------------------------------------------------
     with timing("load"):
-        data = load_training_data(run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
+        data = load_training_data(run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward,
+                                  held=held)
     segment = (session.segment if live else state.get("data")) or {}
     if segment.get("fingerprint") != data.fingerprint:  # new rows: a new segment starts here
         segment = {"fingerprint": data.fingerprint, "start_step": start_step, "rounds": data.rounds,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from training.batching import MicroBatch, pair_batches, policy_batches, step_normalizer
+from training.batching import MicroBatch, pair_batches, policy_batches, prompt_groups, step_normalizer
 from training.logprobs import token_logprobs
 from training.objectives import Normalizer, ObjectiveConfig, get_pair_loss, get_policy_loss
 
@@ -381,6 +381,29 @@ def test_shared_prompts_layout_exact():
     L = 7
     assert shared.source.tolist() == [1, 2, L + 2, 1, 4, 5]
     assert int(batch.target_mask.sum()) == shared.source.numel()
+
+
+def test_shared_prompts_split_layout_exact():
+    # max_len 5: prompt [1, 5] (2 tokens) + responses of 2 and 3 tokens would be 7, so the
+    # third row starts a second packed sequence that repeats the prompt
+    table = _policy_table(prompts=[[1, 5], [1, 5], [1, 5]], responses=[[9], [10, 11], [12, 13, 14]])
+    (batch,) = policy_batches(table, 100, pad_id=0, share_prompts=True, shared_max_len=5)
+    shared = batch.shared
+    assert shared.input_ids.tolist() == [[1, 5, 9, 10, 11], [1, 5, 12, 13, 14]]
+    assert shared.position_ids.tolist() == [[0, 1, 2, 2, 3], [0, 1, 2, 3, 4]]
+    assert shared.attention_mask[0, 0, 4].int().tolist() == [1, 1, 0, 1, 1]
+    assert shared.source.tolist() == [1, 1, 3, 5 + 1, 5 + 2, 5 + 3]
+
+
+def test_prompt_groups_number_prompts_as_first_seen():
+    # a prompt that is a prefix of another, or has the same tokens as int64, is told apart
+    # only by its tokens: [1, 2] and [1, 2, 0] differ, the two [1, 2] rows are one group
+    table = pa.table({"prompt_token_ids": pa.array([[7], [1, 2], [1, 2, 0], [7], [1, 2]], pa.list_(pa.int64())),
+                      "response_token_ids": pa.array([[1]] * 5, IDS)})
+    assert prompt_groups(table).tolist() == [0, 1, 2, 0, 1]
+    chunked = pa.concat_tables([table.slice(0, 2), table.slice(2)])
+    assert prompt_groups(chunked.slice(1)).tolist() == [0, 1, 2, 0]
+    assert prompt_groups(table.slice(0, 0)).tolist() == []
 
 
 def _grouped_table(rng, groups=6, max_group=8):

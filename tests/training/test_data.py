@@ -8,6 +8,7 @@ import shutil
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -174,3 +175,69 @@ def test_errors_name_the_file_or_round(curated_run, tmp_path):
     assert (one.top_k, one.top_p) == (5, 0.9)
     assert (load_training_data(run, "grpo", rounds=[0]).top_k, load_training_data(run, "grpo", rounds=[0]).top_p) \
         == (0, 1.0)
+
+
+def _held(run, tables=("samples", "groups", "pairs")) -> dict:
+    """What a caller that has just committed the run's part files would hold: {relative path:
+    ({sha256, size, mtime_ns}, table)} (Commit.written's shape), read back from the files."""
+    from curation.fingerprints import file_stat, fingerprint_file
+
+    return {path.relative_to(run).as_posix(): ({"sha256": fingerprint_file(path), **file_stat(path)},
+                                               pq.read_table(path))
+            for table in tables for path in sorted((run / table).glob("round=*/*.parquet"))}
+
+
+@pytest.mark.parametrize("objective", ["grpo", "sft", "pairwise"])
+def test_held_tables_give_the_rows_of_the_files(curated_run, objective):
+    held = _held(curated_run)
+    from_files = load_training_data(curated_run, objective)
+    from_held = load_training_data(curated_run, objective, held=held)
+    assert from_held.table.equals(from_files.table) and from_held.fingerprint == from_files.fingerprint
+    assert count_training_rows(curated_run, objective, held=held) == from_files.num_rows
+
+
+def test_a_held_table_is_used_only_while_its_file_is_unchanged(curated_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(curated_run, run, copy_function=shutil.copy2)
+    rel = "groups/round=1/part-label.parquet"
+    held = _held(run, ("groups",))
+    entry, groups = held[rel]
+    # a held table stands for its file (same size and mtime_ns): this one differs, and is used
+    shifted = groups.set_column(groups.schema.get_field_index("advantage"), "advantage",
+                                pc.add(groups.column("advantage"), 10.0))
+    held[rel] = (entry, shifted)
+    data = load_training_data(run, "grpo", rounds=[1], held=held)
+    assert min(data.table.column("advantage").to_pylist()) > 5
+    # the file is rewritten (the same rows): its new mtime_ns retires the held table
+    pq.write_table(pq.read_table(run / rel), run / rel)
+    data = load_training_data(run, "grpo", rounds=[1], held=held)
+    assert data.table.equals(load_training_data(curated_run, "grpo", rounds=[1]).table)
+
+
+def test_a_rewritten_file_is_checked_again(curated_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(curated_run, run)
+    assert load_training_data(run, "grpo").num_rows > 0  # every file's schema checked (and remembered)
+    part = run / "groups" / "round=1" / "part-label.parquet"
+    table = pq.read_table(part)
+    pq.write_table(table.set_column(table.schema.get_field_index("advantage"), "advantage",
+                                    pa.array(["high"] * table.num_rows)), part)
+    with pytest.raises(SchemaError, match=str(part)):
+        load_training_data(run, "grpo")
+
+
+def test_duplicate_keys_join_like_sql(curated_run, tmp_path):
+    # A second samples part with the same keys (a copy): each kept groups row now matches two
+    # samples rows, as an SQL inner join gives them; a row of a pairs part matches 2 x 2.
+    run = tmp_path / "run"
+    shutil.copytree(curated_run, run)
+    folder = run / "samples" / "round=1"
+    shutil.copy(folder / "part-generate.parquet", folder / "part-copy.parquet")
+    once = load_training_data(curated_run, "grpo", rounds=[1])
+    twice = load_training_data(run, "grpo", rounds=[1])
+    assert twice.num_rows == 2 * once.num_rows == count_training_rows(run, "grpo", rounds=[1])
+    keys = list(zip(*(twice.table.column(c).to_pylist() for c in ("round", "prompt_id", "sample_idx"))))
+    assert keys == sorted(keys) and keys[::2] == keys[1::2]
+    pairs = load_training_data(run, "pairwise", rounds=[1])
+    assert pairs.num_rows == 4 * load_training_data(curated_run, "pairwise", rounds=[1]).num_rows
+    assert count_training_rows(run, "pairwise", rounds=[1]) == pairs.num_rows

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -64,6 +65,23 @@ def test_share_prompts_trains_on_policy_and_is_not_for_pairwise(run_copy, toy_di
     assert second["grad_norm"] > 0 and first["rows"] == 32
     with pytest.raises(ValueError, match="share_prompts is for the policy objectives"):
         TrainConfig(objective="pairwise", share_prompts=True)
+
+
+def test_held_tables_train_exactly_as_the_files(curated_run, toy_dir, tmp_path):
+    from curation.fingerprints import file_stat, fingerprint_file
+
+    records = []
+    for name in ("files", "held"):
+        run = tmp_path / name
+        shutil.copytree(curated_run, run)
+        held = {path.relative_to(run).as_posix(): ({"sha256": fingerprint_file(path), **file_stat(path)},
+                                                   pq.read_table(path))
+                for table in ("samples", "groups") for path in (run / table).glob("round=*/*.parquet")}
+        cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=256, lr=1e-4, share_prompts=True)
+        train(run, cfg, steps=2, model=toy_dir / "model", held=held if name == "held" else None)
+        records.append([{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s")}
+                        for r in step_records(run)])
+    assert records[0] == records[1] and len(records[0]) == 2
 
 
 def test_lr_schedule_warmup_then_cosine():
