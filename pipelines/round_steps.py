@@ -360,13 +360,17 @@ def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int,
     decay_steps = cosine_horizon(spec, ctx.target_rounds)
     cfg = train_config(spec, round, decay_steps)
     steps = spec.run.steps_per_round
-    if cfg.passes is not None:
-        rows = count_training_rows(ctx.run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
-        steps = steps_for_passes(rows, cfg.batch_size, cfg.passes)
     save = round % spec.run.checkpoint_every == 0 or round >= ctx.target_rounds
+    if save or spec.train.nproc > 1:
+        ctx.settle()  # a checkpoint follows committed tables; trainer ranks read the files
+    held = ctx.held if spec.train.nproc == 1 else None  # the round's tables, their commits maybe in flight
+    if cfg.passes is not None:
+        rows = count_training_rows(ctx.run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward,
+                                   held=held)
+        steps = steps_for_passes(rows, cfg.batch_size, cfg.passes)
     try:
         ctx.log(f"round {round}: train {spec.train.objective} steps {start_version + 1}..{start_version + steps}")
-        return _train(ctx, cfg, start_version + steps, save).end_step, decay_steps
+        return _train(ctx, cfg, start_version + steps, save, held).end_step, decay_steps
     except NoTrainingData as exc:
         ctx.log(f"round {round}: no training ({exc})")
         return start_version, decay_steps
@@ -388,15 +392,16 @@ def train_config(spec: PipelineSpec, round: int, decay_steps: int) -> TrainConfi
                           "trust_remote_code": spec.model.trust_remote_code})
 
 
-def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> TrainResult:
-    """One trainer call on the live session; its new weights are kept for the engine."""
+def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool, held: dict | None = None) -> TrainResult:
+    """One trainer call on the live session (`held`: the round's tables, read from memory);
+    its new weights are kept for the engine."""
     with ctx.clock("train"):
         if ctx.spec.train.nproc > 1:
             result = trainer_ranks(ctx).train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, save=save,
                                               return_state=True)
         else:
             result = train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session,
-                           save=save, return_state=True)
+                           save=save, return_state=True, held=held)
     ctx.clock.move(result.checkpoint_seconds, "train", "checkpoint")
     ctx.clock.model += result.step_seconds
     if result.state_dict is not None:

@@ -161,15 +161,15 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     if spec.run.refill is not None:
         ctx.settle()  # refill samples and curates again from the round's files
         reports, refilled = refill(ctx, round, start_version, reports, stages)
-    ctx.held.clear()
     fault_point("loop.after_curate")
     if spec.run.overlap and round < ctx.target_rounds:  # the engines sample the next round meanwhile
+        ctx.settle()  # the next round's prompt choice reads this round's files
         prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start_version)
 
-    # -- train -------------------------------------------------------------------------------
-    ctx.settle()
+    # -- train (on the round's tables in memory, while their commits are made) ---------------
     since = ctx.metrics.position()
     steps, decay_steps = train_round(ctx, round, start_version)
+    ctx.held.clear()
     rates = [s["tokens_per_s"] for s in ctx.metrics.records_since(since)
              if s.get("event") == "step" and start_version < s.get("step", 0) <= steps]
 

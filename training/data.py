@@ -39,7 +39,40 @@ OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")
 Held = Mapping[str, tuple[dict, pa.Table]]
 """Tables a caller has just committed: {path relative to the run: ({sha256, size, mtime_ns},
 the table as written)}, e.g. `StageReport.written` / `Commit.written`. A held table is used
-instead of its file while the file's size and mtime_ns are the recorded ones."""
+instead of its file while the file's size and mtime_ns are the recorded ones. An entry whose
+mtime_ns is None is a commit in flight (the round loop's background commits): its file may
+not be there yet, and the table is what the commit writes."""
+
+
+def _in_flight(entry: tuple[dict, pa.Table]) -> bool:
+    return entry[0].get("mtime_ns") is None
+
+
+def _round_of(rel: str) -> int | None:
+    """The round of a part file's path relative to the run (`<table>/round=<n>/<file>`)."""
+    found = _ROUND_FOLDER.fullmatch(rel.split("/")[1]) if rel.count("/") == 2 else None
+    return int(found[1]) if found else None
+
+
+def _in_flight_rounds(held: Held | None, table: str) -> dict[int, list[str]]:
+    """{round: the part files (relative paths) of `table` whose commit is in flight}."""
+    found: dict[int, list[str]] = {}
+    for rel, entry in (held or {}).items():
+        round = _round_of(rel)
+        if round is not None and rel.split("/")[0] == table and _in_flight(entry):
+            found.setdefault(round, []).append(rel)
+    return found
+
+
+def _files(store: RunStore, table: str, rounds: list[int], held: Held | None) -> list[Path]:
+    """`store.files(table, rounds)` (round, then name order) with the part files of those rounds
+    whose commit is still in flight."""
+    files = store.files(table, rounds)
+    flying = _in_flight_rounds(held, table)
+    extra = {store.root / rel for round in rounds for rel in flying.get(round, [])}
+    if not extra:
+        return files
+    return sorted(set(files) | extra, key=lambda path: (_round_of(path.relative_to(store.root).as_posix()), path.name))
 
 
 class NoTrainingData(ValueError):
@@ -68,16 +101,19 @@ class TrainingData:
         return self.table.num_rows
 
 
-def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max_staleness: int | None) -> list[int]:
+def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max_staleness: int | None,
+                  held: Held | None = None) -> list[int]:
     """The rounds to train on: the given ones (or every round with labels/pairs), minus those
     more than `max_staleness` rounds older than the newest round of samples in the run. Given
-    rounds look only at their own folders, so a call costs the same in round 5 and round 500."""
+    rounds look only at their own folders, so a call costs the same in round 5 and round 500.
+    A round whose labels/pairs are `held` in flight counts as having them."""
     source = "pairs" if objective == "pairwise" else "groups"
+    flying = _in_flight_rounds(held, source)
     if rounds is None:
-        chosen = store.rounds(source)
+        chosen = sorted(set(store.rounds(source)) | set(flying))
     else:
         chosen = sorted(set(rounds))
-        missing = [round for round in chosen if not store.files(source, round)]
+        missing = [round for round in chosen if round not in flying and not store.files(source, round)]
         if missing:
             available = store.rounds(source)
             raise ValueError(f"{store.root}: no {source} table for round(s) {missing}; rounds with {source}: "
@@ -110,7 +146,7 @@ _SCHEMA_CHECKED: FileCache[bool] = FileCache(max_entries=100_000)
 def _checked_files(store: RunStore, table: str, rounds: list[int], held: Held | None = None) -> list[Path]:
     """The rounds' part files of `table`, each one's schema checked against the contract
     (a held table was checked when it was written)."""
-    files = store.files(table, rounds)
+    files = _files(store, table, rounds, held)
     for path in files:
         if _held(store, held, path) is None:
             _SCHEMA_CHECKED.get(path, lambda path=path: bool(
@@ -124,6 +160,8 @@ def _held(store: RunStore, held: Held | None, path: Path) -> tuple[dict, pa.Tabl
     if entry is None:
         return None
     recorded = entry[0]
+    if _in_flight(entry):
+        return entry
     return entry if file_stat(path) == {"size": recorded["size"], "mtime_ns": recorded["mtime_ns"]} else None
 
 
@@ -271,7 +309,7 @@ def _inputs(run_dir: str | Path, objective: str, rounds: list[int] | None, max_s
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
     store = RunStore(run_dir)
-    chosen = select_rounds(store, objective, rounds, max_staleness)
+    chosen = select_rounds(store, objective, rounds, max_staleness, held)
     source = "pairs" if objective == "pairwise" else "groups"
     return store, chosen, {"samples": _checked_files(store, "samples", chosen, held),
                            source: _checked_files(store, source, chosen, held)}
@@ -306,7 +344,8 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
     for table_name in sorted(files):
         for path in files[table_name]:
             entry = _held(store, held, path)
-            h.update(f"{path.relative_to(store.root)}={known_fingerprint(path, entry and entry[0])}\n".encode())
+            digest = entry[0]["sha256"] if entry and _in_flight(entry) else known_fingerprint(path, entry and entry[0])
+            h.update(f"{path.relative_to(store.root)}={digest}\n".encode())
     if table is None or table.num_rows == 0:
         raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"
