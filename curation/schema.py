@@ -173,6 +173,13 @@ def validate(table: pa.Table, name: str, source: str | Path | None = None) -> pa
         raise SchemaError(f"unknown table name {name!r}; known: {', '.join(SCHEMAS)}")
     schema = SCHEMAS[name]
     where = _where(name, source)
+    if _has_contract_schema(table, schema):  # the usual case (a stage's output, a file we wrote): nothing to cast
+        for i, field in enumerate(schema):
+            if not field.nullable and table.column(i).null_count:
+                raise SchemaError(f"{where}: column {field.name!r} has {table.column(i).null_count} null value(s)")
+        if name == "prompts" and table.num_rows:
+            _check_prompts({field.name: table.column(i) for i, field in enumerate(schema)}, where)
+        return table
     optional = OPTIONAL_COLUMNS.get(name, set())
     columns: dict[str, pa.ChunkedArray] = {}
     for field in schema:
@@ -205,6 +212,31 @@ def validate(table: pa.Table, name: str, source: str | Path | None = None) -> pa
     arrays = list(columns.values()) + [table.column(c) for c in extras]
     fields = list(schema) + [table.schema.field(c) for c in extras]
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _has_contract_schema(table: pa.Table, schema: pa.Schema) -> bool:
+    """True when `table` starts with exactly the contract's fields (names, types, nullability, no
+    metadata), has no schema metadata and no repeated names: what `validate` would return is
+    then `table` itself, once its non-nullable columns are checked for nulls (~5 us instead of
+    ~90 us for rebuilding it column by column)."""
+    found = table.schema
+    if found.metadata or len(found) < len(schema):
+        return False
+    if len(found) == len(schema):
+        return found.equals(schema, check_metadata=True)
+    names = found.names
+    return (len(set(names)) == len(names)
+            and all(found.field(i).equals(field, check_metadata=True) for i, field in enumerate(schema)))
+
+
+def as_contract(columns: list[pa.Array | pa.ChunkedArray], name: str) -> pa.Table:
+    """A table of the `name` contract's columns, in its order: with the contract's schema when
+    every column has its contract type (validate then returns it as is), else with its names
+    only (validate casts). For stages building an output table."""
+    schema = SCHEMAS[name]
+    if all(column.type == field.type for column, field in zip(columns, schema)):
+        return pa.Table.from_arrays(columns, schema=schema)
+    return pa.Table.from_arrays(columns, names=schema.names)
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

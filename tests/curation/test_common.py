@@ -75,12 +75,12 @@ def test_unrejected_keeps_samples_order_and_takes_rewards_by_key():
                         {"reward": pa.array([4.0, 0.0, 2.0, None])})
     rejects = keys_table([("r", 0, "q", 0), ("r", 0, "z", None), ("r", 1, "p", 1)])
     rows = unrejected(keys_table(samples, {"response": pa.array(list("abcde"))}), scores, rejects, ("response",))
-    assert rows.get_column("row").to_list() == [0, 1, 3, 4]
-    assert rows.get_column("reward").to_list() == [0.0, None, None, 4.0]
-    assert rows.get_column("response").to_list() == ["a", "b", "d", "e"]
-    assert rows.get_column("gid").to_list() == [0, 0, 1, 1]
+    assert rows.column("row").to_pylist() == [0, 1, 3, 4]
+    assert rows.column("reward").to_pylist() == [0.0, None, None, 4.0]
+    assert rows.column("response").to_pylist() == ["a", "b", "d", "e"]
+    assert rows.column("gid").to_pylist() == [0, 0, 1, 1]
     whole = keys_table([("r", 0, "p", None)])
-    assert unrejected(keys_table(samples), scores, whole).get_column("row").to_list() == [2, 3, 4]
+    assert unrejected(keys_table(samples), scores, whole).column("row").to_pylist() == [2, 3, 4]
 
 
 def test_group_ids_of_an_empty_table():
