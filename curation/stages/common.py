@@ -215,7 +215,7 @@ def _positions_in(rows: pa.Table, table: pa.Table, on: list[str]) -> np.ndarray:
     rows of `table` are distinct on them), or -1: Arrow hash lookups, with no fixed cost of a
     query engine (a Polars join costs ~0.5 ms however small the tables)."""
     if len(on) == 1:
-        needles, haystack = rows.column(on[0]), table.column(on[0])
+        needles, haystack = rows.column(on[0]), table.column(on[0]).combine_chunks()
     else:  # the columns' dictionary codes over both tables, packed into one integer
         needles = np.zeros(rows.num_rows, dtype=np.int64)
         haystack = np.zeros(table.num_rows, dtype=np.int64)
@@ -225,7 +225,8 @@ def _positions_in(rows: pa.Table, table: pa.Table, on: list[str]) -> np.ndarray:
             codes = encoded.indices.to_numpy(zero_copy_only=False)
             haystack = haystack * len(encoded.dictionary) + codes[:table.num_rows]
             needles = needles * len(encoded.dictionary) + codes[table.num_rows:]
-    found = pc.index_in(pa.array(needles), value_set=pa.array(haystack))
+        needles, haystack = pa.array(needles), pa.array(haystack)
+    found = pc.index_in(needles, value_set=haystack)
     return pc.fill_null(found, -1).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
