@@ -3,11 +3,15 @@
 Each stage file (score.py, filter.py, label.py, pair.py) declares the tables it reads and
 writes and one pure transform; runner.py runs any of them (fingerprints, up-to-date check,
 read, transform, validate, atomic commit). This module holds the table helpers their
-transforms use: `rejects_table`, `drop_counts`, group ids, `SampleIndex` and `unrejected`
-(the samples no rejects row names, with their rewards).
+transforms use: `rejects_table`, `drop_counts`, group ids, `SampleIndex`, `unrejected` (the
+samples no rejects row names, with their rewards) and `group_moments` (count, min, max, mean,
+variance per group). They are numpy and Arrow compute, not Polars queries: a query costs
+~0.3-0.5 ms however few the rows, more than a whole transform at a round of 512 samples.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
@@ -68,8 +72,8 @@ def group_ids(table: pa.Table, by: tuple[str, ...] = GROUP) -> pl.Series:
 def _group_ids(table: pa.Table, by: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray | None]:
     """(group_ids, the boolean run starts when each group is one run (the fast path), else None)."""
     starts = _run_starts(table, by)
-    at_starts = pl.Series(rows_of(table.select([by[-1]]), starts).column(0))
-    if at_starts.n_unique() == len(at_starts):  # no two runs share a key: each group is one run
+    at_starts = table.column(by[-1]).filter(starts)
+    if len(pc.unique(at_starts)) == len(at_starts):  # no two runs share a key: each group is one run
         return np.cumsum(starts, dtype=np.int64) - 1, starts
     ids = np.zeros(table.num_rows, dtype=np.int64)
     for column in by:
@@ -142,11 +146,9 @@ class SampleIndex:
         groups = rows_of(self.keys.select(list(GROUP)), self.first)  # first is ascending: ids by first appearance
         if heads.num_rows == groups.num_rows and all(heads.column(c).equals(groups.column(c)) for c in GROUP):
             found = np.arange(self.n_groups, dtype=np.int64)  # the same groups in the same order
-        else:  # one run_id and round on both sides (the usual case): join on prompt_id alone, 2x faster
+        else:  # one run_id and round on both sides (the usual case): look up prompt_id alone
             on = [c for c in GROUP if not _one_value_in_both(heads.column(c), groups.column(c))] or ["prompt_id"]
-            index = pl.from_arrow(groups.select(on)).with_columns(gid=pl.int_range(self.n_groups, dtype=pl.Int64))
-            found = (pl.from_arrow(heads.select(on)).join(index, on=on, how="left", maintain_order="left")
-                     .get_column("gid").fill_null(-1).to_numpy())
+            found = _positions_in(heads, groups, on)
         return np.repeat(found, np.diff(starts, append=m))
 
     def match(self, other: pa.Table) -> np.ndarray:
@@ -208,6 +210,26 @@ class SampleIndex:
         return np.where(ok, self.first[g] + idx, -1)
 
 
+def _positions_in(rows: pa.Table, table: pa.Table, on: list[str]) -> np.ndarray:
+    """For each row of `rows`, the position of the row of `table` with equal `on` columns (the
+    rows of `table` are distinct on them), or -1: Arrow hash lookups, with no fixed cost of a
+    query engine (a Polars join costs ~0.5 ms however small the tables)."""
+    if len(on) == 1:
+        needles, haystack = rows.column(on[0]), table.column(on[0]).combine_chunks()
+    else:  # the columns' dictionary codes over both tables, packed into one integer
+        needles = np.zeros(rows.num_rows, dtype=np.int64)
+        haystack = np.zeros(table.num_rows, dtype=np.int64)
+        for column in on:
+            both = pa.chunked_array(table.column(column).chunks + rows.column(column).chunks)
+            encoded = pc.dictionary_encode(both).combine_chunks()
+            codes = encoded.indices.to_numpy(zero_copy_only=False)
+            haystack = haystack * len(encoded.dictionary) + codes[:table.num_rows]
+            needles = needles * len(encoded.dictionary) + codes[table.num_rows:]
+        needles, haystack = pa.array(needles), pa.array(haystack)
+    found = pc.index_in(needles, value_set=haystack)
+    return pc.fill_null(found, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 def _one_value_in_both(a: pa.ChunkedArray, b: pa.ChunkedArray) -> bool:
     """True when `a` and `b` hold one and the same value in every row."""
     lo_hi = pc.min_max(a).as_py()
@@ -218,11 +240,14 @@ class DuplicateKeys(ValueError):
     """Two rows of a table that must have one row per sample share (run_id, round, prompt_id, sample_idx)."""
 
 
-def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: tuple[str, ...] = ()) -> pl.DataFrame:
-    """The samples that no rejects row names, in samples order: `row` (position in samples),
-    `gid` (see SampleIndex), sample_idx, reward (null when unscored) and `columns` of samples.
+def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: tuple[str, ...] = ()) -> pa.Table:
+    """The samples that no rejects row names, in samples order: `row` (int64, position in
+    samples), `gid` (int64, see SampleIndex), sample_idx, reward (float64, null when unscored)
+    and `columns` of samples.
 
     A rejects row names one sample, or every sample of its prompt when its sample_idx is null.
+    An Arrow table, not a Polars frame: building one costs microseconds, where a Polars
+    `with_columns` runs a query (~0.3 ms at any size).
     """
     index = SampleIndex(samples)
     reward = scores.column("reward")
@@ -234,16 +259,87 @@ def unrejected(samples: pa.Table, scores: pa.Table, rejects: pa.Table, columns: 
                              "a sample has one reward") from None
         reward = pc.take(reward, nullable_indices(at))
     keep = ~index.named(rejects) if rejects.num_rows else None
-    rows = np.flatnonzero(keep) if keep is not None else np.arange(samples.num_rows)
+    out = {"row": np.flatnonzero(keep) if keep is not None else np.arange(samples.num_rows, dtype=np.int64),
+           "gid": index.gid if keep is None else index.gid[keep],
+           "sample_idx": samples.column("sample_idx"), "reward": reward.cast(pa.float64()),
+           **{c: samples.column(c) for c in columns}}
+    if keep is not None:
+        mask = pa.array(keep)
+        out.update({c: out[c].filter(mask) for c in ("sample_idx", "reward", *columns)})
+    return pa.table(out)
 
-    def kept(values):
-        return values if keep is None else values[keep] if isinstance(values, np.ndarray) else values.filter(keep)
 
-    frame = pl.DataFrame({"row": rows, "gid": kept(index.gid)})
-    frame = frame.with_columns(pl.Series("sample_idx", kept(samples.column("sample_idx"))),
-                               pl.Series("reward", kept(reward), dtype=pl.Float64),
-                               *(pl.Series(c, kept(samples.column(c))) for c in columns))
-    return frame
+# ---- statistics per group --------------------------------------------------------------------
+
+
+@dataclass
+class GroupMoments:
+    """Per group (index: gid): rows, min, max, mean and sample variance (ddof=1) of a value.
+
+    What the Polars window functions `over(gid)` that the stages used gave, bit for bit
+    (tests/curation/test_common.py checks them against Polars): mean = the sum in row order /
+    rows (np.bincount adds in row order); var = Welford's running update in row order,
+    dp / (rows - 1), NaN for one row (Polars: null); min and max keep the later of equal
+    values (0.0 and -0.0); a group of one row has its value as mean (-0.0 stays -0.0). Groups
+    without rows: count 0 and NaN elsewhere. Polars itself sometimes sums a window in another
+    order (a last-bit difference in ~1 run of 10 on sums that are not exact; never on 0/1
+    rewards); these are the same every run.
+    """
+
+    count: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    mean: np.ndarray
+    var: np.ndarray | None
+
+
+def group_moments(gid: np.ndarray, values: np.ndarray, n_groups: int, variance: bool = True) -> GroupMoments:
+    """GroupMoments of float64 `values` by `gid` (0 <= gid < n_groups); var None unless `variance`.
+
+    Welford is sequential within a group, so its loop runs over positions in the group (0, 1,
+    ...) and each step updates every group that long at once: (largest group) steps of numpy
+    over n_groups values, O(rows) in all. Groups are taken longest first so that the groups a
+    step updates are a prefix of the state arrays (slices, no masks).
+    """
+    count = np.bincount(gid, minlength=n_groups)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = np.bincount(gid, weights=values, minlength=n_groups) / count
+    lo, hi = np.full(n_groups, np.inf), np.full(n_groups, -np.inf)
+    var = np.full(n_groups, np.nan) if variance else None
+    if not variance or len(values) == 0:
+        np.minimum.at(lo, gid, values)  # in row order: np.minimum(a, b) is b when a == b, the later value
+        np.maximum.at(hi, gid, values)
+    else:
+        order = np.argsort(gid, kind="stable") if (np.diff(gid) < 0).any() else None  # rows group by group
+        start = np.cumsum(count) - count
+        by_size = np.argsort(-count, kind="stable")  # identity when every group has the same size
+        longest = int(count[by_size[0]])
+        same_size = int(count[by_size[-1]]) == longest
+        first = start if same_size else start[by_size]
+        going = n_groups - np.cumsum(np.bincount(count, minlength=longest + 1))  # groups with count > k
+        running, dp = np.zeros(n_groups), np.zeros(n_groups)
+        for k in range(longest):
+            a = int(going[k])
+            at = first[:a] + k
+            x = values[at if order is None else order[at]]
+            m, d2, low, high = running[:a], dp[:a], lo[:a], hi[:a]
+            delta = x - m  # Welford: Polars' VarState.add_one
+            m += delta / (k + 1)
+            d2 += delta * (x - m)
+            np.minimum(low, x, out=low)
+            np.maximum(high, x, out=high)
+        if not same_size:  # back to gid order
+            for state in (dp, lo, hi):
+                state[by_size] = state.copy()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            var = np.maximum(dp / (count - 1), 0.0)
+        var[count <= 1] = np.nan
+    one = count == 1
+    if one.any():
+        mean[one] = lo[one]
+    empty = count == 0
+    lo[empty] = hi[empty] = np.nan
+    return GroupMoments(count, lo, hi, mean, var)
 
 
 def nullable_indices(at: np.ndarray) -> pa.Array:

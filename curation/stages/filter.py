@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import nullable_indices, rows_of, unrejected
+from curation.stages.common import group_moments, nullable_indices, rows_of, unrejected
 from curation.stages.runner import StageOutput
 
 STAGE = "filter"
@@ -93,14 +93,14 @@ def columns(cfg: FilterConfig) -> dict[str, list[str]]:
 
 
 # ---- the transform ---------------------------------------------------------------------------
+#
+# numpy over Arrow columns, no query engine: a Polars query costs ~0.3-0.5 ms however few the
+# rows, several times this stage's work at a round of 512 samples. A row's reason is a code
+# into REASONS (0: kept), set only where no earlier check set one: the first matching reason wins.
 
-
-def _first_reason(checks: list[tuple[str, pl.Expr]]) -> pl.Expr:
-    """The reason of the first check that holds, else null."""
-    reason = pl.lit(None, dtype=pl.String)
-    for name, condition in reversed(checks):
-        reason = pl.when(condition).then(pl.lit(name)).otherwise(reason)
-    return reason
+REASONS = (None, "unscored", "truncated", "too_long", "too_short", "duplicate", "group_too_small", "zero_variance",
+           "pass_rate")
+CODE = {reason: code for code, reason in enumerate(REASONS) if reason}
 
 
 def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
@@ -111,7 +111,8 @@ def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
     `columns`); tables["rejects"]: the rejects so far (rows of stage "filter" are ignored:
     they are this stage's own). rows_in: the samples no earlier stage rejected."""
     samples, scores, rejects_so_far = tables["samples"], tables["scores"], tables["rejects"]
-    rejects_so_far = rejects_so_far.filter(pc.not_equal(rejects_so_far.column("stage"), STAGE))
+    if rejects_so_far.num_rows:
+        rejects_so_far = rejects_so_far.filter(pc.not_equal(rejects_so_far.column("stage"), STAGE))
     view = samples.select(list(KEYS))
     if cfg.drop_truncated:
         view = view.append_column("truncated", pc.equal(samples.column("finish_reason"), "length"))
@@ -121,53 +122,62 @@ def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
         texts = pc.dictionary_encode(samples.column("response")).combine_chunks()
         view = view.append_column("response", texts.indices)
     rows = unrejected(view, scores, rejects_so_far, tuple(view.column_names[len(KEYS):]))
-    rows_in = rows.height
-    rows = rows.lazy()
+    rows_in = rows.num_rows
+    gid = rows.column("gid").to_numpy()
+    sample_idx = rows.column("sample_idx").to_numpy()
+    reward = rows.column("reward")
+    unscored = reward.is_null().to_numpy(zero_copy_only=False)
+    reward = pc.fill_null(reward, 0.0).to_numpy()
+    reason = np.zeros(rows_in, dtype=np.int8)
+
+    def drop(name: str, where: np.ndarray) -> None:
+        reason[(reason == 0) & where] = CODE[name]
 
     # Sample level.
-    reward, n_tokens = pl.col("reward"), pl.col("n_tokens")
-    checks = [("unscored", reward.is_null())]
+    drop("unscored", unscored)
     if cfg.drop_truncated:
-        checks.append(("truncated", pl.col("truncated")))
+        drop("truncated", rows.column("truncated").to_numpy())
+    n_tokens = rows.column("n_tokens").to_numpy() if "n_tokens" in rows.column_names else None
     if cfg.max_response_tokens is not None:
-        checks.append(("too_long", n_tokens > cfg.max_response_tokens))
+        drop("too_long", n_tokens > cfg.max_response_tokens)
     if cfg.min_response_tokens is not None:
-        checks.append(("too_short", n_tokens < cfg.min_response_tokens))
-    rows = rows.with_columns(reason=_first_reason(checks), first_idx=pl.lit(None, dtype=pl.Int32))
+        drop("too_short", n_tokens < cfg.min_response_tokens)
+    first_idx = None
     if cfg.drop_duplicates:  # among the survivors so far; the lowest sample_idx of a text stays
-        alive = pl.col("reason").is_null()
-        same_text = pl.col("gid") * len(texts.dictionary) + pl.col("response")  # one int64 key: (gid, response)
-        rows = rows.with_columns(first_idx=pl.when(alive).then(pl.col("sample_idx")).min().over(same_text))
-        rows = rows.with_columns(reason=pl.when(alive & (pl.col("sample_idx") > pl.col("first_idx")))
-                                 .then(pl.lit("duplicate")).otherwise(pl.col("reason")))
+        alive = np.flatnonzero(reason == 0)
+        same_text = gid[alive] * len(texts.dictionary) + rows.column("response").to_numpy()[alive]  # (gid, response)
+        text = pc.dictionary_encode(pa.array(same_text)).indices.to_numpy(zero_copy_only=False)
+        lowest = np.full(len(alive) and int(text.max()) + 1, np.iinfo(np.int32).max, dtype=sample_idx.dtype)
+        np.minimum.at(lowest, text, sample_idx[alive])
+        first_idx = np.zeros(rows_in, dtype=sample_idx.dtype)
+        first_idx[alive] = lowest[text]
+        duplicate = np.zeros(rows_in, dtype=bool)
+        duplicate[alive] = sample_idx[alive] > first_idx[alive]
+        drop("duplicate", duplicate)
 
-    # Group level, on the survivors of the sample-level checks (a null reward is not counted).
-    rows = rows.with_columns(kept_reward=pl.when(pl.col("reason").is_null()).then(reward))
-    kept_reward = pl.col("kept_reward")
-    pass_rate = cfg.pass_rate_min is not None or cfg.pass_rate_max is not None
-    rows = rows.with_columns(
-        n_left=kept_reward.count().over("gid"),
-        lo=kept_reward.min().over("gid"),
-        hi=kept_reward.max().over("gid"),
-        mean=kept_reward.mean().over("gid") if pass_rate else pl.lit(None, dtype=pl.Float64),
-    )
-    group_checks = [("group_too_small", pl.col("n_left") < cfg.min_group_size)]
+    # Group level, on the survivors of the sample-level checks.
+    kept = np.flatnonzero(reason == 0)
+    stats = group_moments(gid[kept], reward[kept], int(gid.max()) + 1 if rows_in else 0, variance=False)
+    left = np.zeros(rows_in, dtype=bool)
+    left[kept] = True
+    n_left, lo, hi, mean = stats.count[gid], stats.lo[gid], stats.hi[gid], stats.mean[gid]
+    drop("group_too_small", left & (n_left < cfg.min_group_size))
     if cfg.drop_zero_variance:
-        group_checks.append(("zero_variance", pl.col("lo") == pl.col("hi")))
-    if cfg.pass_rate_min is not None:
-        group_checks.append(("pass_rate", pl.col("mean") <= cfg.pass_rate_min))
-    if cfg.pass_rate_max is not None:
-        group_checks.append(("pass_rate", pl.col("mean") >= cfg.pass_rate_max))
-    rows = rows.with_columns(reason=pl.coalesce("reason", pl.when(kept_reward.is_not_null())
-                                                .then(_first_reason(group_checks))))
+        drop("zero_variance", left & (lo == hi))
+    with np.errstate(invalid="ignore"):
+        if cfg.pass_rate_min is not None:
+            drop("pass_rate", left & (mean <= cfg.pass_rate_min))
+        if cfg.pass_rate_max is not None:
+            drop("pass_rate", left & (mean >= cfg.pass_rate_max))
 
-    n_tokens_shown = ["n_tokens"] if "n_tokens" in view.column_names else []  # what DETAILS show
-    dropped = rows.filter(pl.col("reason").is_not_null()).select(
-        "row", "reason", "first_idx", "n_left", "lo", "mean", *n_tokens_shown).collect()
-    keys = rows_of(samples.select(list(KEYS)), dropped.get_column("row"))
-    out = keys.append_column("stage", pa.repeat(STAGE, len(dropped)))
-    out = out.append_column("reason", dropped.get_column("reason").to_arrow())
-    out = out.append_column("detail", _details(dropped))
+    dropped = np.flatnonzero(reason)
+    shown = {"n_tokens": n_tokens, "first_idx": first_idx, "n_left": n_left, "lo": lo, "mean": mean}
+    codes = reason[dropped]
+    keys = rows_of(samples.select(list(KEYS)), rows.column("row").to_numpy()[dropped])
+    out = schema.as_contract([*keys.columns, pa.repeat(STAGE, len(dropped)).cast(pa.string()),
+                              _texts(codes, pa.array(REASONS[1:], pa.string()), 1),
+                              _details(codes, {name: v[dropped] for name, v in shown.items() if v is not None})],
+                             "rejects")
     return StageOutput({"rejects": schema.validate(out, "rejects")}, rows_in=rows_in, rows_out=rows_in - len(dropped))
 
 
@@ -178,28 +188,35 @@ DETAILS = {"too_long": ("{} response tokens", "n_tokens"), "too_short": ("{} res
            "pass_rate": ("group mean reward {}", "mean")}
 
 
-def _details(dropped: pl.DataFrame) -> pa.Array:
-    """The detail of each dropped row (DETAILS), each distinct value formatted once: a few
-    distinct numbers fill millions of rows, and pl.format costs ~50 ns a row."""
-    reason = dropped.get_column("reason")
-    codes = np.full(dropped.height, -1, dtype=np.int64)  # into `texts`; -1: no detail
-    texts: list[pl.Series] = []
+def _texts(codes: np.ndarray, dictionary: pa.Array, offset: int = 0) -> pa.Array:
+    """dictionary[codes - offset] as a string array, null where codes < offset."""
+    return pa.DictionaryArray.from_arrays(nullable_indices(codes.astype(np.int64) - offset),
+                                          dictionary).cast(pa.string())
+
+
+def _details(codes: np.ndarray, shown: dict[str, np.ndarray]) -> pa.Array:
+    """The detail of each dropped row (DETAILS) from its reason code and the value it shows,
+    each distinct value formatted once: a few distinct numbers fill millions of rows. Numbers
+    are written as Polars writes them (pl.format in the first version of this stage): a
+    Polars cast to string, of the distinct values only."""
+    texts = np.full(len(codes), -1, dtype=np.int64)  # into `dictionary`; -1: no detail
+    parts: list[pa.Array] = []
     n_texts = 0
     for name, (template, column) in DETAILS.items():
-        where = (reason == name).arg_true().to_numpy()
+        where = np.flatnonzero(codes == CODE[name])
         if not len(where):
             continue
-        values = dropped.get_column(column).gather(where)
-        if values.null_count():  # not expected; format each row
-            codes[where] = n_texts + np.arange(len(where))
-            distinct = values
-        else:  # equal bit patterns are equal values, so -0.0 and 0.0 stay apart
-            numbers = values.to_numpy()
-            encoded = pc.dictionary_encode(pa.array(numbers.view(f"i{numbers.itemsize}")))
-            codes[where] = n_texts + encoded.indices.to_numpy(zero_copy_only=False)
-            distinct = encoded.dictionary.to_numpy(zero_copy_only=False).view(numbers.dtype)
-            distinct = pl.Series(distinct, dtype=values.dtype)
-        texts.append(pl.select(pl.format(template, pl.lit(distinct))).to_series())
+        numbers = shown[column][where]
+        if numbers.dtype.kind == "f":  # equal bit patterns are equal values, so -0.0 and 0.0 stay apart
+            bits = pc.dictionary_encode(pa.array(numbers.view(np.int64)))
+            distinct = bits.dictionary.to_numpy(zero_copy_only=False).view(np.float64)
+        else:
+            bits = pc.dictionary_encode(pa.array(numbers))
+            distinct = bits.dictionary.to_numpy(zero_copy_only=False)
+        texts[where] = n_texts + bits.indices.to_numpy(zero_copy_only=False)
+        before, after = template.split("{}")
+        written = pl.Series(distinct).cast(pl.String).to_arrow().cast(pa.string())
+        parts.append(pc.binary_join_element_wise(before, written, after, ""))
         n_texts += len(distinct)
-    dictionary = pl.concat(texts).to_arrow().cast(pa.string()) if texts else pa.array([], pa.string())
-    return pa.DictionaryArray.from_arrays(nullable_indices(codes), dictionary).cast(pa.string())
+    dictionary = pa.concat_arrays(parts) if parts else pa.array([], pa.string())
+    return _texts(texts, dictionary)

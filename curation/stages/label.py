@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from curation import schema
 from curation.schema import KEYS
-from curation.stages.common import group_ids, rows_of, unrejected
+from curation.stages.common import group_ids, group_moments, rows_of, unrejected
 from curation.stages.runner import StageOutput
 
 STAGE = "label"
@@ -85,48 +85,55 @@ def kept_with_rewards(samples: pa.Table, scores: pa.Table, rejects: pa.Table) ->
     unscored, so this means it has not run on these tables.
     """
     rows = unrejected(samples, scores, rejects)
-    unscored = rows.get_column("reward").null_count()
+    unscored = rows.column("reward").null_count
     if unscored:
         raise ValueError(f"{unscored} sample(s) have no reward and no rejects row; "
                          f"run the filter stage first (it rejects them as unscored)")
-    kept = rows_of(samples.select(list(KEYS)), rows.get_column("row"))
-    return kept.append_column("reward", rows.get_column("reward").to_arrow()), rows.get_column("gid").to_numpy()
+    row = rows.column("row").to_numpy()
+    kept = samples.select(list(KEYS)) if len(row) == samples.num_rows else rows_of(samples.select(list(KEYS)), row)
+    return kept.append_column("reward", rows.column("reward")), rows.column("gid").to_numpy()
 
 
 def label(table: pa.Table, cfg: LabelConfig, gid: np.ndarray | None = None) -> pa.Table:
     """The groups table: keys, reward, advantage, group_mean, group_std, group_kept; one row
     per input row, in input order. Input: keys + reward (non-null) of the kept samples, and
     optionally a group id per row (equal for rows of one run_id, round, prompt_id; default:
-    common.group_ids)."""
+    common.group_ids).
+
+    numpy over per-group statistics (common.group_moments: the same bits as Polars' window
+    functions, without a query's fixed ~0.4 ms); batch's std over a round stays a Polars query.
+    """
     if table.column("reward").null_count:
         raise ValueError(f"label needs a reward for every row; {table.column('reward').null_count} are null")
-    reward = pl.Series("reward", table.column("reward"), dtype=pl.Float64)
-    gid = group_ids(table).to_numpy() if gid is None else gid
-    rows = pl.DataFrame([pl.Series("gid", gid), reward]).lazy()
-    if cfg.estimator == "batch":
-        rows = rows.with_columns(group_ids(table, by=("run_id", "round")).alias("batch"))
+    reward = table.column("reward").cast(pa.float64()).to_numpy()
+    gid = group_ids(table).to_numpy() if gid is None else np.asarray(gid, dtype=np.int64)
+    if len(gid) and gid.max() >= len(gid):  # packed codes (common.group_ids' general case): make them dense
+        gid = np.unique(gid, return_inverse=True)[1]
+    n_groups = int(gid.max()) + 1 if len(gid) else 0
+    stats = group_moments(gid, reward, n_groups)
+    kept = (stats.hi > stats.lo)[gid]  # max > min: exact, free of rounding (NaN for no rows: False)
+    mean, n = stats.mean[gid], stats.count[gid].astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        std = np.sqrt(stats.var)[gid]
+        centred = reward - mean
+        if cfg.estimator == "grpo":
+            advantage = centred / (std + cfg.eps)
+        elif cfg.estimator == "dr_grpo":
+            advantage = centred
+        elif cfg.estimator == "rloo":
+            advantage = centred * n / (n - 1)
+        else:
+            advantage = centred / (_batch_std(table, centred, kept) + cfg.eps)
+    columns = table.select([*KEYS, "reward"]).columns
+    columns += [pa.array(np.where(kept, advantage, 0.0)), pa.array(mean), pa.array(np.where(kept, std, 0.0)),
+                pa.array(kept)]
+    return schema.validate(schema.as_contract(columns, "groups"), "groups")
 
-    r, g = pl.col("reward"), "gid"
-    rows = rows.with_columns(
-        n_kept=pl.len().over(g),
-        group_mean=r.mean().over(g),
-        group_std=r.std(ddof=1).over(g),
-        group_kept=r.max().over(g) > r.min().over(g),
-    )
-    kept, n, centred = pl.col("group_kept"), pl.col("n_kept"), r - pl.col("group_mean")
-    advantage = {
-        "grpo": centred / (pl.col("group_std") + cfg.eps),
-        "dr_grpo": centred,
-        "rloo": centred * n / (n - 1),
-        "batch": centred / (pl.when(kept).then(centred).std(ddof=1).over("batch") + cfg.eps),
-    }[cfg.estimator]
-    out = rows.select(
-        advantage=pl.when(kept).then(advantage).otherwise(0.0),
-        group_mean="group_mean",
-        group_std=pl.when(kept).then(pl.col("group_std")).otherwise(0.0),
-        group_kept=kept,
-    ).collect()
-    groups = table.select([*KEYS, "reward"])
-    for column in out.columns:
-        groups = groups.append_column(column, out.get_column(column).to_arrow())
-    return schema.validate(groups, "groups")
+
+def _batch_std(table: pa.Table, centred: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """batch: per row, the std (ddof=1) of `centred` over the kept rows of its (run_id, round).
+    A round is one group whose Welford update is sequential over all its rows: a Polars query."""
+    rows = pl.DataFrame([group_ids(table, by=("run_id", "round")).alias("batch"), pl.Series("centred", centred),
+                         pl.Series("kept", kept)])
+    std = rows.select(pl.when(pl.col("kept")).then(pl.col("centred")).std(ddof=1).over("batch"))
+    return std.to_series().to_numpy()

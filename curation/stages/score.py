@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation.rewards.pool import default_workers, run_inline, run_isolated
 from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
-from curation.schema import KEYS, SchemaError, read_table_file, validate
+from curation.schema import KEYS, SCHEMAS, SchemaError, empty, read_table_file, validate
 from curation.stages.common import rejects_table, rows_of
 from curation.stages.runner import StageOutput, as_dict
 from curation.store import RunStore
@@ -146,18 +146,22 @@ def transform(tables: dict[str, pa.Table], cfg: ScoreConfig) -> StageOutput:
                          "seconds": round(time.perf_counter() - tic, 3)}
 
     total = _weighted_total(arrays, {s.column_name: s.weight for s in cfg.rewards})
-    scores = rows.select(list(KEYS))
-    for column, array in arrays.items():
-        scores = scores.append_column(pa.field(column, pa.float64()), array)
-    scores = scores.append_column("reward", total)
+    scorer = pa.repeat(pa.scalar(json.dumps(fingerprints, sort_keys=True)), n)
+    # in the order validate gives (the contract's columns, then one per reward) and with its
+    # schema, so that validate has nothing to rebuild
+    fields = [*SCHEMAS["scores"], *(pa.field(column, pa.float64()) for column in arrays)]
+    scores = pa.Table.from_arrays([*rows.select(list(KEYS)).columns, total, scorer, *arrays.values()],
+                                  schema=pa.schema(fields))
     if failed.any():
         scores = scores.filter(pa.array(~failed))
-    scorer = pa.repeat(pa.scalar(json.dumps(fingerprints, sort_keys=True)), scores.num_rows)
-    scores = validate(scores.append_column("scorer", scorer), "scores")
+    scores = validate(scores, "scores")
     bad_rows = sorted(details)
-    lost = rows_of(rows.select(list(KEYS)), np.array(bad_rows, dtype=np.int64)).to_pydict()
-    rejects = rejects_table(lost["run_id"], lost["round"], lost["prompt_id"], lost["sample_idx"],
-                            STAGE, "invalid_reward", [details[i] for i in bad_rows])
+    if bad_rows:
+        lost = rows_of(rows.select(list(KEYS)), np.array(bad_rows, dtype=np.int64)).to_pydict()
+        rejects = rejects_table(lost["run_id"], lost["round"], lost["prompt_id"], lost["sample_idx"],
+                                STAGE, "invalid_reward", [details[i] for i in bad_rows])
+    else:
+        rejects = empty("rejects")
     return StageOutput({"scores": scores, "rejects": rejects}, rows_in=n, rows_out=scores.num_rows,
                        extra={"scorer": fingerprints, "reward_columns": stats})
 
@@ -194,7 +198,10 @@ def _inputs(samples: pa.Table, prompts: pa.Table) -> pa.Table:
     if n > 1:
         starts[1:] = pc.not_equal(ids.slice(1), ids.slice(0, n - 1)).to_numpy(zero_copy_only=False)
     at_starts = ids.filter(starts)
-    index = pc.index_in(at_starts, value_set=prompts.column("prompt_id"))
+    if len(at_starts) == prompts.num_rows and at_starts.equals(prompts.column("prompt_id")):
+        index = pa.array(np.arange(prompts.num_rows))  # the round's prompts, in order (as the loop writes them)
+    else:
+        index = pc.index_in(at_starts, value_set=prompts.column("prompt_id"))
     if index.null_count:
         missing = at_starts.filter(index.is_null())
         raise SchemaError(f"samples table: {len(missing)} group(s) have a prompt_id that is not in the prompts "

@@ -104,3 +104,41 @@ def _error(fn) -> str:
     message = str(err.value)
     assert "\n" not in message
     return message
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_a_table_with_the_contract_schema_is_returned_as_it_is_and_still_checked(name):
+    exact = pa.Table.from_pydict(one_row(name), schema=SCHEMAS[name])
+    assert validate(exact, name) is exact  # nothing to cast: no copy
+    with_extra = exact.append_column("extra_reward", pa.array([1.0]))
+    assert validate(with_extra, name) is with_extra
+    first = SCHEMAS[name].field(0)  # non-nullable in every contract: nulls are still found
+    with_null = exact.set_column(0, first, pa.nulls(1, first.type))
+    with pytest.raises(SchemaError, match=f"column '{first.name}' has 1 null value"):
+        validate(with_null, name)
+
+
+def test_the_slow_path_gives_what_the_fast_path_would():
+    exact = pa.Table.from_pydict(one_row("groups"), schema=SCHEMAS["groups"])
+    tagged = exact.replace_schema_metadata({b"k": b"v"})  # metadata: rebuilt, without it
+    assert validate(tagged, "groups").schema.equals(exact.schema, check_metadata=True)
+    loose = pa.table({f.name: exact.column(f.name) for f in SCHEMAS["groups"]})  # nullable fields
+    out = validate(loose, "groups")
+    assert out.equals(exact) and out.schema.equals(exact.schema, check_metadata=True)
+
+
+def test_prompts_with_the_contract_schema_are_still_checked():
+    row = one_row("prompts")
+    row["prompt"], row["messages"] = pa.array([""]), pa.nulls(1, SCHEMAS["prompts"].field("messages").type)
+    with pytest.raises(SchemaError, match="column 'prompt': row 0 is an empty string"):
+        validate(pa.Table.from_pydict(row, schema=SCHEMAS["prompts"]), "prompts")
+
+
+def test_as_contract_uses_the_contract_schema_only_when_every_type_is_its_own():
+    from curation.schema import as_contract
+
+    columns = [pa.array(["r"]), pa.array([0], pa.int32()), pa.array(["p"]), pa.array([1], pa.int32()),
+               pa.array(["filter"]), pa.array(["duplicate"]), pa.array([None], pa.string())]
+    assert as_contract(columns, "rejects").schema == SCHEMAS["rejects"]
+    wide = as_contract([columns[0], pa.array([0], pa.int64()), *columns[2:]], "rejects")  # round as int64
+    assert wide.schema.names == SCHEMAS["rejects"].names and validate(wide, "rejects").schema == SCHEMAS["rejects"]
