@@ -89,6 +89,14 @@ class FileCache(Generic[T]):
             self._entries[key] = known
         return known[2]
 
+    def put(self, path: str | Path, stat: Mapping[str, int], value: T) -> None:
+        """Keep `value` for the file at `path` with this size and mtime_ns (a file this process
+        just wrote, whose value it has without reading the file back)."""
+        key = os.path.abspath(path)
+        if key not in self._entries and self._max is not None and len(self._entries) >= self._max:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = (int(stat["size"]), int(stat["mtime_ns"]), value)
+
 
 def fingerprint_path(path: str | Path) -> str:
     """sha256 of a file, or of a folder: its sorted relative paths and their content hashes."""

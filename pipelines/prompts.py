@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Mapping, Protocol
 
 import duckdb
 import numpy as np
@@ -48,7 +48,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from curation.fingerprints import FileCache, file_stat
-from curation.generate.base import load_prompts
+from curation.generate.base import load_prompts, remember_prompts
 from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
 from curation.store import RunStore
 
@@ -92,6 +92,7 @@ def choose_prompts(ctx: _Context, round: int) -> Path:
     pool, keys = _ranking_keys(ctx, round, state)
     chosen = pool.table.take(pa.array(first_in_order(keys, ctx.spec.prompts.per_round), type=pa.int64()))
     write_atomic(path, lambda f: pq.write_table(chosen, f))
+    remember_prompts(path, chosen)  # the generate stage reads this file next
     files = sorted(set(state.get("prompt_files", [])) | {str(f) for f in ctx.spec.prompts.train})
     if files != state.get("prompt_files"):
         save_pipeline_state(ctx.run_dir, {**state, "prompt_files": files})
@@ -249,6 +250,12 @@ def _parquet_parts(folder: Path) -> list[Path]:
                       if entry.name.endswith(".parquet") and entry.is_file())
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def remember_sampled(path: Path, stat: Mapping[str, int], samples: pa.Table) -> None:
+    """Note the prompt ids of a samples part this process just committed (its size and
+    mtime_ns as published), so the next prompt choice does not read the file back."""
+    _SAMPLED.put(path, stat, frozenset(samples.column("prompt_id").unique().to_pylist()))
 
 
 def _read_ids(parts: list[Path]) -> frozenset[str]:

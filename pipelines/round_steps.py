@@ -41,6 +41,7 @@ from curation.runlog import PHASES, MetricsLog, RoundRecord
 from curation.stages.runner import StageReport, fresh_round, prepare_stage, run_stage
 from curation.store import RunStore
 from pipelines.curate import STAGES
+from pipelines.prompts import remember_sampled
 from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
@@ -90,21 +91,32 @@ class Phases:
 
 class Publisher:
     """The round loop's curation commits, made in order by one background thread while the
-    loop goes on to train: the stages hand their tables over in memory, and the files and
-    manifests land beside the optimizer steps (`prepare_stage`). `settle()` waits for every
-    commit so far (and raises the first failure); the loop settles before anything reads the
-    round's files and before the round's record is written, so a recorded round is a
-    committed one, as before. After a failed commit the later ones are not made."""
+    loop trains: the stages hand their tables over in memory (`prepare_stage`) and queue their
+    commits; `start()`, called as training begins, hands them to the thread (started earlier,
+    their Python work would slow the stages' own), so the files and manifests land beside the
+    optimizer steps. `settle()` waits for every commit so far (and raises the first failure);
+    the loop settles before anything reads the round's files and before the round's record is
+    written, so a recorded round is a committed one, as before. After a failed commit the
+    later ones are not made."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
+        self._queued: list[Callable[[], dict]] = []
         self._pending: list[Future[dict]] = []
         self._failed = False
 
     def submit(self, publish: Callable[[], dict]) -> None:
+        """Queue a commit (made after those queued before it, once `start` or `settle` runs)."""
+        self._queued.append(publish)
+
+    def start(self) -> None:
+        """Start making the queued commits in the background thread."""
+        if not self._queued:
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupforge-commit")
-        self._pending.append(self._pool.submit(self._run, publish))
+        self._pending += [self._pool.submit(self._run, publish) for publish in self._queued]
+        self._queued = []
 
     def _run(self, publish: Callable[[], dict]) -> dict:
         if self._failed:
@@ -117,11 +129,12 @@ class Publisher:
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending)
+        return bool(self._queued or self._pending)
 
     def settle(self) -> dict[str, tuple[dict, pa.Table]]:
-        """Wait for every commit submitted so far; their `written` entries merged (the files as
-        published: size and mtime_ns). Raises the first commit's error."""
+        """Make (`start`) and wait for every commit submitted so far; their `written` entries
+        merged (the files as published: size and mtime_ns). Raises the first commit's error."""
+        self.start()
         pending, self._pending = self._pending, []
         written: dict[str, tuple[dict, pa.Table]] = {}
         error: BaseException | None = None
@@ -136,7 +149,10 @@ class Publisher:
         return written
 
     def close(self) -> None:
-        """Let the pending commits finish (a commit is never cut by the loop itself) and stop the thread."""
+        """Let the commits already started finish (a commit is never cut by the loop itself),
+        drop those still queued (the loop is stopping on an error: a rerun makes them), and
+        stop the thread."""
+        self._queued = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -189,6 +205,9 @@ class RoundContext:
         if self.publisher.busy:
             published = self.publisher.settle()
             self.held.update({rel: entry for rel, entry in published.items() if rel in self.held})
+            for rel, (entry, table) in published.items():
+                if rel.startswith("samples/"):  # the next prompt choice counts it without reading it
+                    remember_sampled(self.store.root / rel, entry, table)
 
     def finish_prefetch(self) -> None:
         """Wait for a generate call still running in the background (it commits atomically or
@@ -250,8 +269,10 @@ def sample(ctx: RoundContext, round: int, prompts_file: Path, policy_version: in
     generator = live_generator(ctx, policy_version)
     ctx.log(f"round {round}: {stage} {pq.read_metadata(prompts_file).num_rows} prompts x "
             f"{ctx.spec.generator.group_size} with policy_version {generator.policy_version}")
-    with ctx.clock("generate"):
-        result = _generate_call(ctx, round, prompts_file, generator, stage)
+    with ctx.clock("generate"):  # the round's own samples are committed in the background (`Publisher`)
+        result = _generate_call(ctx, round, prompts_file, generator, stage,
+                                ctx.publisher.submit if stage == "generate" and ctx.spec.run.background_commits
+                                else None)
     ctx.clock.model += result.sample_seconds
     ctx.held.update(result.written)
 
@@ -272,10 +293,11 @@ def prefetch(ctx: RoundContext, round: int, prompts_file: Path, policy_version: 
 
 
 def _generate_call(ctx: RoundContext, round: int, prompts_file: Path, generator: Generator,
-                   stage: str) -> GenerateResult:
+                   stage: str, publish: Callable[[Callable[[], dict]], None] | None = None) -> GenerateResult:
     spec = ctx.spec
     return generate(ctx.run_dir, prompts_file, spec.generator.sampling(spec.run.seed), generator=generator,
-                    round=round, run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts, stage=stage)
+                    round=round, run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts, stage=stage,
+                    publish=publish)
 
 
 def sampling_manifests(store: RunStore, round: int) -> list[dict]:
@@ -303,8 +325,9 @@ def curate(ctx: RoundContext, round: int, stages: Sequence[str] = STAGES) -> dic
     background (`prepare_stage`), and `ctx.settle()` waits for them; otherwise (a resumed
     round, a refill, a round taken in slices) each stage commits before the next one runs."""
     reports = {}
-    ctx.settle()
-    background = fresh_round(ctx.store, round, stages, ctx.held)
+    background = ctx.spec.run.background_commits and fresh_round(ctx.store, round, stages, ctx.held)
+    if not background:
+        ctx.settle()  # the stage-by-stage path reads the round's files
     for stage in stages:
         with ctx.clock(stage):
             if background:
@@ -364,6 +387,7 @@ def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int,
     if save or spec.train.nproc > 1:
         ctx.settle()  # a checkpoint follows committed tables; trainer ranks read the files
     held = ctx.held if spec.train.nproc == 1 else None  # the round's tables, their commits maybe in flight
+    ctx.publisher.start()
     if cfg.passes is not None:
         rows = count_training_rows(ctx.run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward,
                                    held=held)

@@ -175,10 +175,10 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
 
     # -- evaluate the new policy -------------------------------------------------------------
     accuracy = evaluate(ctx, steps) if evaluates(ctx, round) else None
+    ctx.settle()  # the round's commits are made before its record says it is done (a wait is "other")
     stats = round_stats(ctx.store, round, reports)
     tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in sampling_manifests(ctx.store, round))
                               for key in ("response_tokens", "sample_seconds"))
-    ctx.settle()  # the round's commits are made before its record says it is done (a wait is "other")
     wall, phases = clock.result()
     decimals = builtins.round  # `round` is the round number here
     return RoundRecord(

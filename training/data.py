@@ -119,7 +119,8 @@ def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max
             raise ValueError(f"{store.root}: no {source} table for round(s) {missing}; rounds with {source}: "
                              f"{available or 'none'} (run `groupforge curate` first)")
     if max_staleness is not None and chosen:
-        newest = _newest_round(store, "samples")
+        newest = max([r for r in (_newest_round(store, "samples"), *_in_flight_rounds(held, "samples"))
+                      if r is not None], default=None)
         newest = max(chosen) if newest is None else newest
         chosen = [round for round in chosen if newest - round <= max_staleness]
     return chosen
@@ -185,14 +186,19 @@ def _read(store: RunStore, table: str, files: list[Path], columns: list[str], he
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 
 
-def round_sampling(store: RunStore, rounds: list[int]) -> dict[str, float | None]:
+def round_sampling(store: RunStore, rounds: list[int], held: Held | None = None) -> dict[str, float | None]:
     """The rounds' temperature, top_k and top_p from their generate manifests (each read
-    once): one value per setting, or None when no manifest records it; rounds that differ are
-    an error."""
+    once; a round whose generate commit is in flight: from its held samples part, which
+    carries the sampling its manifest will record): one value per setting, or None when no
+    manifest records it; rounds that differ are an error."""
+    flying = {_round_of(rel): entry[0]["sampling"] for rel, entry in (held or {}).items()
+              if rel.startswith("samples/") and _in_flight(entry) and "sampling" in entry[0]}
     values: dict[str, set[float]] = {key: set() for key in _SAMPLING_KEYS}
     for round in rounds:
-        manifest = store.load_manifest("generate", round) or {}
-        sampling = (manifest.get("config") or {}).get("sampling") or {}
+        manifest = store.load_manifest("generate", round)
+        if manifest is None and round in flying:
+            manifest = {"config": {"sampling": flying[round]}}
+        sampling = ((manifest or {}).get("config") or {}).get("sampling") or {}
         for key in _SAMPLING_KEYS:
             if key in sampling:
                 values[key].add(float(sampling[key]))
@@ -350,7 +356,7 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
         raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"
                          f"{'' if max_staleness is None else f' within max_staleness={max_staleness}'})")
-    sampling = round_sampling(store, chosen)
+    sampling = round_sampling(store, chosen, held)
     return TrainingData(objective=objective, rounds=chosen, table=table, fingerprint=h.hexdigest(),
                         temperature=sampling["temperature"], top_k=int(sampling["top_k"] or 0),
                         top_p=1.0 if sampling["top_p"] is None else sampling["top_p"])

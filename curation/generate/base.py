@@ -30,7 +30,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from curation.fingerprints import FileCache
+from curation.fingerprints import FileCache, file_stat
 from curation.schema import SchemaError, validate
 
 
@@ -220,6 +220,12 @@ def load_prompts(path: str | Path) -> pa.Table:
         return _LOADED.get(path, lambda: _load_prompts(Path(path)))
     except OSError:  # not there or unreadable: _load_prompts says so in one line
         return _load_prompts(Path(path))
+
+
+def remember_prompts(path: str | Path, table: pa.Table) -> None:
+    """Note what `load_prompts` gives for a prompts file this process has just written from
+    `table` (a prompts table, e.g. the round loop's choice), so it is not read back."""
+    _LOADED.put(path, file_stat(path), first_of_each_prompt(validate(table, "prompts", path)))
 
 
 def _load_prompts(path: Path) -> pa.Table:

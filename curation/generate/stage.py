@@ -30,11 +30,13 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from curation.commit import encode_part
 from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
@@ -141,6 +143,7 @@ def generate(
     progress=None,
     generator_kwargs: dict | None = None,
     stage: str = STAGE,
+    publish: Callable[[Callable[[], dict]], None] | None = None,
 ) -> GenerateResult:
     """Sample `sampling.group_size` responses for every prompt in `prompts_file`.
 
@@ -148,6 +151,9 @@ def generate(
     generator is started, with `generator_kwargs`, only when there is work to do).
     `progress(done, total)` is called as prompts finish. `stage` names the manifest and the
     part files (another name than "generate" adds a second set of samples to the round).
+    `publish`: the commit is handed to it (a function making it) instead of being made here;
+    the result's `written` entries then have mtime_ns None and, on the samples part, the
+    sampling settings the manifest will record (the round loop's background commits).
     """
     if generator is None and model is None:
         raise ValueError("generate needs a model folder or a live generator")
@@ -179,7 +185,7 @@ def generate(
     fingerprint = generator.fingerprint
     try:
         result = _generate(store, generator, prompts, Path(prompts_file), sampling, inputs, config,
-                           round, run_id, chunk_prompts, progress, stage, fingerprint)
+                           round, run_id, chunk_prompts, progress, stage, fingerprint, publish)
     finally:
         if owns_generator:
             generator.close()
@@ -188,7 +194,7 @@ def generate(
 
 
 def _generate(store, generator, prompts, prompts_file, sampling, inputs, config, round, run_id,
-              chunk_prompts, progress, stage, fingerprint) -> GenerateResult:
+              chunk_prompts, progress, stage, fingerprint, publish=None) -> GenerateResult:
     prompt_ids = prompts.column("prompt_id").to_pylist()
     try:
         token_ids = [generator.tokenize(p, m)
@@ -233,20 +239,36 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
     response_tokens = int(pc.sum(pc.list_value_length(samples.column("response_token_ids"))).as_py() or 0)
 
     prompts_part = inputs["prompts"][:16] if stage == STAGE else f"{stage}-{inputs['prompts'][:16]}"
-    with store.commit(stage, round, inputs=inputs, config=config) as commit:
-        commit.write("samples", samples, part=stage)
-        commit.write("rejects", rejects, part=stage)
-        commit.write("prompts", prompts, part=prompts_part, round=None)
-        commit.record(
-            rows_in=len(prompt_ids),
-            rows_out=samples.num_rows,
-            drops={"prompt_too_long": len(too_long)} if too_long else {},
-            generator=fingerprint,
-            prompts_file=str(prompts_file),
-            response_tokens=response_tokens,
-            resumed_chunks=resumed,
-            sample_seconds=float(f"{sample_seconds:.3f}"),  # `round` is the round number here
-        )
+    parts = [encode_part(store, stage, "samples", samples, stage, round),
+             encode_part(store, stage, "rejects", rejects, stage, round),
+             encode_part(store, stage, "prompts", prompts, prompts_part, None)]
+    parts = [part for part in parts if part is not None]  # None: no rejects, no file
+    record = dict(
+        rows_in=len(prompt_ids),
+        rows_out=samples.num_rows,
+        drops={"prompt_too_long": len(too_long)} if too_long else {},
+        generator=fingerprint,
+        prompts_file=str(prompts_file),
+        response_tokens=response_tokens,
+        resumed_chunks=resumed,
+        sample_seconds=float(f"{sample_seconds:.3f}"),  # `round` is the round number here
+    )
+
+    def commit_round() -> dict:
+        with store.commit(stage, round, inputs=inputs, config=config) as commit:
+            for part in parts:
+                commit.put(part)
+            commit.record(**record)
+        return commit.written
+
+    if publish is None:
+        written, manifest = commit_round(), store.load_manifest(stage, round) or {}
+    else:
+        publish(commit_round)
+        written = {part.rel: ({"sha256": part.sha256, "size": part.payload.size, "mtime_ns": None,
+                               **({"sampling": config["sampling"]} if part.table == "samples" else {})}, part.data)
+                   for part in parts}
+        manifest = {}
     return GenerateResult(
         round=round,
         skipped=False,
@@ -256,8 +278,8 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
         response_tokens=response_tokens,
         resumed_chunks=resumed,
         sample_seconds=sample_seconds,
-        manifest=store.load_manifest(stage, round) or {},
-        written=commit.written,
+        manifest=manifest,
+        written=written,
     )
 
 

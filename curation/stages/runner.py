@@ -210,19 +210,24 @@ def fresh_round(store: RunStore, round: int, stages: Sequence[str | ModuleType],
     """Whether `prepare_stage` may run `stages` (in order) on `round`: none of them has a
     manifest or a pending journal for it, every part file the round holds of a table they
     read or write is one `held` has as it is on disk (the round loop: the samples the
-    generate stage just committed), and no stage would take the round in slices."""
+    generate stage just committed, or is committing in the background), and no stage would
+    take the round in slices."""
     modules = [stage_module(stage) for stage in stages]
     names = {module.STAGE for module in modules}
     for path in store.round_manifests(round) + store.round_manifests(round, ".pending"):
         if path.name.rsplit("-round=", 1)[0] in names:
             return False  # run before: run_stage decides what is up to date
     tables = {table for module in modules for table in (*module.READS, *module.WRITES)} - {"prompts"}
-    rows: dict[str, int] = {}
     for table in tables:
-        for path in store.files(table, round):
-            part = _held(held, store, path)
-            if part is None:
-                return False
+        if any(_held(held, store, path) is None for path in store.files(table, round)):
+            return False
+    main = modules[0].READS[0] if modules else None
+    if not any(rel.startswith(f"{main}/round={round}/") for rel in held):
+        return False  # the samples are not handed over: run_stage reads (or misses) them
+    rows: dict[str, int] = {}
+    for rel, (_, part) in held.items():  # on disk as held, or in flight (the generate commit)
+        table = rel.split("/", 1)[0]
+        if table in tables and rel.startswith(f"{table}/round={round}/"):
             rows[table] = rows.get(table, 0) + part.num_rows
     return all(rows.get(module.READS[0], 0) <= slice_rows() for module in modules)
 
@@ -244,14 +249,19 @@ def prepare_stage(stage: str | ModuleType, store: RunStore, round: int, cfg,
         if name_of in parts and name_of != "prompts" and not _own_part(Path(rel), own):
             parts[name_of].append((rel, held[rel][1]))
     inputs = {rel: held[rel][0]["sha256"] for found in parts.values() for rel, _ in found}
-    if "prompts" in module.READS:
-        inputs.update(input_fingerprints(store, ("prompts",), round))
+    prompts_held = sorted(rel for rel in held if rel.startswith("prompts/"))
+    if "prompts" in module.READS:  # the parts committed with the round's samples: held with them, or listed
+        inputs.update({rel: held[rel][0]["sha256"] for rel in prompts_held} if prompts_held
+                      else input_fingerprints(store, ("prompts",), round))
     config = module.hashed_config(cfg) if hasattr(module, "hashed_config") else as_dict(cfg)
     started = time.perf_counter()
     tables = {}
     for table, columns in module.columns(cfg).items():
         if table == "prompts":
-            tables[table] = _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")])
+            tables[table] = (schema.validate(pa.concat_tables([held[rel][1] for rel in prompts_held],
+                                                              promote_options="permissive"), "prompts")
+                             if prompts_held else
+                             _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")]))
         elif columns is None:
             raise ValueError(f"stage {name!r} reads every column of {table!r}: run it with run_stage")
         else:
