@@ -10,17 +10,21 @@ from __future__ import annotations
 import shutil
 import threading
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import pipelines.round_steps as round_steps
-from curation.fingerprints import file_stat, fingerprint_file
+from curation.fingerprints import FileCache, file_stat, fingerprint_file
+from curation.generate.base import _load_prompts, load_prompts, remember_prompts
+from curation.runlog import MetricsLog
 from curation.stages.runner import SLICE_ROWS_ENV, fresh_round, input_fingerprints, run_stage, stage_module
 from curation.store import RunStore
 from curation.verify import check_run
 from pipelines.round_steps import Publisher
 from pipelines.run import run_pipeline
 from pipelines.spec import load_spec
+from training.data import load_training_data
 
 SPEC = """
 [run]
@@ -62,8 +66,8 @@ STAGES = ("score", "filter", "label")
 
 @pytest.fixture(scope="module")
 def loop_run(toy_dir, tmp_path_factory):
-    """A 3-round loop run on the toy: (its folder, its spec, how many stage commits the loop
-    left to the background thread)."""
+    """A 3-round loop run on the toy: (its folder, its spec, the stages the loop curated in
+    memory, the same run with background_commits = false)."""
     base = tmp_path_factory.mktemp("background")
     spec_path = base / "spec.toml"
     spec_path.write_text(SPEC.format(toy=toy_dir))
@@ -79,11 +83,14 @@ def loop_run(toy_dir, tmp_path_factory):
         run_pipeline(load_spec(spec_path), base / "run", log=lambda message: None)
     finally:
         round_steps.prepare_stage = original
-    return base / "run", load_spec(spec_path), prepared
+    spec = load_spec(spec_path)
+    stage_by_stage = spec.model_copy(update={"run": spec.run.model_copy(update={"background_commits": False})})
+    run_pipeline(stage_by_stage, base / "stage-by-stage", log=lambda message: None)
+    return base / "run", spec, prepared, base / "stage-by-stage"
 
 
 def test_background_commits_are_the_commits_run_stage_makes(loop_run):
-    run, spec, prepared = loop_run
+    run, spec, prepared, _ = loop_run
     assert prepared == list(STAGES) * 3  # every round's curation went through the background path
     assert check_run(run, deep=True).pending == 0  # every file hashes to what its manifest says
     store = RunStore(run)
@@ -99,7 +106,7 @@ def test_background_commits_are_the_commits_run_stage_makes(loop_run):
 
 def test_background_commits_hold_the_rows_of_stage_by_stage_commits(loop_run, tmp_path):
     """Round 2 curated again stage by stage (run_stage, force) from the same samples: the same rows."""
-    run, spec, _ = loop_run
+    run, spec, _, _ = loop_run
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
     with RunStore(copy).lock():
@@ -117,13 +124,50 @@ def test_background_commits_hold_the_rows_of_stage_by_stage_commits(loop_run, tm
                         else a[key] == b[key], (path, key)
 
 
+def _rows(path):
+    return pq.read_table(path).to_pylist()
+
+
+def _same(a, b, where):
+    assert len(a) == len(b), where
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys(), where
+        for key in x:
+            if isinstance(x[key], float):
+                assert x[key] == pytest.approx(y[key], rel=1e-12, abs=1e-12), (where, key)
+            else:
+                assert x[key] == y[key], (where, key)
+
+
+def test_the_run_is_the_run_of_stage_by_stage_commits(loop_run):
+    """Samples, curation tables, step records and round numbers are those of the same spec with
+    background_commits = false (every stage committed before the next one reads it)."""
+    run, _, _, stage_by_stage = loop_run
+    files = sorted(path.relative_to(run) for table in ("samples", "scores", "rejects", "groups", "prompts")
+                   for path in (run / table).rglob("*.parquet"))
+    assert files and files == sorted(path.relative_to(stage_by_stage) for table in
+                                     ("samples", "scores", "rejects", "groups", "prompts")
+                                     for path in (stage_by_stage / table).rglob("*.parquet"))
+    for rel in files:
+        _same(_rows(run / rel), _rows(stage_by_stage / rel), rel)
+    steps = [{k: v for k, v in step.items() if k not in ("seconds", "tokens_per_s")}
+             for step in MetricsLog(run).steps()]
+    again = [{k: v for k, v in step.items() if k not in ("seconds", "tokens_per_s")}
+             for step in MetricsLog(stage_by_stage).steps()]
+    assert len(steps) == 6
+    _same(steps, again, "step records")
+    keys = ("round", "samples", "groups", "kept_groups", "reward_mean", "policy_version", "eval_accuracy")
+    ours, theirs = ([{k: r[k] for k in keys} for r in MetricsLog(folder).read()[0]] for folder in (run, stage_by_stage))
+    assert len(ours) == 4 and ours == theirs  # rounds 0-3
+
+
 def _held_samples(store: RunStore, round: int) -> dict:
     return {path.relative_to(store.root).as_posix(): ({"sha256": fingerprint_file(path), **file_stat(path)},
                                                       pq.read_table(path)) for path in store.files("samples", round)}
 
 
 def test_only_a_round_with_nothing_but_the_held_samples_is_curated_in_the_background(loop_run, tmp_path, monkeypatch):
-    run, _, _ = loop_run
+    run, _, _, _ = loop_run
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
     store = RunStore(copy)
@@ -166,3 +210,48 @@ def test_a_failed_commit_fails_at_settle_and_the_later_ones_are_not_made():
     assert publisher.settle() == {"x": ({}, None)}
     assert made == ["next round"]
     publisher.close()
+
+
+def test_the_trainer_reads_a_round_whose_commits_are_in_flight(loop_run, tmp_path):
+    """Round 3 as the trainer meets it in the loop: its samples and groups parts not written yet,
+    held in memory (mtime_ns None; the samples part with the sampling its manifest will record):
+    the same rows, fingerprint and sampling as from the committed files."""
+    run, spec, _, _ = loop_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    store = RunStore(copy)
+    held = {}
+    for stage, table in (("generate", "samples"), ("label", "groups")):
+        manifest = store.load_manifest(stage, 3)
+        rel = next(rel for rel in manifest["outputs"] if rel.startswith(f"{table}/"))
+        entry = {"sha256": manifest["output_files"][rel]["sha256"], "size": manifest["output_files"][rel]["size"],
+                 "mtime_ns": None}
+        if table == "samples":
+            entry["sampling"] = manifest["config"]["sampling"]
+        held[rel] = (entry, pq.read_table(copy / rel))
+        (copy / rel).unlink()
+        store.manifest_path(stage, 3).unlink()
+    expected = load_training_data(run, "grpo", [2, 3], max_staleness=0)
+    got = load_training_data(copy, "grpo", [2, 3], max_staleness=0, held=held)
+    assert got.table.equals(expected.table)
+    assert got.fingerprint == expected.fingerprint
+    assert (got.rounds, got.temperature, got.top_k, got.top_p) == \
+        (expected.rounds, expected.temperature, expected.top_k, expected.top_p) == ([3], 1.0, 0, 1.0)
+    with pytest.raises(ValueError, match="no groups table for round"):
+        load_training_data(copy, "grpo", [2, 3])
+
+
+def test_a_file_written_by_this_process_is_not_read_back(toy_dir, tmp_path):
+    """FileCache.put keeps a value for a file as this process wrote it; a rewrite reads it
+    again. remember_prompts gives what reading the file back gives."""
+    path = tmp_path / "choice.parquet"
+    pool = load_prompts(toy_dir / "train.parquet")
+    chosen = pool.take(pa.array([4, 1, 9]))
+    pq.write_table(chosen, path)
+    remember_prompts(path, chosen)
+    assert load_prompts(path).equals(_load_prompts(path), check_metadata=True)
+    cache: FileCache[str] = FileCache()
+    cache.put(path, file_stat(path), "kept")
+    assert cache.get(path, lambda: "read") == "kept"
+    pq.write_table(chosen.slice(0, 2), path)
+    assert cache.get(path, lambda: "read") == "read"
