@@ -16,6 +16,11 @@ tokenizing, the samples table, its commit), the curation stages, train minus its
 rows query, micro-batching, step records), the engine's weight reload, checkpoints and other
 (prompt choice, bookkeeping). Per run the medians over its rounds; the table shows every run and
 the median of the runs' shares (the machine is shared: runs differ by ~1 point).
+
+With `[run] background_commits` (the default) the round's commits run in a thread beside the
+optimizer steps: what they cost the steps (the interpreter is shared) counts as model work,
+so compare the round's wall ms too: `--gf-set run.background_commits=false` runs the loop with
+each stage committed before the next (the earlier loop) for the same table.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.T
     return pa.Table.from_arrays(arrays, schema=wanted)
 
 
-def _parquet_files(folder: Path) -> list[Path]:
+def parquet_files(folder: Path) -> list[Path]:
     """The *.parquet files of `folder`, by name ([] when there is no folder)."""
     try:
         return sorted(folder / entry.name for entry in os.scandir(folder)
@@ -211,7 +211,7 @@ class RunStore:
             by_round = self._round_files(table)
             return [f for r in sorted(by_round) for f in by_round[r]]
         wanted = [rounds] if isinstance(rounds, int) else rounds
-        return [f for r in sorted(set(wanted)) for f in _parquet_files(self.partition_dir(table, r))]
+        return [f for r in sorted(set(wanted)) for f in parquet_files(self.partition_dir(table, r))]
 
     def _round_files(self, table: str) -> dict[int, list[Path]]:
         """{round: its part files, by name} of every round folder that holds one (one scan of
@@ -224,7 +224,7 @@ class RunStore:
         for entry in entries:
             m = _ROUND_DIR.fullmatch(entry.name)
             if m and entry.is_dir():
-                files = _parquet_files(Path(entry.path))
+                files = parquet_files(Path(entry.path))
                 if self._committed is not None:
                     files = [f for f in files if f in self._committed]
                 if files:

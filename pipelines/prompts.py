@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from curation.fingerprints import FileCache, file_stat
 from curation.generate.base import load_prompts, remember_prompts
 from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
-from curation.store import RunStore
+from curation.store import RunStore, parquet_files
 
 __all__ = ["PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak", "times_used"]
 
@@ -235,21 +235,12 @@ def _round_folder(key: str) -> _RoundFolder | None:
         except FileNotFoundError:
             pass
     listed_ns = time.time_ns()
-    parts = _parquet_parts(Path(key))
+    parts = parquet_files(Path(key))  # as RunStore.files lists them
     files = tuple((str(part), *file_stat(part).values()) for part in parts)
     if key not in _FOLDERS and len(_FOLDERS) >= 1 << 16:
         _FOLDERS.pop(next(iter(_FOLDERS)))
     folder = _FOLDERS[key] = _RoundFolder(mtime_ns, listed_ns, files, _read_ids(parts))
     return folder
-
-
-def _parquet_parts(folder: Path) -> list[Path]:
-    """The *.parquet files of a round folder, by name (as `RunStore.files` lists them)."""
-    try:
-        return sorted(folder / entry.name for entry in os.scandir(folder)
-                      if entry.name.endswith(".parquet") and entry.is_file())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 def remember_sampled(path: Path, stat: Mapping[str, int], samples: pa.Table) -> None:
