@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from curation.faults import fault_point
 from curation.generate.base import Generator
 from curation.generate.stage import GenerateResult, generate, make_generator, resolve_backend
+from curation.generate.weights import fingerprint_ahead
 from curation.runlog import PHASES, MetricsLog, RoundRecord
 from curation.stages.runner import StageReport, fresh_round, prepare_stage, run_stage
 from curation.store import RunStore
@@ -195,6 +196,9 @@ class RoundContext:
     prefetch: tuple[int, Future[GenerateResult]] | None = None
     """(round, its generate call running in a thread) under `[run] overlap = 1`."""
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _hasher: ThreadPoolExecutor | None = field(default=None, repr=False)
+    weights_hashed: Future[str] | None = None
+    """The sha256 of `weights`, computed in a thread (`fingerprint_ahead`)."""
     ranks: "TrainerRanks | None" = None
     """The trainer ranks (Ray actors) of `[train] nproc` > 1, started on first use."""
     publisher: Publisher = field(default_factory=Publisher)
@@ -217,6 +221,9 @@ class RoundContext:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
 
     @property
     def run_dir(self) -> Path:
@@ -244,6 +251,9 @@ def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
             # The engine loads tokenizer and config from the base model; weights come next.
             ctx.generator = make_generator(backend, spec.model.path, **kwargs)
     if ctx.generator.policy_version != policy_version:
+        if ctx.weights_hashed is not None:
+            ctx.weights_hashed.result()
+            ctx.weights_hashed = None
         held = ctx.weights is not None and ctx.weights[0] == policy_version
         weights = ctx.weights[1] if held else ckpt.engine_weights(ckpt.checkpoint_dir(ctx.run_dir, policy_version))
         with ctx.clock("reload"):
@@ -425,11 +435,15 @@ def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool, held: di
                                               return_state=True)
         else:
             result = train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session,
-                           save=save, return_state=True, held=held)
+                           save=save, return_state=True, held=held, sync_metrics=False)  # the round record syncs
     ctx.clock.move(result.checkpoint_seconds, "train", "checkpoint")
     ctx.clock.model += result.step_seconds
     if result.state_dict is not None:
         ctx.weights = (result.end_step, result.state_dict)
+        if ctx._hasher is None:
+            ctx._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupforge-hash")
+        # hashed while the round finishes (hashlib lets go of the interpreter), not in the reload
+        ctx.weights_hashed = ctx._hasher.submit(fingerprint_ahead, result.state_dict)
     return result
 
 

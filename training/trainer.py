@@ -168,13 +168,15 @@ def group_units(groups: np.ndarray, per_group: int | None = None) -> np.ndarray:
 
 def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
           progress: Callable[[int, int, dict], None] | None = None, session: TrainSession | None = None,
-          save: bool = True, return_state: bool = False, held: Held | None = None) -> TrainResult:
+          save: bool = True, return_state: bool = False, held: Held | None = None,
+          sync_metrics: bool = True) -> TrainResult:
     """Train until optimizer step `steps` (sooner with `cfg.passes`), starting from the live
     `session`, else the newest checkpoint of the run, else the model folder `model`.
     `save=False` writes no checkpoint at the end (save_every still does); `return_state`
     puts the final weights in `TrainResult.state_dict`. `held`: tables the caller has just
     committed (`training.data.Held`, e.g. the round's stage reports' `written`), used instead
-    of reading those files back while they are unchanged on disk; the rows are the same."""
+    of reading those files back while they are unchanged on disk; the rows are the same.
+    `sync_metrics=False` leaves the fsync of the step lines to the caller's next synced line."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
     timing = _Timing()
@@ -332,7 +334,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
                 sync.barrier()  # no rank reads the run before the checkpoint is whole
         if progress is not None:
             progress(step - start_step, steps - start_step, metrics)
-    if world.main:
+    if world.main and sync_metrics:  # else the caller's next fsynced line makes them durable (the loop's round record)
         metrics_log.sync()
     sync.barrier()
     if session is not None:
