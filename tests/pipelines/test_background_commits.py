@@ -24,42 +24,8 @@ from curation.verify import check_run
 from pipelines.round_steps import Publisher
 from pipelines.run import run_pipeline
 from pipelines.spec import load_spec
+from tests.pipelines.test_run_options import SPEC  # 16 prompts x 4 a round, hf, grpo
 from training.data import load_training_data
-
-SPEC = """
-[run]
-name = "background"
-rounds = 3
-steps_per_round = 2
-seed = 11
-checkpoint_every = 2
-
-[model]
-path = "{toy}/model"
-
-[prompts]
-train = ["{toy}/train.parquet"]
-eval = "{toy}/eval.parquet"
-per_round = 16
-eval_limit = 32
-
-[generator]
-backend = "hf"
-group_size = 4
-max_tokens = 6
-
-[filter]
-drop_duplicates = false
-
-[train]
-objective = "grpo"
-batch_size = 32
-token_budget = 256
-lr = 1e-4
-
-[eval]
-every = 3
-"""
 
 STAGES = ("score", "filter", "label")
 
@@ -70,7 +36,7 @@ def loop_run(toy_dir, tmp_path_factory):
     memory, the same run with background_commits = false)."""
     base = tmp_path_factory.mktemp("background")
     spec_path = base / "spec.toml"
-    spec_path.write_text(SPEC.format(toy=toy_dir))
+    spec_path.write_text(SPEC.format(toy=toy_dir, rounds=3, checkpoint_every=2, eval_every=3, refill=""))
     prepared = []
     original = round_steps.prepare_stage
 
