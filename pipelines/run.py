@@ -165,6 +165,10 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     if spec.run.overlap and round < ctx.target_rounds:  # the engines sample the next round meanwhile
         ctx.settle()  # the next round's prompt choice reads this round's files
         prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start_version)
+    elif spec.run.background_commits and round < ctx.target_rounds:
+        # The next round's prompt choice reads only this round's files: the commit thread makes it
+        # after their commits, while the trainer trains (the same choice as at the next round's start).
+        ctx.publisher.submit(lambda: _choose_next(ctx, round))
 
     # -- train (on the round's tables in memory, while their commits are made) ---------------
     since = ctx.metrics.position()
@@ -190,6 +194,12 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
         train_tokens_per_s=decimals(sum(rates) / len(rates), 1) if rates else 0.0,
         phase_seconds=phases, model_seconds=decimals(clock.model, 4), refill_prompts=refilled,
         decay_steps=decay_steps)
+
+
+def _choose_next(ctx: RoundContext, round: int) -> dict:
+    """Write round `round + 1`'s prompt choice (a background commit's task: it adds no table)."""
+    choose_prompts(ctx, round + 1)
+    return {}
 
 
 def evaluate_start(ctx: RoundContext) -> RoundRecord:
