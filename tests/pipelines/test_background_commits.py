@@ -106,8 +106,8 @@ def _same(a, b, where):
 
 
 def test_the_run_is_the_run_of_stage_by_stage_commits(loop_run):
-    """Samples, curation tables, step records and round numbers are those of the same spec with
-    background_commits = false (every stage committed before the next one reads it)."""
+    """Prompt choices, samples, curation tables, step records and round numbers are those of the
+    same spec with background_commits = false (every stage committed before the next one reads it)."""
     run, _, _, stage_by_stage = loop_run
     files = sorted(path.relative_to(run) for table in ("samples", "scores", "rejects", "groups", "prompts")
                    for path in (run / table).rglob("*.parquet"))
@@ -116,6 +116,9 @@ def test_the_run_is_the_run_of_stage_by_stage_commits(loop_run):
                                      for path in (stage_by_stage / table).rglob("*.parquet"))
     for rel in files:
         _same(_rows(run / rel), _rows(stage_by_stage / rel), rel)
+    for round in (1, 2, 3):  # the prompt choice the commit thread made ahead (2, 3) is the one made in the round
+        rel = f"_rounds/round={round}/prompts.parquet"
+        assert _rows(run / rel) == _rows(stage_by_stage / rel), rel
     steps = [{k: v for k, v in step.items() if k not in ("seconds", "tokens_per_s")}
              for step in MetricsLog(run).steps()]
     again = [{k: v for k, v in step.items() if k not in ("seconds", "tokens_per_s")}
