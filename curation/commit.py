@@ -44,7 +44,7 @@ from curation.fingerprints import (
     file_stat,
     remember_fingerprint,
 )
-from curation.runlog import fsync_dir, read_json, to_json
+from curation.runlog import fsync_dir, read_json, to_json, write_atomic
 from curation.store import ROUND_TABLES, RunStore, check_name, check_round
 from curation.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
 
@@ -69,6 +69,11 @@ class EncodedPart:
     data: pa.Table
     payload: pa.Buffer
     sha256: str
+
+    def in_flight(self, **extra) -> tuple[dict, pa.Table]:
+        """This part as a `curation.store.Held` entry while its commit is in flight (mtime_ns None,
+        `extra` fields beside sha256 and size)."""
+        return {"sha256": self.sha256, "size": self.payload.size, "mtime_ns": None, **extra}, self.data
 
 
 def part_file(store: RunStore, stage: str, table: str, part: str | None, round: int | None) -> tuple[Path, str]:
@@ -292,8 +297,7 @@ class Commit:
         before = {rel for rel in before if _is_part_file(rel)}  # never delete anything else
         outputs = sorted(self._rows)
         journal = {"stage": self.stage, "round": self.round, "outputs": sorted(before | set(outputs))}
-        journal_path.parent.mkdir(exist_ok=True)
-        self._put(journal_path, to_json(journal))
+        write_atomic(journal_path, to_json(journal), tmp_dir=self._tmp)
         fault_point("commit.journal_written")
         touched = set()
         files = {}
@@ -321,25 +325,10 @@ class Commit:
         }))
         manifest = to_json({**content, SEAL_FIELD: seal_of(content)})  # an edit by hand shows (curation/verify.py)
         fault_point("commit.files_published")
-        self._put(manifest_path, manifest)  # last: the commit point
+        write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()
         self.written = {rel: (files[rel], self._tables[rel]) for rel in outputs if rel in self._tables}
         shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)
-
-
-    def _put(self, path: Path, text: str) -> None:
-        """`text` at `path` whole or not at all, and durable: written and fsynced in the commit's
-        temp folder, renamed into place, the folder fsynced (runlog.write_atomic without its
-        mkstemp and dead-temp scan: the temp folder is this commit's own)."""
-        tmp = self._tmp / f"{path.name}.tmp"
-        with disk_write(path):
-            with open(tmp, "wb") as f:
-                f.write(text.encode("utf-8"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        fsync_dir(path.parent)
 
 
 def _is_part_file(rel: str) -> bool:

@@ -51,7 +51,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path, known_fingerprint  # noqa: F401,E501
+from curation.fingerprints import (  # noqa: F401,E501
+    code_version,
+    config_hash,
+    file_stat,
+    fingerprint_file,
+    fingerprint_path,
+    known_fingerprint,
+)
 from curation.runlog import read_json
 
 if TYPE_CHECKING:
@@ -59,7 +66,7 @@ if TYPE_CHECKING:
 
 ROUND_TABLES = ("samples", "scores", "groups", "rejects", "pairs")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # stage and part names
-_ROUND_DIR = re.compile(r"round=(\d+)")
+ROUND_DIR = re.compile(r"round=(\d+)")  # a round folder's name (RunStore.partition_dir)
 _HELD: dict[Path, int] = {}  # run roots whose lock this process holds, with a nesting count
 
 
@@ -74,6 +81,26 @@ def connect() -> duckdb.DuckDBPyConnection:
     if _DUCKDB is None or _DUCKDB[0] != os.getpid():  # a forked child makes its own
         _DUCKDB = (os.getpid(), duckdb.connect(":memory:"))
     return _DUCKDB[1].cursor()
+
+
+Held = Mapping[str, tuple[dict, pa.Table]]
+"""Tables a process has just committed, kept so that they are not read back: {path relative
+to the run: ({sha256, size, mtime_ns}, the table as written)} (`Commit.written`). An entry
+whose mtime_ns is None is a commit in flight (the round loop's background commits): its file
+may not be there yet, and the table is what the commit writes (`EncodedPart.in_flight`)."""
+
+
+def held_entry(held: Held | None, root: Path, path: Path) -> tuple[dict, pa.Table] | None:
+    """`held`'s entry for the part file at `path` (under the run folder `root`): while the file
+    is the one it was committed as (size and mtime_ns), or its commit is in flight."""
+    entry = held.get(path.relative_to(root).as_posix()) if held else None
+    if entry is None:
+        return None
+    recorded = entry[0]
+    if recorded.get("mtime_ns") is None or file_stat(path) == {"size": recorded["size"],
+                                                                "mtime_ns": recorded["mtime_ns"]}:
+        return entry
+    return None
 
 
 def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.Table:
@@ -222,7 +249,7 @@ class RunStore:
         except (FileNotFoundError, NotADirectoryError):
             return found
         for entry in entries:
-            m = _ROUND_DIR.fullmatch(entry.name)
+            m = ROUND_DIR.fullmatch(entry.name)
             if m and entry.is_dir():
                 files = parquet_files(Path(entry.path))
                 if self._committed is not None:
@@ -319,7 +346,7 @@ class RunStore:
                     pieces = (pa.Table.from_batches([batch]) for batch in batches)
                 for part in pieces:
                     if check_round and part.num_rows:
-                        folder = int(_ROUND_DIR.fullmatch(path.parent.name)[1])
+                        folder = int(ROUND_DIR.fullmatch(path.parent.name)[1])
                         lo, hi = pc.min_max(part.column("round")).as_py().values()
                         if (lo, hi) != (folder, folder):
                             raise schema.SchemaError(f"{table} table ({path}): column 'round' holds {lo}..{hi}, "
@@ -340,7 +367,7 @@ class RunStore:
         sql = ("SELECT filename, min(round), max(round) FROM read_parquet($files, hive_partitioning = false,"
                " filename = true) GROUP BY filename")
         for filename, lo, hi in con.sql(sql, params={"files": paths}).fetchall():
-            folder = int(_ROUND_DIR.fullmatch(Path(filename).parent.name)[1])
+            folder = int(ROUND_DIR.fullmatch(Path(filename).parent.name)[1])
             if (lo, hi) != (folder, folder):
                 raise schema.SchemaError(f"{table} table ({filename}): column 'round' holds {lo}..{hi}, "
                                          f"but the file is in folder round={folder}")

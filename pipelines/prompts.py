@@ -246,16 +246,19 @@ def _round_folder(key: str) -> _RoundFolder | None:
 def remember_sampled(path: Path, stat: Mapping[str, int], samples: pa.Table) -> None:
     """Note the prompt ids of a samples part this process just committed (its size and
     mtime_ns as published), so the next prompt choice does not read the file back."""
-    _SAMPLED.put(path, stat, frozenset(samples.column("prompt_id").unique().to_pylist()))
+    _SAMPLED.put(path, stat, _ids_of(samples))
 
 
 def _read_ids(parts: list[Path]) -> frozenset[str]:
     """The prompt ids the samples parts hold (each part read once per process: _SAMPLED)."""
     ids: set[str] = set()
     for path in parts:
-        ids |= _SAMPLED.get(path, lambda path=path: frozenset(
-            pq.read_table(path, columns=["prompt_id"]).column("prompt_id").unique().to_pylist()))
+        ids |= _SAMPLED.get(path, lambda path=path: _ids_of(pq.read_table(path, columns=["prompt_id"])))
     return frozenset(ids)
+
+
+def _ids_of(samples: pa.Table) -> frozenset[str]:
+    return frozenset(samples.column("prompt_id").unique().to_pylist())
 
 
 @dataclass

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -30,19 +28,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.fingerprints import FileCache, file_stat, known_fingerprint
-from curation.store import RunStore, contract_columns
+from curation.fingerprints import FileCache, known_fingerprint
+from curation.store import ROUND_DIR, Held, RunStore, contract_columns, held_entry
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token")
 OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")
-
-Held = Mapping[str, tuple[dict, pa.Table]]
-"""Tables a caller has just committed: {path relative to the run: ({sha256, size, mtime_ns},
-the table as written)}, e.g. `StageReport.written` / `Commit.written`. A held table is used
-instead of its file while the file's size and mtime_ns are the recorded ones. An entry whose
-mtime_ns is None is a commit in flight (the round loop's background commits): its file may
-not be there yet, and the table is what the commit writes."""
-
 
 def _in_flight(entry: tuple[dict, pa.Table]) -> bool:
     return entry[0].get("mtime_ns") is None
@@ -50,7 +40,7 @@ def _in_flight(entry: tuple[dict, pa.Table]) -> bool:
 
 def _round_of(rel: str) -> int | None:
     """The round of a part file's path relative to the run (`<table>/round=<n>/<file>`)."""
-    found = _ROUND_FOLDER.fullmatch(rel.split("/")[1]) if rel.count("/") == 2 else None
+    found = ROUND_DIR.fullmatch(rel.split("/")[1]) if rel.count("/") == 2 else None
     return int(found[1]) if found else None
 
 
@@ -126,9 +116,6 @@ def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max
     return chosen
 
 
-_ROUND_FOLDER = re.compile(r"round=(\d+)")  # RunStore.partition_dir's folder names
-
-
 def _newest_round(store: RunStore, table: str) -> int | None:
     """The newest round of `table` with a part file (`max(store.rounds(table))`), from one
     listing of the table folder: only the newest round folders are looked into."""
@@ -136,7 +123,7 @@ def _newest_round(store: RunStore, table: str) -> int | None:
         names = [entry.name for entry in os.scandir(store.table_dir(table)) if entry.is_dir()]
     except (FileNotFoundError, NotADirectoryError):
         return None
-    found = sorted((int(m[1]) for m in map(_ROUND_FOLDER.fullmatch, names) if m), reverse=True)
+    found = sorted((int(m[1]) for m in map(ROUND_DIR.fullmatch, names) if m), reverse=True)
     return next((round for round in found if store.files(table, round)), None)
 
 
@@ -149,21 +136,10 @@ def _checked_files(store: RunStore, table: str, rounds: list[int], held: Held | 
     (a held table was checked when it was written)."""
     files = _files(store, table, rounds, held)
     for path in files:
-        if _held(store, held, path) is None:
+        if held_entry(held, store.root, path) is None:
             _SCHEMA_CHECKED.get(path, lambda path=path: bool(
                 schema.validate(pq.read_schema(path).empty_table(), table, path)))
     return files
-
-
-def _held(store: RunStore, held: Held | None, path: Path) -> tuple[dict, pa.Table] | None:
-    """`held`'s entry for the part file `path`, while the file is the one it was committed as."""
-    entry = held.get(path.relative_to(store.root).as_posix()) if held else None
-    if entry is None:
-        return None
-    recorded = entry[0]
-    if _in_flight(entry):
-        return entry
-    return entry if file_stat(path) == {"size": recorded["size"], "mtime_ns": recorded["mtime_ns"]} else None
 
 
 def _read(store: RunStore, table: str, files: list[Path], columns: list[str], held: Held | None) -> pa.Table:
@@ -171,7 +147,7 @@ def _read(store: RunStore, table: str, files: list[Path], columns: list[str], he
     a held part from memory."""
     parts = []
     for path in files:
-        entry = _held(store, held, path)
+        entry = held_entry(held, store.root, path)
         if entry is not None:
             part = entry[1].select(columns)
         else:
@@ -339,7 +315,7 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
                        max_staleness: int | None = None, sft_min_reward: float | None = None,
                        held: Held | None = None) -> TrainingData:
     """The rows `objective` trains on from `rounds` of the run (see the module docstring).
-    `held`: tables the caller has just committed (see `Held`), used instead of reading their
+    `held`: tables the caller has just committed (see `curation.store.Held`), used instead of reading their
     files back; the rows are the same either way."""
     store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness, held)
     table = None
@@ -349,7 +325,7 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
         for path in files[table_name]:
-            entry = _held(store, held, path)
+            entry = held_entry(held, store.root, path)
             digest = entry[0]["sha256"] if entry and _in_flight(entry) else known_fingerprint(path, entry and entry[0])
             h.update(f"{path.relative_to(store.root)}={digest}\n".encode())
     if table is None or table.num_rows == 0:

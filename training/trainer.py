@@ -47,11 +47,12 @@ import torch
 
 from curation.faults import fault_point
 from curation.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
+from curation.store import Held
 from training import checkpoint as ckpt
 from training import distributed, lora
 from training.batching import pair_batches, policy_batches, prompt_groups
 from training.config import TrainConfig, steps_for_passes
-from training.data import POLICY_OBJECTIVES, Held, load_training_data
+from training.data import POLICY_OBJECTIVES, load_training_data
 from training.objectives import get_pair_loss, get_policy_loss
 from training.step import StepContext, accumulate_gradients, pair_micro_step, policy_micro_step
 
@@ -174,7 +175,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     `session`, else the newest checkpoint of the run, else the model folder `model`.
     `save=False` writes no checkpoint at the end (save_every still does); `return_state`
     puts the final weights in `TrainResult.state_dict`. `held`: tables the caller has just
-    committed (`training.data.Held`, e.g. the round's stage reports' `written`), used instead
+    committed (`curation.store.Held`, e.g. the round's stage reports' `written`), used instead
     of reading those files back while they are unchanged on disk; the rows are the same.
     `sync_metrics=False` leaves the fsync of the step lines to the caller's next synced line."""
     started = time.perf_counter()

@@ -265,8 +265,7 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
         written, manifest = commit_round(), store.load_manifest(stage, round) or {}
     else:
         publish(commit_round)
-        written = {part.rel: ({"sha256": part.sha256, "size": part.payload.size, "mtime_ns": None,
-                               **({"sampling": config["sampling"]} if part.table == "samples" else {})}, part.data)
+        written = {part.rel: part.in_flight(**({"sampling": config["sampling"]} if part.table == "samples" else {}))
                    for part in parts}
         manifest = {}
     return GenerateResult(

@@ -64,9 +64,9 @@ from curation import schema
 from curation.commit import encode_part
 from curation.errors import disk_write
 from curation.faults import fault_point
-from curation.fingerprints import FileCache, file_stat, known_fingerprint
+from curation.fingerprints import FileCache, known_fingerprint
 from curation.stages.common import drop_counts
-from curation.store import RunStore, contract_columns
+from curation.store import Held, RunStore, contract_columns, held_entry
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
 SLICE_ROWS_ENV = "GROUPFORGE_SLICE_ROWS"
@@ -180,9 +180,7 @@ def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None
               for table, columns in module.columns(cfg).items()}
     if not force and hasattr(module, "reused_tables"):
         tables.update(module.reused_tables(store, round, inputs))
-    out = module.transform(tables, cfg)
-    if set(out.tables) != set(module.WRITES):
-        raise RuntimeError(f"stage {name!r} returned tables {sorted(out.tables)}, declared {list(module.WRITES)}")
+    out = _transform(module, tables, cfg)
     drops = out.drops
     fault_point("stage.before_commit")
     with store.commit(name, round, inputs, config) as commit:
@@ -258,24 +256,18 @@ def prepare_stage(stage: str | ModuleType, store: RunStore, round: int, cfg,
     tables = {}
     for table, columns in module.columns(cfg).items():
         if table == "prompts":
-            tables[table] = (schema.validate(pa.concat_tables([held[rel][1] for rel in prompts_held],
-                                                              promote_options="permissive"), "prompts")
-                             if prompts_held else
+            tables[table] = (_joined_prompts(store, [held[rel][1] for rel in prompts_held]) if prompts_held else
                              _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")]))
         elif columns is None:
             raise ValueError(f"stage {name!r} reads every column of {table!r}: run it with run_stage")
         else:
-            tables[table] = pa.concat_tables([contract_columns(table, part, columns)
-                                              for part in [t for _, t in parts[table]] or [schema.empty(table)]])
-    out = module.transform(tables, cfg)
-    if set(out.tables) != set(module.WRITES):
-        raise RuntimeError(f"stage {name!r} returned tables {sorted(out.tables)}, declared {list(module.WRITES)}")
+            tables[table] = _held_columns(table, [part for _, part in parts[table]], columns)
+    out = _transform(module, tables, cfg)
     drops = out.drops
     fault_point("stage.before_commit")
     encoded = [part for part in (encode_part(store, name, table, out.tables[table], name, round)
                                  for table in module.WRITES) if part is not None]
-    written = {part.rel: ({"sha256": part.sha256, "size": part.payload.size, "mtime_ns": None}, part.data)
-               for part in encoded}
+    written = {part.rel: part.in_flight() for part in encoded}
 
     def publish() -> dict[str, tuple[dict, pa.Table]]:
         with store.commit(name, round, inputs, config) as commit:
@@ -346,10 +338,7 @@ def _run_sliced(module: ModuleType, store: RunStore, round: int, cfg, inputs: Ma
             tables = {table: _read_arrow(files[s]) for table, files in split.items()}
             if prompts is not None:
                 tables["prompts"] = prompts.filter(pa.array(prompt_slice == s))
-            out = module.transform(tables, cfg)
-            if set(out.tables) != set(module.WRITES):
-                raise RuntimeError(f"stage {name!r} returned tables {sorted(out.tables)}, "
-                                   f"declared {list(module.WRITES)}")
+            out = _transform(module, tables, cfg)
             for table in module.WRITES:
                 commit.write(table, out.tables[table], part=f"{name}-s{s:04d}", hold=False)
             rows_in, rows_out = rows_in + out.rows_in, rows_out + out.rows_out
@@ -440,9 +429,8 @@ def _read(store: RunStore, table: str, round: int, columns: list[str] | None, ow
         raise ValueError("a stage reads every column of the prompts table")
     paths = [path for path in store.files(table, round) if not _own_part(path, own)]
     known = [_held(held, store, path) for path in paths]
-    if all(part is not None for part in known):  # none at all: the empty table (rejects of no drops)
-        return pa.concat_tables([contract_columns(table, part, columns)
-                                 for part in known or [schema.empty(table)]])
+    if all(part is not None for part in known):
+        return _held_columns(table, known, columns)
     return store.read_columns(table, columns, round, exclude_parts=_own_parts(store, table, round, own))
 
 
@@ -456,13 +444,10 @@ def _files(store: RunStore, table: str, round: int) -> list[Path]:
     return store.files("prompts") if listed is None else listed
 
 
-def _held(held: Mapping[str, tuple[dict, pa.Table]], store: RunStore, path: Path) -> pa.Table | None:
-    """The table held for `path`, while the file is the one it was committed as."""
-    entry = held.get(path.relative_to(store.root).as_posix())
-    if entry is None:
-        return None
-    recorded, table = entry
-    return table if file_stat(path) == {"size": recorded["size"], "mtime_ns": recorded["mtime_ns"]} else None
+def _held(held: Held, store: RunStore, path: Path) -> pa.Table | None:
+    """The table held for `path` (`curation.store.held_entry`)."""
+    entry = held_entry(held, store.root, path)
+    return None if entry is None else entry[1]
 
 
 _PROMPT_PARTS: FileCache[pa.Table] = FileCache()  # prompts parts this process read, validated
@@ -472,13 +457,31 @@ def _prompts(store: RunStore, paths: list[Path]) -> pa.Table:
     """The prompts parts at `paths` (those `_files` chose for the round), validated, as
     `store.read("prompts")` gives them. A part this process read before (same size and
     mtime_ns) is not read again: rounds can share one."""
-    parts = []
-    for path in paths:
-        parts.append(_PROMPT_PARTS.get(path, lambda path=path: schema.read_table_file(path, "prompts")))
+    return _joined_prompts(store, [_PROMPT_PARTS.get(path, lambda path=path: schema.read_table_file(path, "prompts"))
+                                   for path in paths])
+
+
+def _joined_prompts(store: RunStore, parts: list[pa.Table]) -> pa.Table:
+    """Prompts parts as one validated table, as `store.read("prompts")` gives them."""
     if not parts:
         return schema.empty("prompts")
     table = pa.concat_tables(parts, promote_options="permissive")
     return schema.validate(table, "prompts", store.table_glob("prompts"))
+
+
+def _held_columns(table: str, parts: list[pa.Table], columns: list[str]) -> pa.Table:
+    """`columns` of a table's parts held in memory, as one table (none at all: the empty table,
+    e.g. rejects of a round without drops)."""
+    return pa.concat_tables([contract_columns(table, part, columns) for part in parts or [schema.empty(table)]])
+
+
+def _transform(module: ModuleType, tables: dict[str, pa.Table], cfg) -> StageOutput:
+    """The stage's transform, which must return one table per name in its WRITES."""
+    out = module.transform(tables, cfg)
+    if set(out.tables) != set(module.WRITES):
+        raise RuntimeError(f"stage {module.STAGE!r} returned tables {sorted(out.tables)}, "
+                           f"declared {list(module.WRITES)}")
+    return out
 
 
 def _writer_of(table: str) -> str:
