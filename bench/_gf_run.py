@@ -1,4 +1,4 @@
-"""One `groupforge run` (pipelines.run.run_pipeline) on a toy for bench/loop.py.
+"""One `groupforge run` (pipelines.loop.run.run_pipeline) on a toy for bench/loop.py.
 
 The spec is a shipped one (pipelines/specs/toy-grpo.toml unless told) with the toy's paths,
 the run name and seed, and any `--gf-set section.key=value` overrides applied, validated as a
@@ -73,7 +73,7 @@ def greedy_seconds() -> Iterator[list[float]]:
 
 def run_groupforge(job: dict) -> dict:
     """Run the round loop on job["toy"] for job["minutes"] training minutes; the run's Curve as a dict."""
-    from pipelines.run import run_pipeline
+    from pipelines.loop.run import run_pipeline
 
     started = time.perf_counter()
     run_dir = Path(job["out_dir"])

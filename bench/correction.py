@@ -61,7 +61,7 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TO
 def worker(job: dict) -> None:
     from _gf_run import loop_spec
 
-    from pipelines.run import run_pipeline
+    from pipelines.loop.run import run_pipeline
 
     spec = loop_spec(ROOT / "pipelines" / "specs" / "toy-grpo.toml", job["toy"], job["slug"], job["seed"],
                      BASE + job["set"], rounds=job["rounds"])
@@ -69,7 +69,7 @@ def worker(job: dict) -> None:
 
 
 def summarise(run_dir: Path) -> dict:
-    from curation.runlog import MetricsLog
+    from curation.store.runlog import MetricsLog
 
     rounds, steps, _ = MetricsLog(run_dir).read()
     accuracy = [r["eval_accuracy"] for r in rounds if r.get("eval_accuracy") is not None]
@@ -119,7 +119,7 @@ def markdown(results: dict[tuple[str, int], dict], args, command: str) -> str:
 
 
 def main() -> None:
-    import pipelines.toy as toy_module
+    import pipelines.toy.build as toy_module
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)

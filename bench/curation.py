@@ -188,7 +188,7 @@ def gf_memory(run: Path, drop_duplicates: bool | None) -> None:
 def gf_parquet(run: Path, drop_duplicates: bool | None, only: str | None = None) -> None:
     """The stages through run_stage, as the CLI calls them; `only`: cProfile that stage and report its top calls."""
     from curation.stages.runner import CURATION_STAGES, run_stage
-    from curation.store import RunStore
+    from curation.store.run_store import RunStore
 
     rows = pq.ParquetFile(run / SAMPLES).metadata.num_rows
     profile = cProfile.Profile()

@@ -201,7 +201,7 @@ def main() -> None:
     import vllm  # noqa: F401  (imported here so that engine start-up times exclude it)
     from transformers import AutoTokenizer
 
-    from pipelines.toy import build_toy
+    from pipelines.toy.build import build_toy
 
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:

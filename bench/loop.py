@@ -65,7 +65,7 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TO
 
 def toy_variants(names: list[str] | None) -> dict[str, Path]:
     """The toy folder of each variant (built once, cached by the toy's own build cache)."""
-    import pipelines.toy as toy
+    import pipelines.toy.build as toy
 
     known = getattr(toy, "VARIANTS", {"default": toy.ToyConfig()})
     names = names or list(known)[:3]
@@ -297,7 +297,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="1 variant, 1 seed, 2 min per framework, no sweep")
-    parser.add_argument("--variants", help="toy variants, comma-separated (default: the first 3 of pipelines.toy."
+    parser.add_argument("--variants", help="toy variants, comma-separated (default: the first 3 of pipelines.toy.build."
                                            "VARIANTS; quick: default)")
     parser.add_argument("--seeds", help="run seeds, comma-separated (default 0,1; quick 0)")
     parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 10, quick 2)")

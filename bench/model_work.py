@@ -163,7 +163,7 @@ def engine_calls(vllm_gen, hf_gen, table: pa.Table, cfg: SamplingConfig, run_dir
 # ---- trainer ------------------------------------------------------------------------------------
 
 def trainer_calls(run_dir: Path, cfg, model_dir: Path, steps: int, scratch: Path) -> dict[str, callable]:
-    from curation.runlog import MetricsLog
+    from curation.store.runlog import MetricsLog
     from training import checkpoint as ckpt
     from training.batching import policy_batches
     from training.data import load_training_data
@@ -282,16 +282,16 @@ def verdicts(timings: list[Timing]) -> list[str]:
 def main() -> None:
     from _gf_run import loop_spec
 
-    import pipelines.toy as toy_module
+    import pipelines.toy.build as toy_module
     from curation.generate.stage import generate, make_generator
-    from pipelines.curate import STAGES, CurationSpec, run_stage
+    from pipelines.loop.curate import STAGES, CurationSpec, run_stage
     from training.config import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 prompts, 1 repeat")
     parser.add_argument("--prompts", help="prompts per call, comma-separated (default 64,256; quick 64)")
     parser.add_argument("--repeats", type=int, help="timed calls per row (default 3, quick 1)")
-    parser.add_argument("--variant", default="default", help="toy variant (pipelines.toy.VARIANTS)")
+    parser.add_argument("--variant", default="default", help="toy variant (pipelines.toy.build.VARIANTS)")
     toy_loop_options(parser, "torch / OMP threads (0: torch's default, all cores); 1 is steadier on a machine "
                              "other jobs share")
     args = parser.parse_args()

@@ -68,7 +68,7 @@ def round_parts(run_dir: Path, skip: int = 2) -> list[dict[str, float]]:
 
 
 def one_run(spec, run_dir: Path) -> dict[str, float]:
-    from pipelines.run import run_pipeline
+    from pipelines.loop.run import run_pipeline
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_pipeline(spec, run_dir, log=lambda message: None)
@@ -99,7 +99,7 @@ def markdown(runs: list[dict[str, float]], settings: str, command: str) -> str:
 def main() -> None:
     from _gf_run import loop_spec
 
-    import pipelines.toy as toy_module
+    import pipelines.toy.build as toy_module
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of the loop (default 3)")

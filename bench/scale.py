@@ -50,7 +50,7 @@ def curated_run(toy: Path, folder: Path) -> Path:
 
     from curation.generate.base import SamplingConfig
     from curation.generate.stage import generate
-    from pipelines.curate import STAGES, CurationSpec, run_stage
+    from pipelines.loop.curate import STAGES, CurationSpec, run_stage
 
     run_dir = folder / "run"
     if (run_dir / "groups").is_dir():
@@ -138,7 +138,7 @@ def loop_rate(toy: Path, name: str, rounds: int, sets: list[str]) -> dict:
 
 
 def main() -> None:
-    import pipelines.toy as toy_module
+    import pipelines.toy.build as toy_module
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)

@@ -111,7 +111,7 @@ def build_model(name: str, attn: str):
     torch.manual_seed(0)
     kwargs = MODELS[name][0]
     if kwargs is None:
-        from pipelines.toy import build_toy
+        from pipelines.toy.build import build_toy
 
         return AutoModelForCausalLM.from_pretrained(build_toy(ROOT / "runs" / "toy", progress=False) / "model",
                                                     dtype=torch.float32, attn_implementation=attn)

@@ -27,9 +27,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation.errors import JobError
-from curation.fingerprints import code_version
-from curation.runlog import read_json, write_atomic
-from curation.store import RunStore
+from curation.store.fingerprints import code_version
+from curation.store.run_store import RunStore
+from curation.store.runlog import read_json, write_atomic
 
 CARD_FILE = "README.md"
 CARD_MARKER = "<!-- written by groupforge export: rewritten on every export into this folder -->"

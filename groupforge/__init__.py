@@ -30,18 +30,18 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
 
 # public name -> the module that owns it
 _EXPORTS = {
-    "RunStore": "curation.store",
+    "RunStore": "curation.store.run_store",
     "SamplingConfig": "curation.generate.base",
     "generate": "curation.generate.stage",
     "make_generator": "curation.generate.stage",
     "register_reward": "curation.rewards.registry",
-    "curate": "pipelines.curate",
+    "curate": "pipelines.loop.curate",
     "TrainConfig": "training.config",
     "train": "training.trainer",
     "get_policy_loss": "training.objectives",
     "get_pair_loss": "training.objectives",
     "load_spec": "pipelines.spec",
-    "run_pipeline": "pipelines.run",
+    "run_pipeline": "pipelines.loop.run",
 }
 
 __all__ = [  # the same names as _EXPORTS (a test checks), written out for readers and linters
@@ -53,9 +53,9 @@ if TYPE_CHECKING:
     from curation.generate.base import SamplingConfig
     from curation.generate.stage import generate, make_generator
     from curation.rewards.registry import register_reward
-    from curation.store import RunStore
-    from pipelines.curate import curate
-    from pipelines.run import run_pipeline
+    from curation.store.run_store import RunStore
+    from pipelines.loop.curate import curate
+    from pipelines.loop.run import run_pipeline
     from pipelines.spec import load_spec
     from training.config import TrainConfig
     from training.objectives import get_pair_loss, get_policy_loss

@@ -19,7 +19,7 @@ from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
 from curation.stages.score import ScoreConfig
-from pipelines.prompts import PromptChoice
+from pipelines.loop.prompts import PromptChoice
 from training.config import TrainConfig
 
 M = TypeVar("M", bound=BaseModel)
@@ -139,7 +139,7 @@ class RunSection(_Section):
                             "the groups tables: `groupforge pair RUN`.")
     trackers: list[Literal["tensorboard", "mlflow", "trackio", "wandb"]] = Field(
         [], description="Experiment trackers that get the round and step metrics, the spec and the report's plots "
-                        "(offline, under RUN/trackers/; pipelines/trackers.py). Each needs "
+                        "(offline, under RUN/trackers/; pipelines/loop/trackers.py). Each needs "
                         "pip install 'groupforge[trackers]'; a failing tracker is turned off, the run goes on.")
     overlap: int = Field(0, ge=0, le=1, description="1: the engines sample round n+1 while round n trains (with "
                                                     "the weights round n started from: one round off-policy; "
@@ -164,7 +164,7 @@ class PromptsSection(_Section):
     per_round: int = Field(128, ge=1, description="Prompts sampled per round.")
     eval_limit: int | None = Field(None, ge=1, description="Evaluate on the first N eval prompts (default: all).")
     choice: PromptChoice = Field(default_factory=PromptChoice, description="How a round's prompts are chosen "
-                                 "([prompts.choice]: strategy least_used or informative; see pipelines/prompts.py).")
+                                 "([prompts.choice]: strategy least_used or informative; pipelines/loop/prompts.py).")
 
 
 class GeneratorSection(GeneratorConfig, SamplingSettings):
@@ -353,7 +353,7 @@ class CompareQuick(_Section):
 
 class CompareSection(_Section):
     """[compare] of a compare file. With neither `seeds` nor `sweep`, each spec runs once (its own
-    run.seed); with them, `groupforge compare` runs a study (pipelines/study.py): a sweep per
+    run.seed); with them, `groupforge compare` runs a study (pipelines/studies/study.py): a sweep per
     objective on a validation split of the train prompts, then each objective's best setting
     over `seeds`, reported with 95% confidence intervals."""
 

@@ -72,7 +72,7 @@ def build_lock(out: Path) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def toy_dir() -> Path:
-    from pipelines.toy import build_toy
+    from pipelines.toy.build import build_toy
 
     out = REPO / "runs" / "toy"
     with build_lock(out):

@@ -12,7 +12,7 @@ A checkpoint is written into `RUN/checkpoints/.tmp-step-<k>-<pid>/` and renamed 
 saving leaves only a `.tmp-*` folder, removed by the next save.
 
 Optimizer state is stored as tensors (safetensors) and JSON (param groups), so loading a
-checkpoint from elsewhere never unpickles anything. The file names are `curation.runlog`'s.
+checkpoint from elsewhere never unpickles anything. The file names are `curation.store.runlog`'s.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from curation.errors import disk_write
 from curation.faults import fault_point
-from curation.runlog import (
+from curation.store.runlog import (
     CHECKPOINTS_DIR,
     LEGACY_OPTIMIZER_FILE,
     OPTIMIZER_FILE,

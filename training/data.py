@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.fingerprints import FileCache, known_fingerprint
-from curation.store import ROUND_DIR, Held, RunStore, contract_columns, held_entry
+from curation.store.fingerprints import FileCache, known_fingerprint
+from curation.store.run_store import ROUND_DIR, Held, RunStore, contract_columns, held_entry
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token")
 OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")
@@ -315,7 +315,7 @@ def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | 
                        max_staleness: int | None = None, sft_min_reward: float | None = None,
                        held: Held | None = None) -> TrainingData:
     """The rows `objective` trains on from `rounds` of the run (see the module docstring).
-    `held`: tables the caller has just committed (see `curation.store.Held`), used instead of reading their
+    `held`: tables the caller has just committed (see `curation.store.run_store.Held`), used instead of reading their
     files back; the rows are the same either way."""
     store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness, held)
     table = None

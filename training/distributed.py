@@ -2,7 +2,7 @@
 the sums that make N ranks take the single-process step.
 
     groupforge train RUN --strategy ddp ...                        # one process: a world of 1
-    torchrun --nproc-per-node 2 -m pipelines.cli train RUN --strategy ddp ...
+    torchrun --nproc-per-node 2 -m pipelines.cli.main train RUN --strategy ddp ...
 
 Each optimizer step draws the same global rows on every rank (training.trainer.step_rows)
 and rank r takes rows r, r + N, r + 2N, ... of them. The step's normaliser (sequences, tokens,

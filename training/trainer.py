@@ -12,7 +12,7 @@ step count is the policy_version of the weights, continued across calls and roun
     loop     per step: `batch_size` rows from a seeded permutation of the rows, token-budget
              micro-batches, gradient accumulation normalised by the step's totals (so any
              split gives the one-batch gradient; training/step.py), grad clipping, one
-             optimizer step, one line in RUN/metrics.jsonl (curation.runlog.MetricsLog; with
+             optimizer step, one line in RUN/metrics.jsonl (curation.store.runlog.MetricsLog; with
              `grad_noise`, the step gradient's signal and noise: training/grad_noise.py)
     save     RUN/checkpoints/step-<k>/ every `save_every` steps and at the end (unless `save=False`)
 
@@ -46,8 +46,8 @@ import pyarrow as pa
 import torch
 
 from curation.faults import fault_point
-from curation.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
-from curation.store import Held
+from curation.store.run_store import Held
+from curation.store.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
 from training import distributed, lora
 from training.batching import pair_batches, policy_batches, prompt_groups
@@ -175,7 +175,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     `session`, else the newest checkpoint of the run, else the model folder `model`.
     `save=False` writes no checkpoint at the end (save_every still does); `return_state`
     puts the final weights in `TrainResult.state_dict`. `held`: tables the caller has just
-    committed (`curation.store.Held`, e.g. the round's stage reports' `written`), used instead
+    committed (`curation.store.run_store.Held`, e.g. the round's stage reports' `written`), used instead
     of reading those files back while they are unchanged on disk; the rows are the same.
     `sync_metrics=False` leaves the fsync of the step lines to the caller's next synced line."""
     started = time.perf_counter()

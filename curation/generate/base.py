@@ -30,8 +30,8 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from curation.fingerprints import FileCache, file_stat
 from curation.schema import SchemaError, validate
+from curation.store.fingerprints import FileCache, file_stat
 
 
 class SamplingSettings(BaseModel):

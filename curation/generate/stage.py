@@ -36,15 +36,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from curation.commit import encode_part
 from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
 from curation.generate.weights import check_model_folder, count_parameters, weights_fingerprint
-from curation.runlog import read_json, write_atomic, write_json_atomic
 from curation.schema import SCHEMAS, SchemaError, validate
 from curation.stages.common import rejects_table
-from curation.store import RunStore, config_hash, known_fingerprint
+from curation.store.commit import encode_part
+from curation.store.run_store import RunStore, config_hash, known_fingerprint
+from curation.store.runlog import read_json, write_atomic, write_json_atomic
 
 STAGE = "generate"
 READS = ("prompts file", "model weights")
@@ -73,7 +73,7 @@ class GenerateResult:
     manifest: dict = field(default_factory=dict)
     written: dict = field(default_factory=dict, repr=False)
     """{relative path: ({sha256, size, mtime_ns}, table)} of the files committed (see
-    `curation.commit.Commit.written`); {} when skipped."""
+    `curation.store.commit.Commit.written`); {} when skipped."""
 
 
 AUTO_HF_MAX_PARAMS = 5_000_000

@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from curation.runlog import read_json
+from curation.store.runlog import read_json
 
 if TYPE_CHECKING:
     import torch

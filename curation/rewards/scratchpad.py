@@ -1,6 +1,6 @@
 """Long-response rewards: the final answer after a `####` marker, and the toy's scratchpad steps.
 
-The toy's scratchpad task (pipelines/toy.py, `--task scratchpad`) writes an addition column by
+The toy's scratchpad task (pipelines/toy/build.py, `--task scratchpad`) writes an addition column by
 column from the right, each step `a+b+carry=sum` with the sum as two digits (its first digit is
 the carry into the next column), then the answer after GSM8K's `####` marker:
 

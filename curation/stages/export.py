@@ -31,8 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from curation.card import provenance, with_provenance, write_card
 from curation.faults import fault_point
-from curation.runlog import EXPORTS_DIR, write_atomic
-from curation.store import RunStore
+from curation.store.run_store import RunStore
+from curation.store.runlog import EXPORTS_DIR, write_atomic
 
 FORMATS = ("preference", "prompt_only", "unpaired", "sft")
 

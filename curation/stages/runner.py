@@ -25,7 +25,7 @@ and, where it needs them, three hooks (score has the first two, label the third)
 the parts its samples came from), each fingerprinted; a stage that also reads a table it writes (filter reads
 rejects) leaves its own part files out of both its fingerprints and its read, so its own
 commit never makes it out of date. A part file is hashed only when no manifest of the round
-(nor this process) has hashed its current bytes (`curation.fingerprints.known_fingerprint`).
+(nor this process) has hashed its current bytes (`curation.store.fingerprints.known_fingerprint`).
 A round without its main input is an error. Only the columns the stage uses are read (a
 samples file is mostly token ids the filter never looks at), each file's footer checked
 against the contract. Callers hold the run's lock
@@ -61,12 +61,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.commit import encode_part
 from curation.errors import disk_write
 from curation.faults import fault_point
-from curation.fingerprints import FileCache, known_fingerprint
 from curation.stages.common import drop_counts
-from curation.store import Held, RunStore, contract_columns, held_entry
+from curation.store.commit import encode_part
+from curation.store.fingerprints import FileCache, known_fingerprint
+from curation.store.run_store import Held, RunStore, contract_columns, held_entry
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
 SLICE_ROWS_ENV = "GROUPFORGE_SLICE_ROWS"
@@ -236,7 +236,7 @@ def prepare_stage(stage: str | ModuleType, store: RunStore, round: int, cfg,
     generate stage's and the earlier stages' outputs, published or not), without a file
     read or written: inputs fingerprinted from their sha256, the transform, and its tables
     validated and encoded. The commit is left to `PreparedStage.publish`, so the round loop
-    can go on (train) while a background thread writes (pipelines/round_steps.py). The
+    can go on (train) while a background thread writes (pipelines/loop/steps.py). The
     manifest it writes is the one run_stage would: run_stage afterwards finds it up to date."""
     module = stage_module(stage)
     name = module.STAGE
@@ -445,7 +445,7 @@ def _files(store: RunStore, table: str, round: int) -> list[Path]:
 
 
 def _held(held: Held, store: RunStore, path: Path) -> pa.Table | None:
-    """The table held for `path` (`curation.store.held_entry`)."""
+    """The table held for `path` (`curation.store.run_store.held_entry`)."""
     entry = held_entry(held, store.root, path)
     return None if entry is None else entry[1]
 

@@ -37,7 +37,7 @@ from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, rewa
 from curation.schema import KEYS, SCHEMAS, SchemaError, empty, read_table_file, validate
 from curation.stages.common import rejects_table, rows_of
 from curation.stages.runner import StageOutput, as_dict
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 
 STAGE = "score"
 READS = ("samples", "prompts")

@@ -14,7 +14,7 @@ import yaml
 
 from curation.card import CARD_MARKER, METADATA_KEY
 from curation.stages.runner import CURATION_STAGES, run_stage
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.conftest import make_toy_run
 from tests.pipelines.test_cli import ENV, GROUPFORGE
 

@@ -26,7 +26,7 @@ PROMPTS, G = 24, 4
 
 READER = """
 import sys, duckdb
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 con = RunStore(sys.argv[1]).snapshot().duckdb_views(duckdb.connect())
 print(*(con.sql(f"SELECT count(*) FROM {table}").fetchall()[0][0] for table in ("samples", "prompts")))
 """

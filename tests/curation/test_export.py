@@ -5,9 +5,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from curation.runlog import EXPORTS_DIR
 from curation.stages.export import ExportConfig, run
-from curation.store import RunStore
+from curation.store.run_store import RunStore
+from curation.store.runlog import EXPORTS_DIR
 
 PROMPTS = {"p1": "12+30=", "p2": "40+2="}
 RESPONSES = {("p1", 0): "42", ("p1", 1): "41", ("p1", 2): "40", ("p2", 0): "42", ("p2", 1): "7"}

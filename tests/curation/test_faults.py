@@ -1,5 +1,5 @@
 """curation/faults.py: GROUPFORGE_FAULT parsing and counting (the kills themselves: tests/faults/);
-curation/runlog.py's write_atomic removes the temporary files of killed writers."""
+curation/store/runlog.py's write_atomic removes the temporary files of killed writers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from curation import faults
-from curation.runlog import write_atomic
+from curation.store.runlog import write_atomic
 from tests.conftest import REPO
 
 

@@ -14,7 +14,7 @@ from curation.stages import filter as filter_stage
 from curation.stages.common import group_ids
 from curation.stages.filter import FilterConfig
 from curation.stages.runner import run_stage
-from curation.store import RunStore, fingerprint_file
+from curation.store.run_store import RunStore, fingerprint_file
 
 # ---- builders (label and pair tests use them too) -----------------------------------------
 

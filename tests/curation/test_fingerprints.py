@@ -1,10 +1,10 @@
-"""curation/fingerprints.py: FileCache keeps a value while its file is unchanged."""
+"""curation/store/fingerprints.py: FileCache keeps a value while its file is unchanged."""
 
 from __future__ import annotations
 
 import os
 
-from curation.fingerprints import FileCache
+from curation.store.fingerprints import FileCache
 
 
 def test_file_cache_recomputes_only_when_the_file_changes(tmp_path):

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from curation.generate.base import SamplingConfig, tokenize_prompt
 from curation.generate.hf import HFGenerator
 from curation.generate.stage import generate
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 
 
 def chat_model(toy_dir, out):

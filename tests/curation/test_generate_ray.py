@@ -18,7 +18,7 @@ import ray
 from curation.generate.base import GeneratorConfig, SamplingConfig
 from curation.generate.ray_engines import RayGenerator, engine_of
 from curation.generate.stage import generate, make_generator
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.curation.generate_helpers import load_fp32, mean_abs_diff, perturbed_model, transformers_logprobs
 from tests.curation.ray_helpers import ray_temp_dir, sample_columns
 
@@ -150,7 +150,7 @@ def test_without_ray_installed_one_engine_runs_and_more_say_what_to_install(toy_
     code = f"""
 import sys
 sys.modules["ray"] = None  # import ray raises ImportError
-import pipelines.run, pipelines.round_steps, curation.generate.stage as stage
+import pipelines.loop.run, pipelines.loop.steps, curation.generate.stage as stage
 from curation.generate.base import GeneratorConfig
 from curation.errors import JobError
 assert not GeneratorConfig().uses_ray

@@ -15,7 +15,7 @@ from curation.generate.base import SamplingConfig, prompt_id_of, prompt_seed
 from curation.generate.stage import AUTO_HF_MAX_PARAMS, READS, STAGE, WRITES, generate, make_generator, resolve_backend
 from curation.generate.weights import count_parameters
 from curation.schema import SCHEMAS
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.curation import generate_helpers as helpers
 from tests.curation.generate_helpers import SAMPLING
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from curation.generate.base import SamplingConfig
 from curation.generate.stage import generate
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.curation import generate_helpers as helpers
 from tests.curation.generate_helpers import (
     SAMPLING,

@@ -18,7 +18,7 @@ from curation.stages import label as label_stage
 from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig, kept_with_rewards, label
 from curation.stages.runner import run_stage
-from curation.store import RunStore, fingerprint_file
+from curation.store.run_store import RunStore, fingerprint_file
 from tests.curation.test_filter import commit_inputs, group_rows, rejects_of, samples_and_scores
 
 EPS = 1e-4

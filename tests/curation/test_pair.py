@@ -20,7 +20,7 @@ from curation.stages import pair as pair_stage
 from curation.stages.label import LabelConfig, label
 from curation.stages.pair import PairConfig
 from curation.stages.runner import run_stage
-from curation.store import RunStore, fingerprint_file
+from curation.store.run_store import RunStore, fingerprint_file
 from tests.curation.test_filter import commit_inputs, group_rows, samples_and_scores
 from tests.curation.test_label import rewards_table
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from curation.schema import KEYS, SCHEMAS
 from curation.stages.common import rejects_table
 from curation.stages.runner import CURATION_STAGES, StageOutput, run_stage, stage_module
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.curation.test_filter import commit_inputs, group_rows, samples_and_scores
 
 
@@ -121,7 +121,7 @@ def test_a_transform_must_return_the_tables_it_declares(tmp_path):
 def test_inputs_are_fingerprinted_from_the_manifests_without_reading_the_files(tmp_path, monkeypatch):
     """The runner reuses the sha256 a commit recorded while writing a part; manifests of older
     runs (no output_files) still work: their files are hashed."""
-    from curation import fingerprints
+    from curation.store import fingerprints
     from curation.stages.runner import input_fingerprints
 
     store = RunStore(tmp_path / "run")

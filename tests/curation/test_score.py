@@ -24,7 +24,7 @@ from curation.schema import SCHEMAS, SchemaError
 from curation.stages import score as score_stage
 from curation.stages.runner import run_stage
 from curation.stages.score import RewardSpec, ScoreConfig
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.conftest import make_toy_run
 
 USER_MODULE = "gf_user_rewards_s"

@@ -17,10 +17,10 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from curation.fingerprints import file_stat, fingerprint_file
 from curation.stages.label import LabelConfig
 from curation.stages.runner import CURATION_STAGES, SLICE_ROWS_ENV, run_stage, slice_of, slice_rows
-from curation.store import RunStore
+from curation.store.fingerprints import file_stat, fingerprint_file
+from curation.store.run_store import RunStore
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "curation.py"
 TABLES = {"scores": "reward", "rejects": "reason", "groups": "advantage", "pairs": "soft_label"}

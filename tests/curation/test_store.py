@@ -1,4 +1,4 @@
-"""curation/store.py on real Parquet files, DuckDB, Polars and real second processes."""
+"""curation/store/run_store.py on real Parquet files, DuckDB, Polars and real second processes."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.schema import SCHEMAS, SchemaError
-from curation.store import (
+from curation.store.run_store import (
     RunLockedError,
     RunStore,
     code_version,
@@ -239,7 +239,7 @@ KILLED_COMMIT = """
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from test_store import rejects, samples
-    from curation.store import RunStore
+    from curation.store.run_store import RunStore
     store = RunStore(sys.argv[1])
     with store.commit("generate", 0, {{}}, {{"attempt": 2}}) as c:
         c.write("samples", samples(0, n_prompts=50, tag="killed"))
@@ -356,7 +356,7 @@ def test_fingerprints_and_config_hash(tmp_path):
 
 HOLD_LOCK = """
     import sys
-    from curation.store import RunStore
+    from curation.store.run_store import RunStore
     with RunStore(sys.argv[1]).lock():
         print("locked", flush=True)
         sys.stdin.readline()
@@ -481,7 +481,7 @@ def test_a_commit_records_each_output_hash_size_and_mtime(tmp_path):
 
 
 def test_known_fingerprint_trusts_a_record_only_while_size_and_mtime_match(tmp_path, monkeypatch):
-    from curation import fingerprints
+    from curation.store import fingerprints
 
     monkeypatch.setattr(fingerprints, "_HASHED", {})  # nothing hashed by this process yet
     path = tmp_path / "part.parquet"

@@ -1,4 +1,4 @@
-"""The round loop's background commits (pipelines/round_steps.py `Publisher`, curation/stages/
+"""The round loop's background commits (pipelines/loop/steps.py `Publisher`, curation/stages/
 runner.py `prepare_stage`): on a fresh round each curation stage hands its tables to the next
 in memory and its commit is made by a background thread. The commits must be the ones
 run_stage makes (run_stage afterwards finds every stage up to date, the deep run check
@@ -14,15 +14,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import pipelines.round_steps as round_steps
-from curation.fingerprints import FileCache, file_stat, fingerprint_file
+import pipelines.loop.steps as round_steps
 from curation.generate.base import _load_prompts, load_prompts, remember_prompts
-from curation.runlog import MetricsLog
 from curation.stages.runner import SLICE_ROWS_ENV, fresh_round, input_fingerprints, run_stage, stage_module
-from curation.store import RunStore
-from curation.verify import check_run
-from pipelines.round_steps import Publisher
-from pipelines.run import run_pipeline
+from curation.store.fingerprints import FileCache, file_stat, fingerprint_file
+from curation.store.run_store import RunStore
+from curation.store.runlog import MetricsLog
+from curation.store.verify import check_run
+from pipelines.loop.run import run_pipeline
+from pipelines.loop.steps import Publisher
 from pipelines.spec import load_spec
 from tests.pipelines.test_run_options import SPEC  # 16 prompts x 4 a round, hf, grpo
 from training.data import load_training_data

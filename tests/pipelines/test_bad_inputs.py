@@ -230,7 +230,7 @@ def _newer_format(run: Path) -> Path:
 def _renamed_column(run: Path) -> Path:
     """A part file rewritten with a column renamed, and its manifest entry updated to match (so only
     the table contract can tell)."""
-    from curation.verify import seal_of
+    from curation.store.verify import seal_of
 
     part = run / "groups" / "round=1" / "part-label.parquet"
     table = pq.read_table(part)
@@ -307,7 +307,7 @@ def test_verify_deep_finds_a_changed_byte_that_keeps_the_size(copy):
 
 def test_a_table_written_by_hand_reads_as_its_contract_demands(tmp_path):
     """Not through the CLI: RunStore.read names the file and column of a part with a wrong type."""
-    from curation.store import RunStore
+    from curation.store.run_store import RunStore
 
     store = RunStore(tmp_path / "run")
     (tmp_path / "run" / "scores" / "round=0").mkdir(parents=True)
@@ -318,7 +318,7 @@ def test_a_table_written_by_hand_reads_as_its_contract_demands(tmp_path):
 
 
 def test_a_run_name_whose_folder_is_a_symlink_out_of_runs_is_refused(finished, tmp_path, monkeypatch):
-    from pipelines.run import run_pipeline
+    from pipelines.loop.run import run_pipeline
 
     spec, _ = finished
     monkeypatch.chdir(tmp_path)

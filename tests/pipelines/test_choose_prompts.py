@@ -1,4 +1,4 @@
-"""pipelines/prompts.py `choose_prompts` with the default strategy (least_used): which prompts a
+"""pipelines/loop/prompts.py `choose_prompts` with the default strategy (least_used): which prompts a
 round samples, on real prompt files and a real RunStore with small hand-built samples tables (no
 model, no engine). The informative strategy: tests/pipelines/test_prompts.py."""
 
@@ -12,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation.generate.base import prompt_id_of
-from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state
 from curation.schema import SCHEMAS
-from curation.store import RunStore
-from pipelines.prompts import choose_prompts, prompt_keys, tiebreak
-from pipelines.run import RoundContext
+from curation.store.run_store import RunStore
+from curation.store.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state
+from pipelines.loop.prompts import choose_prompts, prompt_keys, tiebreak
+from pipelines.loop.run import RoundContext
 from pipelines.spec import PipelineSpec
 
 

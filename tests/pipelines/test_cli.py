@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.conftest import make_toy_run
 
 GROUPFORGE = str(Path(sys.executable).parent / "groupforge")
@@ -157,10 +157,10 @@ def test_generate_bad_sampling_flag_is_one_error_line_naming_the_flag(tmp_path, 
 
 
 def test_inspect_stages_prints_the_stage_graph(tmp_path, toy_dir):
-    from pipelines import inspect as inspect_module
+    from pipelines.reports import inspect_run as inspect_module
 
     if not hasattr(inspect_module, "print_stage_graph"):
-        pytest.skip("pipelines.inspect.print_stage_graph is not written yet")
+        pytest.skip("pipelines.reports.inspect_run.print_stage_graph is not written yet")
     run = make_toy_run(toy_dir, tmp_path, "eval", n_prompts=4, group_size=2, max_tokens=4, rounds=(0,))
     shown = groupforge("inspect", run, "--stages")
     assert shown.returncode == 0, shown.stderr
@@ -170,7 +170,7 @@ def test_inspect_stages_prints_the_stage_graph(tmp_path, toy_dir):
 
 @pytest.mark.parametrize("columns", ["200", "40"])
 def test_tables_never_cut_numbers_on_a_narrow_stdout(columns):
-    code = ("from pipelines.cli import _show_table\n"
+    code = ("from pipelines.cli.main import _show_table\n"
             "_show_table('run', ['round', 'train tokens per second', 'generate tokens per second', 'stage'],"
             " [['12', '16,900', '1,234,567', 'score'], ['13', '17,001', '987', 'filter']], left=('stage',))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

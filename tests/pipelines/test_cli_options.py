@@ -11,8 +11,8 @@ import typer
 from rich.markup import escape
 
 from curation.generate.base import GeneratorConfig, SamplingConfig
-from pipelines.cli import app
-from pipelines.cli_options import build, flag_name, given, parse_int_list, pick
+from pipelines.cli.main import app
+from pipelines.cli.options import build, flag_name, given, parse_int_list, pick
 from pipelines.spec import GeneratorSection, load_section
 from tests.conftest import REPO
 from training.config import TrainConfig

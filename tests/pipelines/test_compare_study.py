@@ -1,4 +1,4 @@
-"""The comparison study (pipelines/study.py, pipelines/study_report.py): the validation split, the
+"""The comparison study (pipelines/studies/study.py, pipelines/studies/study_report.py): the validation split, the
 choice by validation, the statistics, the write-up, and one tiny `groupforge compare` on the toy."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation.runlog import MetricsLog, write_atomic
+from curation.store.runlog import MetricsLog, write_atomic
 from pipelines.spec import load_compare, load_compare_section
-from pipelines.study import Setting, grid, pick_setting, split_prompts, validation_ids, validation_score
-from pipelines.study_report import (
+from pipelines.studies.study import Setting, grid, pick_setting, split_prompts, validation_ids, validation_score
+from pipelines.studies.study_report import (
     Interval,
     at,
     band,
@@ -278,7 +278,7 @@ def test_bad_compare_files_are_refused(tmp_path, text, error):
 
 
 def test_a_sweep_that_changes_the_sample_budget_is_refused_before_any_run(toy_dir, tmp_path, monkeypatch):
-    from pipelines.study import run_study
+    from pipelines.studies.study import run_study
 
     monkeypatch.chdir(REPO)
     path = tmp_path / "compare.toml"
@@ -296,7 +296,7 @@ def test_a_sweep_that_changes_the_sample_budget_is_refused_before_any_run(toy_di
 
 def test_a_run_folder_made_from_another_spec_is_refused(toy_dir, tmp_path, monkeypatch):
     from pipelines.spec import load_spec, resolved_toml
-    from pipelines.study import RunPlan, finished
+    from pipelines.studies.study import RunPlan, finished
 
     monkeypatch.chdir(REPO)
     spec = load_spec(REPO / "pipelines/specs/toy-grpo.toml")

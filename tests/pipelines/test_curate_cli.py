@@ -1,5 +1,5 @@
 """`groupforge curate|score|filter|label|pair|export` end to end on toy samples, in a subprocess;
-pipelines/curate.py's config loading and `curate()` on a hand-made run."""
+pipelines/loop/curate.py's config loading and `curate()` on a hand-made run."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 from curation.schema import empty
-from curation.store import RunStore
-from pipelines.curate import CurationSpec, curate, load_curation_spec
+from curation.store.run_store import RunStore
+from pipelines.loop.curate import CurationSpec, curate, load_curation_spec
 from tests.conftest import REPO, make_toy_run
 from tests.curation.test_filter import samples_and_scores
 from tests.pipelines.test_cli import error_line, groupforge

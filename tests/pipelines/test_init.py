@@ -1,4 +1,4 @@
-"""`groupforge init` (pipelines/init.py): a starter spec from a real model folder and prompts
+"""`groupforge init` (pipelines/cli/init_spec.py): a starter spec from a real model folder and prompts
 files, that `groupforge run` runs, or whose TODOs it names."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.init import starter_spec
+from pipelines.cli.init_spec import starter_spec
 from pipelines.spec import load_spec
 from tests.pipelines.test_cli import ENV, GROUPFORGE
 

@@ -1,4 +1,4 @@
-"""pipelines/inspect.py: the stage graph (stage, reads, writes, last run, rows in/out) of a run."""
+"""pipelines/reports/inspect_run.py: the stage graph (stage, reads, writes, last run, rows in/out) of a run."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
 from curation.stages import pair as pair_stage
 from curation.stages import score as score_stage
-from curation.store import RunStore
-from pipelines.curate import curate
-from pipelines.inspect import _ranges, print_stage_graph, stage_graph
+from curation.store.run_store import RunStore
+from pipelines.loop.curate import curate
+from pipelines.reports.inspect_run import _ranges, print_stage_graph, stage_graph
 from tests.pipelines.test_curate_cli import hand_made_run
 
 

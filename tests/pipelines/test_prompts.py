@@ -1,4 +1,4 @@
-"""pipelines/prompts.py: the informative strategy (prompts whose recent pass rate is between 0
+"""pipelines/loop/prompts.py: the informative strategy (prompts whose recent pass rate is between 0
 and 1 first, saturated ones drawn less but never dropped), pass rates from real scores tables,
 PromptChoice. The default strategy's behaviour: tests/pipelines/test_choose_prompts.py."""
 
@@ -15,9 +15,9 @@ from pydantic import ValidationError
 
 from curation.generate.base import prompt_id_of
 from curation.schema import SCHEMAS
-from curation.store import RunStore
-from pipelines.prompts import PromptChoice, choose_prompts, pass_rates, prompt_choice, ranked_prompts
-from pipelines.run import RoundContext
+from curation.store.run_store import RunStore
+from pipelines.loop.prompts import PromptChoice, choose_prompts, pass_rates, prompt_choice, ranked_prompts
+from pipelines.loop.run import RoundContext
 from pipelines.spec import PipelineSpec
 from tests.pipelines.test_choose_prompts import PROMPTS, chosen, prompt_file, sampled, sha64, splitmix64
 

@@ -1,4 +1,4 @@
-"""pipelines/prompts.py keeps what it learnt from earlier rounds between calls (each round
+"""pipelines/loop/prompts.py keeps what it learnt from earlier rounds between calls (each round
 folder's prompt ids, the times used in pool order) and sorts only the first `per_round`
 prompts. These tests change real samples files between calls and check that the choice is
 the one a fresh process makes (the caches emptied), and that `first_in_order` is
@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import pipelines.prompts as prompts
+import pipelines.loop.prompts as prompts
 from curation.generate.base import prompt_id_of
 from curation.schema import SCHEMAS
-from pipelines.prompts import choose_prompts, first_in_order, ranked_prompts, times_used
+from pipelines.loop.prompts import choose_prompts, first_in_order, ranked_prompts, times_used
 from tests.pipelines.test_choose_prompts import PROMPTS, by_tiebreak, chosen, context, prompt_file, sampled
 
 

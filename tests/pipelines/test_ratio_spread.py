@@ -1,4 +1,4 @@
-"""pipelines/ratio_spread.py: the bucket statistics against hand computations (the worked example
+"""pipelines/studies/ratio_spread.py: the bucket statistics against hand computations (the worked example
 of docs/objectives.md), on-policy invariance, and a real toy run measured from its checkpoints
 and checked against a plain transformers computation."""
 
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from pipelines.ratio_spread import COLUMNS, RatioSpreadSkip, length_buckets, ratio_spread, ratio_spread_for_run
+from pipelines.studies.ratio_spread import COLUMNS, RatioSpreadSkip, length_buckets, ratio_spread, ratio_spread_for_run
 from tests.conftest import REPO
 
 # docs/objectives.md, "2. Log-probabilities and importance ratios": logp - old_logp of the
@@ -175,9 +175,9 @@ def _plain_log_ratios(model_dir, sample) -> np.ndarray:
 
 @pytest.mark.slow
 def test_toy_run_spread_from_its_checkpoints(toy_run, toy_dir):
-    from curation.runlog import MetricsLog
-    from curation.store import RunStore
-    from pipelines.ratio_spread import token_log_ratios
+    from curation.store.run_store import RunStore
+    from curation.store.runlog import MetricsLog
+    from pipelines.studies.ratio_spread import token_log_ratios
     from training.checkpoint import load_model
 
     records = {r["round"]: r for r in MetricsLog(toy_run).rounds()}

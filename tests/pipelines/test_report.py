@@ -1,4 +1,4 @@
-"""pipelines/report.py and pipelines/plots.py: real metrics.jsonl files (resumed, cut by a kill),
+"""pipelines/reports/run_report.py and pipelines/reports/plots.py: real metrics.jsonl files (resumed, cut by a kill),
 real PNGs, table values."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from pipelines.report import breakdown_line, load_metrics, markdown_table, report_compare, report_run
+from pipelines.reports.run_report import breakdown_line, load_metrics, markdown_table, report_compare, report_run
 from tests.conftest import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -131,10 +131,10 @@ def test_report_files_are_readable_by_everyone(grpo_report):
 
 def test_reading_a_run_loads_neither_matplotlib_nor_torch():
     """The spec, the run-folder files and the report's reading and markdown are light; matplotlib
-    comes with pipelines.plots, imported only when a figure is drawn."""
-    code = ("import sys, pipelines.report, pipelines.spec, curation.runlog; "
+    comes with pipelines.reports.plots, imported only when a figure is drawn."""
+    code = ("import sys, pipelines.reports.run_report, pipelines.spec, curation.store.runlog; "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'torch'}); "
-            "assert not heavy, heavy; import pipelines.plots; assert 'matplotlib' in sys.modules")
+            "assert not heavy, heavy; import pipelines.reports.plots; assert 'matplotlib' in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]

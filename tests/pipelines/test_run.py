@@ -14,7 +14,7 @@ import pytest
 
 from curation.faults import FAULT_ENV
 from curation.generate.base import load_prompts
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow

@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.faults import FAULT_ENV
-from curation.runlog import PHASES, MetricsLog
-from curation.store import RunStore
-from pipelines.refill import refill_size
-from pipelines.report import report_run
-from pipelines.run import run_pipeline
+from curation.store.run_store import RunStore
+from curation.store.runlog import PHASES, MetricsLog
+from pipelines.loop.refill import refill_size
+from pipelines.loop.run import run_pipeline
+from pipelines.reports.run_report import report_run
 from pipelines.spec import load_spec
 from tests.conftest import REPO
 from training import checkpoint as ckpt
@@ -128,7 +128,7 @@ def test_decay_rounds_holds_the_cosine_floor_after_that_round(tmp_path, toy_dir)
     all of its rounds, as without the option."""
     import math
 
-    from pipelines.round_steps import cosine_horizon
+    from pipelines.loop.steps import cosine_horizon
 
     lr, floor = 1e-4, 0.1
     cosine = ["train.lr_schedule=cosine", f"train.min_lr_ratio={floor}", "run.decay_rounds=2"]

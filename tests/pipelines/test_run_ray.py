@@ -20,7 +20,7 @@ import duckdb
 import pytest
 
 from curation.faults import FAULT_ENV
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.conftest import REPO
 from tests.pipelines.test_run import SPEC, _check_tables, _rounds
 

@@ -1,4 +1,4 @@
-"""The embedded toy (pipelines/toy.py): real build, real transformers, real vLLM.
+"""The embedded toy (pipelines/toy/build.py): real build, real transformers, real vLLM.
 
 `toy_dir` (tests/conftest.py) builds runs/toy once, cached by config and seed,
 so every test here and elsewhere shares one build.
@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.toy import META_FILE, VLLM_CPU_HEAD_SIZES, ToyConfig, build_toy, make_problems
-from pipelines.toy_model import CHARACTERS, generate_responses, greedy_accuracy
+from pipelines.toy.build import META_FILE, VLLM_CPU_HEAD_SIZES, ToyConfig, build_toy, make_problems
+from pipelines.toy.model import CHARACTERS, generate_responses, greedy_accuracy
 
 ROOT = Path(__file__).resolve().parents[2]
 # A build that stops after a few steps: the whole pipeline (data, warm start, save,
@@ -179,7 +179,7 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path):
 def test_a_killed_build_leaves_no_toy_and_the_rerun_builds_it(tmp_path: Path):
     out = tmp_path / "toy"
     code = (
-        "import sys; from pipelines.toy import build_toy, ToyConfig;"
+        "import sys; from pipelines.toy.build import build_toy, ToyConfig;"
         f"build_toy({str(out)!r}, progress=False, config=ToyConfig(max_steps=100000, target_accuracy=2.0))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True)

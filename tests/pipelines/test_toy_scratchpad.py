@@ -1,4 +1,4 @@
-"""The toy's long-response task (pipelines/toy.py, `--task scratchpad`) and its rewards
+"""The toy's long-response task (pipelines/toy/build.py, `--task scratchpad`) and its rewards
 (curation/rewards/scratchpad.py): real builds, real transformers, the real CLI.
 
 The shipped task is built once into runs/toy-scratchpad (cached there across test runs, and
@@ -19,7 +19,7 @@ import pytest
 
 from curation.rewards import get_reward
 from curation.rewards.scratchpad import WELL_FORMED, final_answer, scratchpad_solution
-from pipelines.toy import (
+from pipelines.toy.build import (
     META_FILE,
     TASK_DEFAULTS,
     ToyConfig,
@@ -29,7 +29,7 @@ from pipelines.toy import (
     supervised_responses,
     variant_config,
 )
-from pipelines.toy_model import TASK_CHARACTERS, greedy_responses, make_tokenizer
+from pipelines.toy.model import TASK_CHARACTERS, greedy_responses, make_tokenizer
 from tests.conftest import REPO, build_lock
 from tests.pipelines.test_cli import ENV, GROUPFORGE
 from tests.pipelines.test_toy import check_same_seed_same_bytes

@@ -1,4 +1,4 @@
-"""The toy's options and named variants (pipelines/toy.py): each option changes the build as it
+"""The toy's options and named variants (pipelines/toy/build.py): each option changes the build as it
 says, the `groupforge toy build` flags are the ToyConfig fields, bad configs are one-line errors.
 
 Builds here are tiny (a few warm-start steps, 50 eval prompts); the full variants are built and
@@ -18,9 +18,9 @@ import pytest
 import typer
 from rich.markup import escape
 
-from pipelines.cli import app
-from pipelines.cli_options import flag_name
-from pipelines.toy import (
+from pipelines.cli.main import app
+from pipelines.cli.options import flag_name
+from pipelines.toy.build import (
     META_FILE,
     VARIANTS,
     VLLM_CPU_HEAD_SIZES,
@@ -143,7 +143,7 @@ def test_the_head_sizes_are_vllms():
 
 
 def test_importing_the_toy_loads_no_torch():
-    code = "import sys, pipelines.toy; print([m for m in ('torch', 'transformers', 'vllm') if m in sys.modules])"
+    code = "import sys, pipelines.toy.build; print([m for m in ('torch', 'transformers', 'vllm') if m in sys.modules])"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
 

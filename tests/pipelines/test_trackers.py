@@ -1,4 +1,4 @@
-"""Experiment trackers (pipelines/trackers.py) on real toy runs, read back with each tracker's
+"""Experiment trackers (pipelines/loop/trackers.py) on real toy runs, read back with each tracker's
 own reader: TensorBoard's event reader, the MLflow client on the local file store, trackio's
 SQLite file and W&B's offline run file. Each must hold the run's metrics.jsonl values."""
 
@@ -33,7 +33,8 @@ def _spec(tmp_path: Path, toy_dir: Path, trackers: list[str]) -> Path:
 
 def _cli(*args: str, env: dict | None = None, prelude: str = "") -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
-    code = f"import sys\n{prelude}\nfrom pipelines.cli import main\nsys.argv = ['groupforge', *sys.argv[1:]]\nmain()"
+    code = (f"import sys\n{prelude}\nfrom pipelines.cli.main import main\n"
+            "sys.argv = ['groupforge', *sys.argv[1:]]\nmain()")
     return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**base, "OMP_NUM_THREADS": "1", **(env or {})})
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.schema import SchemaError
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from training.data import NoTrainingData, count_training_rows, load_training_data, select_rounds
 
 
@@ -180,7 +180,7 @@ def test_errors_name_the_file_or_round(curated_run, tmp_path):
 def _held(run, tables=("samples", "groups", "pairs")) -> dict:
     """What a caller that has just committed the run's part files would hold: {relative path:
     ({sha256, size, mtime_ns}, table)} (Commit.written's shape), read back from the files."""
-    from curation.fingerprints import file_stat, fingerprint_file
+    from curation.store.fingerprints import file_stat, fingerprint_file
 
     return {path.relative_to(run).as_posix(): ({"sha256": fingerprint_file(path), **file_stat(path)},
                                                pq.read_table(path))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from curation.runlog import MetricsLog
+from curation.store.runlog import MetricsLog
 from tests.conftest import REPO
 from training import checkpoint as ckpt
 from training.config import TrainConfig

@@ -16,7 +16,7 @@ from peft import PeftModel
 
 from curation.generate.stage import generate
 from curation.stages.runner import CURATION_STAGES, run_stage
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from tests.conftest import REPO, make_toy_run
 from tests.curation import generate_helpers as helpers
 from tests.curation.generate_helpers import SAMPLING, load_fp32, mean_abs_diff, transformers_logprobs

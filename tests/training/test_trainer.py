@@ -68,7 +68,7 @@ def test_share_prompts_trains_on_policy_and_is_not_for_pairwise(run_copy, toy_di
 
 
 def test_held_tables_train_exactly_as_the_files(curated_run, toy_dir, tmp_path):
-    from curation.fingerprints import file_stat, fingerprint_file
+    from curation.store.fingerprints import file_stat, fingerprint_file
 
     records = []
     for name in ("files", "held"):
@@ -166,7 +166,7 @@ def test_top_k_samples_are_on_policy_at_step_one(toy_dir, tmp_path, truncated):
     """Sampled with top_k = 3 at T = 0.8 (transformers: its warped scores are the behavior
     log-probs): the trainer's first step, at the weights that sampled, sees ratio 1 only when
     it computes its log-probs under the same truncation."""
-    from pipelines.curate import STAGES, CurationSpec, run_stage
+    from pipelines.loop.curate import STAGES, CurationSpec, run_stage
     from tests.conftest import make_toy_run
 
     run_dir = make_toy_run(toy_dir, tmp_path, "train", n_prompts=16, group_size=8, max_tokens=6, rounds=(0,),

@@ -1,4 +1,4 @@
-"""The report's figures, drawn from the records of RUN/metrics.jsonl (see pipelines/report.py).
+"""The report's figures, drawn from the records of RUN/metrics.jsonl (see pipelines/reports/run_report.py).
 
     progress_figure   eval accuracy and reward mean per round (two panels)
     training_figure   loss, grad norm, importance-ratio band and clip fractions per optimizer
@@ -9,13 +9,13 @@
                       grad norm, clip fraction (low + high) and ratio range per step, one
                       colour per run
     study_accuracy_figure      a study's eval accuracy vs samples, wall seconds and steps: mean
-                               over seeds with its 95% CI band (pipelines/study_report.py)
+                               over seeds with its 95% CI band (pipelines/studies/study_report.py)
     study_measurements_figure  a study's grad norm, clip fraction, zero-advantage fraction,
                                gradient signal and noise per step and SNR per round, over seeds
 
 Figures are drawn on `matplotlib.figure.Figure` with the Agg canvas: no pyplot state, no
 global backend switch, nothing left open after a call. This is the only module that imports
-matplotlib; pipelines.report imports it when it draws, so reading a run stays light.
+matplotlib; pipelines.reports.run_report imports it when it draws, so reading a run stays light.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from curation.runlog import write_atomic
-from pipelines.report import number, series
+from curation.store.runlog import write_atomic
+from pipelines.reports.run_report import number, series
 
 DPI = 120
 
@@ -244,7 +244,7 @@ def compare_figure(runs: dict[str, tuple[list[dict], list[dict]]], objectives: d
     return fig
 
 
-# -- comparison studies (pipelines/study_report.py) -------------------------------------------
+# -- comparison studies (pipelines/studies/study_report.py) -------------------------------------------
 
 STUDY_AXES = {"samples": ("samples generated (cumulative)", "equal axis"),
               "seconds": ("wall seconds since the run started", "for reference"),

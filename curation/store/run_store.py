@@ -14,7 +14,7 @@ Layout of a run directory RUN:
 Several stages add rows to one table and round (`rejects` gets rows from generate, score
 and filter), so each stage writes its own part file, named after the stage by default.
 
-A commit (curation/commit.py) writes into `_tmp` (same filesystem), then renames each file into place and writes
+A commit (curation/store/commit.py) writes into `_tmp` (same filesystem), then renames each file into place and writes
 the manifest last. Readers only glob the table folders, so they never see `_tmp`,
 `_staging` or `_manifests`. The `round=<n>` folder and the `round` column inside the file
 always agree, so every way of reading a table gives the same rounds:
@@ -51,7 +51,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.fingerprints import (  # noqa: F401,E501
+from curation.store.fingerprints import (  # noqa: F401,E501
     code_version,
     config_hash,
     file_stat,
@@ -59,10 +59,10 @@ from curation.fingerprints import (  # noqa: F401,E501
     fingerprint_path,
     known_fingerprint,
 )
-from curation.runlog import read_json
+from curation.store.runlog import read_json
 
 if TYPE_CHECKING:
-    from curation.commit import Commit
+    from curation.store.commit import Commit
 
 ROUND_TABLES = ("samples", "scores", "groups", "rejects", "pairs")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # stage and part names
@@ -436,8 +436,8 @@ class RunStore:
 
     # -- writing
     def commit(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> Commit:
-        """A context manager that writes a stage's outputs atomically (see `curation.commit.Commit`)."""
-        from curation.commit import Commit
+        """A context manager that writes a stage's outputs atomically (see `curation.store.commit.Commit`)."""
+        from curation.store.commit import Commit
 
         return Commit(self, stage, round, inputs, config)
 

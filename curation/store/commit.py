@@ -7,14 +7,14 @@
 
 `encode_part` does a write's validation and Parquet encoding without touching the disk, and
 `Commit.put` stages what it made: the round loop encodes a stage's tables at once and leaves
-the commit to a background thread (pipelines/round_steps.py `Publisher`).
+the commit to a background thread (pipelines/loop/steps.py `Publisher`).
 
 The manifest (`RUN/_manifests/<stage>-round=<n>.json`) is written last: it is the commit
 point. It records each output file's sha256 (hashed while it was written), size and mtime_ns
 (`output_files`), so the next stage fingerprints its inputs without reading them again
-(`curation.fingerprints.known_fingerprint`). A journal (`<stage>-round=<n>.pending`) lists
+(`curation.store.fingerprints.known_fingerprint`). A journal (`<stage>-round=<n>.pending`) lists
 what is being published, so a process killed half-way leaves no file that the next commit
-forgets (see curation/store.py for the run layout).
+forgets (see curation/store/run_store.py for the run layout).
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ import pyarrow.parquet as pq
 from curation import schema
 from curation.errors import disk_write
 from curation.faults import fault_point
-from curation.fingerprints import (
+from curation.store.fingerprints import (
     canonical_json,
     code_version,
     config_hash,
     file_stat,
     remember_fingerprint,
 )
-from curation.runlog import fsync_dir, read_json, to_json, write_atomic
-from curation.store import ROUND_TABLES, RunStore, check_name, check_round
-from curation.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
+from curation.store.run_store import ROUND_TABLES, RunStore, check_name, check_round
+from curation.store.runlog import fsync_dir, read_json, to_json, write_atomic
+from curation.store.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
 
 _MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_version", "outputs",
                     "output_rows", "output_files", "rows_in", "rows_out", "drops", "created_at",
@@ -71,7 +71,7 @@ class EncodedPart:
     sha256: str
 
     def in_flight(self, **extra) -> tuple[dict, pa.Table]:
-        """This part as a `curation.store.Held` entry while its commit is in flight (mtime_ns None,
+        """This part as a `curation.store.run_store.Held` entry while its commit is in flight (mtime_ns None,
         `extra` fields beside sha256 and size)."""
         return {"sha256": self.sha256, "size": self.payload.size, "mtime_ns": None, **extra}, self.data
 
@@ -323,7 +323,7 @@ class Commit:
             "outputs": outputs, "output_rows": self._rows, "output_files": files,
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
         }))
-        manifest = to_json({**content, SEAL_FIELD: seal_of(content)})  # an edit by hand shows (curation/verify.py)
+        manifest = to_json({**content, SEAL_FIELD: seal_of(content)})  # a hand edit shows (store/verify.py)
         fault_point("commit.files_published")
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()

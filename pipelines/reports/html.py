@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from curation import schema
-from curation.runlog import write_atomic
-from curation.store import RunStore, connect
+from curation.store.run_store import RunStore, connect
+from curation.store.runlog import write_atomic
 
 GROUPS_PER_PAGE = 40
 MAX_PAGES = 25

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from curation.schema import SCHEMAS, empty, read_table_file, validate
 from curation.stages.runner import CURATION_STAGES, stage_module
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 
 _SHOWN_COLUMNS = {
     "prompts": ["prompt_id", "prompt", "reference"],

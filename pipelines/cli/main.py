@@ -2,7 +2,7 @@
 
 The flags of `generate` and `train` are built from the pydantic models they fill
 (`curation.generate.base.SamplingConfig` and `GeneratorConfig`, `training.config.TrainConfig`)
-by `pipelines.cli_options`, so each maps 1:1 to a spec field with the field's type, default
+by `pipelines.cli.options`, so each maps 1:1 to a spec field with the field's type, default
 and help text.
 
 Exit codes: 0 ok, 2 bad input (a table, file or flag is wrong: the message says which),
@@ -28,10 +28,10 @@ from rich.table import Table
 
 from curation.errors import JobError, NoSpaceError, is_no_space, no_space_error
 from curation.generate.base import GeneratorConfig, SamplingConfig
-from curation.store import RunLockedError, RunStore
-from curation.verify import check_run
-from pipelines.cli_options import OVERRIDES, build, model_options
-from pipelines.toy import VARIANTS, ToyConfig
+from curation.store.run_store import RunLockedError, RunStore
+from curation.store.verify import check_run
+from pipelines.cli.options import OVERRIDES, build, model_options
+from pipelines.toy.build import VARIANTS, ToyConfig
 from training.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
@@ -94,7 +94,7 @@ def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceba
 
 
 def _run_folder(run: Path) -> Path:
-    """`run`, checked against its manifests (curation/verify.py) before a command reads it."""
+    """`run`, checked against its manifests (curation/store/verify.py) before a command reads it."""
     if not run.is_dir():
         raise _fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with _exit_codes():
@@ -193,7 +193,7 @@ def inspect(
                                                           "it reads and writes, its last run, rows in and out."),
 ) -> None:
     """Rows per table and round, stage manifests and example rows; with --stages, the stage graph."""
-    from pipelines import inspect as inspect_module
+    from pipelines.reports import inspect_run as inspect_module
 
     _run_folder(run)
     with _exit_codes():
@@ -206,7 +206,7 @@ def inspect(
 def _curate(stages: tuple[str, ...], run: Path, only_round: Optional[int], config: Optional[Path], force: bool,
             no_wait: bool) -> None:
     """Run curation stages over rounds under the run's lock, then print one summary table."""
-    from pipelines.curate import load_curation_spec, rounds_to_process, run_stage
+    from pipelines.loop.curate import load_curation_spec, rounds_to_process, run_stage
 
     _run_folder(run)
     reports = []
@@ -407,7 +407,7 @@ def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int
              no_wait: bool, overrides: list[str] = (), report: bool = False) -> tuple[Path, list[dict]]:
     """Run one spec (a file, with `overrides`, or a PipelineSpec) to its last round, printing a
     line per round (and with `report`, writing RUN/report/); returns (run folder, round records)."""
-    from pipelines.run import run_pipeline
+    from pipelines.loop.run import run_pipeline
     from pipelines.spec import load_spec
 
     with _exit_codes():
@@ -415,7 +415,7 @@ def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int
     folder = run_dir or Path("runs") / parsed.run.name
     console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
 
-    from pipelines.report import breakdown_line
+    from pipelines.reports.run_report import breakdown_line
 
     def on_round(rec: dict) -> None:
         reward = rec.get("reward_mean")
@@ -445,7 +445,7 @@ def run_(
     no_wait: bool = _NO_WAIT,
 ) -> None:
     """Run the round loop (generate -> curate -> train -> evaluate); rerun to resume after a kill."""
-    from curation.runlog import REPORT_DIR
+    from curation.store.runlog import REPORT_DIR
 
     folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait, overrides, report=True)
     _show_table(f"{folder}", _ROUND_COLUMNS, [_round_row(rec) for rec in records])
@@ -469,8 +469,8 @@ def init(
 ) -> None:
     """Write a commented starter spec for your model and prompts: max_tokens from the answers' lengths, the
     reward (exact_match with a reference column), the eval set; what it cannot decide is a TODO `run` refuses."""
-    from curation.runlog import write_atomic
-    from pipelines.init import starter_spec
+    from curation.store.runlog import write_atomic
+    from pipelines.cli.init_spec import starter_spec
     from pipelines.spec import load_spec
 
     if out.exists() and not force:
@@ -507,7 +507,7 @@ def verify(run: Path = typer.Argument(..., help="Run folder."),
 @app.command()
 def report(run: Path = typer.Argument(..., help="Run folder.")) -> None:
     """Rebuild RUN/report/ (plots and summary.md) from RUN/metrics.jsonl."""
-    from pipelines.report import report_run
+    from pipelines.reports.run_report import report_run
 
     _run_folder(run)
     with _exit_codes():
@@ -531,11 +531,11 @@ def compare(
     """Compare objectives at equal data; write OUT/report/compare.{png,md}.
 
     Spec files, or a compare file without `seeds` and `sweep`: each spec runs once from the same
-    start model. A compare file with them runs a study (pipelines/study.py): a sweep per objective
+    start model. A compare file with them runs a study (pipelines/studies/study.py): a sweep per objective
     scored on a validation split of the train prompts, then each objective's best setting over
     the seeds, reported with 95% confidence intervals. Every run is resumable: a rerun skips the
     finished ones."""
-    from pipelines.report import report_compare
+    from pipelines.reports.run_report import report_compare
     from pipelines.spec import load_compare, load_compare_section
 
     with _exit_codes():
@@ -543,8 +543,8 @@ def compare(
         if quick and section is None:
             raise ValueError("--quick needs one compare file")
     if section is not None and section.study:
-        from pipelines.study import run_study
-        from pipelines.study_report import report_study
+        from pipelines.studies.study import run_study
+        from pipelines.studies.study_report import report_study
 
         def log(message: str) -> None:
             console.print(message, markup=False, highlight=False, soft_wrap=True)
@@ -579,7 +579,7 @@ def toy_build(
 ) -> None:
     """Build an embedded arithmetic task (--task addition or scratchpad) and its warm-started Llama model
     (cached)."""
-    from pipelines.toy import build_toy, default_out, variant_config
+    from pipelines.toy.build import build_toy, default_out, variant_config
 
     with _exit_codes():
         # the variant of the task given (its defaults differ), then the flags given on top

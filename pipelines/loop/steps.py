@@ -1,4 +1,4 @@
-"""The steps of one round of the loop (pipelines/run.py), and what the loop keeps between rounds.
+"""The steps of one round of the loop (pipelines/loop/run.py), and what the loop keeps between rounds.
 
     RoundContext        the run, its spec, the live engine, the trainer's live session, the
                         weights the engine has not loaded yet, the eval prompts, the round
@@ -38,11 +38,11 @@ from curation.faults import fault_point
 from curation.generate.base import Generator
 from curation.generate.stage import GenerateResult, generate, make_generator, resolve_backend
 from curation.generate.weights import fingerprint_ahead
-from curation.runlog import PHASES, MetricsLog, RoundRecord
 from curation.stages.runner import StageReport, fresh_round, prepare_stage, run_stage
-from curation.store import RunStore
-from pipelines.curate import STAGES
-from pipelines.prompts import remember_sampled
+from curation.store.run_store import RunStore
+from curation.store.runlog import PHASES, MetricsLog, RoundRecord
+from pipelines.loop.curate import STAGES
+from pipelines.loop.prompts import remember_sampled
 from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 
 class Phases:
-    """A round's stopwatch: wall seconds per phase (`curation.runlog.PHASES`), a phase inside
+    """A round's stopwatch: wall seconds per phase (`curation.store.runlog.PHASES`), a phase inside
     another counted once (the engine reload inside evaluation is reload, not eval), and the
     seconds of model work (engine sampling and greedy calls, trainer optimizer steps)."""
 

@@ -1,4 +1,4 @@
-"""The report of a comparison study (pipelines/study.py): seeds aggregated into means with 95%
+"""The report of a comparison study (pipelines/studies/study.py): seeds aggregated into means with 95%
 confidence intervals, curves on a common grid, and a write-up whose sentences are filled from
 the numbers.
 
@@ -12,7 +12,7 @@ the numbers.
         measurements.png  grad norm, clip fraction, zero-advantage fraction, gradient signal,
                           noise and SNR per optimizer step, averaged over seeds
         ratio_spread.png  token vs sequence importance-ratio std by response length, for the
-                          ratio-weighted objectives (grpo, gspo), from pipelines/ratio_spread.py
+                          ratio-weighted objectives (grpo, gspo), from pipelines/studies/ratio_spread.py
 
 Statistics: the CI of n values is mean ± t_{0.975, n-1} s / sqrt(n) (Student t, s the sample
 standard deviation, ddof 1); t comes from T_975 (no scipy here). Each seed's accuracy curve is
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from curation.runlog import MetricsLog, write_atomic
-from pipelines.report import markdown_table, number
+from curation.store.runlog import MetricsLog, write_atomic
+from pipelines.reports.run_report import markdown_table, number
 
 if TYPE_CHECKING:
-    from pipelines.study import StudyResult
+    from pipelines.studies.study import StudyResult
 
 T_975 = {1: 12.706205, 2: 4.302653, 3: 3.182446, 4: 2.776445, 5: 2.570582, 6: 2.446912, 7: 2.364624,
          8: 2.306004, 9: 2.262157, 10: 2.228139, 11: 2.200985, 12: 2.178813, 13: 2.160369, 14: 2.144787,
@@ -419,11 +419,11 @@ def spread_sentence(name: str, pooled: list[dict]) -> str:
 
 def ratio_spreads(result: "StudyResult", objectives: dict[str, str]) -> dict[str, list[dict] | str]:
     """For each ratio-weighted objective, its first seed's final run measured with
-    `pipelines.ratio_spread.ratio_spread_for_run` and pooled over the measured rounds; a string
+    `pipelines.studies.ratio_spread.ratio_spread_for_run` and pooled over the measured rounds; a string
     says why a run could not be measured (no checkpoint that trained on a round, ...)."""
     import warnings
 
-    from pipelines.ratio_spread import RatioSpreadSkip, ratio_spread_for_run
+    from pipelines.studies.ratio_spread import RatioSpreadSkip, ratio_spread_for_run
 
     out: dict[str, list[dict] | str] = {}
     for name, objective in objectives.items():
@@ -526,8 +526,9 @@ def report_study(result: "StudyResult") -> Path:
     if spreads:
         parts += ["## Importance-ratio spread by response length", "",
                   "Each ratio-weighted objective's first-seed final run, measured after the fact "
-                  "(pipelines/ratio_spread.py): per response-length bucket, the std of the token ratios r_it and of "
-                  "the sequence ratios s_i (their geometric mean per response) between the behavior log-probs and "
+                  "(pipelines/studies/ratio_spread.py): per response-length bucket, the std of the token "
+                  "ratios r_it and of the sequence ratios s_i (their geometric mean per response) between the "
+                  "behavior log-probs and "
                   "the checkpoint that trained on the round, pooled over the measured rounds (sample-weighted "
                   "means of each round's statistic). Clip fractions: ratios outside the paper ranges, 0.2 for "
                   "tokens and 3e-4 / 4e-4 for sequences.", ""]
@@ -546,7 +547,7 @@ def report_study(result: "StudyResult") -> Path:
                                   "sequences clipped (%)"], rows), ""]
 
     # -- figures ------------------------------------------------------------------------------
-    from pipelines import plots  # matplotlib only when a report is drawn
+    from pipelines.reports import plots  # matplotlib only when a report is drawn
 
     report_dir = out / "report"
     bands = {name: {axis: band(curves) for axis, curves in o.curves.items()} for name, o in runs.items()}

@@ -29,7 +29,7 @@ from curation.stages.pair import PairConfig
 from curation.stages.runner import CURATION_STAGES, StageReport
 from curation.stages.runner import run_stage as run_stage_module
 from curation.stages.score import ScoreConfig
-from curation.store import RunStore
+from curation.store.run_store import RunStore
 from pipelines.spec import PipelineSpec, read_toml, validate_model
 
 STAGES = CURATION_STAGES  # score, filter, label, pair: the order they run in

@@ -47,10 +47,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from curation.fingerprints import FileCache, file_stat
 from curation.generate.base import load_prompts, remember_prompts
-from curation.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
-from curation.store import RunStore, parquet_files
+from curation.store.fingerprints import FileCache, file_stat
+from curation.store.run_store import RunStore, parquet_files
+from curation.store.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
 
 __all__ = ["PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak", "times_used"]
 

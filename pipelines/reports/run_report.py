@@ -1,5 +1,5 @@
 """Run reports, rebuilt from RUN/metrics.jsonl alone: reading the records, the numbers and
-the markdown here, the figures in pipelines/plots.py.
+the markdown here, the figures in pipelines/reports/plots.py.
 
     report_run(RUN)                writes RUN/report/ (or `out_dir`):
         progress.png               eval accuracy and reward mean per round (two panels)
@@ -19,10 +19,10 @@ the markdown here, the figures in pipelines/plots.py.
                                    gain, samples, wall seconds, mean grad norm, mean clip
                                    fraction) and the figure, linked relatively
 
-The records are read with `curation.runlog.MetricsLog` (cut lines skipped and counted, the
-last record of a number wins). Every file is written with `curation.runlog.write_atomic`
+The records are read with `curation.store.runlog.MetricsLog` (cut lines skipped and counted, the
+last record of a number wins). Every file is written with `curation.store.runlog.write_atomic`
 (mode 0644: a report is for everyone who can read the run), so a reader never sees half a
-PNG. Importing this module loads neither matplotlib nor torch: pipelines.plots is imported
+PNG. Importing this module loads neither matplotlib nor torch: pipelines.reports.plots is imported
 when a figure is drawn.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from curation.faults import fault_point
-from curation.runlog import METRICS_FILE, PHASES, REPORT_DIR, MetricsLog, write_atomic
+from curation.store.runlog import METRICS_FILE, PHASES, REPORT_DIR, MetricsLog, write_atomic
 
 MISSING = "—"
 
@@ -262,7 +262,7 @@ def table_counts_markdown(run_dir: str | Path) -> str:
     reason, read from the run's Parquet tables ("" when the run has no tables)."""
     import duckdb
 
-    from curation.store import ROUND_TABLES, RunStore
+    from curation.store.run_store import ROUND_TABLES, RunStore
 
     store = RunStore(run_dir).snapshot()  # whole commits only, while a job may be writing
     rounds = sorted({round for table in ROUND_TABLES for round in store.rounds(table)})
@@ -350,7 +350,7 @@ def _summary_markdown(run_dir: Path, rounds: list[dict], steps: list[dict], skip
 
 
 def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Write progress.png, training.png, summary.md and index.html (pipelines/html_report.py)
+    """Write progress.png, training.png, summary.md and index.html (pipelines/reports/html.py)
     for a run into `out_dir` (default RUN/report/) and return that folder. A run without
     metrics.jsonl raises ValueError."""
     run_dir = Path(run_dir)
@@ -360,14 +360,14 @@ def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     objective = _objective(rounds, steps)
     title = f"{run_dir.name} ({objective})" if objective else run_dir.name
 
-    from pipelines import plots  # matplotlib only when a report is drawn
+    from pipelines.reports import plots  # matplotlib only when a report is drawn
 
     plots.save_figure(plots.progress_figure(rounds, title), out / "progress.png")
     plots.save_figure(plots.training_figure(rounds, steps, title, objective), out / "training.png")
     summary = _summary_markdown(run_dir, rounds, steps, skipped, objective) + table_counts_markdown(run_dir)
     fault_point("report.before_write")
     write_atomic(out / "summary.md", summary)
-    from pipelines.html_report import write_html_report
+    from pipelines.reports.html import write_html_report
 
     write_html_report(run_dir, out, rounds)  # index.html: curves, times, rejects, a sample browser
     return out
@@ -399,7 +399,7 @@ def report_compare(runs: dict[str, str | Path], out_dir: str | Path) -> Path:
                      _seconds(seconds), totals["mean_grad_norm"],
                      totals["mean_clip_frac"]])
 
-    from pipelines import plots  # matplotlib only when a report is drawn
+    from pipelines.reports import plots  # matplotlib only when a report is drawn
 
     plots.save_figure(plots.compare_figure(loaded, objectives), out / "compare.png")
     parts = [f"# Comparison: {', '.join(runs)}", "", markdown_table(headers, rows), "",

@@ -64,10 +64,10 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from curation.errors import disk_write
-from curation.fingerprints import config_hash
 from curation.rewards.scratchpad import WELL_FORMED, final_answer, scratchpad_solution
+from curation.store.fingerprints import config_hash
 
-# torch, transformers and pipelines.toy_model are imported by the build only: the CLI
+# torch, transformers and pipelines.toy.model are imported by the build only: the CLI
 # generates `groupforge toy build`'s flags from ToyConfig and must stay light.
 
 TOY_VERSION = 1
@@ -440,7 +440,7 @@ def _replace_dir(new: Path, out: Path) -> None:
 def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> dict:
     import torch
 
-    from pipelines.toy_model import TASK_CHARACTERS, greedy_responses, make_model, make_tokenizer, pass_at_k, warm_start
+    from pipelines.toy.model import TASK_CHARACTERS, greedy_responses, make_model, make_tokenizer, pass_at_k, warm_start
 
     started = time.perf_counter()
     train, eval_ = make_problems(config, seed)
@@ -502,7 +502,7 @@ def _scratchpad_measures(model, tokenizer, eval_: pa.Table, config: ToyConfig, s
     """How long the reference responses are (tokens with EOS), how well the warm start learned
     the format (greedy eval responses that are well-formed), and what 8 samples per eval prompt
     at SCRATCHPAD_TEMPERATURE look like."""
-    from pipelines.toy_model import generate_responses, max_new_tokens
+    from pipelines.toy.model import generate_responses, max_new_tokens
 
     lengths = [len(r) + 1 for r in supervised]  # one token per character
     references = eval_.column("reference").to_pylist()

@@ -31,7 +31,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.runlog import read_json
+from curation.store.runlog import read_json
 
 FORMAT_VERSION = 1
 """The run-folder format this groupforge writes and reads (manifests' `format_version`; a

@@ -11,7 +11,7 @@ has `seeds` and `sweep`; the compare file's models are pipelines/spec.py's Compa
     OUT/study.json                every setting's validation score and each objective's choice
     OUT/final/<name>/seed-<s>/    the chosen setting, once per seed: trained on data/train.parquet,
                                   evaluated on the spec's own eval set
-    OUT/report/                   compare.md, compare.png, measurements.png (pipelines/study_report.py)
+    OUT/report/                   compare.md, compare.png, measurements.png (pipelines/studies/study_report.py)
 
 No run ever trains on a validation prompt, and no choice ever reads the eval set: the sweep's
 score is the mean of a run's last `select_last` validation evals (rounds >= 1), the highest
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from curation.runlog import SPEC_FILE, MetricsLog, read_json, write_atomic, write_json_atomic
-from pipelines.report import number
+from curation.store.runlog import SPEC_FILE, MetricsLog, read_json, write_atomic, write_json_atomic
+from pipelines.reports.run_report import number
 from pipelines.spec import (
     CompareSection,
     PipelineSpec,
@@ -84,8 +84,8 @@ def split_prompts(train_files: list[str], eval_file: str, size: int, out_dir: Pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from curation.fingerprints import fingerprint_file
     from curation.generate.base import first_of_each_prompt, load_prompts
+    from curation.store.fingerprints import fingerprint_file
 
     folder = out_dir / DATA_DIR
     split = Split(folder / "train.parquet", folder / "validation.parquet", {
@@ -223,7 +223,7 @@ def _worker_start(threads: int) -> None:
     warm_imports()
 
 
-WARM_MODULES = ("torch", "transformers", "pipelines.run", "training.trainer", "training.checkpoint",
+WARM_MODULES = ("torch", "transformers", "pipelines.loop.run", "training.trainer", "training.checkpoint",
                 "curation.generate.hf")
 
 
@@ -239,7 +239,7 @@ def warm_imports() -> None:
 def run_plan(spec: PipelineSpec, run_dir: Path, wait: bool, log_file: Path | None = None,
              log: Callable[[str], None] = print) -> None:
     """One run to its last round (resuming); with `log_file`, its lines go there."""
-    from pipelines.run import run_pipeline
+    from pipelines.loop.run import run_pipeline
 
     def on_round(record: dict) -> None:
         accuracy = number(record, "eval_accuracy")

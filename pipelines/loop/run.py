@@ -29,7 +29,7 @@ fresh round each curation stage reads the one before from memory, and their comm
 by a background thread (`Publisher`) that the round waits for before its record is written.
 
 The run folder's non-table files (spec.toml, pipeline.json, metrics.jsonl, _rounds/) are
-named, read and written by curation/runlog.py; a round's record is its `RoundRecord`. The
+named, read and written by curation/store/runlog.py; a round's record is its `RoundRecord`. The
 loop is described in docs/ARCHITECTURE.md.
 """
 
@@ -45,7 +45,8 @@ from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import Generator, load_prompts
 from curation.rewards.registry import get_reward
-from curation.runlog import (
+from curation.store.run_store import RunStore
+from curation.store.runlog import (
     SPEC_FILE,
     MetricsLog,
     RoundRecord,
@@ -53,11 +54,10 @@ from curation.runlog import (
     save_pipeline_state,
     write_atomic,
 )
-from curation.store import RunStore
-from curation.verify import check_run
-from pipelines.prompts import choose_prompts
-from pipelines.refill import refill
-from pipelines.round_steps import (
+from curation.store.verify import check_run
+from pipelines.loop.prompts import choose_prompts
+from pipelines.loop.refill import refill
+from pipelines.loop.steps import (
     EvalSet,
     Phases,
     RoundContext,
@@ -71,8 +71,8 @@ from pipelines.round_steps import (
     sampling_manifests,
     train_round,
 )
+from pipelines.loop.trackers import Trackers, check_installed, spec_params
 from pipelines.spec import PipelineSpec, load_spec, resolved_toml
-from pipelines.trackers import Trackers, check_installed, spec_params
 
 __all__ = ["RoundContext", "choose_prompts", "evaluate", "run_pipeline", "run_round"]
 
@@ -124,7 +124,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
                 if on_round is not None:
                     on_round(record.to_dict())
             if report or trackers.logged:
-                from pipelines.report import report_run
+                from pipelines.reports.run_report import report_run
 
                 trackers.finish(report_run(run_dir))
         finally:

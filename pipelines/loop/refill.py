@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import pyarrow.parquet as pq
 
-from curation.runlog import round_prompts_path, write_atomic
 from curation.stages.runner import StageReport
-from pipelines.prompts import ranked_prompts
-from pipelines.round_steps import RoundContext, curate, kept_groups, sample
+from curation.store.runlog import round_prompts_path, write_atomic
+from pipelines.loop.prompts import ranked_prompts
+from pipelines.loop.steps import RoundContext, curate, kept_groups, sample
 
 
 def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str, StageReport],

@@ -11,7 +11,7 @@ metrics log with its typed round record, and the round loop's state.
     RUN/exports/                          datasets written by `groupforge export`
 
 This module imports neither torch nor matplotlib: the spec, the report and the CLI read
-these files without loading a model. The tables and their manifests are `curation.store`'s.
+these files without loading a model. The tables and their manifests are `curation.store.run_store`'s.
 """
 
 from __future__ import annotations
