@@ -15,7 +15,7 @@ printed and kept in the digest's `meta`. Then it digests every file of each run 
   values, without DROPPED fields (times, rates, code version and the seal over them), the run
   folder's absolute path written as RUN;
 - report/summary.md: its text without the time section and the wall/tokens-per-second figures;
-- SKIPPED files (the writer lock, temp folders named by pid) are only listed.
+- SKIPPED files (the writer lock, temp folders named by pid) are only listed (compared by name, digits masked).
 
 `compare` prints every difference (a file on one side only, another hash, another field value with
 both values) and exits 1 if there is any, else 0. `meta` (paths, commit, CLI file) is shown, not compared.
@@ -72,7 +72,8 @@ def summary_text(text: str) -> list[str]:
         row = line.startswith("|")
         if row:
             cells = line.strip("|").split("|")
-            drop = drop if table else {i for i, cell in enumerate(cells) if cell.strip() == "seconds" or "tokens/s" in cell}
+            if not table:  # a header row
+                drop = {i for i, cell in enumerate(cells) if cell.strip() == "seconds" or "tokens/s" in cell}
             line = "|".join(cell for i, cell in enumerate(cells) if i not in drop)
         table = row
         lines.append(line)
@@ -113,8 +114,10 @@ def groupforge(args: argparse.Namespace, argv: list[str], log: Path, fault: str 
     with log.open("w") as out:
         rc = subprocess.run([args.python, "-c", CLI, module, func, *argv], cwd=args.repo, env=env,
                             stdout=out, stderr=subprocess.STDOUT).returncode
-    text = log.read_text()
-    cli_file = re.search(r"groupforge-cli-file: (.*)", text).group(1)
+    found = re.search(r"groupforge-cli-file: (.*)", log.read_text())
+    if not found:
+        sys.exit(f"groupforge {argv[0]}: no CLI module ran (see {log})")
+    cli_file = found.group(1)
     if args.pythonpath and not Path(cli_file).resolve().is_relative_to(args.pythonpath.resolve()):
         sys.exit(f"{cli_file} is not under --pythonpath {args.pythonpath}")
     return rc, cli_file
@@ -158,6 +161,8 @@ def record(args: argparse.Namespace) -> None:
 def flat(value, path: str, out: dict) -> dict:
     if isinstance(value, (dict, list)) and value:
         for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(value, list) and isinstance(item, dict) and "event" in item:  # a metrics record
+                key = f"{key} {item['event']} {item.get('step', item.get('round'))}"
             flat(item, f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]", out)
     else:
         out[path] = value
@@ -169,6 +174,11 @@ def compare(args: argparse.Namespace) -> None:
     for side, d in (("A", a), ("B", b)):
         print(f"{side}: {d['meta']}")
     diffs = 0
+    masked = [{re.sub(r"\d+", "N", name) for name in d["skipped"]} for d in (a, b)]  # pids, counters
+    for side, mine, other in (("A", *masked), ("B", *masked[::-1])):
+        for name in sorted(mine - other):
+            print(f"skipped only in {side}: {name}")
+            diffs += 1
     for name in sorted(a["files"].keys() | b["files"].keys()):
         if name not in b["files"] or name not in a["files"]:
             print(f"only in {'A' if name in a['files'] else 'B'}: {name}")

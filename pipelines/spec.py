@@ -145,10 +145,6 @@ class RunSection(_Section):
                                                     "the weights round n started from: one round off-policy; "
                                                     "samples keep their policy_version). Needs the engines on Ray "
                                                     "(generator.engines > 1 or generator.ray_address).")
-    background_commits: bool = Field(
-        True, description="true: a round's samples and curation tables go from stage to stage and to the trainer "
-                          "in memory while a background thread commits them (files, manifests); the round's record "
-                          "waits for every commit. false: each stage commits before the next one runs.")
 
 
 class ModelSection(_Section):

@@ -4,15 +4,14 @@
     sft                      samples JOIN groups  WHERE advantage > 0          (or reward >= sft_min_reward)
     pairwise                 pairs JOIN samples (chosen) JOIN samples (rejected)   one row per pair
 
-Every part file's schema is checked against `curation.schema` before it is read (once per
-file version in a process), so a wrong table fails with a message naming the file and
-column. Rows come out in key order (round, prompt_id, sample_idx / chosen_idx,
-rejected_idx; ties in row order), so the same tables always give the same dataset, and
-`fingerprint` names it.
+Every part file's schema is checked against `curation.schema` before it is read, so a wrong
+table fails with a message naming the file and column. Rows come out in key order (round,
+prompt_id, sample_idx / chosen_idx, rejected_idx; ties in row order), so the same tables
+always give the same dataset, and `fingerprint` names it.
 
-The joins run in pyarrow on the few columns they need (a round's files are small: a DuckDB
-query cost ~4 ms of planning and threads for ~1 ms of work), and a caller that has just
-committed the tables passes them as `held` so that nothing is read back from disk.
+The joins run in pyarrow on the few columns they need. `run` is a run folder or a RunStore:
+the round loop passes its store, whose held parts (the tables its stages just committed) are
+read from memory.
 """
 
 from __future__ import annotations
@@ -28,42 +27,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.store.fingerprints import FileCache, known_fingerprint
-from curation.store.run_store import ROUND_DIR, Held, RunStore, contract_columns, held_entry
+from curation.store.run_store import ROUND_DIR, RunStore, contract_columns
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token")
 OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")
-
-def _in_flight(entry: tuple[dict, pa.Table]) -> bool:
-    return entry[0].get("mtime_ns") is None
-
-
-def _round_of(rel: str) -> int | None:
-    """The round of a part file's path relative to the run (`<table>/round=<n>/<file>`)."""
-    found = ROUND_DIR.fullmatch(rel.split("/")[1]) if rel.count("/") == 2 else None
-    return int(found[1]) if found else None
-
-
-def _in_flight_rounds(held: Held | None, table: str) -> dict[int, list[str]]:
-    """{round: the part files (relative paths) of `table` whose commit is in flight}."""
-    found: dict[int, list[str]] = {}
-    for rel, entry in (held or {}).items():
-        round = _round_of(rel)
-        if round is not None and rel.split("/")[0] == table and _in_flight(entry):
-            found.setdefault(round, []).append(rel)
-    return found
-
-
-def _files(store: RunStore, table: str, rounds: list[int], held: Held | None) -> list[Path]:
-    """`store.files(table, rounds)` (round, then name order) with the part files of those rounds
-    whose commit is still in flight."""
-    files = store.files(table, rounds)
-    flying = _in_flight_rounds(held, table)
-    extra = {store.root / rel for round in rounds for rel in flying.get(round, [])}
-    if not extra:
-        return files
-    return sorted(set(files) | extra, key=lambda path: (_round_of(path.relative_to(store.root).as_posix()), path.name))
-
 
 class NoTrainingData(ValueError):
     """The chosen rounds hold no rows for the objective (e.g. every group had equal rewards)."""
@@ -91,26 +58,22 @@ class TrainingData:
         return self.table.num_rows
 
 
-def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max_staleness: int | None,
-                  held: Held | None = None) -> list[int]:
+def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max_staleness: int | None) -> list[int]:
     """The rounds to train on: the given ones (or every round with labels/pairs), minus those
     more than `max_staleness` rounds older than the newest round of samples in the run. Given
-    rounds look only at their own folders, so a call costs the same in round 5 and round 500.
-    A round whose labels/pairs are `held` in flight counts as having them."""
+    rounds look only at their own folders, so a call costs the same in round 5 and round 500."""
     source = "pairs" if objective == "pairwise" else "groups"
-    flying = _in_flight_rounds(held, source)
     if rounds is None:
-        chosen = sorted(set(store.rounds(source)) | set(flying))
+        chosen = store.rounds(source)
     else:
         chosen = sorted(set(rounds))
-        missing = [round for round in chosen if round not in flying and not store.files(source, round)]
+        missing = [round for round in chosen if not store.files(source, round)]
         if missing:
             available = store.rounds(source)
             raise ValueError(f"{store.root}: no {source} table for round(s) {missing}; rounds with {source}: "
                              f"{available or 'none'} (run `groupforge curate` first)")
     if max_staleness is not None and chosen:
-        newest = max([r for r in (_newest_round(store, "samples"), *_in_flight_rounds(held, "samples"))
-                      if r is not None], default=None)
+        newest = _newest_round(store, "samples")
         newest = max(chosen) if newest is None else newest
         chosen = [round for round in chosen if newest - round <= max_staleness]
     return chosen
@@ -127,29 +90,24 @@ def _newest_round(store: RunStore, table: str) -> int | None:
     return next((round for round in found if store.files(table, round)), None)
 
 
-_SCHEMA_CHECKED: FileCache[bool] = FileCache(max_entries=100_000)
-"""Part files whose Parquet footer met their table's contract, while size and mtime_ns hold."""
-
-
-def _checked_files(store: RunStore, table: str, rounds: list[int], held: Held | None = None) -> list[Path]:
+def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[Path]:
     """The rounds' part files of `table`, each one's schema checked against the contract
-    (a held table was checked when it was written)."""
-    files = _files(store, table, rounds, held)
+    (a held part was checked when it was committed)."""
+    files = store.files(table, rounds)
     for path in files:
-        if held_entry(held, store.root, path) is None:
-            _SCHEMA_CHECKED.get(path, lambda path=path: bool(
-                schema.validate(pq.read_schema(path).empty_table(), table, path)))
+        if store.held_part(path) is None:
+            schema.validate(pq.read_schema(path).empty_table(), table, path)
     return files
 
 
-def _read(store: RunStore, table: str, files: list[Path], columns: list[str], held: Held | None) -> pa.Table:
+def _read(store: RunStore, table: str, files: list[Path], columns: list[str]) -> pa.Table:
     """`columns` of `table`'s part `files` (checked), in file order, with the contract's types;
     a held part from memory."""
     parts = []
     for path in files:
-        entry = held_entry(held, store.root, path)
-        if entry is not None:
-            part = entry[1].select(columns)
+        held = store.held_part(path)
+        if held is not None:
+            part = held.table.select(columns)
         else:
             with pq.ParquetFile(path) as f:
                 part = f.read(columns=columns, use_threads=False)
@@ -162,18 +120,12 @@ def _read(store: RunStore, table: str, files: list[Path], columns: list[str], he
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 
 
-def round_sampling(store: RunStore, rounds: list[int], held: Held | None = None) -> dict[str, float | None]:
-    """The rounds' temperature, top_k and top_p from their generate manifests (each read
-    once; a round whose generate commit is in flight: from its held samples part, which
-    carries the sampling its manifest will record): one value per setting, or None when no
-    manifest records it; rounds that differ are an error."""
-    flying = {_round_of(rel): entry[0]["sampling"] for rel, entry in (held or {}).items()
-              if rel.startswith("samples/") and _in_flight(entry) and "sampling" in entry[0]}
+def round_sampling(store: RunStore, rounds: list[int]) -> dict[str, float | None]:
+    """The rounds' temperature, top_k and top_p from their generate manifests: one value per
+    setting, or None when no manifest records it; rounds that differ are an error."""
     values: dict[str, set[float]] = {key: set() for key in _SAMPLING_KEYS}
     for round in rounds:
         manifest = store.load_manifest("generate", round)
-        if manifest is None and round in flying:
-            manifest = {"config": {"sampling": flying[round]}}
         sampling = ((manifest or {}).get("config") or {}).get("sampling") or {}
         for key in _SAMPLING_KEYS:
             if key in sampling:
@@ -240,14 +192,14 @@ def _kept_groups(groups: pa.Table, objective: str, sft_min_reward: float | None)
 
 
 def _policy_rows(store: RunStore, files: dict[str, list[Path]], objective: str, sft_min_reward: float | None,
-                 held: Held | None, count: bool = False) -> pa.Table | int:
+                 count: bool = False) -> pa.Table | int:
     """samples JOIN groups on the keys, the objective's groups rows only, in key order: the
     sample columns then advantage and reward; with `count`, only how many rows."""
     filter_column = "group_kept" if objective != "sft" else "advantage" if sft_min_reward is None else "reward"
     keys = _KEYS + ["sample_idx"]
     groups = _kept_groups(_read(store, "groups", files["groups"], list(dict.fromkeys(
-        keys + ([] if count else ["advantage", "reward"]) + [filter_column])), held), objective, sft_min_reward)
-    samples = _read(store, "samples", files["samples"], keys if count else _SAMPLE_COLUMNS, held)
+        keys + ([] if count else ["advantage", "reward"]) + [filter_column]))), objective, sft_min_reward)
+    samples = _read(store, "samples", files["samples"], keys if count else _SAMPLE_COLUMNS)
     s, g = _match(samples, keys, groups, keys)
     if count:
         return int(s.size)
@@ -257,14 +209,13 @@ def _policy_rows(store: RunStore, files: dict[str, list[Path]], objective: str, 
     return _in_key_order(rows, ["round", "prompt_id", "sample_idx"])
 
 
-def _pair_rows(store: RunStore, files: dict[str, list[Path]], held: Held | None,
+def _pair_rows(store: RunStore, files: dict[str, list[Path]],
                count: bool = False) -> pa.Table | int:
     """pairs JOIN samples (chosen) JOIN samples (rejected), in key order: the pair's keys, the
     prompt and both responses with their behavior log-probs, rewards, soft_label, weight; with
     `count`, only how many rows."""
-    pairs = _read(store, "pairs", files["pairs"], _KEYS + ["chosen_idx", "rejected_idx"] if count else _PAIR_COLUMNS,
-                  held)
-    samples = _read(store, "samples", files["samples"], _KEYS + ["sample_idx"] if count else _SAMPLE_COLUMNS, held)
+    pairs = _read(store, "pairs", files["pairs"], _KEYS + ["chosen_idx", "rejected_idx"] if count else _PAIR_COLUMNS)
+    samples = _read(store, "samples", files["samples"], _KEYS + ["sample_idx"] if count else _SAMPLE_COLUMNS)
     p_c, c = _match(pairs, _KEYS + ["chosen_idx"], samples, _KEYS + ["sample_idx"])
     p_r, r = _match(pairs, _KEYS + ["rejected_idx"], samples, _KEYS + ["sample_idx"])
     # each pair row with each of its chosen and each of its rejected matches (one and one)
@@ -285,54 +236,48 @@ def _pair_rows(store: RunStore, files: dict[str, list[Path]], held: Held | None,
     return _in_key_order(rows, ["round", "prompt_id", "chosen_idx", "rejected_idx"])
 
 
-def _inputs(run_dir: str | Path, objective: str, rounds: list[int] | None, max_staleness: int | None,
-            held: Held | None = None) -> tuple[RunStore, list[int], dict[str, list[Path]]]:
-    """The run, the chosen rounds and their checked part files per table."""
+def _inputs(run: RunStore | str | Path, objective: str, rounds: list[int] | None,
+            max_staleness: int | None) -> tuple[RunStore, list[int], dict[str, list[Path]]]:
+    """The run's store, the chosen rounds and their checked part files per table."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
-    store = RunStore(run_dir)
-    chosen = select_rounds(store, objective, rounds, max_staleness, held)
+    store = run if isinstance(run, RunStore) else RunStore(run)
+    chosen = select_rounds(store, objective, rounds, max_staleness)
     source = "pairs" if objective == "pairwise" else "groups"
-    return store, chosen, {"samples": _checked_files(store, "samples", chosen, held),
-                           source: _checked_files(store, source, chosen, held)}
+    return store, chosen, {"samples": _checked_files(store, "samples", chosen),
+                           source: _checked_files(store, source, chosen)}
 
 
-def count_training_rows(run_dir: str | Path, objective: str, rounds: list[int] | None = None,
-                        max_staleness: int | None = None, sft_min_reward: float | None = None,
-                        held: Held | None = None) -> int:
+def count_training_rows(run: RunStore | str | Path, objective: str, rounds: list[int] | None = None,
+                        max_staleness: int | None = None, sft_min_reward: float | None = None) -> int:
     """How many rows `load_training_data` would return, without reading token lists or hashing
     files (only the key and filter columns are read): the round loop sizes a round's
     training (`training.config.steps_for_passes`) before it starts. 0 when there are none."""
-    store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness, held)
+    store, chosen, files = _inputs(run, objective, rounds, max_staleness)
     if not (chosen and all(files.values())):
         return 0
     if objective == "pairwise":
-        return _pair_rows(store, files, held, count=True)
-    return _policy_rows(store, files, objective, sft_min_reward, held, count=True)
+        return _pair_rows(store, files, count=True)
+    return _policy_rows(store, files, objective, sft_min_reward, count=True)
 
 
-def load_training_data(run_dir: str | Path, objective: str, rounds: list[int] | None = None,
-                       max_staleness: int | None = None, sft_min_reward: float | None = None,
-                       held: Held | None = None) -> TrainingData:
-    """The rows `objective` trains on from `rounds` of the run (see the module docstring).
-    `held`: tables the caller has just committed (see `curation.store.run_store.Held`), used instead of reading their
-    files back; the rows are the same either way."""
-    store, chosen, files = _inputs(run_dir, objective, rounds, max_staleness, held)
+def load_training_data(run: RunStore | str | Path, objective: str, rounds: list[int] | None = None,
+                       max_staleness: int | None = None, sft_min_reward: float | None = None) -> TrainingData:
+    """The rows `objective` trains on from `rounds` of the run (see the module docstring)."""
+    store, chosen, files = _inputs(run, objective, rounds, max_staleness)
     table = None
     if chosen and all(files.values()):
-        table = _pair_rows(store, files, held) if objective == "pairwise" else \
-            _policy_rows(store, files, objective, sft_min_reward, held)
+        table = _pair_rows(store, files) if objective == "pairwise" else \
+            _policy_rows(store, files, objective, sft_min_reward)
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
-        for path in files[table_name]:
-            entry = held_entry(held, store.root, path)
-            digest = entry[0]["sha256"] if entry and _in_flight(entry) else known_fingerprint(path, entry and entry[0])
+        for path, digest in store.part_fingerprints(files[table_name]).items():
             h.update(f"{path.relative_to(store.root)}={digest}\n".encode())
     if table is None or table.num_rows == 0:
         raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"
                          f"{'' if max_staleness is None else f' within max_staleness={max_staleness}'})")
-    sampling = round_sampling(store, chosen, held)
+    sampling = round_sampling(store, chosen)
     return TrainingData(objective=objective, rounds=chosen, table=table, fingerprint=h.hexdigest(),
                         temperature=sampling["temperature"], top_k=int(sampling["top_k"] or 0),
                         top_p=1.0 if sampling["top_p"] is None else sampling["top_p"])

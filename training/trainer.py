@@ -46,7 +46,7 @@ import pyarrow as pa
 import torch
 
 from curation.faults import fault_point
-from curation.store.run_store import Held
+from curation.store.run_store import RunStore
 from curation.store.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
 from training import checkpoint as ckpt
 from training import distributed, lora
@@ -167,10 +167,9 @@ def group_units(groups: np.ndarray, per_group: int | None = None) -> np.ndarray:
     return units
 
 
-def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
+def train(run_dir: str | Path | RunStore, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
           progress: Callable[[int, int, dict], None] | None = None, session: TrainSession | None = None,
-          save: bool = True, return_state: bool = False, held: Held | None = None,
-          sync_metrics: bool = True) -> TrainResult:
+          save: bool = True, return_state: bool = False, sync_metrics: bool = True) -> TrainResult:
     """Train until optimizer step `steps` (sooner with `cfg.passes`), starting from the live
     `session`, else the newest checkpoint of the run, else the model folder `model`.
     `save=False` writes no checkpoint at the end (save_every still does); `return_state`
@@ -179,7 +178,8 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
     of reading those files back while they are unchanged on disk; the rows are the same.
     `sync_metrics=False` leaves the fsync of the step lines to the caller's next synced line."""
     started = time.perf_counter()
-    run_dir = Path(run_dir)
+    run = run_dir
+    run_dir = Path(run.root if isinstance(run, RunStore) else run)
     timing = _Timing()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if cfg.strategy != "single":
@@ -215,8 +215,7 @@ def train(run_dir: str | Path, cfg: TrainConfig, *, steps: int, model: str | Pat
 
     # -- data -------------------------------------------------------------------------------
     with timing("load"):
-        data = load_training_data(run_dir, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward,
-                                  held=held)
+        data = load_training_data(run, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
     segment = (session.segment if live else state.get("data")) or {}
     if segment.get("fingerprint") != data.fingerprint:  # new rows: a new segment starts here
         segment = {"fingerprint": data.fingerprint, "start_step": start_step, "rounds": data.rounds,

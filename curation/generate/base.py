@@ -31,7 +31,6 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from curation.schema import SchemaError, validate
-from curation.store.fingerprints import FileCache, file_stat
 
 
 class SamplingSettings(BaseModel):
@@ -203,32 +202,14 @@ def prompt_seed(seed: int, round: int, prompt_id: str) -> int:
     return int(digest[:15], 16)
 
 
-_LOADED: FileCache[pa.Table] = FileCache(max_entries=16)  # prompts files read by this process
-
-
 def load_prompts(path: str | Path) -> pa.Table:
     """Read a user's prompt file (Parquet, or JSON Lines with .jsonl) into the prompts table.
 
     Needs a `prompt` (string) or `messages` (list of {role, content}) column; `reference`
     and `metadata` are optional (metadata may be a JSON string or a struct, stored as JSON
     text). `prompt_id` is computed when absent. Duplicate prompts are kept once.
-
-    A file read before by this process, with the same size and mtime_ns, is not read again
-    (the round loop reads its train and eval files every round; Arrow tables are immutable).
     """
-    try:
-        return _LOADED.get(path, lambda: _load_prompts(Path(path)))
-    except OSError:  # not there or unreadable: _load_prompts says so in one line
-        return _load_prompts(Path(path))
-
-
-def remember_prompts(path: str | Path, table: pa.Table) -> None:
-    """Note what `load_prompts` gives for a prompts file this process has just written from
-    `table` (a prompts table, e.g. the round loop's choice), so it is not read back."""
-    _LOADED.put(path, file_stat(path), first_of_each_prompt(validate(table, "prompts", path)))
-
-
-def _load_prompts(path: Path) -> pa.Table:
+    path = Path(path)
     where = f"prompts file ({path})"
     if not path.is_file():
         raise SchemaError(f"{where}: file not found")

@@ -13,7 +13,6 @@ log_softmax of the logits after temperature, top-k and top-p: the sampling distr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -59,27 +58,13 @@ class HFGenerator:
         self.eos_ids = _as_set(gen.eos_token_id) or _as_set(self.tokenizer.eos_token_id)
         pad = gen.pad_token_id if gen.pad_token_id is not None else self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
-        self._token_ids: dict[tuple[str, str], tuple[int, ...]] = {}  # prompts tokenized before
-        self._texts: dict[tuple[int, ...], str] = {}  # responses decoded before
 
     @property
     def fingerprint(self) -> str:
         return f"hf-{self._version}:{self.model_path.name}@{self.weights_sha256[:16]}"
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]:
-        """`tokenize_prompt` of the prompt; its ids are kept for the rounds that choose it again."""
-        key = ("messages", json.dumps(messages, sort_keys=True)) if messages is not None else ("prompt", prompt)
-        ids = self._token_ids.get(key)
-        if ids is None:
-            ids = tuple(tokenize_prompt(self.tokenizer, prompt, messages))
-            self._remember(self._token_ids, key, ids)
-        return list(ids)
-
-    def _remember(self, cache: dict, key, value) -> None:
-        """Keep `value` under `key`, the oldest entry dropped past _CACHE_ENTRIES."""
-        if len(cache) >= _CACHE_ENTRIES:
-            cache.pop(next(iter(cache)))
-        cache[key] = value
+        return tokenize_prompt(self.tokenizer, prompt, messages)
 
     @torch.no_grad()
     def sample(
@@ -155,14 +140,8 @@ class HFGenerator:
         return Completion(tokens, logprobs, self._decode_text(tokens), "length")
 
     def _decode_text(self, ids: list[int]) -> str:
-        """The response text of `ids` (special tokens skipped); short responses recur (the
-        toy's answers), so each distinct one is decoded once."""
-        key = tuple(ids)
-        text = self._texts.get(key)
-        if text is None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            self._remember(self._texts, key, text)
-        return text
+        """The response text of `ids` (special tokens skipped)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update_weights(self, weights: "dict | str | Path", policy_version: int) -> None:
         state_dict = load_state_dict(weights) if isinstance(weights, (str, Path)) else weights
@@ -178,10 +157,6 @@ class HFGenerator:
 
     def close(self) -> None:
         self.model = None
-
-
-_CACHE_ENTRIES = 1 << 17
-"""Prompts and responses each generator keeps the token ids / text of (tens of MB at most)."""
 
 
 class _Sampler:

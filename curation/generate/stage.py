@@ -30,7 +30,6 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -42,7 +41,6 @@ from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig
 from curation.generate.weights import check_model_folder, count_parameters, weights_fingerprint
 from curation.schema import SCHEMAS, SchemaError, validate
 from curation.stages.common import rejects_table
-from curation.store.commit import encode_part
 from curation.store.run_store import RunStore, config_hash, known_fingerprint
 from curation.store.runlog import read_json, write_atomic, write_json_atomic
 
@@ -71,9 +69,6 @@ class GenerateResult:
     sample_seconds: float = 0.0
     """Time inside the generator's sampling calls (no start-up, no I/O)."""
     manifest: dict = field(default_factory=dict)
-    written: dict = field(default_factory=dict, repr=False)
-    """{relative path: ({sha256, size, mtime_ns}, table)} of the files committed (see
-    `curation.store.commit.Commit.written`); {} when skipped."""
 
 
 AUTO_HF_MAX_PARAMS = 5_000_000
@@ -129,7 +124,7 @@ def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
 
 
 def generate(
-    run_dir: str | Path,
+    run: RunStore | str | Path,
     prompts_file: str | Path,
     sampling: SamplingConfig,
     *,
@@ -143,21 +138,18 @@ def generate(
     progress=None,
     generator_kwargs: dict | None = None,
     stage: str = STAGE,
-    publish: Callable[[Callable[[], dict]], None] | None = None,
 ) -> GenerateResult:
-    """Sample `sampling.group_size` responses for every prompt in `prompts_file`.
+    """Sample `sampling.group_size` responses for every prompt in `prompts_file` into the run
+    (a folder, or the RunStore the commit goes through: the round loop's holds the tables).
 
     Pass a live `generator` (kept across rounds) or a `model` folder and `backend` name (a
     generator is started, with `generator_kwargs`, only when there is work to do).
     `progress(done, total)` is called as prompts finish. `stage` names the manifest and the
     part files (another name than "generate" adds a second set of samples to the round).
-    `publish`: the commit is handed to it (a function making it) instead of being made here;
-    the result's `written` entries then have mtime_ns None and, on the samples part, the
-    sampling settings the manifest will record (the round loop's background commits).
     """
     if generator is None and model is None:
         raise ValueError("generate needs a model folder or a live generator")
-    store = RunStore(run_dir)
+    store = run if isinstance(run, RunStore) else RunStore(run)
     run_id = run_id or store.root.name
     prompts = load_prompts(prompts_file)
     policy_version = generator.policy_version if generator is not None else 0
@@ -182,10 +174,9 @@ def generate(
         generator = make_generator(backend, model, **(generator_kwargs or {}))
     # What the samples record is read now: the round loop may load newer weights into a live
     # generator while this call's samples are still being written (`[run] overlap`).
-    fingerprint = generator.fingerprint
+    call = _Call(store, stage, round, run_id, inputs, config, sampling, generator.fingerprint)
     try:
-        result = _generate(store, generator, prompts, Path(prompts_file), sampling, inputs, config,
-                           round, run_id, chunk_prompts, progress, stage, fingerprint, publish)
+        result = _generate(call, generator, prompts, Path(prompts_file), chunk_prompts, progress)
     finally:
         if owns_generator:
             generator.close()
@@ -193,8 +184,33 @@ def generate(
     return result
 
 
-def _generate(store, generator, prompts, prompts_file, sampling, inputs, config, round, run_id,
-              chunk_prompts, progress, stage, fingerprint, publish=None) -> GenerateResult:
+@dataclass(frozen=True)
+class _Call:
+    """One generate call's identity: where it commits and what its manifest records."""
+
+    store: RunStore
+    stage: str
+    round: int
+    run_id: str
+    inputs: dict
+    config: dict
+    sampling: SamplingConfig
+    fingerprint: str
+    """The generator's fingerprint when the call started (the samples' `generator` column)."""
+
+
+@dataclass
+class _Sampled:
+    """The samples of one call's prompts, chunk by chunk."""
+
+    samples: pa.Table
+    resumed_chunks: int
+    sample_seconds: float
+
+
+def _generate(call: _Call, generator: Generator, prompts: pa.Table, prompts_file: Path, chunk_prompts: int,
+              progress) -> GenerateResult:
+    """Tokenize, reject prompts as long as the context, sample the rest, commit."""
     prompt_ids = prompts.column("prompt_id").to_pylist()
     try:
         token_ids = [generator.tokenize(p, m)
@@ -205,81 +221,70 @@ def _generate(store, generator, prompts, prompts_file, sampling, inputs, config,
     too_long = [i for i, ids in enumerate(token_ids) if len(ids) >= generator.max_model_len]
     todo = [i for i, ids in enumerate(token_ids) if len(ids) < generator.max_model_len]
     rejects = rejects_table(
-        run_id, round, [prompt_ids[i] for i in too_long], [None] * len(too_long), stage, "prompt_too_long",
+        call.run_id, call.round, [prompt_ids[i] for i in too_long], [None] * len(too_long), call.stage,
+        "prompt_too_long",
         [f"{len(token_ids[i])} prompt tokens >= max_model_len {generator.max_model_len}" for i in too_long])
+    done = _sample(call, generator, prompt_ids, token_ids, todo, chunk_prompts,
+                   None if progress is None else lambda n: progress(n + len(too_long), len(prompt_ids)))
+    response_tokens = int(pc.sum(pc.list_value_length(done.samples.column("response_token_ids"))).as_py() or 0)
+    prompts_part = call.inputs["prompts"][:16]
+    if call.stage != STAGE:
+        prompts_part = f"{call.stage}-{prompts_part}"
+    with call.store.commit(call.stage, call.round, inputs=call.inputs, config=call.config) as commit:
+        commit.write("samples", done.samples)
+        commit.write("rejects", rejects)
+        commit.write("prompts", prompts, part=prompts_part)
+        commit.record(
+            rows_in=len(prompt_ids),
+            rows_out=done.samples.num_rows,
+            drops={"prompt_too_long": len(too_long)} if too_long else {},
+            generator=call.fingerprint,
+            prompts_file=str(prompts_file),
+            response_tokens=response_tokens,
+            resumed_chunks=done.resumed_chunks,
+            sample_seconds=float(f"{done.sample_seconds:.3f}"),
+        )
+    return GenerateResult(
+        round=call.round,
+        skipped=False,
+        prompts=len(prompt_ids),
+        samples=done.samples.num_rows,
+        rejected_prompts=len(too_long),
+        response_tokens=response_tokens,
+        resumed_chunks=done.resumed_chunks,
+        sample_seconds=done.sample_seconds,
+        manifest=call.store.load_manifest(call.stage, call.round) or {},
+    )
 
+
+def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids: list[list[int]], todo: list[int],
+            chunk_prompts: int, progress) -> _Sampled:
+    """The samples of the prompts at positions `todo`, `chunk_prompts` at a time; with several
+    chunks each is staged as it finishes (a killed call resumes from them), one is kept in memory."""
     chunks = [todo[s : s + chunk_prompts] for s in range(0, len(todo), chunk_prompts)]
-    # Several chunks are staged as they finish, so a killed round resumes; one is committed as is.
-    staging = _staging(store, stage, round, inputs, config) if len(chunks) > 1 else None
-    resumed = 0
-    done_prompts = 0
-    sample_seconds = 0.0
-    parts = []
+    staging = _staging(call.store, call.stage, call.round, call.inputs, call.config) if len(chunks) > 1 else None
+    resumed, done_prompts, sample_seconds, parts = 0, 0, 0.0, []
     for k, chunk in enumerate(chunks):
         path = staging / f"chunk-{k:06d}.parquet" if staging is not None else None
         if path is not None and path.exists():
             resumed += 1
             parts.append(pq.read_table(path))
         else:
-            seeds = [prompt_seed(sampling.seed, round, prompt_ids[i]) for i in chunk]
+            seeds = [prompt_seed(call.sampling.seed, call.round, prompt_ids[i]) for i in chunk]
             tic = time.perf_counter()
-            groups = generator.sample([token_ids[i] for i in chunk], seeds, sampling)
+            groups = generator.sample([token_ids[i] for i in chunk], seeds, call.sampling)
             sample_seconds += time.perf_counter() - tic
-            parts.append(_samples_table(run_id, round, sampling, fingerprint, config["policy_version"],
-                                        [prompt_ids[i] for i in chunk], [token_ids[i] for i in chunk], seeds, groups))
+            parts.append(_samples_table(call.run_id, call.round, call.sampling, call.fingerprint,
+                                        call.config["policy_version"], [prompt_ids[i] for i in chunk],
+                                        [token_ids[i] for i in chunk], seeds, groups))
             if path is not None:
                 write_atomic(path, functools.partial(pq.write_table, parts[-1]))
                 fault_point("generate.chunk_staged")
         done_prompts += len(chunk)
         if progress is not None:
-            progress(done_prompts + len(too_long), len(prompt_ids))
-
+            progress(done_prompts)
     samples = pa.concat_tables(parts, promote_options="permissive") if parts else SCHEMAS["samples"].empty_table()
-    samples = validate(samples, "samples")
-    response_tokens = int(pc.sum(pc.list_value_length(samples.column("response_token_ids"))).as_py() or 0)
-
-    prompts_part = inputs["prompts"][:16] if stage == STAGE else f"{stage}-{inputs['prompts'][:16]}"
-    parts = [encode_part(store, stage, "samples", samples, stage, round),
-             encode_part(store, stage, "rejects", rejects, stage, round),
-             encode_part(store, stage, "prompts", prompts, prompts_part, None)]
-    parts = [part for part in parts if part is not None]  # None: no rejects, no file
-    record = dict(
-        rows_in=len(prompt_ids),
-        rows_out=samples.num_rows,
-        drops={"prompt_too_long": len(too_long)} if too_long else {},
-        generator=fingerprint,
-        prompts_file=str(prompts_file),
-        response_tokens=response_tokens,
-        resumed_chunks=resumed,
-        sample_seconds=float(f"{sample_seconds:.3f}"),  # `round` is the round number here
-    )
-
-    def commit_round() -> dict:
-        with store.commit(stage, round, inputs=inputs, config=config) as commit:
-            for part in parts:
-                commit.put(part)
-            commit.record(**record)
-        return commit.written
-
-    if publish is None:
-        written, manifest = commit_round(), store.load_manifest(stage, round) or {}
-    else:
-        publish(commit_round)
-        written = {part.rel: part.in_flight(**({"sampling": config["sampling"]} if part.table == "samples" else {}))
-                   for part in parts}
-        manifest = {}
-    return GenerateResult(
-        round=round,
-        skipped=False,
-        prompts=len(prompt_ids),
-        samples=samples.num_rows,
-        rejected_prompts=len(too_long),
-        response_tokens=response_tokens,
-        resumed_chunks=resumed,
-        sample_seconds=sample_seconds,
-        manifest=manifest,
-        written=written,
-    )
+    return _Sampled(validate(samples, "samples"), resumed, sample_seconds)
 
 
 def _staging(store: RunStore, stage: str, round: int, inputs: dict, config: dict) -> Path:

@@ -115,27 +115,9 @@ def load_state_dict(path: str | Path) -> dict[str, "torch.Tensor"]:
     return state_dict
 
 
-_AHEAD: dict[int, tuple[object, str]] = {}
-"""State dicts hashed ahead (`fingerprint_ahead`): id -> (the dict, its sha256); the last few."""
-
-
-def fingerprint_ahead(weights: "Mapping[str, torch.Tensor]") -> str:
-    """weights_fingerprint of a state dict that is not changed any more, remembered: a later
-    weights_fingerprint of the same dict object returns it (the round loop hashes the
-    trainer's new weights in a thread while the round finishes, before the engine loads them)."""
-    digest = weights_fingerprint(weights)
-    while len(_AHEAD) >= 4:
-        _AHEAD.pop(next(iter(_AHEAD)))
-    _AHEAD[id(weights)] = (weights, digest)
-    return digest
-
-
 def weights_fingerprint(weights: "Mapping[str, torch.Tensor] | str | Path") -> str:
     """sha256 (hex) of a model's weights: its safetensors files (and config.json) for a
     folder, or every tensor's name, dtype, shape and bytes for a state dict."""
-    ahead = _AHEAD.get(id(weights))
-    if ahead is not None and ahead[0] is weights:
-        return ahead[1]
     h = hashlib.sha256()
     if isinstance(weights, (str, Path)):
         path = Path(weights)

@@ -21,14 +21,21 @@ and, where it needs them, three hooks (score has the first two, label the third)
                                               groups at a time (default True; label's batch
                                               estimator needs every group of the round at once)
 
-`run_stage` does the rest. The inputs are the part files of READS for the round (prompts:
-the parts its samples came from), each fingerprinted; a stage that also reads a table it writes (filter reads
-rejects) leaves its own part files out of both its fingerprints and its read, so its own
-commit never makes it out of date. A part file is hashed only when no manifest of the round
-(nor this process) has hashed its current bytes (`curation.store.fingerprints.known_fingerprint`).
-A round without its main input is an error. Only the columns the stage uses are read (a
-samples file is mostly token ids the filter never looks at), each file's footer checked
-against the contract. Callers hold the run's lock
+`run_stage` does the rest, the same way for the CLI, the round loop and large rounds:
+
+    plan_stage     the inputs (the part files of READS for the round; prompts: the parts its
+                   samples came from), each fingerprinted, the hashed config, the slice count
+    up to date?    the manifest has these inputs and config: skipped
+    read           only the columns the stage uses (each file's footer checked against the
+                   contract); parts the store holds (`RunStore(..., hold=True)`, the loop's
+                   store: what the stages before committed) come from memory
+    transform      pure
+    commit         the tables validated and written, the manifest last (curation/store/commit.py)
+
+A stage that also reads a table it writes (filter reads rejects) leaves its own part files out
+of both its fingerprints and its read, so its own commit never makes it out of date. A part
+file is hashed only when neither the store's held parts nor the round's manifests give its
+sha256. A round without its main input is an error. Callers hold the run's lock
 (`RunStore.lock()`).
 
 Memory. A round whose main input has more than `slice_rows()` rows (default 1,000,000;
@@ -49,11 +56,11 @@ import os
 import re
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 import polars as pl
@@ -64,9 +71,7 @@ from curation import schema
 from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.stages.common import drop_counts
-from curation.store.commit import encode_part
-from curation.store.fingerprints import FileCache, known_fingerprint
-from curation.store.run_store import Held, RunStore, contract_columns, held_entry
+from curation.store.run_store import RunStore
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
 SLICE_ROWS_ENV = "GROUPFORGE_SLICE_ROWS"
@@ -107,9 +112,7 @@ class StageReport:
     rows_out: int = 0
     drops: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-    written: dict[str, tuple[dict, pa.Table]] = field(default_factory=dict, repr=False, compare=False)
-    """What the stage committed ({} when skipped): {relative path: ({sha256, size, mtime_ns},
-    table)}, for a caller (the next stage: `held`) that would otherwise read the files back."""
+    """Wall seconds of the call, the up-to-date check included."""
 
 
 def stage_module(stage: str | ModuleType) -> ModuleType:
@@ -130,155 +133,100 @@ def as_dict(config) -> Mapping:
     return dict(config)
 
 
-def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int, exclude_parts: tuple[str, ...] = (),
-                       recorded: Mapping[str, dict] | None = None) -> dict[str, str]:
-    """{relative path: sha256} of every part file of `tables` for `round` (prompts: all
-    parts), leaving out the parts named in `exclude_parts`. Files whose hash `recorded`
-    ({relative path: {sha256, size, mtime_ns}}; default: what the round's manifests record)
-    or this process holds for their size and mtime_ns are not read again."""
-    paths = [path for table in tables for path in _files(store, table, round)
-             if not _own_part(path, exclude_parts)]
-    rel = {path: path.relative_to(store.root).as_posix() for path in paths}
-    if recorded is None or not all(rel[path] in recorded for path in paths if path.parent.name != "prompts"):
-        recorded = {**store.recorded_files(round), **(recorded or {})}
-    digests = {path: known_fingerprint(path, recorded.get(rel[path]), compute=False) for path in paths}
-    todo = [path for path, digest in digests.items() if digest is None]
-    if len(todo) > 1:  # hashlib lets go of the GIL: files are hashed in parallel
-        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
-            digests.update(zip(todo, pool.map(known_fingerprint, todo)))
-    elif todo:
-        digests[todo[0]] = known_fingerprint(todo[0])
-    return {rel[path]: digests[path] for path in paths}
+def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int,
+                       exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
+    """{relative path: sha256} of every part file of `tables` for `round` (prompts: the parts
+    the round's samples came from), leaving out the parts named in `exclude_parts`
+    (`RunStore.part_fingerprints`: held parts and manifests vouch for most)."""
+    paths = [path for table in tables for path in _files(store, table, round) if not _own_part(path, exclude_parts)]
+    return {path.relative_to(store.root).as_posix(): sha for path, sha in store.part_fingerprints(paths, round).items()}
 
 
-def run_stage(stage: str | ModuleType, run_dir: str | Path, round: int, cfg=None, force: bool = False,
-              held: Mapping[str, tuple[dict, pa.Table]] | None = None) -> StageReport:
-    """Run one curation stage on one round of the run (`cfg`: the stage's CONFIG, default
-    its defaults); skipped, with the counts of its manifest, when the manifest matches the
-    inputs and config (unless `force`). `held`: tables earlier stages committed (their
-    reports' `written`), used instead of reading those files while size and mtime_ns match."""
+@dataclass(frozen=True)
+class StagePlan:
+    """What a stage run of one round reads and how (`plan_stage`)."""
+
+    inputs: dict[str, str]
+    """{relative path: sha256} of its input part files."""
+    config: Mapping
+    """The config as hashed and recorded in the manifest."""
+    own: tuple[str, ...]
+    """Its own part names left out of what it reads (a stage that reads a table it writes)."""
+    slices: int
+    """How many slices of groups the round is taken in (1: whole)."""
+
+
+def plan_stage(module: ModuleType, store: RunStore, round: int, cfg) -> StagePlan:
+    """The stage's inputs (fingerprinted), hashed config, own parts and slice count for `round`."""
+    own = (module.STAGE,) if set(module.READS) & set(module.WRITES) else ()
+    inputs = input_fingerprints(store, module.READS, round, exclude_parts=own)
+    config = module.hashed_config(cfg) if hasattr(module, "hashed_config") else as_dict(cfg)
+    return StagePlan(inputs, config, own, _slice_count(store, module, cfg, round, own))
+
+
+def run_stage(stage: str | ModuleType, run: RunStore | str | Path, round: int, cfg=None,
+              force: bool = False) -> StageReport:
+    """Run one curation stage on one round of the run (a folder, or the RunStore whose held
+    parts it reads and adds to; `cfg`: the stage's CONFIG, default its defaults): plan (inputs,
+    config, slices) -> skipped, with the counts of its manifest, when the manifest matches
+    (unless `force`) -> read -> transform -> validate -> one commit. A large round is read,
+    transformed and written a slice of groups at a time, all in the same commit."""
+    started = time.perf_counter()
     module = stage_module(stage)
     name, cfg = module.STAGE, cfg if cfg is not None else module.CONFIG()
-    store = RunStore(run_dir)
-    own = (name,) if set(module.READS) & set(module.WRITES) else ()
-    inputs = input_fingerprints(store, module.READS, round, exclude_parts=own,
-                                recorded={rel: entry for rel, (entry, _) in held.items()} if held else None)
-    config = module.hashed_config(cfg) if hasattr(module, "hashed_config") else as_dict(cfg)
-    if not force and store.is_up_to_date(name, round, inputs, config):
-        manifest = store.load_manifest(name, round) or {}
-        return StageReport(name, round, skipped=True, rows_in=manifest.get("rows_in") or 0,
-                           rows_out=manifest.get("rows_out") or 0, drops=manifest.get("drops", {}))
+    store = run if isinstance(run, RunStore) else RunStore(run)
     main = module.READS[0]
     if not store.files(main, round):
         raise FileNotFoundError(f"run {store.root} has no {main} for round {round}; run {_writer_of(main)} first")
-
-    slices = _slice_count(store, module, cfg, round, own, held or {})
-    if slices > 1:
-        return _run_sliced(module, store, round, cfg, inputs, config, own, slices)
-    started = time.perf_counter()
-    tables = {table: _read(store, table, round, columns, own, held or {}, inputs)
-              for table, columns in module.columns(cfg).items()}
-    if not force and hasattr(module, "reused_tables"):
-        tables.update(module.reused_tables(store, round, inputs))
-    out = _transform(module, tables, cfg)
-    drops = out.drops
-    fault_point("stage.before_commit")
-    with store.commit(name, round, inputs, config) as commit:
-        for table in module.WRITES:
-            commit.write(table, out.tables[table], part=name)  # validated against the table's contract
-        commit.record(rows_in=out.rows_in, rows_out=out.rows_out, drops=drops, **out.extra)
-    return StageReport(name, round, skipped=False, rows_in=out.rows_in, rows_out=out.rows_out, drops=drops,
-                       seconds=time.perf_counter() - started, written=commit.written)
-
-
-@dataclass
-class PreparedStage:
-    """A stage's round computed in memory, its commit not yet made (`prepare_stage`)."""
-
-    report: StageReport
-    """What run_stage would return, `written` included, whose entries hold each part's
-    sha256 and size, and mtime_ns None until `publish` has put the file in place."""
-    publish: Callable[[], dict[str, tuple[dict, pa.Table]]]
-    """Make the commit (files, then manifest): what run_stage commits, byte for byte. Returns
-    the commit's `written` (with mtime_ns). Call it once, in order after the earlier stages'."""
+    plan = plan_stage(module, store, round, cfg)
+    if not force and store.is_up_to_date(name, round, plan.inputs, plan.config):
+        manifest = store.load_manifest(name, round) or {}
+        return StageReport(name, round, skipped=True, rows_in=manifest.get("rows_in") or 0,
+                           rows_out=manifest.get("rows_out") or 0, drops=manifest.get("drops", {}),
+                           seconds=time.perf_counter() - started)
+    rows_in = rows_out = 0
+    drops: Counter[str] = Counter()
+    extra: dict[str, Any] = {}
+    with store.commit(name, round, plan.inputs, plan.config) as commit:
+        for s, tables in enumerate(_slice_tables(module, store, round, cfg, plan, commit, force)):
+            out = _transform(module, tables, cfg)
+            part = name if plan.slices == 1 else f"{name}-s{s:04d}"
+            for table in module.WRITES:  # validated against the table's contract
+                commit.write(table, out.tables[table], part=part, hold=plan.slices == 1)
+            rows_in, rows_out = rows_in + out.rows_in, rows_out + out.rows_out
+            drops.update(out.drops)
+            extra = _merged(extra, out.extra)
+            del tables, out
+        fault_point("stage.before_commit")
+        slices = {"slices": plan.slices} if plan.slices > 1 else {}
+        commit.record(rows_in=rows_in, rows_out=rows_out, drops=dict(drops), **slices, **extra)
+    return StageReport(name, round, skipped=False, rows_in=rows_in, rows_out=rows_out, drops=dict(drops),
+                       seconds=time.perf_counter() - started)
 
 
-def fresh_round(store: RunStore, round: int, stages: Sequence[str | ModuleType],
-                held: Mapping[str, tuple[dict, pa.Table]]) -> bool:
-    """Whether `prepare_stage` may run `stages` (in order) on `round`: none of them has a
-    manifest or a pending journal for it, every part file the round holds of a table they
-    read or write is one `held` has as it is on disk (the round loop: the samples the
-    generate stage just committed, or is committing in the background), and no stage would
-    take the round in slices."""
-    modules = [stage_module(stage) for stage in stages]
-    names = {module.STAGE for module in modules}
-    for path in store.round_manifests(round) + store.round_manifests(round, ".pending"):
-        if path.name.rsplit("-round=", 1)[0] in names:
-            return False  # run before: run_stage decides what is up to date
-    tables = {table for module in modules for table in (*module.READS, *module.WRITES)} - {"prompts"}
-    for table in tables:
-        if any(_held(held, store, path) is None for path in store.files(table, round)):
-            return False
-    main = modules[0].READS[0] if modules else None
-    if not any(rel.startswith(f"{main}/round={round}/") for rel in held):
-        return False  # the samples are not handed over: run_stage reads (or misses) them
-    rows: dict[str, int] = {}
-    for rel, (_, part) in held.items():  # on disk as held, or in flight (the generate commit)
-        table = rel.split("/", 1)[0]
-        if table in tables and rel.startswith(f"{table}/round={round}/"):
-            rows[table] = rows.get(table, 0) + part.num_rows
-    return all(rows.get(module.READS[0], 0) <= slice_rows() for module in modules)
-
-
-def prepare_stage(stage: str | ModuleType, store: RunStore, round: int, cfg,
-                  held: Mapping[str, tuple[dict, pa.Table]]) -> PreparedStage:
-    """run_stage's work on a round `fresh_round` accepted, from the tables in `held` (the
-    generate stage's and the earlier stages' outputs, published or not), without a file
-    read or written: inputs fingerprinted from their sha256, the transform, and its tables
-    validated and encoded. The commit is left to `PreparedStage.publish`, so the round loop
-    can go on (train) while a background thread writes (pipelines/loop/steps.py). The
-    manifest it writes is the one run_stage would: run_stage afterwards finds it up to date."""
-    module = stage_module(stage)
-    name = module.STAGE
-    own = (name,) if set(module.READS) & set(module.WRITES) else ()
-    parts: dict[str, list[tuple[str, pa.Table]]] = {table: [] for table in module.READS}
-    for rel in sorted(held):  # as store.files lists them: by name within the round folder
-        name_of = rel.split("/", 1)[0]
-        if name_of in parts and name_of != "prompts" and not _own_part(Path(rel), own):
-            parts[name_of].append((rel, held[rel][1]))
-    inputs = {rel: held[rel][0]["sha256"] for found in parts.values() for rel, _ in found}
-    prompts_held = sorted(rel for rel in held if rel.startswith("prompts/"))
-    if "prompts" in module.READS:  # the parts committed with the round's samples: held with them, or listed
-        inputs.update({rel: held[rel][0]["sha256"] for rel in prompts_held} if prompts_held
-                      else input_fingerprints(store, ("prompts",), round))
-    config = module.hashed_config(cfg) if hasattr(module, "hashed_config") else as_dict(cfg)
-    started = time.perf_counter()
-    tables = {}
-    for table, columns in module.columns(cfg).items():
-        if table == "prompts":
-            tables[table] = (_joined_prompts(store, [held[rel][1] for rel in prompts_held]) if prompts_held else
-                             _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")]))
-        elif columns is None:
-            raise ValueError(f"stage {name!r} reads every column of {table!r}: run it with run_stage")
-        else:
-            tables[table] = _held_columns(table, [part for _, part in parts[table]], columns)
-    out = _transform(module, tables, cfg)
-    drops = out.drops
-    fault_point("stage.before_commit")
-    encoded = [part for part in (encode_part(store, name, table, out.tables[table], name, round)
-                                 for table in module.WRITES) if part is not None]
-    written = {part.rel: part.in_flight() for part in encoded}
-
-    def publish() -> dict[str, tuple[dict, pa.Table]]:
-        with store.commit(name, round, inputs, config) as commit:
-            for part in encoded:
-                commit.put(part)
-            commit.record(rows_in=out.rows_in, rows_out=out.rows_out, drops=drops, **out.extra)
-        return commit.written
-
-    report = StageReport(name, round, skipped=False, rows_in=out.rows_in, rows_out=out.rows_out, drops=drops,
-                         seconds=time.perf_counter() - started, written=written)
-    return PreparedStage(report, publish)
+def _slice_tables(module: ModuleType, store: RunStore, round: int, cfg, plan: StagePlan, commit,
+                  force: bool) -> Iterator[dict[str, pa.Table]]:
+    """The transform's input tables: the round whole (with the stage's `reused_tables` unless
+    `force`), or slice by slice (the module docstring's "Memory"): one pass splits each input
+    into the slices' Arrow files in the commit's temp folder, then each slice is read alone."""
+    prompts = None
+    if "prompts" in module.READS:
+        prompts = _prompts(store, [store.root / rel for rel in plan.inputs if rel.startswith("prompts/")])
+    if plan.slices == 1:
+        tables = {table: prompts if table == "prompts" else _read(store, table, round, columns, plan.own)
+                  for table, columns in module.columns(cfg).items()}
+        if not force and hasattr(module, "reused_tables"):
+            tables.update(module.reused_tables(store, round, plan.inputs))
+        yield tables
+        return
+    split = {table: _split(store, table, round, columns, plan.own, plan.slices, commit.scratch(f"slices-{table}"))
+             for table, columns in module.columns(cfg).items() if table != "prompts"}
+    prompt_slice = None if prompts is None else slice_of(prompts.column("prompt_id"), plan.slices)
+    for s in range(plan.slices):
+        tables = {table: _read_arrow(files[s]) for table, files in split.items()}
+        if prompts is not None:
+            tables["prompts"] = prompts.filter(pa.array(prompt_slice == s))
+        yield tables
 
 
 def slice_rows() -> int:
@@ -291,19 +239,18 @@ def slice_rows() -> int:
     return int(value)
 
 
-def _slice_count(store: RunStore, module: ModuleType, cfg, round: int, own: tuple[str, ...],
-                 held: Mapping[str, tuple[dict, pa.Table]]) -> int:
+def _slice_count(store: RunStore, module: ModuleType, cfg, round: int, own: tuple[str, ...]) -> int:
     """K: 1, or ceil(rows of the round's main input / slice_rows()) for a sliceable stage (the
-    row counts come from the tables `held` for the files, else from the files' footers)."""
+    row counts of held parts from memory, of the others from the files' footers)."""
     if hasattr(module, "sliceable") and not module.sliceable(cfg):
         return 1
     table, rows = module.READS[0], 0
     for path in store.files(table, round):
         if _own_part(path, own):
             continue
-        known = _held(held, store, path)
-        if known is not None:
-            rows += known.num_rows
+        held = store.held_part(path)
+        if held is not None:
+            rows += held.table.num_rows
             continue
         try:
             rows += pq.read_metadata(path).num_rows
@@ -317,38 +264,6 @@ def slice_of(prompt_ids: pa.Array | pa.ChunkedArray, k: int) -> np.ndarray:
     """The slice (0..k-1) of each row: a hash of its prompt_id, so every row of a group lands in
     the same slice (the same slices for the same ids in one polars version)."""
     return (pl.Series(prompt_ids).hash(seed=0).to_numpy() % k).astype(np.int64)
-
-
-def _run_sliced(module: ModuleType, store: RunStore, round: int, cfg, inputs: Mapping[str, str],
-                config: Mapping, own: tuple[str, ...], slices: int) -> StageReport:
-    """run_stage's transform and commit for a round taken `slices` slices of groups at a time
-    (the module docstring's "Memory"): one pass splits each input into the slices' Arrow files
-    in the commit's temp folder, then each slice is read, transformed and written on its own."""
-    name, started = module.STAGE, time.perf_counter()
-    rows_in = rows_out = 0
-    drops: Counter[str] = Counter()
-    extra: dict[str, Any] = {}
-    with store.commit(name, round, inputs, config) as commit:
-        split = {table: _split(store, table, round, columns, own, slices, commit.scratch(f"slices-{table}"))
-                 for table, columns in module.columns(cfg).items() if table != "prompts"}
-        prompts = (_prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")])
-                   if "prompts" in module.READS else None)
-        prompt_slice = None if prompts is None else slice_of(prompts.column("prompt_id"), slices)
-        for s in range(slices):
-            tables = {table: _read_arrow(files[s]) for table, files in split.items()}
-            if prompts is not None:
-                tables["prompts"] = prompts.filter(pa.array(prompt_slice == s))
-            out = _transform(module, tables, cfg)
-            for table in module.WRITES:
-                commit.write(table, out.tables[table], part=f"{name}-s{s:04d}", hold=False)
-            rows_in, rows_out = rows_in + out.rows_in, rows_out + out.rows_out
-            drops.update(out.drops)
-            extra = _merged(extra, out.extra)
-            del tables, out
-        fault_point("stage.before_commit")
-        commit.record(rows_in=rows_in, rows_out=rows_out, drops=dict(drops), slices=slices, **extra)
-    return StageReport(name, round, skipped=False, rows_in=rows_in, rows_out=rows_out, drops=dict(drops),
-                       seconds=time.perf_counter() - started)
 
 
 def _split(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...], k: int,
@@ -414,23 +329,13 @@ def _own_parts(store: RunStore, table: str, round: int, own: tuple[str, ...]) ->
     return tuple(path.stem.removeprefix("part-") for path in store.files(table, round) if _own_part(path, own))
 
 
-def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...],
-          held: Mapping[str, tuple[dict, pa.Table]], inputs: Mapping[str, str]) -> pa.Table:
-    """`columns` of the round's `table` (every column, through RunStore.read, when None;
-    prompts: the parts fingerprinted in `inputs`), without the stage's `own` part files; from
-    `held` when it has every part file as it is on disk now."""
+def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...]) -> pa.Table:
+    """`columns` of the round's `table` (every column, through RunStore.read, when None),
+    without the stage's `own` part files; held parts from memory."""
     if columns is None:
         if own:
             raise ValueError(f"a stage that reads its own table {table!r} must name the columns it reads")
-        if table == "prompts":
-            return _prompts(store, [store.root / rel for rel in inputs if rel.startswith("prompts/")])
         return store.read(table, round)
-    if table == "prompts":
-        raise ValueError("a stage reads every column of the prompts table")
-    paths = [path for path in store.files(table, round) if not _own_part(path, own)]
-    known = [_held(held, store, path) for path in paths]
-    if all(part is not None for part in known):
-        return _held_columns(table, known, columns)
     return store.read_columns(table, columns, round, exclude_parts=_own_parts(store, table, round, own))
 
 
@@ -444,35 +349,17 @@ def _files(store: RunStore, table: str, round: int) -> list[Path]:
     return store.files("prompts") if listed is None else listed
 
 
-def _held(held: Held, store: RunStore, path: Path) -> pa.Table | None:
-    """The table held for `path` (`curation.store.run_store.held_entry`)."""
-    entry = held_entry(held, store.root, path)
-    return None if entry is None else entry[1]
-
-
-_PROMPT_PARTS: FileCache[pa.Table] = FileCache()  # prompts parts this process read, validated
-
-
 def _prompts(store: RunStore, paths: list[Path]) -> pa.Table:
-    """The prompts parts at `paths` (those `_files` chose for the round), validated, as
-    `store.read("prompts")` gives them. A part this process read before (same size and
-    mtime_ns) is not read again: rounds can share one."""
-    return _joined_prompts(store, [_PROMPT_PARTS.get(path, lambda path=path: schema.read_table_file(path, "prompts"))
-                                   for path in paths])
-
-
-def _joined_prompts(store: RunStore, parts: list[pa.Table]) -> pa.Table:
-    """Prompts parts as one validated table, as `store.read("prompts")` gives them."""
+    """The prompts parts at `paths` (those `_files` chose for the round; held ones from
+    memory), validated, as `store.read("prompts")` gives them."""
+    parts = []
+    for path in paths:
+        held = store.held_part(path)
+        parts.append(held.table if held is not None else schema.read_table_file(path, "prompts"))
     if not parts:
         return schema.empty("prompts")
     table = pa.concat_tables(parts, promote_options="permissive")
     return schema.validate(table, "prompts", store.table_glob("prompts"))
-
-
-def _held_columns(table: str, parts: list[pa.Table], columns: list[str]) -> pa.Table:
-    """`columns` of a table's parts held in memory, as one table (none at all: the empty table,
-    e.g. rejects of a round without drops)."""
-    return pa.concat_tables([contract_columns(table, part, columns) for part in parts or [schema.empty(table)]])
 
 
 def _transform(module: ModuleType, tables: dict[str, pa.Table], cfg) -> StageOutput:

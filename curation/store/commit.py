@@ -5,9 +5,8 @@
         commit.record(rows_in=..., drops=...)   # counts for the manifest
     # here: part files renamed into place, stale parts of the stage removed, manifest written
 
-`encode_part` does a write's validation and Parquet encoding without touching the disk, and
-`Commit.put` stages what it made: the round loop encodes a stage's tables at once and leaves
-the commit to a background thread (pipelines/loop/steps.py `Publisher`).
+A commit through a `RunStore(..., hold=True)` (the round loop's) leaves each part it wrote
+in `store.held` (its sha256 and table), so the next stage and the trainer read it from memory.
 
 The manifest (`RUN/_manifests/<stage>-round=<n>.json`) is written last: it is the commit
 point. It records each output file's sha256 (hashed while it was written), size and mtime_ns
@@ -42,9 +41,8 @@ from curation.store.fingerprints import (
     code_version,
     config_hash,
     file_stat,
-    remember_fingerprint,
 )
-from curation.store.run_store import ROUND_TABLES, RunStore, check_name, check_round
+from curation.store.run_store import ROUND_TABLES, HeldPart, RunStore, check_name, check_round
 from curation.store.runlog import fsync_dir, read_json, to_json, write_atomic
 from curation.store.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
 
@@ -69,11 +67,6 @@ class EncodedPart:
     data: pa.Table
     payload: pa.Buffer
     sha256: str
-
-    def in_flight(self, **extra) -> tuple[dict, pa.Table]:
-        """This part as a `curation.store.run_store.Held` entry while its commit is in flight (mtime_ns None,
-        `extra` fields beside sha256 and size)."""
-        return {"sha256": self.sha256, "size": self.payload.size, "mtime_ns": None, **extra}, self.data
 
 
 def part_file(store: RunStore, stage: str, table: str, part: str | None, round: int | None) -> tuple[Path, str]:
@@ -125,10 +118,7 @@ class Commit:
         self._staged: dict[Path, Path] = {}  # final path -> temporary path
         self._rows: dict[str, int] = {}
         self._sha256: dict[str, str] = {}
-        self._tables: dict[str, pa.Table] = {}
-        self.written: dict[str, tuple[dict, pa.Table]] = {}
-        """After the commit: {relative path: ({sha256, size, mtime_ns}, the validated table
-        written there)}, so a caller can go on without reading the files back."""
+        self._tables: dict[str, pa.Table] = {}  # the tables to hold in the store (RunStore.hold)
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
         self._owners: dict[bool, dict[str, str]] | None = None  # round table or prompts -> {output: stage}
         self._tmp: Path | None = None
@@ -166,8 +156,8 @@ class Commit:
 
         `data` is a pyarrow Table or anything `pa.table` accepts (a polars DataFrame, a dict).
         An empty table of `SKIPPED_WHEN_EMPTY` (rejects) is validated and writes no file.
-        `hold=False`: the table is not kept for `written` (a stage writing a large round slice
-        by slice, so memory holds one slice).
+        `hold=False`: the table is not kept in the store's `held` parts even when the store
+        holds them (a stage writing a large round slice by slice, so memory holds one slice).
         """
         if self._tmp is None:
             raise RuntimeError("Commit.write must be called inside `with store.commit(...)`")
@@ -178,14 +168,6 @@ class Commit:
         encoded = encode_part(self.store, self.stage, table, data, part, round)
         if encoded is not None:  # None: an empty rejects table, no file (an earlier attempt's is stale)
             self._stage_file(encoded, hold)
-
-    def put(self, encoded: EncodedPart, hold: bool = True) -> None:
-        """Stage a part that `encode_part` validated and encoded beforehand (the round loop
-        encodes a stage's tables at once and leaves the commit to a background thread)."""
-        if self._tmp is None:
-            raise RuntimeError("Commit.put must be called inside `with store.commit(...)`")
-        self._check_target(encoded.final, encoded.rel)
-        self._stage_file(encoded, hold)
 
     def _check_target(self, final: Path, rel: str) -> None:
         """A part file this commit may write: inside the run folder, once, not another stage's."""
@@ -206,7 +188,7 @@ class Commit:
         self._staged[encoded.final] = tmp
         self._rows[encoded.rel] = encoded.data.num_rows
         self._sha256[encoded.rel] = encoded.sha256
-        if hold:
+        if hold and self.store.hold:
             self._tables[encoded.rel] = encoded.data
 
     def _check_inside(self, folder: Path, rel: str) -> None:
@@ -309,9 +291,9 @@ class Commit:
             touched.add(final.parent)
             rel = final.relative_to(root).as_posix()
             files[rel] = {"sha256": self._sha256[rel], **file_stat(final)}  # a rename keeps size and mtime
-            remember_fingerprint(final, self._sha256[rel], files[rel])
         stale = before - set(outputs)
         for rel in stale - self._listed_elsewhere(stale):
+            store.held.pop(rel, None)
             (root / rel).unlink(missing_ok=True)
             if (root / rel).parent.is_dir():
                 touched.add((root / rel).parent)
@@ -327,7 +309,11 @@ class Commit:
         fault_point("commit.files_published")
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()
-        self.written = {rel: (files[rel], self._tables[rel]) for rel in outputs if rel in self._tables}
+        for rel in outputs:
+            if rel in self._tables:
+                store.held[rel] = HeldPart(self._sha256[rel], self._tables[rel])
+            else:
+                store.held.pop(rel, None)
         shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)
 
 

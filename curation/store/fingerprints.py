@@ -1,8 +1,8 @@
 """Fingerprints: what makes a stage's output up to date or stale.
 
     fingerprint_file(path)     sha256 of a file's bytes (a table part, a prompts file)
-    known_fingerprint(path)    the same, without reading the bytes again when a manifest (or this
-                               process) hashed them already and the file's size and mtime_ns match
+    known_fingerprint(path)    the same, without reading the bytes again when a manifest recorded
+                               them and the file's size and mtime_ns still match
     fingerprint_path(path)     sha256 of a file, or of a folder's relative paths and file hashes
     config_hash(config)        sha256 of a config's canonical JSON (sorted keys)
     code_version()             'groupforge <version> (<commit>[-dirty])', recorded in manifests
@@ -21,11 +21,6 @@ import os
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable, Generic, TypeVar
-
-T = TypeVar("T")
-
-_HASHED: dict[str, tuple[int, int, str]] = {}  # absolute path -> (size, mtime_ns, sha256) hashed here
 
 
 def fingerprint_file(path: str | Path) -> str:
@@ -43,59 +38,14 @@ def file_stat(path: str | Path) -> dict[str, int]:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def remember_fingerprint(path: str | Path, sha256: str, stat: Mapping[str, int]) -> None:
-    """Note that the file at `path` with this size and mtime_ns has `sha256` (known_fingerprint
-    then trusts it for the rest of the process)."""
-    _HASHED[os.path.abspath(path)] = (int(stat["size"]), int(stat["mtime_ns"]), sha256)
-
-
-def known_fingerprint(path: str | Path, recorded: Mapping[str, object] | None = None,
-                      compute: bool = True) -> str | None:
-    """sha256 of a file, hashed only when nothing vouches for it: `recorded` (a manifest's
-    `output_files` entry: sha256, size, mtime_ns) or an earlier hash in this process holds when
-    the file's size and mtime_ns still match; otherwise its bytes are read (and remembered),
-    or, with `compute=False`, None is returned."""
-    stat = file_stat(path)
-    key = (stat["size"], stat["mtime_ns"])
-    if recorded and (recorded.get("size"), recorded.get("mtime_ns")) == key and isinstance(recorded.get("sha256"), str):
-        return recorded["sha256"]
-    seen = _HASHED.get(os.path.abspath(path))
-    if seen is not None and seen[:2] == key:
-        return seen[2]
-    if not compute:
-        return None
-    digest = fingerprint_file(path)
-    if file_stat(path) == stat:  # not changed while it was read
-        remember_fingerprint(path, digest, stat)
-    return digest
-
-
-class FileCache(Generic[T]):
-    """Values computed from files (a parsed table), kept while a file's size and mtime_ns are
-    the ones it had when the value was computed; at most `max_entries` (None: no bound), the
-    oldest dropped first."""
-
-    def __init__(self, max_entries: int | None = None):
-        self._entries: dict[str, tuple[int, int, T]] = {}
-        self._max = max_entries
-
-    def get(self, path: str | Path, compute: Callable[[], T]) -> T:
-        key, stat = os.path.abspath(path), os.stat(path)
-        known = self._entries.get(key)
-        if known is None or known[:2] != (stat.st_size, stat.st_mtime_ns):
-            if known is None and self._max is not None and len(self._entries) >= self._max:
-                self._entries.pop(next(iter(self._entries)))
-            known = (stat.st_size, stat.st_mtime_ns, compute())
-            self._entries[key] = known
-        return known[2]
-
-    def put(self, path: str | Path, stat: Mapping[str, int], value: T) -> None:
-        """Keep `value` for the file at `path` with this size and mtime_ns (a file this process
-        just wrote, whose value it has without reading the file back)."""
-        key = os.path.abspath(path)
-        if key not in self._entries and self._max is not None and len(self._entries) >= self._max:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = (int(stat["size"]), int(stat["mtime_ns"]), value)
+def known_fingerprint(path: str | Path, recorded: Mapping[str, object] | None = None) -> str:
+    """sha256 of a file, hashed only when `recorded` (a manifest's `output_files` entry:
+    sha256, size, mtime_ns) does not vouch for it: the file's size and mtime_ns still match."""
+    if recorded and isinstance(recorded.get("sha256"), str):
+        stat = file_stat(path)
+        if (recorded.get("size"), recorded.get("mtime_ns")) == (stat["size"], stat["mtime_ns"]):
+            return recorded["sha256"]
+    return fingerprint_file(path)
 
 
 def fingerprint_path(path: str | Path) -> str:

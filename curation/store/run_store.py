@@ -41,6 +41,8 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -70,37 +72,20 @@ ROUND_DIR = re.compile(r"round=(\d+)")  # a round folder's name (RunStore.partit
 _HELD: dict[Path, int] = {}  # run roots whose lock this process holds, with a nesting count
 
 
-_DUCKDB: tuple[int, duckdb.DuckDBPyConnection] | None = None  # (pid, the process's in-memory database)
-
-
 def connect() -> duckdb.DuckDBPyConnection:
-    """A private DuckDB connection (its own registered tables and temp objects; close it when
-    done) on this process's in-memory database: ~1.5 ms, where `duckdb.connect()` starts a new
-    database for ~17 ms, a cost every stage and trainer call would pay each round."""
-    global _DUCKDB
-    if _DUCKDB is None or _DUCKDB[0] != os.getpid():  # a forked child makes its own
-        _DUCKDB = (os.getpid(), duckdb.connect(":memory:"))
-    return _DUCKDB[1].cursor()
+    """A new in-memory DuckDB connection (close it when done)."""
+    return duckdb.connect(":memory:")
 
 
-Held = Mapping[str, tuple[dict, pa.Table]]
-"""Tables a process has just committed, kept so that they are not read back: {path relative
-to the run: ({sha256, size, mtime_ns}, the table as written)} (`Commit.written`). An entry
-whose mtime_ns is None is a commit in flight (the round loop's background commits): its file
-may not be there yet, and the table is what the commit writes (`EncodedPart.in_flight`)."""
+@dataclass(frozen=True)
+class HeldPart:
+    """A part file committed through a `RunStore(..., hold=True)` in this process, kept in
+    memory so the next stage and the trainer read the table instead of the file."""
 
-
-def held_entry(held: Held | None, root: Path, path: Path) -> tuple[dict, pa.Table] | None:
-    """`held`'s entry for the part file at `path` (under the run folder `root`): while the file
-    is the one it was committed as (size and mtime_ns), or its commit is in flight."""
-    entry = held.get(path.relative_to(root).as_posix()) if held else None
-    if entry is None:
-        return None
-    recorded = entry[0]
-    if recorded.get("mtime_ns") is None or file_stat(path) == {"size": recorded["size"],
-                                                                "mtime_ns": recorded["mtime_ns"]}:
-        return entry
-    return None
+    sha256: str
+    """The file's sha256 (its fingerprint as a stage input)."""
+    table: pa.Table
+    """The validated table the file holds."""
 
 
 def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.Table:
@@ -161,9 +146,23 @@ def committed_outputs(root: Path) -> set[str]:
 class RunStore:
     """One run directory (see the module docstring). Creates nothing until something is written."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, hold: bool = False):
         self.root = Path(root)
+        self.hold = hold
+        """Keep the parts committed through this store in memory (`held`): the round loop."""
+        self.held: dict[str, HeldPart] = {}
+        """The parts committed through this store (with `hold`), by path relative to the run.
+        Commits made through another RunStore object do not update it: a process writes a run
+        through one store (callers hold the run's lock, so no other process writes)."""
         self._committed: frozenset[Path] | None = None  # set by snapshot(): only these files are read
+
+    def held_part(self, path: Path) -> HeldPart | None:
+        """The part held for the file at `path` (None: read the file)."""
+        return self.held.get(path.relative_to(self.root).as_posix()) if self.held else None
+
+    def release(self) -> None:
+        """Drop the held parts (the round loop, once a round is done with them)."""
+        self.held.clear()
 
     def __repr__(self) -> str:
         return f"RunStore({str(self.root)!r}{', snapshot' if self._committed is not None else ''})"
@@ -322,7 +321,7 @@ class RunStore:
                      batch_rows: int | None = None) -> Iterator[pa.Table]:
         """read_columns as an iterator: one table per file, or per batch of <= `batch_rows` rows
         of a file (memory then holds one batch: a curation stage's pass over a large round),
-        each checked as read_columns checks the whole."""
+        each checked as read_columns checks the whole. A part `held` is taken from memory, whole."""
         contract = schema.SCHEMAS[table]
         unknown = [c for c in columns if c not in contract.names]
         if unknown:
@@ -332,6 +331,10 @@ class RunStore:
         check_round = validate and table != "prompts"
         for path in self.files(table, rounds):
             if path.stem.removeprefix("part-") in exclude_parts:
+                continue
+            held = self.held_part(path)
+            if held is not None:  # validated when it was committed
+                yield contract_columns(table, held.table, columns)
                 continue
             try:
                 found = pq.read_schema(path)
@@ -408,6 +411,34 @@ class RunStore:
             if isinstance(files, dict):
                 recorded.update(files)
         return recorded
+
+    def part_fingerprints(self, paths: Sequence[Path], round: int | None = None) -> dict[Path, str]:
+        """{path: sha256} of part files: a held part's own, else what its round's manifests
+        (prompts parts: `round`'s) record (`output_files`, while size and mtime_ns match), else
+        hashed (in parallel: hashlib lets go of the GIL)."""
+        found: dict[Path, str] = {}
+        recorded: dict[int | None, dict[str, dict]] = {}
+        todo = []
+        for path in paths:
+            held = self.held_part(path)
+            if held is not None:
+                found[path] = held.sha256
+                continue
+            m = ROUND_DIR.fullmatch(path.parent.name)
+            of = int(m[1]) if m else round
+            if of is not None and of not in recorded:
+                recorded[of] = self.recorded_files(of)
+            entry = recorded.get(of, {}).get(path.relative_to(self.root).as_posix())
+            if entry is not None and known_fingerprint(path, entry) == entry.get("sha256"):
+                found[path] = entry["sha256"]
+            else:
+                todo.append(path)
+        if len(todo) > 1:
+            with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+                found.update(zip(todo, pool.map(fingerprint_file, todo)))
+        elif todo:
+            found[todo[0]] = fingerprint_file(todo[0])
+        return {path: found[path] for path in paths}
 
     def round_prompts(self, round: int) -> list[Path] | None:
         """The prompts parts the round's samples came from: those listed by the manifests that

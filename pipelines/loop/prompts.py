@@ -29,17 +29,21 @@ Only rounds before `round` count (a rerun after a kill, with this round's sample
 on disk, chooses the same); the choice is written to RUN/_rounds/round=<n>/prompts.parquet
 once and reused on resume. Train files are recorded in RUN/pipeline.json (`prompt_files`);
 on a new run no file counts as new.
+
+The loop's state for this is a `PromptBook` on its RoundContext: the pool (the train files,
+read once per run) and the times each prompt was used, counted from the samples of the
+rounds before the first choice once, then one new round at a time, so a choice costs the
+same in round 5 and round 500. The loop writes each round's samples before the next choice
+and never rewrites an earlier round's; a book is for one run and one set of train files.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Mapping, Protocol
+from typing import Literal, Protocol
 
 import duckdb
 import numpy as np
@@ -47,12 +51,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
-from curation.generate.base import load_prompts, remember_prompts
-from curation.store.fingerprints import FileCache, file_stat
-from curation.store.run_store import RunStore, parquet_files
+from curation.generate.base import load_prompts
+from curation.store.run_store import RunStore
 from curation.store.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
 
-__all__ = ["PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak", "times_used"]
+__all__ = ["PromptBook", "PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak",
+           "times_used"]
 
 
 class PromptChoice(BaseModel):
@@ -77,6 +81,7 @@ class _Context(Protocol):
 
     spec: object
     store: RunStore
+    prompts: PromptBook
 
     @property
     def run_dir(self) -> Path: ...
@@ -92,7 +97,6 @@ def choose_prompts(ctx: _Context, round: int) -> Path:
     pool, keys = _ranking_keys(ctx, round, state)
     chosen = pool.table.take(pa.array(first_in_order(keys, ctx.spec.prompts.per_round), type=pa.int64()))
     write_atomic(path, lambda f: pq.write_table(chosen, f))
-    remember_prompts(path, chosen)  # the generate stage reads this file next
     files = sorted(set(state.get("prompt_files", [])) | {str(f) for f in ctx.spec.prompts.train})
     if files != state.get("prompt_files"):
         save_pipeline_state(ctx.run_dir, {**state, "prompt_files": files})
@@ -117,11 +121,11 @@ def _ranking_keys(ctx: _Context, round: int, state: dict) -> tuple[_Pool, list[n
     spec = ctx.spec
     choice = prompt_choice(spec)
     seen = set(state.get("prompt_files", []))
-    pool = _prompt_pool(spec.prompts.train, seen if seen else None)
+    pool = ctx.prompts.pool(spec.prompts.train, seen if seen else None)
     h = tiebreak(spec.run.seed, round, pool.keys)
     if choice.strategy == "least_used":
         # (times used, not new) as one key: not_new is 0 or 1.
-        return pool, [_used_in_pool(ctx.store, round, pool) * 2 + pool.not_new, h]
+        return pool, [ctx.prompts.times_used(ctx.store, round) * 2 + pool.not_new, h]
     rates = pass_rates(ctx.store, round, choice.window)
     weight = pool.per_prompt({prompt_id: choice.floor for prompt_id, (_, flat) in rates.items() if flat}, 1.0)
     u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53  # h's top 53 bits, in (0, 1)
@@ -160,141 +164,55 @@ def prompt_choice(spec: object) -> PromptChoice:
     return choice if isinstance(choice, PromptChoice) else PromptChoice.model_validate(choice)
 
 
-_SAMPLED: FileCache[frozenset[str]] = FileCache(max_entries=1 << 16)
-"""The prompt ids of each samples part file this process read (a part is written once; a
-rewritten one has another size or mtime_ns and is read again)."""
-
-
 def times_used(store: RunStore, round: int) -> dict[str, int]:
-    """Per prompt_id: how many rounds before `round` sampled it."""
-    return dict(Counter(prompt_id for ids in _sampled_rounds(store, round).values() for prompt_id in ids))
+    """Per prompt_id: how many rounds before `round` sampled it (read from the samples tables)."""
+    return dict(Counter(prompt_id for earlier in store.rounds("samples") if earlier < round
+                        for prompt_id in _round_ids(store, earlier)))
 
 
-@dataclass(frozen=True)
-class _RoundFolder:
-    """A samples round folder as this process last listed it."""
-
-    mtime_ns: int
-    listed_ns: int
-    """time.time_ns() when it was listed."""
-    files: tuple[tuple[str, int, int], ...]
-    """Its part files: (path, size, mtime_ns)."""
-    ids: frozenset[str]
-    """The prompt ids its part files hold."""
-
-
-_FOLDERS: dict[str, _RoundFolder] = {}  # by the folder's absolute path
-_RACY_NS = 2_000_000_000
-"""A folder listed less than this after its last change is listed again on the next call: a
-file system's clock may tick as rarely as once a second, so a file added in the same tick as
-the listing would leave the folder's mtime_ns unchanged."""
-
-
-def _sampled_rounds(store: RunStore, round: int) -> dict[int, frozenset[str]]:
-    """{earlier round: the prompt ids its samples parts hold} for the rounds before `round`
-    that hold a samples part. A round folder is listed again only when its mtime_ns changed
-    (a part added, replaced or removed) and a part read again only when its size or mtime_ns
-    changed (rewritten in place), so a call costs two stats per earlier round, not a listing
-    and a read of each."""
-    if getattr(store, "_committed", None) is not None:  # a snapshot reads only its committed files
-        return {earlier: _read_ids(store.files("samples", earlier))
-                for earlier in store.rounds("samples") if earlier < round}
-    try:
-        entries = list(os.scandir(store.table_dir("samples")))
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    found: dict[int, frozenset[str]] = {}
-    for entry in entries:
-        digits = entry.name[len("round="):]
-        # Only the folders RunStore.partition_dir names (round=<n>, no leading zeros) hold a round.
-        if not (entry.name.startswith("round=") and digits.isdecimal() and digits.isascii()
-                and entry.name == f"round={int(digits)}") or int(digits) >= round:
-            continue
-        folder = _round_folder(entry.path)
-        if folder is not None and folder.files:
-            found[int(digits)] = folder.ids
-    return found
-
-
-def _round_folder(key: str) -> _RoundFolder | None:
-    """The listing and prompt ids of the samples round folder at path `key` (None: not a
-    folder), from _FOLDERS while the folder and its parts are unchanged."""
-    try:
-        mtime_ns = os.stat(key).st_mtime_ns
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    known = _FOLDERS.get(key)
-    if known is not None and known.mtime_ns == mtime_ns and known.listed_ns - mtime_ns > _RACY_NS:
-        try:
-            for file, size, file_mtime_ns in known.files:
-                stat = os.stat(file)
-                if stat.st_size != size or stat.st_mtime_ns != file_mtime_ns:
-                    break
-            else:
-                return known
-        except FileNotFoundError:
-            pass
-    listed_ns = time.time_ns()
-    parts = parquet_files(Path(key))  # as RunStore.files lists them
-    files = tuple((str(part), *file_stat(part).values()) for part in parts)
-    if key not in _FOLDERS and len(_FOLDERS) >= 1 << 16:
-        _FOLDERS.pop(next(iter(_FOLDERS)))
-    folder = _FOLDERS[key] = _RoundFolder(mtime_ns, listed_ns, files, _read_ids(parts))
-    return folder
-
-
-def remember_sampled(path: Path, stat: Mapping[str, int], samples: pa.Table) -> None:
-    """Note the prompt ids of a samples part this process just committed (its size and
-    mtime_ns as published), so the next prompt choice does not read the file back."""
-    _SAMPLED.put(path, stat, _ids_of(samples))
-
-
-def _read_ids(parts: list[Path]) -> frozenset[str]:
-    """The prompt ids the samples parts hold (each part read once per process: _SAMPLED)."""
-    ids: set[str] = set()
-    for path in parts:
-        ids |= _SAMPLED.get(path, lambda path=path: _ids_of(pq.read_table(path, columns=["prompt_id"])))
-    return frozenset(ids)
-
-
-def _ids_of(samples: pa.Table) -> frozenset[str]:
-    return frozenset(samples.column("prompt_id").unique().to_pylist())
+def _round_ids(store: RunStore, round: int) -> frozenset[str]:
+    """The prompt ids the round's samples hold (held parts from memory)."""
+    return frozenset(store.read_columns("samples", ["prompt_id"], round, validate=False)
+                     .column("prompt_id").unique().to_pylist())
 
 
 @dataclass
-class _UsedCounts:
-    """Times used in one pool's order, for the rounds (and their ids) counted so far."""
+class PromptBook:
+    """The round loop's prompt-choice state: the pool of its train files and how many earlier
+    rounds sampled each prompt (see the module docstring)."""
 
-    counted: dict[int, frozenset[str]]
-    used: np.ndarray
+    _pool: _Pool | None = None
+    _pool_key: tuple | None = None
+    _used: np.ndarray | None = None
+    """Per pool position: the rounds before `_counted` that sampled it."""
+    _counted: int = 1
+    """The first round not counted in `_used` yet."""
 
+    def pool(self, files: list[str], seen: set[str] | None) -> _Pool:
+        """The pool of `files` (the spec's train files) with which of them are new to the run
+        (`seen`: the files the run saw before; None: nothing is new); read once for the run."""
+        key = (tuple(str(f) for f in files), None if seen is None else tuple(sorted(seen)))
+        if key != self._pool_key:
+            ids = None if self._pool is None else self._pool.ids
+            self._pool, self._pool_key = _prompt_pool(files, seen), key
+            if ids != self._pool.ids:  # another pool: count again
+                self._used, self._counted = None, 1
+        return self._pool
 
-_USED: dict[tuple[str, int], tuple[_Pool, _UsedCounts]] = {}  # by (samples folder, id(pool)); the last 4
-
-
-def _used_in_pool(store: RunStore, round: int, pool: _Pool) -> np.ndarray:
-    """Times used (rounds before `round` that sampled the prompt) of each prompt of `pool`, in
-    pool order. Kept between calls and updated by the rounds that changed: a new round's ids
-    are added, a round whose parts changed is taken out and added again."""
-    rounds = _sampled_rounds(store, round)
-    key = (str(store.table_dir("samples")), id(pool))
-    cached = _USED.get(key)
-    if cached is None or cached[0] is not pool:
-        if len(_USED) >= 4:
-            _USED.pop(next(iter(_USED)))
-        counts = _USED[key] = (pool, _UsedCounts({}, np.zeros(len(pool.ids), dtype=np.int64)))
-        counts = counts[1]
-    else:
-        counts = cached[1]
-    for earlier, ids in list(counts.counted.items()):
-        if rounds.get(earlier) is not ids:
-            counts.used[pool.positions(ids)] -= 1
-            del counts.counted[earlier]
-    for earlier, ids in rounds.items():
-        if earlier not in counts.counted:
-            counts.used[pool.positions(ids)] += 1
-            counts.counted[earlier] = ids
-    return counts.used.copy()
+    def times_used(self, store: RunStore, round: int) -> np.ndarray:
+        """Times used (rounds before `round` that sampled the prompt) of each prompt of the pool,
+        in pool order; counts the rounds not counted yet (all of them on the first call)."""
+        pool = self._pool
+        if self._used is None or round < self._counted:
+            self._used, self._counted = np.zeros(len(pool.ids), dtype=np.int64), 1
+            earlier = [r for r in store.rounds("samples") if r < round]
+        else:
+            earlier = range(self._counted, round)
+        for r in earlier:
+            ids = _round_ids(store, r) if store.files("samples", r) else frozenset()
+            self._used[pool.positions(ids)] += 1
+        self._counted = max(self._counted, round)
+        return self._used.copy()
 
 
 _PASS_RATE_SQL = """
@@ -350,17 +268,10 @@ class _Pool:
         return out
 
 
-_POOLS: dict[tuple, _Pool] = {}  # the last few pools, by (each file's path, size, mtime_ns; files seen)
-
-
 def _prompt_pool(files: list[str], seen: set[str] | None) -> _Pool:
     """The pool of the spec's train files (first occurrence of each prompt_id kept), with
     whether each prompt comes from a file the run has not seen before (seen None: nothing is
-    new); kept while the files are unchanged (a round loop asks once per round)."""
-    stats = tuple((os.path.abspath(f), *file_stat(f).values()) for f in files)
-    key = (stats, None if seen is None else tuple(sorted(seen)))
-    if key in _POOLS:
-        return _POOLS[key]
+    new)."""
     tables = [load_prompts(f) for f in files]
     new_flags = [[seen is not None and str(f) not in seen] * t.num_rows for f, t in zip(files, tables)]
     table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
@@ -370,11 +281,8 @@ def _prompt_pool(files: list[str], seen: set[str] | None) -> _Pool:
     keep = [i for i, prompt_id in enumerate(ids) if not (prompt_id in seen_ids or seen_ids.add(prompt_id))]
     if len(keep) < len(ids):
         table, ids, is_new = table.take(pa.array(keep)), [ids[i] for i in keep], [is_new[i] for i in keep]
-    if len(_POOLS) >= 4:
-        _POOLS.pop(next(iter(_POOLS)))
-    pool = _POOLS[key] = _Pool(table, ids, ~np.asarray(is_new, dtype=bool), prompt_keys(ids),
-                               {prompt_id: at for at, prompt_id in enumerate(ids)})
-    return pool
+    return _Pool(table, ids, ~np.asarray(is_new, dtype=bool), prompt_keys(ids),
+                 {prompt_id: at for at, prompt_id in enumerate(ids)})
 
 
 def _sha64(text: str) -> int:

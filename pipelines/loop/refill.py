@@ -18,8 +18,9 @@ import pyarrow.parquet as pq
 
 from curation.stages.runner import StageReport
 from curation.store.runlog import round_prompts_path, write_atomic
+from pipelines.loop.context import RoundContext
 from pipelines.loop.prompts import ranked_prompts
-from pipelines.loop.steps import RoundContext, curate, kept_groups, sample
+from pipelines.loop.steps import curate_round, kept_groups, sample
 
 
 def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str, StageReport],
@@ -37,7 +38,7 @@ def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str,
     for call in range(1, settings.max_calls + 1):
         path = round_prompts_path(ctx.run_dir, round).with_name(f"refill-{call}.parquet")
         if not path.is_file():
-            kept = kept_groups(ctx.store, round, reports)
+            kept = kept_groups(ctx.store, round)
             budget = settings.max_extra_prompts - extra
             if kept >= settings.min_kept_groups or budget <= 0:
                 break
@@ -52,7 +53,7 @@ def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str,
         taken.update(ids)
         extra += len(ids)
         sample(ctx, round, path, start_version, stage=f"refill-{call}")
-        reports = curate(ctx, round, stages)
+        reports = curate_round(ctx, round, stages)
     return reports, extra
 
 

@@ -22,11 +22,12 @@ since then (checkpoint_every > 1: the same rows and steps give the same weights)
 `--rounds +K` extends a finished run by K rounds (the target is kept in RUN/pipeline.json).
 The run's lock keeps a second job off the same run.
 
-Within one process the loop keeps what it already has: the trainer's model and optimizer
-(`TrainSession`), the new weights for the engine (loaded from memory, no checkpoint read),
-the tokenized eval prompts, the round records, and the tables the stages just produced: on a
-fresh round each curation stage reads the one before from memory, and their commits are made
-by a background thread (`Publisher`) that the round waits for before its record is written.
+Within one process the loop keeps what it already has (pipelines/loop/context.py): the
+trainer's model and optimizer (`TrainSession`), the new weights for the engine (loaded from
+memory, no checkpoint read), the tokenized eval prompts, the round records, the prompt pool
+and its use counts (`PromptBook`), and the tables the round committed: each stage commits
+before the next runs, and the run's store (`RunStore(..., hold=True)`) keeps the parts it
+committed so the next stage and the trainer read them from memory.
 
 The run folder's non-table files (spec.toml, pipeline.json, metrics.jsonl, _rounds/) are
 named, read and written by curation/store/runlog.py; a round's record is its `RoundRecord`. The
@@ -55,14 +56,11 @@ from curation.store.runlog import (
     write_atomic,
 )
 from curation.store.verify import check_run
+from pipelines.loop.context import EvalSet, Phases, RoundContext, live_generator
 from pipelines.loop.prompts import choose_prompts
 from pipelines.loop.refill import refill
 from pipelines.loop.steps import (
-    EvalSet,
-    Phases,
-    RoundContext,
-    curate,
-    live_generator,
+    curate_round,
     loop_stages,
     prefetch,
     replay,
@@ -94,7 +92,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
                              "outside runs/: refused; give --run-dir to write there on purpose")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    store = RunStore(run_dir)
+    store = RunStore(run_dir, hold=True)
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
         store.clean_tmp()
         check_run(run_dir)  # a resumed run folder is what its manifests say, before a round reads it
@@ -129,7 +127,6 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
                 trackers.finish(report_run(run_dir))
         finally:
             trackers.close()
-            ctx.publisher.close()
             ctx.finish_prefetch()
             if ctx.generator is not None:
                 ctx.generator.close()
@@ -143,7 +140,7 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     """Round `round` >= 1: generate, curate (refill), train, evaluate; returns its metrics record."""
     spec = ctx.spec
     ctx.clock = clock = Phases()
-    ctx.held.clear()
+    ctx.store.release()
     # The loop runs rounds in order, so the previous record is there; a missing one counts as
     # a start from the base model.
     found = ctx.records.get(round - 1)
@@ -156,31 +153,24 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
 
     # -- curate, and refill while too few groups are informative ----------------------------
     stages = loop_stages(spec)
-    reports = curate(ctx, round, stages)
+    reports = curate_round(ctx, round, stages)
     refilled = 0
     if spec.run.refill is not None:
-        ctx.settle()  # refill samples and curates again from the round's files
         reports, refilled = refill(ctx, round, start_version, reports, stages)
     fault_point("loop.after_curate")
     if spec.run.overlap and round < ctx.target_rounds:  # the engines sample the next round meanwhile
-        ctx.settle()  # the next round's prompt choice reads this round's files
         prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start_version)
-    elif spec.run.background_commits and round < ctx.target_rounds:
-        # The next round's prompt choice reads only this round's files: the commit thread makes it
-        # after their commits, while the trainer trains (the same choice as at the next round's start).
-        ctx.publisher.submit(lambda: _choose_next(ctx, round))
 
-    # -- train (on the round's tables in memory, while their commits are made) ---------------
+    # -- train (on the round's tables, held in memory by the store) ----------------------------
     since = ctx.metrics.position()
     steps, decay_steps = train_round(ctx, round, start_version)
-    ctx.held.clear()
     rates = [s["tokens_per_s"] for s in ctx.metrics.records_since(since)
              if s.get("event") == "step" and start_version < s.get("step", 0) <= steps]
 
     # -- evaluate the new policy -------------------------------------------------------------
     accuracy = evaluate(ctx, steps) if evaluates(ctx, round) else None
-    ctx.settle()  # the round's commits are made before its record says it is done (a wait is "other")
     stats = round_stats(ctx.store, round, reports)
+    ctx.store.release()
     tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in sampling_manifests(ctx.store, round))
                               for key in ("response_tokens", "sample_seconds"))
     wall, phases = clock.result()
@@ -194,12 +184,6 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
         train_tokens_per_s=decimals(sum(rates) / len(rates), 1) if rates else 0.0,
         phase_seconds=phases, model_seconds=decimals(clock.model, 4), refill_prompts=refilled,
         decay_steps=decay_steps)
-
-
-def _choose_next(ctx: RoundContext, round: int) -> dict:
-    """Write round `round + 1`'s prompt choice (a background commit's task: it adds no table)."""
-    choose_prompts(ctx, round + 1)
-    return {}
 
 
 def evaluate_start(ctx: RoundContext) -> RoundRecord:

@@ -4,10 +4,10 @@ check, main input, column reads, hooks, declared outputs) on real run folders.""
 from __future__ import annotations
 
 import json
-import os
 import types
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel
 
@@ -121,15 +121,14 @@ def test_a_transform_must_return_the_tables_it_declares(tmp_path):
 def test_inputs_are_fingerprinted_from_the_manifests_without_reading_the_files(tmp_path, monkeypatch):
     """The runner reuses the sha256 a commit recorded while writing a part; manifests of older
     runs (no output_files) still work: their files are hashed."""
-    from curation.store import fingerprints
     from curation.stages.runner import input_fingerprints
+    from curation.store import fingerprints, run_store
 
     store = RunStore(tmp_path / "run")
     commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0]})))
     expected = {rel: fingerprints.fingerprint_file(store.root / rel) for rel in store.recorded_files(0)}
     reads = []
-    monkeypatch.setattr(fingerprints, "_HASHED", {})
-    monkeypatch.setattr(fingerprints, "fingerprint_file", lambda path: reads.append(path) or "x")
+    monkeypatch.setattr(run_store, "fingerprint_file", lambda path: reads.append(path) or "x")
     got = input_fingerprints(store, ("samples", "scores"), 0)
     assert got == {rel: expected[rel] for rel in got} and len(got) == 2 and reads == []
     for path in store.root.glob("_manifests/*.json"):  # as an older version wrote them
@@ -139,35 +138,30 @@ def test_inputs_are_fingerprinted_from_the_manifests_without_reading_the_files(t
     assert input_fingerprints(store, ("samples", "scores"), 0) == dict.fromkeys(got, "x") and len(reads) == 2
 
 
-def test_held_tables_replace_the_reads_only_while_the_files_are_unchanged(tmp_path, monkeypatch):
-    """The round loop hands each stage what the stages before it committed; the stage's output
-    is the same as from the files, and a file changed on disk since is read again."""
+def test_a_store_that_holds_its_commits_feeds_the_next_stage_from_memory(tmp_path, monkeypatch):
+    """The round loop's store (hold=True) keeps what each stage committed; the next stage reads
+    it from memory, its fingerprints from the held sha256, and its output is the files' output."""
     from curation.stages import filter as filter_stage
+    from curation.store import run_store
 
-    store = RunStore(tmp_path / "run")
+    store = RunStore(tmp_path / "run", hold=True)
     samples, scores = samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0], "c": [1, 1]}))
-    held = {}
     for stage, tables in (("generate", {"samples": samples, "rejects": SCHEMAS["rejects"].empty_table()}),
                           ("score", {"scores": scores, "rejects": SCHEMAS["rejects"].empty_table()})):
         with store.commit(stage, 0, inputs={}, config={}) as commit:
             for table, data in tables.items():
                 commit.write(table, data, part=stage)
-        held.update(commit.written)
     # no rows dropped: no rejects part (filter reads the empty rejects table without a file)
-    assert sorted(held) == ["samples/round=0/part-generate.parquet", "scores/round=0/part-score.parquet"]
-    from_files = run_stage(filter_stage, store.root, 0, force=True).written
-    real_read = RunStore.read_columns
-    monkeypatch.setattr(RunStore, "read_columns", lambda *a, **k: pytest.fail("read a file it holds"))
-    from_memory = run_stage(filter_stage, store.root, 0, force=True, held=held).written
+    assert sorted(store.held) == ["samples/round=0/part-generate.parquet", "scores/round=0/part-score.parquet"]
+    run_stage(filter_stage, store.root, 0, force=True)  # through a plain store: from the files
     part = "rejects/round=0/part-filter.parquet"
-    assert list(from_memory) == [part] and from_memory[part][1].num_rows > 0
-    assert from_memory[part][1].equals(from_files[part][1])
-
-    path = store.root / "scores" / "round=0" / "part-score.parquet"  # rewritten behind the loop's back
-    stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    reads = []
-    monkeypatch.setattr(RunStore, "read_columns", lambda self, table, *a, **k: reads.append(table)
-                        or real_read(self, table, *a, **k))
-    run_stage(filter_stage, store.root, 0, force=True, held=held)
-    assert reads == ["scores"]
+    from_files = pq.read_table(store.root / part)
+    expected_sha = RunStore(store.root).part_fingerprints([store.root / part])[store.root / part]
+    for reader in ("read_table", "read_schema", "read_metadata"):
+        monkeypatch.setattr(pq, reader, lambda *a, **k: pytest.fail("read a file it holds"))
+    monkeypatch.setattr(run_store, "fingerprint_file", lambda *a: pytest.fail("hashed a file it holds"))
+    report = run_stage(filter_stage, store, 0, force=True)
+    assert not report.skipped and store.held[part].table.num_rows > 0
+    assert store.held[part].table.equals(from_files) and store.held[part].sha256 == expected_sha
+    store.release()
+    assert store.held == {}

@@ -19,8 +19,8 @@ import pytest
 
 from curation.stages.label import LabelConfig
 from curation.stages.runner import CURATION_STAGES, SLICE_ROWS_ENV, run_stage, slice_of, slice_rows
-from curation.store.fingerprints import file_stat, fingerprint_file
-from curation.store.run_store import RunStore
+from curation.store.fingerprints import fingerprint_file
+from curation.store.run_store import HeldPart, RunStore
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "curation.py"
 TABLES = {"scores": "reward", "rejects": "reason", "groups": "advantage", "pairs": "soft_label"}
@@ -189,14 +189,13 @@ def test_stages_fed_held_tables_slice_the_round_as_from_the_files(two_runs, monk
         if not path.name.startswith("generate-"):
             path.unlink()
     monkeypatch.setenv(SLICE_ROWS_ENV, "700")
-    store = RunStore(run)
-    held = {path.relative_to(run).as_posix(): ({"sha256": fingerprint_file(path), **file_stat(path)},
-                                               pq.read_table(path)) for path in store.files("samples", 0)}
-    assert held
+    store = RunStore(run, hold=True)
+    store.held.update({path.relative_to(run).as_posix(): HeldPart(fingerprint_file(path), pq.read_table(path))
+                       for path in store.files("samples", 0)})
+    assert store.held
     with store.lock():
         for name, cfg in zip(CURATION_STAGES, cfgs):
-            report = run_stage(name, run, 0, cfg, held=held)
-            held.update(report.written)
+            run_stage(name, store, 0, cfg)
     for name in CURATION_STAGES:
         manifest = RunStore(run).load_manifest(name, 0)
         assert manifest["slices"] == manifests_sliced[name]["slices"], name

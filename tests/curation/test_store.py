@@ -480,19 +480,15 @@ def test_a_commit_records_each_output_hash_size_and_mtime(tmp_path):
     assert store.recorded_files(0) == manifest["output_files"] and store.recorded_files(1) == {}
 
 
-def test_known_fingerprint_trusts_a_record_only_while_size_and_mtime_match(tmp_path, monkeypatch):
+def test_known_fingerprint_trusts_a_record_only_while_size_and_mtime_match(tmp_path):
     from curation.store import fingerprints
 
-    monkeypatch.setattr(fingerprints, "_HASHED", {})  # nothing hashed by this process yet
     path = tmp_path / "part.parquet"
     path.write_bytes(b"12345678")
     stat = os.stat(path)
     recorded = {"sha256": "r" * 64, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     assert fingerprints.known_fingerprint(path, recorded) == "r" * 64  # vouched for: not read
-    assert fingerprints.known_fingerprint(path, compute=False) is None  # nothing vouches, nothing read
-    real = hashlib.sha256(b"12345678").hexdigest()
-    assert fingerprints.known_fingerprint(path) == real  # read once ...
-    assert fingerprints.known_fingerprint(path, compute=False) == real  # ... and remembered
+    assert fingerprints.known_fingerprint(path) == hashlib.sha256(b"12345678").hexdigest()  # nothing vouches: read
     path.write_bytes(b"87654321")  # same size, new mtime: the record no longer holds
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert fingerprints.known_fingerprint(path, recorded) == hashlib.sha256(b"87654321").hexdigest()

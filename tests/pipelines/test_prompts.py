@@ -5,7 +5,7 @@ PromptChoice. The default strategy's behaviour: tests/pipelines/test_choose_prom
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from curation.generate.base import prompt_id_of
 from curation.schema import SCHEMAS
 from curation.store.run_store import RunStore
-from pipelines.loop.prompts import PromptChoice, choose_prompts, pass_rates, prompt_choice, ranked_prompts
+from pipelines.loop.prompts import PromptBook, PromptChoice, choose_prompts, pass_rates, prompt_choice, ranked_prompts
 from pipelines.loop.run import RoundContext
 from pipelines.spec import PipelineSpec
 from tests.pipelines.test_choose_prompts import PROMPTS, chosen, prompt_file, sampled, sha64, splitmix64
@@ -29,6 +29,7 @@ class Context:
 
     spec: SimpleNamespace
     store: RunStore
+    prompts: PromptBook = field(default_factory=PromptBook)
 
     @property
     def run_dir(self) -> Path:

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.schema import SchemaError
-from curation.store.run_store import RunStore
+from curation.store.run_store import HeldPart, RunStore
 from training.data import NoTrainingData, count_training_rows, load_training_data, select_rounds
 
 
@@ -177,47 +177,44 @@ def test_errors_name_the_file_or_round(curated_run, tmp_path):
         == (0, 1.0)
 
 
-def _held(run, tables=("samples", "groups", "pairs")) -> dict:
-    """What a caller that has just committed the run's part files would hold: {relative path:
-    ({sha256, size, mtime_ns}, table)} (Commit.written's shape), read back from the files."""
-    from curation.store.fingerprints import file_stat, fingerprint_file
+def _held(run, tables=("samples", "groups", "pairs")) -> RunStore:
+    """The store of a caller that has just committed the run's part files (RunStore(hold=True)):
+    its held parts read back from the files."""
+    from curation.store.fingerprints import fingerprint_file
+    from curation.store.run_store import HeldPart
 
-    return {path.relative_to(run).as_posix(): ({"sha256": fingerprint_file(path), **file_stat(path)},
-                                               pq.read_table(path))
-            for table in tables for path in sorted((run / table).glob("round=*/*.parquet"))}
+    store = RunStore(run, hold=True)
+    store.held.update({path.relative_to(run).as_posix(): HeldPart(fingerprint_file(path), pq.read_table(path))
+                       for table in tables for path in sorted((run / table).glob("round=*/*.parquet"))})
+    return store
 
 
 @pytest.mark.parametrize("objective", ["grpo", "sft", "pairwise"])
 def test_held_tables_give_the_rows_of_the_files(curated_run, objective):
-    held = _held(curated_run)
+    store = _held(curated_run)
     from_files = load_training_data(curated_run, objective)
-    from_held = load_training_data(curated_run, objective, held=held)
+    from_held = load_training_data(store, objective)
     assert from_held.table.equals(from_files.table) and from_held.fingerprint == from_files.fingerprint
-    assert count_training_rows(curated_run, objective, held=held) == from_files.num_rows
+    assert count_training_rows(store, objective) == from_files.num_rows
 
 
-def test_a_held_table_is_used_only_while_its_file_is_unchanged(curated_run, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(curated_run, run, copy_function=shutil.copy2)
+def test_a_held_part_is_read_instead_of_its_file_until_released(curated_run):
+    store = _held(curated_run, ("groups",))
     rel = "groups/round=1/part-label.parquet"
-    held = _held(run, ("groups",))
-    entry, groups = held[rel]
-    # a held table stands for its file (same size and mtime_ns): this one differs, and is used
+    groups = store.held[rel].table
     shifted = groups.set_column(groups.schema.get_field_index("advantage"), "advantage",
                                 pc.add(groups.column("advantage"), 10.0))
-    held[rel] = (entry, shifted)
-    data = load_training_data(run, "grpo", rounds=[1], held=held)
-    assert min(data.table.column("advantage").to_pylist()) > 5
-    # the file is rewritten (the same rows): its new mtime_ns retires the held table
-    pq.write_table(pq.read_table(run / rel), run / rel)
-    data = load_training_data(run, "grpo", rounds=[1], held=held)
-    assert data.table.equals(load_training_data(curated_run, "grpo", rounds=[1]).table)
+    store.held[rel] = HeldPart(store.held[rel].sha256, shifted)
+    assert min(load_training_data(store, "grpo", rounds=[1]).table.column("advantage").to_pylist()) > 5
+    store.release()
+    assert load_training_data(store, "grpo", rounds=[1]).table.equals(
+        load_training_data(curated_run, "grpo", rounds=[1]).table)
 
 
 def test_a_rewritten_file_is_checked_again(curated_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(curated_run, run)
-    assert load_training_data(run, "grpo").num_rows > 0  # every file's schema checked (and remembered)
+    assert load_training_data(run, "grpo").num_rows > 0  # every file's schema checked
     part = run / "groups" / "round=1" / "part-label.parquet"
     table = pq.read_table(part)
     pq.write_table(table.set_column(table.schema.get_field_index("advantage"), "advantage",

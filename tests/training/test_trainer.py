@@ -68,17 +68,18 @@ def test_share_prompts_trains_on_policy_and_is_not_for_pairwise(run_copy, toy_di
 
 
 def test_held_tables_train_exactly_as_the_files(curated_run, toy_dir, tmp_path):
-    from curation.store.fingerprints import file_stat, fingerprint_file
+    from curation.store.fingerprints import fingerprint_file
+    from curation.store.run_store import HeldPart, RunStore
 
     records = []
     for name in ("files", "held"):
         run = tmp_path / name
         shutil.copytree(curated_run, run)
-        held = {path.relative_to(run).as_posix(): ({"sha256": fingerprint_file(path), **file_stat(path)},
-                                                   pq.read_table(path))
-                for table in ("samples", "groups") for path in (run / table).glob("round=*/*.parquet")}
+        store = RunStore(run, hold=True)
+        store.held.update({path.relative_to(run).as_posix(): HeldPart(fingerprint_file(path), pq.read_table(path))
+                           for table in ("samples", "groups") for path in (run / table).glob("round=*/*.parquet")})
         cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=256, lr=1e-4, share_prompts=True)
-        train(run, cfg, steps=2, model=toy_dir / "model", held=held if name == "held" else None)
+        train(store if name == "held" else run, cfg, steps=2, model=toy_dir / "model")
         records.append([{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s")}
                         for r in step_records(run)])
     assert records[0] == records[1] and len(records[0]) == 2
