@@ -167,5 +167,5 @@ def test_prompt_choice_settings_are_checked():
     for bad in ({"floor": 0}, {"floor": 1.5}, {"window": 0}, {"strategy": "best"}, {"windw": 3}):
         with pytest.raises(ValidationError):
             PromptChoice.model_validate(bad)
-    for name, field in PromptChoice.model_fields.items():
-        assert field.description, name
+    for name, model_field in PromptChoice.model_fields.items():
+        assert model_field.description, name
