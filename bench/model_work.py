@@ -284,7 +284,8 @@ def main() -> None:
 
     import pipelines.toy.build as toy_module
     from curation.generate.stage import generate, make_generator
-    from pipelines.loop.curate import STAGES, CurationSpec, run_stage
+    from curation.stages.runner import run_stage
+    from pipelines.loop.curate import STAGES, CurationSpec
     from training.config import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -328,7 +329,7 @@ def main() -> None:
         generate(run_dir, round_file, cfg, generator=vllm_gen, round=1)
         curation = CurationSpec(score=spec.score, filter=spec.filter, label=spec.label, pair=spec.pair)
         for stage in STAGES:
-            run_stage(stage, run_dir, 1, curation)
+            run_stage(stage, run_dir, 1, getattr(curation, stage))
         train_cfg = TrainConfig(**{**spec.train.model_dump(), "rounds": [1], "seed": 0,
                                    "temperature": spec.generator.temperature})
         print(f"trainer, {threads_vllm} thread(s):", flush=True)

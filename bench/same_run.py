@@ -6,9 +6,10 @@
 `record` runs pipelines/specs/toy-grpo.toml and toy-gspo.toml of the checkout REPO (default: the
 current directory; the toy is built there as runs/toy if missing) for 12 small rounds (SETTINGS) with
 its `groupforge` console script, in two invocations per spec: the first SIGKILLed at FAULT (round 7's
-first optimizer step), the second the same command resuming to round 12. `--pythonpath P` puts P
-first on PYTHONPATH (an old worktree's code then runs with this venv); the CLI module's file is
-printed and kept in the digest's `meta`. Then it digests every file of each run folder and the toy:
+first optimizer step), the second the same command resuming to round 12. The code that runs is the
+checkout `--pythonpath P` (default REPO), first on PYTHONPATH (`python -P`: not the current folder), so
+an old worktree's code runs with this venv; the CLI module's file is checked to be under P and kept in
+the digest's `meta`. Then it digests every file of each run folder and the toy:
 
 - Parquet, safetensors and other files: sha256 of the bytes;
 - JSON (manifests, trainer_state, pipeline.json, report/data/run.js), metrics.jsonl's records: the
@@ -107,25 +108,24 @@ def groupforge(args: argparse.Namespace, argv: list[str], log: Path, fault: str 
     module, _, func = tomllib.loads((args.repo / "pyproject.toml").read_text())["project"]["scripts"][
         "groupforge"].partition(":")
     env = {k: v for k, v in os.environ.items() if k not in ("GROUPFORGE_FAULT", "GROUPFORGE_PAUSE")} | ENV
-    if args.pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.pythonpath), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.pythonpath), env.get("PYTHONPATH")]))
     if fault:
         env["GROUPFORGE_FAULT"] = fault
     with log.open("w") as out:
-        rc = subprocess.run([args.python, "-c", CLI, module, func, *argv], cwd=args.repo, env=env,
+        rc = subprocess.run([args.python, "-P", "-c", CLI, module, func, *argv], cwd=args.repo, env=env,
                             stdout=out, stderr=subprocess.STDOUT).returncode
     found = re.search(r"groupforge-cli-file: (.*)", log.read_text())
     if not found:
         sys.exit(f"groupforge {argv[0]}: no CLI module ran (see {log})")
     cli_file = found.group(1)
-    if args.pythonpath and not Path(cli_file).resolve().is_relative_to(args.pythonpath.resolve()):
-        sys.exit(f"{cli_file} is not under --pythonpath {args.pythonpath}")
+    if not Path(cli_file).resolve().is_relative_to(args.pythonpath):
+        sys.exit(f"{cli_file} ran, not the code under {args.pythonpath}")
     return rc, cli_file
 
 
 def record(args: argparse.Namespace) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
-    files, skipped, meta = {}, [], {"repo": str(args.repo), "pythonpath": str(args.pythonpath or ""),
+    files, skipped, meta = {}, [], {"repo": str(args.repo), "pythonpath": str(args.pythonpath),
                                     "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.repo,
                                                              capture_output=True, text=True).stdout.strip(),
                                     "settings": SETTINGS, "fault": FAULT}
@@ -202,13 +202,14 @@ def main() -> None:
     rec.add_argument("--work", type=Path, required=True)
     rec.add_argument("--repo", type=Path, default=Path.cwd())
     rec.add_argument("--python", default=None, help="default: REPO/.venv/bin/python, else this interpreter")
-    rec.add_argument("--pythonpath", type=Path, default=None)
+    rec.add_argument("--pythonpath", type=Path, default=None, help="the checkout whose code runs (default: REPO)")
     cmp = sub.add_parser("compare")
     cmp.add_argument("a")
     cmp.add_argument("b")
     args = parser.parse_args()
     if args.mode == "record":
         args.repo = args.repo.resolve()
+        args.pythonpath = (args.pythonpath or args.repo).resolve()
         venv = args.repo / ".venv/bin/python"
         args.python = args.python or (str(venv) if venv.exists() else sys.executable)
         record(args)

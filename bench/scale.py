@@ -50,7 +50,8 @@ def curated_run(toy: Path, folder: Path) -> Path:
 
     from curation.generate.base import SamplingConfig
     from curation.generate.stage import generate
-    from pipelines.loop.curate import STAGES, CurationSpec, run_stage
+    from curation.stages.runner import run_stage
+    from pipelines.loop.curate import STAGES, CurationSpec
 
     run_dir = folder / "run"
     if (run_dir / "groups").is_dir():
@@ -60,7 +61,7 @@ def curated_run(toy: Path, folder: Path) -> Path:
     pq.write_table(pq.read_table(toy / "train.parquet").slice(0, 64), prompts)
     generate(run_dir, prompts, SamplingConfig(group_size=8, max_tokens=8, seed=0), model=toy / "model", backend="hf")
     for stage in STAGES:
-        run_stage(stage, run_dir, 0, CurationSpec(filter={"drop_duplicates": False}))
+        run_stage(stage, run_dir, 0, getattr(CurationSpec(filter={"drop_duplicates": False}), stage))
     return run_dir
 
 

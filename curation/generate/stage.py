@@ -73,7 +73,7 @@ class GenerateResult:
 
 AUTO_HF_MAX_PARAMS = 5_000_000
 """backend "auto" on CPU: models with fewer weights than this get hf, larger ones vLLM.
-Measured here (BENCHMARKS.md, generate 2026-12-02 11:16): on the 0.5M toy hf samples 6.9x
+Measured on 2 CPU cores (BENCHMARKS.md, generate): on the 0.5M toy hf samples 6.9x
 vLLM's samples/s (vLLM's per-step overhead dominates a tiny model; hf prefills each prompt once
 for its G samples and drops finished rows); at 54M weights vLLM generates 1.52x hf's tokens/s.
 The crossover between them is not measured."""

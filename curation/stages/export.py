@@ -34,8 +34,6 @@ from curation.faults import fault_point
 from curation.store.run_store import RunStore
 from curation.store.runlog import EXPORTS_DIR, write_atomic
 
-FORMATS = ("preference", "prompt_only", "unpaired", "sft")
-
 
 class ExportConfig(BaseModel):
     """What to export and how."""

@@ -122,7 +122,7 @@ class Commit:
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
         self._owners: dict[bool, dict[str, str]] | None = None  # round table or prompts -> {output: stage}
         self._tmp: Path | None = None
-        self._pending: bool | None = None  # any journal pending when the commit started writing
+        self._own: set[str] | None = None  # what this stage's manifest and journal list (`_own_outputs`)
         self._inside: set[Path] = set()  # table folders checked to resolve inside the run folder
         self._root_resolved = store.root.resolve()
 
@@ -237,6 +237,8 @@ class Commit:
         round_table = Path(rel).parts[0] != "prompts"
         if not (self.store.root / rel).exists() and not self._journals_pending():
             return None
+        if rel in self._own_outputs():
+            return self.stage  # rewritten by its own stage: the usual case, no scan of the others
         if self._owners is None or round_table not in self._owners:
             self._owners = self._owners or {}
             found: dict[str, str] = {}
@@ -248,14 +250,18 @@ class Commit:
         return self._owners[round_table].get(rel)
 
     def _journals_pending(self) -> bool:
-        """Whether any commit's journal (`_manifests/*.pending`) is there (looked up once per commit)."""
-        if self._pending is None:
-            try:
-                entries = os.scandir(self.store.root / "_manifests")
-                self._pending = any(entry.name.endswith(".pending") for entry in entries)
-            except FileNotFoundError:
-                self._pending = False
-        return self._pending
+        """Whether a commit's journal other than this one's is pending (`RunStore.pending_journals`)."""
+        own = self.store.pending_path(self.stage, self.round)
+        return any(path != own and path.exists() for path in self.store.pending_journals())
+
+    def _own_outputs(self) -> set[str]:
+        """What this stage's manifest and journal for the round list."""
+        if self._own is None:
+            self._own = set()
+            for earlier in (self.store.load_manifest(self.stage, self.round),
+                            read_json(self.store.pending_path(self.stage, self.round))):
+                self._own.update((earlier or {}).get("outputs", []))
+        return self._own
 
     def _listed_elsewhere(self, candidates: set[str]) -> set[str]:
         """The `candidates` that another manifest lists too (a prompts part shared by rounds)."""
@@ -309,6 +315,7 @@ class Commit:
         fault_point("commit.files_published")
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()
+        store.pending_journals().discard(journal_path)
         for rel in outputs:
             if rel in self._tables:
                 store.held[rel] = HeldPart(self._sha256[rel], self._tables[rel])

@@ -155,6 +155,7 @@ class RunStore:
         Commits made through another RunStore object do not update it: a process writes a run
         through one store (callers hold the run's lock, so no other process writes)."""
         self._committed: frozenset[Path] | None = None  # set by snapshot(): only these files are read
+        self._journals: set[Path] | None = None  # `pending_journals`, listed on first use
 
     def held_part(self, path: Path) -> HeldPart | None:
         """The part held for the file at `path` (None: read the file)."""
@@ -389,6 +390,18 @@ class RunStore:
         """The journal of a commit being published (not *.json: not a manifest)."""
         return self.manifest_path(stage, round).with_suffix(".pending")
 
+    def pending_journals(self) -> set[Path]:
+        """The journals (`*.pending`) of commits a killed process left, listed once per store:
+        callers hold the run's lock, so only this process adds one, and its commits remove
+        their own (a commit drops its journal from this set when it is done)."""
+        if self._journals is None:
+            try:
+                self._journals = {Path(entry.path) for entry in os.scandir(self.root / "_manifests")
+                                  if entry.name.endswith(".pending")}
+            except (FileNotFoundError, NotADirectoryError):
+                self._journals = set()
+        return self._journals
+
     def load_manifest(self, stage: str, round: int) -> dict | None:
         return read_json(self.manifest_path(stage, round))
 
@@ -442,15 +455,20 @@ class RunStore:
 
     def round_prompts(self, round: int) -> list[Path] | None:
         """The prompts parts the round's samples came from: those listed by the manifests that
-        list the round's samples parts (its generate and refill calls), sorted.
+        list the round's samples parts (its generate and refill calls), sorted. A part
+        `part-<stage>.parquet` is looked up in that stage's manifest (a commit names its parts
+        after its stage), so the call reads the round's own manifests only.
         None when a samples part of the round is listed by no manifest (or by one that lists
         no prompts part): then only the whole prompts table is sure to hold its prompts."""
         samples = {path.relative_to(self.root).as_posix() for path in self.files("samples", round)}
         prompts: set[str] = set()
-        for path in self.round_manifests(round):
-            outputs = set((read_json(path) or {}).get("outputs", []))
+        for rel in sorted(samples):
+            stage = Path(rel).stem.removeprefix("part-")
+            if not _NAME.fullmatch(stage) or rel not in samples:
+                continue
+            outputs = set((self.load_manifest(stage, round) or {}).get("outputs", []))
             mine = outputs & samples
-            listed = {rel for rel in outputs if rel.startswith("prompts/")}
+            listed = {out for out in outputs if out.startswith("prompts/")}
             if mine and listed:
                 samples -= mine
                 prompts |= listed

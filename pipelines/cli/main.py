@@ -206,7 +206,8 @@ def inspect(
 def _curate(stages: tuple[str, ...], run: Path, only_round: Optional[int], config: Optional[Path], force: bool,
             no_wait: bool) -> None:
     """Run curation stages over rounds under the run's lock, then print one summary table."""
-    from pipelines.loop.curate import load_curation_spec, rounds_to_process, run_stage
+    from curation.stages.runner import run_stage
+    from pipelines.loop.curate import load_curation_spec, rounds_to_process
 
     _run_folder(run)
     reports = []
@@ -219,7 +220,7 @@ def _curate(stages: tuple[str, ...], run: Path, only_round: Optional[int], confi
                 for round in rounds:
                     for stage in stages:
                         bar.update(task, description=f"{stage} round {round}")
-                        reports.append(run_stage(stage, run, round, spec, force=force))
+                        reports.append(run_stage(stage, run, round, getattr(spec, stage), force=force))
                         bar.advance(task)
     rows = []
     for rep in reports:

@@ -17,7 +17,6 @@ grpo advantages, max_min pairs with soft labels.
 from __future__ import annotations
 
 import difflib
-import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,8 +25,7 @@ from curation.stages.export import ExportConfig
 from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
-from curation.stages.runner import CURATION_STAGES, StageReport
-from curation.stages.runner import run_stage as run_stage_module
+from curation.stages.runner import CURATION_STAGES, StageReport, run_stage
 from curation.stages.score import ScoreConfig
 from curation.store.run_store import RunStore
 from pipelines.spec import PipelineSpec, read_toml, validate_model
@@ -77,14 +75,6 @@ def rounds_to_process(run_dir: str | Path, round: int | None) -> list[int]:
     return rounds
 
 
-def run_stage(stage: str, run_dir: str | Path, round: int, spec: CurationSpec, force: bool = False) -> StageReport:
-    """One stage on one round with its section of `spec`; seconds include the up-to-date check."""
-    started = time.perf_counter()
-    report = run_stage_module(stage, run_dir, round, getattr(spec, stage), force=force)
-    report.seconds = time.perf_counter() - started
-    return report
-
-
 def curate(run_dir: str | Path, config: CurationSpec | str | Path | None = None,
            rounds: list[int] | int | None = None, force: bool = False) -> list[StageReport]:
     """score -> filter -> label -> pair on each round (default: every round with samples),
@@ -98,5 +88,5 @@ def curate(run_dir: str | Path, config: CurationSpec | str | Path | None = None,
     with RunStore(run_dir).lock():
         for round in todo:
             for stage in STAGES:
-                reports.append(run_stage(stage, run_dir, round, spec, force=force))
+                reports.append(run_stage(stage, run_dir, round, getattr(spec, stage), force=force))
     return reports

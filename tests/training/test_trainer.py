@@ -167,13 +167,14 @@ def test_top_k_samples_are_on_policy_at_step_one(toy_dir, tmp_path, truncated):
     """Sampled with top_k = 3 at T = 0.8 (transformers: its warped scores are the behavior
     log-probs): the trainer's first step, at the weights that sampled, sees ratio 1 only when
     it computes its log-probs under the same truncation."""
-    from pipelines.loop.curate import STAGES, CurationSpec, run_stage
+    from curation.stages.runner import run_stage
+    from pipelines.loop.curate import STAGES, CurationSpec
     from tests.conftest import make_toy_run
 
     run_dir = make_toy_run(toy_dir, tmp_path, "train", n_prompts=16, group_size=8, max_tokens=6, rounds=(0,),
                            temperature=0.8, top_k=3)
     for stage in STAGES:
-        run_stage(stage, run_dir, 0, CurationSpec(filter={"drop_duplicates": False}))
+        run_stage(stage, run_dir, 0, getattr(CurationSpec(filter={"drop_duplicates": False}), stage))
     cfg = TrainConfig(batch_size=10_000, lr=1e-4, truncated_logprobs=truncated)
     train(run_dir, cfg, steps=1, model=toy_dir / "model")
     first = step_records(run_dir)[0]
