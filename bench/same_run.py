@@ -105,7 +105,7 @@ def digest_tree(root: Path, prefix: str, files: dict, skipped: list) -> None:
 
 
 def groupforge(args: argparse.Namespace, argv: list[str], log: Path, fault: str | None = None) -> tuple[int, str]:
-    module, _, func = tomllib.loads((args.repo / "pyproject.toml").read_text())["project"]["scripts"][
+    module, _, func = tomllib.loads((args.pythonpath / "pyproject.toml").read_text())["project"]["scripts"][
         "groupforge"].partition(":")
     env = {k: v for k, v in os.environ.items() if k not in ("GROUPFORGE_FAULT", "GROUPFORGE_PAUSE")} | ENV
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.pythonpath), env.get("PYTHONPATH")]))
@@ -126,7 +126,7 @@ def groupforge(args: argparse.Namespace, argv: list[str], log: Path, fault: str 
 def record(args: argparse.Namespace) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     files, skipped, meta = {}, [], {"repo": str(args.repo), "pythonpath": str(args.pythonpath),
-                                    "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.repo,
+                                    "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.pythonpath,
                                                              capture_output=True, text=True).stdout.strip(),
                                     "settings": SETTINGS, "fault": FAULT}
     if not (args.repo / "runs/toy/toy.json").exists():
@@ -202,7 +202,8 @@ def main() -> None:
     rec.add_argument("--work", type=Path, required=True)
     rec.add_argument("--repo", type=Path, default=Path.cwd())
     rec.add_argument("--python", default=None, help="default: REPO/.venv/bin/python, else this interpreter")
-    rec.add_argument("--pythonpath", type=Path, default=None, help="the checkout whose code runs (default: REPO)")
+    rec.add_argument("--pythonpath", type=Path, default=None,
+                     help="the checkout whose code (and pyproject's console script) runs (default: REPO)")
     cmp = sub.add_parser("compare")
     cmp.add_argument("a")
     cmp.add_argument("b")
