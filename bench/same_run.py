@@ -12,7 +12,7 @@ an old worktree's code runs with this venv; the CLI module's file is checked to 
 the digest's `meta`. Then it digests every file of each run folder and the toy:
 
 - Parquet, safetensors and other files: sha256 of the bytes;
-- JSON (manifests, trainer_state, pipeline.json, report/data/run.js), metrics.jsonl's records: the
+- JSON (manifests, trainer_state, pipeline.json, report/data/run.js), spec.toml, metrics.jsonl's records: the
   values, without DROPPED fields (times, rates, code version and the seal over them), the run
   folder's absolute path written as RUN;
 - report/summary.md: its text without the time section and the wall/tokens-per-second figures;
@@ -90,6 +90,8 @@ def digest_file(path: Path, run_dir: str):
     if name == "run.js":
         text = path.read_text()
         return clean(json.loads(text[text.index("(") + 1:text.rindex(")")]), run_dir)
+    if name.endswith(".toml"):
+        return clean(tomllib.loads(path.read_text()), run_dir)
     if name == "summary.md":
         return summary_text(path.read_text())
     return {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
