@@ -13,7 +13,7 @@ the store's code:
 Six points run without `-m slow`; 13 in `make test` (which runs the slow tests too: every point
 once, train.step_logged twice); all 26 in `make test-exhaustive` (the 13 more repeat a covered
 point in another round or stage). The
-README's "faults tried" table lists the points and outcomes.
+docs/reliability.md's "Faults tried" table lists the points and outcomes.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
 
 
 def test_the_readme_lists_every_point():
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "reliability.md").read_text()
     table = text[text.index("## Faults tried"):].split("\n## ", 1)[0]
     rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `")}
     assert list(rows) == list(POINTS) and {case[0] for case in CASES} == set(POINTS)

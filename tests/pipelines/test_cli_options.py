@@ -125,8 +125,9 @@ def test_parse_int_list():
 
 
 def _readme_commands(name: str) -> list[list[str]]:
-    """The `groupforge <name> ...` command lines of the README (continuation lines joined)."""
-    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    """The `groupforge <name> ...` command lines of the README and docs/ (continuation lines joined)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages).replace("\\\n", " ")
     lines = re.findall(rf"^(?:\.venv/bin/)?groupforge {name} (.*)$", text, flags=re.MULTILINE)
     return [shlex.split(line.split("#")[0]) for line in lines]
 
@@ -134,6 +135,6 @@ def _readme_commands(name: str) -> list[list[str]]:
 @pytest.mark.parametrize("command", ["generate", "train"])
 def test_the_readme_command_lines_parse(command):
     argvs = _readme_commands(command)
-    assert argvs, f"the README shows no `groupforge {command}`"
+    assert argvs, f"no page shows `groupforge {command}`"
     for argv in argvs:
         COMMANDS[command].make_context(command, argv)  # raises on an unknown or malformed flag

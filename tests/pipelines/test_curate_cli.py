@@ -74,8 +74,8 @@ def test_curate_bad_config_and_missing_round(toy_run, tmp_path):
 
 
 def test_readme_curation_config_is_valid(tmp_path):
-    """The TOML example in README.md is a config the stages accept."""
-    readme = (REPO / "README.md").read_text()
+    """The TOML example in docs/guide-data.md is a config the stages accept."""
+    readme = (REPO / "docs" / "guide-data.md").read_text()
     block = readme.split("```toml\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "readme.toml"
     path.write_text(block)
