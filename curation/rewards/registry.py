@@ -166,6 +166,6 @@ def trl_arguments(table: pa.Table) -> tuple[list, list, dict[str, list]]:
 def _load_builtins() -> None:
     """Import the shipped rewards so that their @register_reward runs."""
     importlib.import_module("curation.rewards.rules")
-    importlib.import_module("curation.rewards.math")
+    importlib.import_module("curation.rewards.math_answers")
     importlib.import_module("curation.rewards.reward_model")
     importlib.import_module("curation.rewards.scratchpad")

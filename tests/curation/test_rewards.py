@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from curation.rewards import get_reward, list_rewards, register_reward, reward_fingerprint, reward_version
-from curation.rewards.math import MathVerify
+from curation.rewards.math_answers import MathVerify
 from curation.rewards.pool import run_inline, run_isolated
 from curation.rewards.reward_model import RewardModel
 from curation.rewards.rules import ExactMatch, LengthPenalty, OverlongPenalty, RegexFormat
