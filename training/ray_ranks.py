@@ -70,10 +70,10 @@ class _Rank:
         return os.getpid()
 
     def train(self, run_dir: str, cfg, steps: int, model: str | None, save: bool, return_state: bool):
-        from training.trainer import train
+        from training.trainer import LoopOptions, train
 
-        return train(run_dir, cfg, steps=steps, model=model, session=self.session, save=save,
-                     return_state=return_state)
+        return train(run_dir, cfg, steps=steps, model=model, session=self.session,
+                     options=LoopOptions(save=save, return_state=return_state))
 
 
 class TrainerRanks:

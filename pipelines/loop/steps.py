@@ -33,7 +33,7 @@ from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
 from training.data import NoTrainingData, count_training_rows
-from training.trainer import TrainResult, train
+from training.trainer import LoopOptions, TrainResult, train
 
 if TYPE_CHECKING:
     from training.ray_ranks import TrainerRanks
@@ -180,7 +180,7 @@ def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> Train
                                               return_state=True)
         else:
             result = train(ctx.store, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session,
-                           save=save, return_state=True)
+                           options=LoopOptions(save=save, return_state=True))
     ctx.clock.move(result.checkpoint_seconds, "train", "checkpoint")
     ctx.clock.model += result.step_seconds
     if result.state_dict is not None:
