@@ -50,7 +50,7 @@ from torch import nn
 from training.lora import is_peft
 
 if TYPE_CHECKING:
-    from training.batching import SharedPrompts
+    from training.shared_prompts import SharedPrompts
 
 __all__ = ["ChunkedTokenLogProbs", "GatherRows", "token_logprobs", "token_logprobs_reference", "truncate_"]
 
@@ -142,7 +142,7 @@ class GatherRows(torch.autograd.Function):
     repeated indices with parallel atomic adds when torch runs more than one thread, so the
     order of the additions, and the last bits of the sum, change from call to call. share_prompts
     repeats an index (the prompt's last state predicts the first token of each of its responses
-    in a packed sequence: training.batching.SharedPrompts). Here pass k adds the k-th occurrence
+    in a packed sequence: training.shared_prompts.SharedPrompts). Here pass k adds the k-th occurrence
     of every index: no pass repeats an index, so no addition races with another.
     """
 
@@ -280,7 +280,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     for a float64 model), differentiable w.r.t. every model parameter. The B x L x V logits
     are never materialised, in forward or backward (see the module docstring); under
     autocast the head matmuls run in the autocast dtype and the log-softmax in float32.
-    Rows must be right-padded. `shared` (training.batching.SharedPrompts): the model runs on
+    Rows must be right-padded. `shared` (training.shared_prompts.SharedPrompts): the model runs on
     its packed sequences instead, each prompt once, and the states are mapped back to these
     rows; input_ids and target_mask still give the targets and the output's layout.
     """
