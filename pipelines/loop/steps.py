@@ -176,8 +176,8 @@ def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> Train
     store: held parts from memory); its new weights are kept for the engine."""
     with ctx.clock("train"):
         if ctx.spec.train.nproc > 1:
-            result = trainer_ranks(ctx).train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, save=save,
-                                              return_state=True)
+            result = trainer_ranks(ctx).train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path,
+                                              options=LoopOptions(save=save, return_state=True))
         else:
             result = train(ctx.store, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session,
                            options=LoopOptions(save=save, return_state=True))
