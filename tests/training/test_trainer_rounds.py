@@ -66,7 +66,7 @@ def _rounds(run_dir, toy_dir, session=None, save_first=True, **kwargs):
     rounds 0 and 1 to step 4."""
     cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=512, lr=1e-4, **kwargs)
     first = train(run_dir, cfg.model_copy(update={"rounds": [0]}), steps=2, model=toy_dir / "model",
-                  session=session, options=LoopOptions(save=save_first, options=LoopOptions(return_state=True)))
+                  session=session, options=LoopOptions(save=save_first, return_state=True))
     second = train(run_dir, cfg.model_copy(update={"rounds": [0, 1]}), steps=4, model=toy_dir / "model",
                    session=session)
     return first, second
