@@ -28,11 +28,11 @@ step, the step at which these rows were first trained on); the optimizer state a
 weights are restored exactly; and the metrics lines of steps after the checkpoint are
 dropped before they are recomputed. Callers hold the run's lock (`RunStore.lock()`).
 
-Skipping checkpoints (`LoopOptions(save=False)`, with a `TrainSession` carrying the weights
-to the next call and `return_state=True` handing them to the engine) is safe for resume
-because of the same rule: a killed run restarts from the newest checkpoint, and re-training
-each call since then (same rows, same target steps, in order) recomputes the same weights
-and the same metrics lines. The caller must replay those calls before training on anything new.
+Skipping checkpoints (`LoopOptions(save=False)`, a `TrainSession` carrying the weights to the
+next call, `return_state=True` handing them to the engine) is safe for resume by the same
+rule: a killed run restarts from the newest checkpoint, and re-training each call since then
+(same rows, same target steps, in order) recomputes the same weights and metrics lines. The
+caller must replay those calls before training on anything new.
 """
 
 from __future__ import annotations
@@ -131,11 +131,9 @@ class TrainSession:
 
 @dataclass(frozen=True)
 class LoopOptions:
-    """What a caller that trains again and again in one process (the round loop, a trainer
-    rank) asks of one `train` call beyond the CLI's defaults. A separate object, not fields of
-    TrainSession: the session is the state a call reads and leaves behind, these are the
-    caller's choices for this call only (they may differ from call to call on one session),
-    and they are frozen so that a call cannot change them for the next."""
+    """What the round loop (or a trainer rank) asks of one `train` call beyond the CLI's
+    defaults. Not fields of TrainSession: the session is state a call reads and leaves behind;
+    these are the caller's choices for this one call, frozen so no call changes the next's."""
 
     save: bool = True
     """Write a checkpoint at the end of the call (save_every checkpoints are written either way)."""
@@ -195,7 +193,7 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
 @dataclass(frozen=True)
 class _Start:
     """Where a call starts: the newest checkpoint and its trainer state, whether the session's
-    live weights are used instead, the step, and the base model."""
+    live weights are used instead, the step, the base model."""
 
     latest: Path | None
     state: dict[str, Any]
@@ -252,7 +250,7 @@ class _Built:
 def _build_policy(run_dir: Path, cfg: TrainConfig, start: _Start, data: TrainingData, segment: dict,
                   place: distributed.Placement, session: TrainSession | None, timing: _Timing) -> _Built:
     """The session's policy and optimizer, or loaded ones (FSDP2: sharded); the reference;
-    the step's context. Leaves the session empty: the weights change in place from here on."""
+    the step's context. Leaves the session empty."""
     torch.manual_seed(cfg.seed)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # master weights
     reference_from = reference_source(cfg, start.base_model, place.sharded)
@@ -324,8 +322,7 @@ class _StepLoop:
         # share_prompts: a step draws a prompt's rows together
         units = group_units(prompt_groups(table), cfg.share_prompts_rows) if cfg.share_prompts and table.num_rows \
             else None
-        metrics: dict[str, Any] = {}
-        saved = None
+        metrics, saved = {}, None
         for step in range(self.start.step + 1, steps + 1):
             metrics = self.step(step, steps, units)
             if self.place.world.main:  # synced before a checkpoint and at the end: a step line lost to a
