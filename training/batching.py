@@ -10,11 +10,9 @@ Positions are next-token positions: column t of `target_mask` / `old_logp` (shap
 is the prediction of token t+1. A row with prompt length p and response length r has
 targets at t = p-1 .. p+r-2, the positions `token_logprobs` returns log-probs for.
 
-With `share_prompts`, the rows of a micro-batch that have the same prompt are also laid out
-as one packed sequence, the prompt followed by its responses (`SharedPrompts`): the model
-computes each prompt once instead of once per response, and each response attends to the
-prompt and to itself only, at the positions it has on its own, so the log-probs are those
-of the unpacked rows (to float rounding). The loss sees the unpacked (b, L-1) layout either way.
+With `share_prompts`, each micro-batch also carries its rows packed so that each prompt is
+computed once (training.shared_prompts.SharedPrompts); the loss sees the unpacked (b, L-1)
+layout either way.
 
 `step_normalizer` sums the counts over *all* micro-batches of one optimizer step, so each
 micro-batch's loss is its share of the step loss and the gradient does not depend on the
@@ -28,41 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from training.objectives import Normalizer
+from training.ragged import Ragged, read_ragged, spans
+from training.shared_prompts import SHARED_MAX_LEN, SharedPrompts, pack_shared_prompts, prompt_numbers
 
-__all__ = ["SHARED_MAX_LEN", "MicroBatch", "SharedPrompts", "pair_batches", "policy_batches", "prompt_groups",
-           "step_normalizer"]
-
-SHARED_MAX_LEN = 1024
-"""share_prompts: the longest packed sequence. A prompt's responses are split over as many
-packed sequences (each repeating the prompt) as keep them under it; a response that alone
-is longer gets one of its own. The attention mask is dense (length^2 per packed sequence),
-hence the cap: sharing pays for short responses after a prompt that is long next to them."""
-
-
-@dataclass
-class SharedPrompts:
-    """A micro-batch laid out so that each prompt is computed once: P packed sequences, each a
-    prompt followed by responses to it. The model runs on these tensors; `source` maps its
-    hidden states back to the micro-batch's (b, L-1) positions."""
-
-    input_ids: torch.LongTensor
-    """(P, Lp) a prompt, then its responses one after another, right-padded with pad_id."""
-    position_ids: torch.LongTensor
-    """(P, Lp) the prompt at 0..p-1, each response at p.. as if it followed the prompt alone."""
-    attention_mask: torch.BoolTensor
-    """(P, 1, Lp, Lp) True where a token may attend: the prompt causally, a response the whole
-    prompt and its own earlier tokens; padding attends to itself only."""
-    source: torch.LongTensor
-    """(N,) for each True of the micro-batch's target_mask (row-major), the flat index
-    p * Lp + t of the packed hidden state that predicts that token."""
-
-    def to(self, device: torch.device | str) -> SharedPrompts:
-        return SharedPrompts(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
-
+__all__ = ["MicroBatch", "pair_batches", "policy_batches", "prompt_groups", "step_normalizer"]
 
 @dataclass
 class MicroBatch:
@@ -110,33 +80,11 @@ class MicroBatch:
 
 # ---- reading list columns -----------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Ragged:
-    """A list<...> column as one flat numpy array + per-row start and length."""
-
-    values: np.ndarray
-    starts: np.ndarray
-    lengths: np.ndarray
-
-
 def _require(table: pa.Table, columns: list[str], what: str) -> None:
     names = set(table.column_names)
     missing = [c for c in columns if c not in names]
     if missing:
         raise ValueError(f"{what}: missing column(s) {missing}; the table has {table.column_names}")
-
-
-def _ragged(table: pa.Table, name: str) -> _Ragged:
-    column = table.column(name)
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-        raise ValueError(f"column {name!r} must be a list column, got {column.type}")
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    if array.null_count:
-        row = int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ValueError(f"column {name!r}: row {row} is null")
-    offsets = array.offsets.to_numpy()  # of this (possibly sliced) array, indexing .values
-    values = array.values.to_numpy(zero_copy_only=False)
-    return _Ragged(values, offsets[:-1].astype(np.int64), np.diff(offsets).astype(np.int64))
 
 
 def _scalars(table: pa.Table, name: str, default: float | None = None) -> np.ndarray:
@@ -161,7 +109,7 @@ def _check_nonempty(lengths: np.ndarray, name: str, why: str) -> None:
         raise ValueError(f"row {int(empty[0])}: {name} is empty ({empty.size} such rows); {why}")
 
 
-def _check_logprobs(logprobs: _Ragged, name: str, tokens: _Ragged, tokens_name: str) -> None:
+def _check_logprobs(logprobs: Ragged, name: str, tokens: Ragged, tokens_name: str) -> None:
     bad = np.flatnonzero(logprobs.lengths != tokens.lengths)
     if bad.size:
         i = int(bad[0])
@@ -193,27 +141,16 @@ def _pack(lengths: np.ndarray, token_budget: int, seqs_per_item: int) -> list[np
     return groups
 
 
-def _spans(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows given by `starts` and `lengths` of a flat array, laid end to end: for each of their
-    elements (row number 0..n-1, offset within its row, index into the flat array). The
-    micro-batches are filled with these index arrays in one numpy assignment per column,
-    not with a Python loop over rows."""
-    ends = np.cumsum(lengths)
-    row = np.repeat(np.arange(lengths.size), lengths)
-    within = np.arange(int(ends[-1]) if ends.size else 0) - np.repeat(ends - lengths, lengths)
-    return row, within, starts[row] + within
-
-
-def _fill(prompts: _Ragged, responses: _Ragged, logprobs: _Ragged | None, items: np.ndarray, first: int,
+def _fill(prompts: Ragged, responses: Ragged, logprobs: Ragged | None, items: np.ndarray, first: int,
           ids: np.ndarray, attention: np.ndarray, targets: np.ndarray, old: np.ndarray | None) -> None:
     """Table rows `items` into buffer rows first, first+1, ...: the prompt then the response
     (prompt length p, response length r), attention on both, targets at t = p-1 .. p+r-2, and
     with `old` the response's log-probs at those positions."""
     slots = slice(first, first + items.size)
     p, r = prompts.lengths[items], responses.lengths[items]
-    row, k, at = _spans(prompts.starts[items], p)
+    row, k, at = spans(prompts.starts[items], p)
     ids[first + row, k] = prompts.values[at]
-    row, k, at = _spans(responses.starts[items], r)
+    row, k, at = spans(responses.starts[items], r)
     ids[first + row, p[row] + k] = responses.values[at]
     columns = np.arange(ids.shape[1])
     attention[slots] = columns < (p + r)[:, None]
@@ -222,10 +159,10 @@ def _fill(prompts: _Ragged, responses: _Ragged, logprobs: _Ragged | None, items:
         _place(logprobs, items, first, p, old)
 
 
-def _place(logprobs: _Ragged, items: np.ndarray, first: int, p: np.ndarray, buffer: np.ndarray) -> None:
+def _place(logprobs: Ragged, items: np.ndarray, first: int, p: np.ndarray, buffer: np.ndarray) -> None:
     """Rows `items`' response log-probs into buffer rows first, first+1, ... at their
     next-token positions (prompt lengths p)."""
-    row, k, at = _spans(logprobs.starts[items], logprobs.lengths[items])
+    row, k, at = spans(logprobs.starts[items], logprobs.lengths[items])
     buffer[first + row, p[row] - 1 + k] = logprobs.values[at]
 
 
@@ -237,55 +174,6 @@ def _tensors(ids, attention, targets, old):
 def _buffers(b: int, L: int, pad_id: int, with_old: bool):
     return (np.full((b, L), pad_id, dtype=np.int64), np.zeros((b, L), dtype=np.int64),
             np.zeros((b, L - 1), dtype=bool), np.zeros((b, L - 1), dtype=np.float32) if with_old else None)
-
-
-def _prompt_numbers(prompts: _Ragged, rows: np.ndarray) -> np.ndarray:
-    """A number per row of `rows`, equal for rows whose prompt token ids are equal, numbered
-    in order of first appearance: the prompts as byte strings, numbered by Arrow's hash
-    (dictionary_encode keeps first-seen order)."""
-    lengths = prompts.lengths[rows]
-    flat = np.ascontiguousarray(prompts.values[_spans(prompts.starts[rows], lengths)[2]])
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64) * flat.itemsize
-    keys = pa.Array.from_buffers(pa.large_binary(), rows.size, [None, pa.py_buffer(offsets), pa.py_buffer(flat)])
-    return pc.dictionary_encode(keys).indices.to_numpy().astype(np.int64)
-
-
-def _shared_prompts(prompts: _Ragged, responses: _Ragged, group: np.ndarray, pad_id: int,
-                    max_len: int) -> SharedPrompts:
-    """The micro-batch of rows `group` (in this order) packed prompt by prompt (SharedPrompts):
-    prompts in order of first appearance, each one's rows in batch order, cut greedily into
-    packed sequences of at most `max_len` tokens."""
-    prompt_of = _prompt_numbers(prompts, group)
-    p_of, r_of = prompts.lengths[group], responses.lengths[group]
-    seq = np.empty(group.size, dtype=np.int64)  # per in-batch row: its packed sequence
-    start = np.empty(group.size, dtype=np.int64)  # ... and where its response starts in it
-    firsts, q, length, last = [], -1, 0, -1
-    order = np.argsort(prompt_of, kind="stable")
-    for j, prompt, p, r in zip(order.tolist(), prompt_of[order].tolist(), p_of[order].tolist(), r_of[order].tolist()):
-        if prompt != last or length + r > max_len:  # a new prompt, or this response would not fit
-            q, length, last = q + 1, p, prompt
-            firsts.append(j)
-        seq[j], start[j] = q, length
-        length += r
-    P, Lp = q + 1, int((start + r_of).max())
-    ids = np.full((P, Lp), pad_id, dtype=np.int64)
-    positions = np.zeros((P, Lp), dtype=np.int64)
-    segment = np.broadcast_to(-1 - np.arange(Lp), (P, Lp)).copy()  # padding: its own segment
-    packed_p = p_of[firsts]
-    q_of, k, at = _spans(prompts.starts[group[firsts]], packed_p)
-    ids[q_of, k], positions[q_of, k], segment[q_of, k] = prompts.values[at], k, 0
-    j_of, k, at = _spans(responses.starts[group], r_of)
-    t = start[j_of] + k
-    ids[seq[j_of], t], positions[seq[j_of], t], segment[seq[j_of], t] = responses.values[at], p_of[j_of] + k, j_of + 1
-    # token t attends token u <= t of its own segment (the prompt, a response, a padding
-    # position), and a response token also the whole prompt
-    mask = segment[:, None, :] == segment[:, :, None]
-    mask &= np.tri(Lp, dtype=bool)
-    mask |= (segment[:, None, :] == 0) & (segment[:, :, None] > 0)
-    # token 0 of a response is predicted by the prompt's last state, token k >= 1 by token k-1
-    source = seq[j_of] * Lp + np.where(k == 0, p_of[j_of] - 1, t - 1)
-    return SharedPrompts(torch.from_numpy(ids), torch.from_numpy(positions),
-                         torch.from_numpy(mask.reshape(P, 1, Lp, Lp)), torch.from_numpy(source.astype(np.int64)))
 
 
 # ---- public --------------------------------------------------------------------------------
@@ -304,14 +192,14 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
     """
     _check_budget(token_budget)
     _require(table, ["prompt_token_ids", "response_token_ids"], "policy_batches")
-    prompts, responses = _ragged(table, "prompt_token_ids"), _ragged(table, "response_token_ids")
+    prompts, responses = read_ragged(table, "prompt_token_ids"), read_ragged(table, "response_token_ids")
     _check_nonempty(prompts.lengths, "prompt_token_ids", "the first response token needs at least one "
                     "prompt token (e.g. BOS) to be predicted from")
     _check_nonempty(responses.lengths, "response_token_ids", "there is no token to train on")
     logprobs = {}
     for name in ("old_logprobs", "behavior_logprobs"):
         if name in table.column_names:
-            logprobs[name] = _ragged(table, name)
+            logprobs[name] = read_ragged(table, name)
             _check_logprobs(logprobs[name], name, responses, "response_token_ids")
     old = logprobs.get("old_logprobs", logprobs.get("behavior_logprobs"))
     behavior = logprobs.get("behavior_logprobs") if "old_logprobs" in logprobs else None
@@ -337,7 +225,7 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
                                   else torch.from_numpy(versions[group].astype(np.int64)),
                                   behavior_logp=None if behavior_buf is None else torch.from_numpy(behavior_buf),
                                   staleness=None if staleness is None else torch.from_numpy(staleness[group]),
-                                  shared=_shared_prompts(prompts, responses, group, pad_id, shared_max_len)
+                                  shared=pack_shared_prompts(prompts, responses, group, pad_id, shared_max_len)
                                   if share_prompts else None))
     return batches
 
@@ -353,8 +241,8 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
     _check_budget(token_budget)
     _require(table, ["prompt_token_ids", "chosen_token_ids", "rejected_token_ids", "soft_label", "weight"],
              "pair_batches")
-    prompts = _ragged(table, "prompt_token_ids")
-    chosen, rejected = _ragged(table, "chosen_token_ids"), _ragged(table, "rejected_token_ids")
+    prompts = read_ragged(table, "prompt_token_ids")
+    chosen, rejected = read_ragged(table, "chosen_token_ids"), read_ragged(table, "rejected_token_ids")
     _check_nonempty(prompts.lengths, "prompt_token_ids", "the first response token needs at least one "
                     "prompt token (e.g. BOS) to be predicted from")
     _check_nonempty(chosen.lengths, "chosen_token_ids", "there is no token to train on")
@@ -365,7 +253,7 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
                          f"only {'chosen_logprobs' if has[0] else 'rejected_logprobs'}")
     chosen_lp = rejected_lp = None
     if all(has):
-        chosen_lp, rejected_lp = _ragged(table, "chosen_logprobs"), _ragged(table, "rejected_logprobs")
+        chosen_lp, rejected_lp = read_ragged(table, "chosen_logprobs"), read_ragged(table, "rejected_logprobs")
         _check_logprobs(chosen_lp, "chosen_logprobs", chosen, "chosen_token_ids")
         _check_logprobs(rejected_lp, "rejected_logprobs", rejected, "rejected_token_ids")
     soft_label, weight = _scalars(table, "soft_label"), _scalars(table, "weight")
@@ -389,7 +277,7 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
 def prompt_groups(table: pa.Table) -> np.ndarray:
     """A group id per row of a table with prompt_token_ids: rows with the same prompt share one
     (numbered as first seen), the key share_prompts packs by."""
-    return _prompt_numbers(_ragged(table, "prompt_token_ids"), np.arange(table.num_rows))
+    return prompt_numbers(read_ragged(table, "prompt_token_ids"), np.arange(table.num_rows))
 
 
 def step_normalizer(batches: list[MicroBatch]) -> Normalizer:

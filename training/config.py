@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 def steps_for_passes(num_rows: int, batch_size: int, passes: float) -> int:
     """Optimizer steps that draw `passes` * `num_rows` rows: ceil(passes * rows / b), with b =
-    min(batch_size, rows) because a step never takes a row twice (training.trainer.step_rows).
+    min(batch_size, rows) because a step never takes a row twice (training.schedule.step_rows).
     0 without rows."""
     if num_rows <= 0:
         return 0

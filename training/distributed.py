@@ -4,7 +4,7 @@ the sums that make N ranks take the single-process step.
     groupforge train RUN --strategy ddp ...                        # one process: a world of 1
     torchrun --nproc-per-node 2 -m pipelines.cli.main train RUN --strategy ddp ...
 
-Each optimizer step draws the same global rows on every rank (training.trainer.step_rows)
+Each optimizer step draws the same global rows on every rank (training.schedule.step_rows)
 and rank r takes rows r, r + N, r + 2N, ... of them. The step's normaliser (sequences, tokens,
 pair weights) is summed over the ranks before any loss is computed, so each rank's loss is
 its share of the global step loss; after backward the gradients are summed over the ranks
@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from training.objectives import Normalizer
 
-__all__ = ["Ranks", "StepSync", "close_process_group", "ensure_process_group", "ranks"]
+if TYPE_CHECKING:
+    from training.config import TrainConfig
+
+__all__ = ["Placement", "Ranks", "StepSync", "close_process_group", "ensure_process_group", "ranks"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +122,26 @@ class StepSync:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
         return tensor.tolist()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a trainer call runs: the device, the ranks, whether FSDP2 shards the policy, and
+    the step's cross-rank sums. `of` starts the process group when the strategy needs one."""
+
+    device: torch.device
+    world: Ranks
+    sharded: bool
+    sync: StepSync
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> Placement:
+        device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if cfg.strategy != "single":
+            ensure_process_group(device)
+            if device.type == "cuda" and cfg.device is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        world = ranks() if cfg.strategy != "single" else Ranks()
+        sharded = cfg.strategy == "fsdp2" and world.world > 1
+        # FSDP sums the gradients itself
+        return cls(device, world, sharded, StepSync(device, world.world, gradients=not sharded))

@@ -50,9 +50,9 @@ from torch import nn
 from training.lora import is_peft
 
 if TYPE_CHECKING:
-    from training.batching import SharedPrompts
+    from training.shared_prompts import SharedPrompts
 
-__all__ = ["ChunkedTokenLogProbs", "token_logprobs", "token_logprobs_reference", "truncate_"]
+__all__ = ["ChunkedTokenLogProbs", "GatherRows", "token_logprobs", "token_logprobs_reference", "truncate_"]
 
 
 def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -130,6 +130,44 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         if need_b:
             grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+class GatherRows(torch.autograd.Function):
+    """out[n] = x[index[n]] for x (R, H) and index (N,) that may repeat, with a backward that
+    gives the same bits on every call:
+
+        grad_x[r] = sum over n with index[n] = r of grad_out[n], added in order of n
+
+    Autograd's own backward of x[index] is index_put_(accumulate=True), whose CPU kernel adds
+    repeated indices with parallel atomic adds when torch runs more than one thread, so the
+    order of the additions, and the last bits of the sum, change from call to call. share_prompts
+    repeats an index (the prompt's last state predicts the first token of each of its responses
+    in a packed sequence: training.shared_prompts.SharedPrompts). Here pass k adds the k-th occurrence
+    of every index: no pass repeats an index, so no addition races with another.
+    """
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.rows = x.shape[0]
+        ctx.save_for_backward(index)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (index,) = ctx.saved_tensors
+        grad_x = grad_out.new_zeros((ctx.rows, grad_out.shape[1]))
+        if index.numel() == 0:
+            return grad_x, None
+        order = torch.argsort(index, stable=True)
+        position = torch.arange(index.numel(), device=index.device)
+        first = torch.ones_like(index, dtype=torch.bool)
+        first[1:] = index[order][1:] != index[order][:-1]
+        occurrence = torch.empty_like(index)  # k for the k-th n (0-based, in order of n) with this index
+        occurrence[order] = position - torch.where(first, position, 0).cummax(0).values
+        for k in range(int(occurrence.max()) + 1):
+            taken = occurrence == k
+            grad_x.index_put_((index[taken],), grad_out[taken], accumulate=True)
+        return grad_x, None
 
 
 def truncate_(logits: torch.Tensor, targets: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -242,7 +280,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     for a float64 model), differentiable w.r.t. every model parameter. The B x L x V logits
     are never materialised, in forward or backward (see the module docstring); under
     autocast the head matmuls run in the autocast dtype and the log-softmax in float32.
-    Rows must be right-padded. `shared` (training.batching.SharedPrompts): the model runs on
+    Rows must be right-padded. `shared` (training.shared_prompts.SharedPrompts): the model runs on
     its packed sequences instead, each prompt once, and the states are mapped back to these
     rows; input_ids and target_mask still give the targets and the output's layout.
     """
@@ -260,7 +298,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     else:
         packed = body(input_ids=shared.input_ids, attention_mask=_attention_mask(body, shared.attention_mask),
                       position_ids=shared.position_ids, use_cache=False).last_hidden_state
-        hidden = packed.reshape(-1, packed.shape[-1])[shared.source]
+        hidden = GatherRows.apply(packed.reshape(-1, packed.shape[-1]), shared.source)
     targets = input_ids[:, 1:][target_mask]
     device_type = hidden.device.type
     compute_dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)

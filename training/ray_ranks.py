@@ -20,12 +20,17 @@ machines: shared storage).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from curation.errors import JobError
 from curation.ray_cluster import check_room, connect_ray
+
+if TYPE_CHECKING:
+    from training.trainer import LoopOptions
 
 KILL_RANK_ENV = "GROUPFORGE_KILL_RANK"
 """Fault injection for tests: with curation.faults.FAULT_ENV, only this rank runs its kill points."""
@@ -69,11 +74,10 @@ class _Rank:
             os.environ.pop(FAULT_ENV, None)
         return os.getpid()
 
-    def train(self, run_dir: str, cfg, steps: int, model: str | None, save: bool, return_state: bool):
+    def train(self, run_dir: str, cfg, steps: int, model: str | None, options):
         from training.trainer import train
 
-        return train(run_dir, cfg, steps=steps, model=model, session=self.session, save=save,
-                     return_state=return_state)
+        return train(run_dir, cfg, steps=steps, model=model, session=self.session, options=options)
 
 
 class TrainerRanks:
@@ -98,15 +102,20 @@ class TrainerRanks:
         """The optimizer step the ranks' live sessions hold (0 before the first call)."""
         self.live = False
 
-    def train(self, run_dir: str | Path, cfg, *, steps: int, model: str | Path | None, save: bool = True,
-              return_state: bool = False):
+    def train(self, run_dir: str | Path, cfg, *, steps: int, model: str | Path | None,
+              options: LoopOptions | None = None):
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+        from training.trainer import LoopOptions
+
         if not self._actors:
             raise RankDied("the trainer ranks were stopped after a rank died; rerun to resume")
-        refs = [a.train.remote(str(run_dir), cfg, steps, None if model is None else str(model), save,
-                               return_state and rank == 0) for rank, a in enumerate(self._actors)]
+        options = options or LoopOptions()
+        ranks_options = [dataclasses.replace(options, return_state=options.return_state and rank == 0)
+                         for rank in range(self.nproc)]  # the weights come back from rank 0 only
+        refs = [a.train.remote(str(run_dir), cfg, steps, None if model is None else str(model), ranks_options[rank])
+                for rank, a in enumerate(self._actors)]
         self.live = False
         pending = dict(zip(refs, range(self.nproc)))
         results, errors = {}, {}

@@ -2,19 +2,23 @@
 
     groupforge train RUN --objective grpo --steps 100
 
-`train(run_dir, config, model=..., steps=N)` trains until global optimizer step N (the
-step count is the policy_version of the weights, continued across calls and rounds):
+`train(run, config, model=..., steps=N)` trains until global optimizer step N (the step
+count is the policy_version of the weights, continued across calls and rounds). Its body
+reads in this order:
 
     resume   the session's live weights when it holds them (TrainSession), else the newest
              complete checkpoint in RUN/checkpoints/ (or the base model at step 0)
     data     training.data: the rows of the objective in the chosen rounds
-    model    Hugging Face causal LM (safetensors), AdamW, warmup then constant or cosine lr
+    policy   Hugging Face causal LM (safetensors), AdamW, the reference (training.policy), the
+             step's context (training.step.StepContext)
     loop     per step: `batch_size` rows from a seeded permutation of the rows, token-budget
              micro-batches, gradient accumulation normalised by the step's totals (so any
-             split gives the one-batch gradient; training/step.py), grad clipping, one
-             optimizer step, one line in RUN/metrics.jsonl (curation.store.runlog.MetricsLog; with
-             `grad_noise`, the step gradient's signal and noise: training/grad_noise.py)
-    save     RUN/checkpoints/step-<k>/ every `save_every` steps and at the end (unless `save=False`)
+             split gives the one-batch gradient; training/step.py), warmup then constant or
+             cosine lr, grad clipping, one optimizer step, one line in RUN/metrics.jsonl
+             (curation.store.runlog.MetricsLog; what the step measures beside its gradient:
+             training/measurements.py)
+    save     RUN/checkpoints/step-<k>/ every `save_every` steps and at the end (unless
+             LoopOptions.save is False)
 
 With `passes` set, a call also stops once the current rows have been drawn `passes` times:
 ceil(passes * rows / batch_size) steps after the step where they were first trained on.
@@ -24,18 +28,17 @@ step, the step at which these rows were first trained on); the optimizer state a
 weights are restored exactly; and the metrics lines of steps after the checkpoint are
 dropped before they are recomputed. Callers hold the run's lock (`RunStore.lock()`).
 
-Skipping checkpoints (`save=False`, with a `TrainSession` carrying the weights to the next
-call and `return_state=True` handing them to the engine) is safe for resume because of the
-same rule: a killed run restarts from the newest checkpoint, and re-training each call
-since then (same rows, same target steps, in order) recomputes the same weights and the
-same metrics lines. The caller must replay those calls before training on anything new.
+Skipping checkpoints (`LoopOptions(save=False)`, a `TrainSession` carrying the weights to the
+next call, `return_state=True` handing them to the engine) is safe for resume by the same
+rule: a killed run restarts from the newest checkpoint, and re-training each call since then
+(same rows, same target steps, in order) recomputes the same weights and metrics lines. The
+caller must replay those calls before training on anything new.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,18 +50,29 @@ import torch
 
 from curation.faults import fault_point
 from curation.store.run_store import RunStore
-from curation.store.runlog import TRAIN_CACHE_DIR, MetricsLog, write_atomic
+from curation.store.runlog import MetricsLog
 from training import checkpoint as ckpt
-from training import distributed, lora
+from training import distributed
 from training.batching import pair_batches, policy_batches, prompt_groups
 from training.config import TrainConfig, steps_for_passes
-from training.data import POLICY_OBJECTIVES, load_training_data
+from training.data import POLICY_OBJECTIVES, TrainingData, load_training_data
+from training.measurements import StepMeasurements
 from training.objectives import get_pair_loss, get_policy_loss
+from training.policy import (
+    OptimizerFactory,
+    cpu_state_dict,
+    final_weights,
+    load_policy,
+    load_reference,
+    longest_response_tokens,
+    optimizer_factory,
+    reference_source,
+    with_recomputed_logprobs,
+)
+from training.schedule import group_units, lr_at, step_rows
 from training.step import StepContext, accumulate_gradients, pair_micro_step, policy_micro_step
 
-__all__ = ["TrainConfig", "TrainResult", "TrainSession", "lr_at", "step_rows", "train"]
-
-# Fault injection for resume tests: SIGKILL this process right after step k is logged.
+__all__ = ["LoopOptions", "TrainConfig", "TrainResult", "TrainSession", "lr_at", "step_rows", "train"]
 
 
 @dataclass
@@ -83,7 +97,7 @@ class TrainResult:
     checkpoint_seconds: float = 0.0
     """Writing checkpoints (save_every and the final one)."""
     state_dict: dict[str, torch.Tensor] | None = None
-    """With return_state=True: the policy's weights at end_step, CPU tensors, a copy (safe to
+    """With LoopOptions.return_state: the policy's weights at end_step, CPU tensors, a copy (safe to
     keep while training goes on); for `Generator.update_weights`. None when skipped without a
     live session (the weights are then in `checkpoint`)."""
 
@@ -115,147 +129,149 @@ class TrainSession:
         self.reference_from = None
 
 
-ADAPTERS_OFF = "<the policy with its LoRA adapters disabled>"
-"""TrainSession.reference_from of a LoRA policy's reference (training/lora.py)."""
+@dataclass(frozen=True)
+class LoopOptions:
+    """What the round loop (or a trainer rank) asks of one `train` call beyond the CLI's
+    defaults. Not fields of TrainSession: the session is state a call reads and leaves behind;
+    these are the caller's choices for this one call, frozen so no call changes the next's."""
+
+    save: bool = True
+    """Write a checkpoint at the end of the call (save_every checkpoints are written either way)."""
+    return_state: bool = False
+    """Put the final weights in TrainResult.state_dict (for `Generator.update_weights`)."""
 
 
-def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (1-based): linear warmup, then constant or cosine."""
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    decay = cfg.decay_steps or total_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, decay - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def step_rows(num_rows: int, batch_size: int, seed: int, segment_start: int, step: int,
-              units: np.ndarray | None = None) -> np.ndarray:
-    """Row indices of optimizer step `step`: consecutive slices of a stream of seeded
-    permutations of the rows (epoch e uses permutation e), counted from `segment_start`,
-    the step after which these rows were first trained on. Depends on nothing else, so a
-    resumed run draws exactly the rows an uninterrupted one would. `units` (a unit id per
-    row, 0..n_units-1; `group_units`): epoch e permutes the units instead, each unit's rows
-    together in row order, so a step holds whole units (one may straddle two steps)."""
-    size = min(batch_size, num_rows)
-    first = (step - segment_start - 1) * size
-    out = []
-    for epoch in range(first // num_rows, (first + size - 1) // num_rows + 1):
-        rng = np.random.default_rng([seed, segment_start, epoch])
-        if units is None:
-            perm = rng.permutation(num_rows)
-        else:
-            rank = np.empty(int(units.max()) + 1, dtype=np.int64)
-            rank[rng.permutation(rank.size)] = np.arange(rank.size)
-            perm = np.lexsort((np.arange(num_rows), rank[units]))
-        lo, hi = max(first - epoch * num_rows, 0), min(first + size - epoch * num_rows, num_rows)
-        out.append(perm[lo:hi])
-    return np.concatenate(out)
-
-
-def group_units(groups: np.ndarray, per_group: int | None = None) -> np.ndarray:
-    """step_rows' units: a group id per row, or with `per_group` a unit per run of that many
-    rows of a group (its 1st..per_group-th rows in row order, the next ones, ...)."""
-    if per_group is None:
-        return groups
-    order = np.lexsort((np.arange(groups.size), groups))
-    starts = np.flatnonzero(np.r_[True, groups[order][1:] != groups[order][:-1]])
-    position = np.empty(groups.size, dtype=np.int64)
-    position[order] = np.arange(groups.size) - np.repeat(starts, np.diff(np.r_[starts, groups.size]))
-    _, units = np.unique(groups * (groups.size + 1) + position // per_group, return_inverse=True)
-    return units
-
-
-def train(run_dir: str | Path | RunStore, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
+def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
           progress: Callable[[int, int, dict], None] | None = None, session: TrainSession | None = None,
-          save: bool = True, return_state: bool = False, sync_metrics: bool = True) -> TrainResult:
+          options: LoopOptions | None = None) -> TrainResult:
     """Train until optimizer step `steps` (sooner with `cfg.passes`), starting from the live
-    `session`, else the newest checkpoint of the run, else the model folder `model`.
-    `save=False` writes no checkpoint at the end (save_every still does); `return_state`
-    puts the final weights in `TrainResult.state_dict`. `held`: tables the caller has just
-    committed (`curation.store.run_store.Held`, e.g. the round's stage reports' `written`), used instead
-    of reading those files back while they are unchanged on disk; the rows are the same.
-    `sync_metrics=False` leaves the fsync of the step lines to the caller's next synced line."""
-    started = time.perf_counter()
-    run = run_dir
+    `session`, else the newest checkpoint of the run, else the model folder `model`. `run`: the
+    run folder, or its RunStore (the round loop's, which holds the parts it just committed).
+    `progress(done, total, step_metrics)` after each step; `options`: LoopOptions()."""
+    options = options or LoopOptions()
+    started, timing = time.perf_counter(), _Timing()
     run_dir = Path(run.root if isinstance(run, RunStore) else run)
-    timing = _Timing()
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if cfg.strategy != "single":
-        distributed.ensure_process_group(device)
-        if device.type == "cuda" and cfg.device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    world = distributed.ranks() if cfg.strategy != "single" else distributed.Ranks()
-    sharded = cfg.strategy == "fsdp2" and world.world > 1
-    sync = distributed.StepSync(device, world.world, gradients=not sharded)  # FSDP sums the gradients itself
+    place = distributed.Placement.of(cfg)
+    start = _resume(run_dir, model, session, timing)
 
-    # -- resume: the session's weights, a checkpoint, or the base model ------------------------
+    def skipped() -> TrainResult:
+        weights = cpu_state_dict(session.policy) if options.return_state and start.live else None
+        return TrainResult(start.step, start.step, skipped=True, checkpoint=start.latest, state_dict=weights,
+                           seconds=time.perf_counter() - started, load_seconds=timing.load)
+
+    if start.step >= steps:
+        return skipped()
+    metrics_log = MetricsLog(run_dir)
+    if not start.live and place.world.main:  # a live session wrote every step record there is up to its step
+        metrics_log.drop_steps_after(start.step)
+    with timing("load"):
+        data = load_training_data(run, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
+    segment = _segment(data, start, session)
+    if cfg.passes is not None:
+        steps = min(steps, segment["start_step"] + steps_for_passes(data.num_rows, cfg.batch_size, cfg.passes))
+        if start.step >= steps:
+            return skipped()
+    built = _build_policy(run_dir, cfg, start, data, segment, place, session, timing)
+    loop = _StepLoop(run_dir, cfg, start, segment, data.rounds, place, built, metrics_log, timing)
+    metrics, saved = loop.run(steps, options.save, progress)
+    if place.world.main:
+        metrics_log.sync()
+    place.sync.barrier()
+    if session is not None:
+        session.step, session.run_dir, session.base_model = steps, run_dir.resolve(), start.base_model
+        session.policy, session.optimizer = built.policy, built.optimizer
+        session.reference, session.reference_from, session.segment = built.reference, built.reference_from, segment
+    weights = final_weights(built.policy, built.optimizer, place.sharded) if options.return_state else None
+    return TrainResult(start.step, steps, skipped=False, checkpoint=saved, rows=built.table.num_rows,
+                       rounds=data.rounds, last_metrics=metrics, seconds=time.perf_counter() - started,
+                       load_seconds=timing.load, step_seconds=timing.step, checkpoint_seconds=timing.checkpoint,
+                       state_dict=weights)
+
+
+# ---- resume ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Start:
+    """Where a call starts: the newest checkpoint and its trainer state, whether the session's
+    live weights are used instead, the step, the base model."""
+
+    latest: Path | None
+    state: dict[str, Any]
+    live: bool
+    step: int
+    base_model: Path
+
+
+def _resume(run_dir: Path, model: str | Path | None, session: TrainSession | None, timing: _Timing) -> _Start:
+    """The session's weights when they are at least as new as the newest checkpoint, else that
+    checkpoint, else the base model folder `model`."""
     with timing("load"):
         latest = ckpt.latest_checkpoint(run_dir)
         state = ckpt.load_trainer_state(latest) if latest else {}
     live = (session is not None and session.live and session.run_dir == run_dir.resolve()
             and session.step >= int(state.get("step", 0)))
-    start_step = session.step if live else int(state.get("step", 0))
-    base_model = session.base_model if live else Path(state.get("base_model") or model or "")
     if not live and latest is None and (model is None or not (Path(model) / "config.json").is_file()):
         raise ValueError(f"{run_dir}: no checkpoint to resume and no base model folder (got {model!r}; "
                          "it needs a config.json)")
+    return _Start(latest, state, live, step=session.step if live else int(state.get("step", 0)),
+                  base_model=session.base_model if live else Path(state.get("base_model") or model or ""))
 
-    def skipped() -> TrainResult:
-        weights = _cpu_state_dict(session.policy) if return_state and live else None
-        return TrainResult(start_step, start_step, skipped=True, checkpoint=latest, state_dict=weights,
-                           seconds=time.perf_counter() - started, load_seconds=timing.load)
 
-    if start_step >= steps:
-        return skipped()
-    metrics_log = MetricsLog(run_dir)
-    if not live and world.main:  # a live session wrote every step record there is up to its step
-        metrics_log.drop_steps_after(start_step)
-
-    # -- data -------------------------------------------------------------------------------
-    with timing("load"):
-        data = load_training_data(run, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
-    segment = (session.segment if live else state.get("data")) or {}
+def _segment(data: TrainingData, start: _Start, session: TrainSession | None) -> dict[str, Any]:
+    """The data segment these rows belong to: the resumed one while the rows are the same,
+    else a new one that starts at this call's first step."""
+    segment = (session.segment if start.live else start.state.get("data")) or {}
     if segment.get("fingerprint") != data.fingerprint:  # new rows: a new segment starts here
-        segment = {"fingerprint": data.fingerprint, "start_step": start_step, "rounds": data.rounds,
+        segment = {"fingerprint": data.fingerprint, "start_step": start.step, "rounds": data.rounds,
                    "rows": data.num_rows}
-    if cfg.passes is not None:
-        steps = min(steps, segment["start_step"] + steps_for_passes(data.num_rows, cfg.batch_size, cfg.passes))
-        if start_step >= steps:
-            return skipped()
+    return segment
 
-    # -- model, optimizer, the step's context -------------------------------------------
+
+# ---- policy, optimizer, reference, the step's context ----------------------------------------
+
+@dataclass
+class _Built:
+    """The models and the step machinery of a call."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    make_optimizer: OptimizerFactory
+    reference: torch.nn.Module | None
+    reference_from: str | None
+    dtype: torch.dtype
+    """The master weights' dtype."""
+    ctx: StepContext
+    micro_batches: Callable[..., list]
+    micro_step: Callable
+    table: pa.Table
+    """The rows trained on (with recomputed old_logprobs when the config asks for them)."""
+
+
+def _build_policy(run_dir: Path, cfg: TrainConfig, start: _Start, data: TrainingData, segment: dict,
+                  place: distributed.Placement, session: TrainSession | None, timing: _Timing) -> _Built:
+    """The session's policy and optimizer, or loaded ones (FSDP2: sharded); the reference;
+    the step's context. Leaves the session empty."""
     torch.manual_seed(cfg.seed)
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # master weights
-    reference_from = str(cfg.ref_model or base_model) if cfg.uses_reference() else None
-    if reference_from is not None and cfg.lora is not None and cfg.ref_model is None:
-        reference_from = ADAPTERS_OFF  # the policy with its adapters disabled: no second copy
-    if cfg.lora is not None and sharded:
-        raise ValueError("[train] lora with strategy fsdp2 is not supported: use single or ddp")
+    reference_from = reference_source(cfg, start.base_model, place.sharded)
+    make_optimizer = optimizer_factory(cfg)
     with timing("load"):
-        def make_optimizer(params):
-            return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
-
-        if live:
+        if start.live:
             policy, optimizer = session.policy, session.optimizer
         else:
-            policy = _load_policy(latest, base_model, cfg, device, dtype)
+            policy = load_policy(start.latest, start.base_model, cfg, place.device, dtype)
             optimizer = make_optimizer([p for p in policy.parameters() if p.requires_grad])
-            if latest is not None:
-                ckpt.load_optimizer(optimizer, latest)
-            if sharded:
+            if start.latest is not None:
+                ckpt.load_optimizer(optimizer, start.latest)
+            if place.sharded:
                 from training import fsdp
 
-                policy, optimizer = fsdp.shard(policy, optimizer, make_optimizer, device, world.world,
-                                               resumed=latest is not None)
-        if live and session.reference_from == reference_from:
+                policy, optimizer = fsdp.shard(policy, optimizer, make_optimizer, place.device, place.world.world,
+                                               resumed=start.latest is not None)
+        if start.live and session.reference_from == reference_from:
             reference = session.reference
-        elif reference_from == ADAPTERS_OFF:
-            reference = lora.AdaptersOff(policy)
         else:
-            reference = (ckpt.load_model(reference_from, device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-                         if reference_from else None)
+            reference = load_reference(reference_from, policy, cfg, place.device, dtype)
     if session is not None:
         session.clear()  # the weights change in place from here on; a failure must not leave them live
     if cfg.objective == "pairwise":
@@ -265,89 +281,115 @@ def train(run_dir: str | Path | RunStore, cfg: TrainConfig, *, steps: int, model
         micro_batches = functools.partial(policy_batches, share_prompts=cfg.share_prompts)
     ctx = StepContext(
         policy=policy, reference=reference, loss=loss,
-        objective=cfg.objective_config(longest_response=_longest_response(data.table)),
+        objective=cfg.objective_config(longest_response=longest_response_tokens(data.table)),
         temperature=cfg.temperature or data.temperature or 1.0,
         pad_id=policy.config.pad_token_id if isinstance(policy.config.pad_token_id, int) else 0,
-        device=device, autocast=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda"),
+        device=place.device,
+        autocast=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and place.device.type == "cuda"),
         measure_gap=cfg.old_logprobs == "generator",
         correction=cfg.correction_config() if cfg.rollout_correction != "off" else None, grad_noise=cfg.grad_noise,
         **({"top_k": data.top_k, "top_p": data.top_p} if cfg.truncated_logprobs else {}))
     table = data.table
     if cfg.old_logprobs == "recompute" and cfg.objective in POLICY_OBJECTIVES:
         with timing("load"):
-            table = _with_recomputed_logprobs(run_dir, table, segment, start_step, ctx, cfg.token_budget,
-                                              write=world.main)
+            table = with_recomputed_logprobs(run_dir, table, segment, start.step, ctx, cfg.token_budget,
+                                             write=place.world.main)
+    return _Built(policy, optimizer, make_optimizer, reference, reference_from, dtype, ctx, micro_batches,
+                  micro_step, table)
 
-    # -- the loop ---------------------------------------------------------------------------
-    metrics: dict[str, Any] = {}
-    saved = None
-    size = min(cfg.batch_size, table.num_rows)
-    units = group_units(prompt_groups(table), cfg.share_prompts_rows) if cfg.share_prompts and table.num_rows \
-        else None  # share_prompts: a step draws a prompt's rows together
-    for step in range(start_step + 1, steps + 1):
+
+# ---- the step loop and checkpoints --------------------------------------------------------------
+
+@dataclass
+class _StepLoop:
+    """Steps start+1..steps of a call over the built policy: one `step` per optimizer step,
+    `checkpoint` when one is due."""
+
+    run_dir: Path
+    cfg: TrainConfig
+    start: _Start
+    segment: dict[str, Any]
+    rounds: list[int]
+    place: distributed.Placement
+    built: _Built
+    metrics_log: MetricsLog
+    timing: _Timing
+
+    def run(self, steps: int, save: bool,
+            progress: Callable[[int, int, dict], None] | None) -> tuple[dict[str, Any], Path | None]:
+        """(the last step's metrics, the last checkpoint written or None)."""
+        table, cfg = self.built.table, self.cfg
+        # share_prompts: a step draws a prompt's rows together
+        units = group_units(prompt_groups(table), cfg.share_prompts_rows) if cfg.share_prompts and table.num_rows \
+            else None
+        metrics, saved = {}, None
+        for step in range(self.start.step + 1, steps + 1):
+            metrics = self.step(step, steps, units)
+            if self.place.world.main:  # synced before a checkpoint and at the end: a step line lost to a
+                self.metrics_log.append(metrics, sync=False)  # power cut is after the newest checkpoint
+            fault_point("train.step_logged")
+            if (save and step == steps) or (cfg.save_every and step % cfg.save_every == 0):
+                with self.timing("checkpoint"):
+                    saved = self.checkpoint(step)
+            if progress is not None:
+                progress(step - self.start.step, steps - self.start.step, metrics)
+        return metrics, saved
+
+    def step(self, step: int, steps: int, units: np.ndarray | None) -> dict[str, Any]:
+        """One optimizer step (the lr schedule's horizon is `steps`); its metrics record."""
+        cfg, built, table = self.cfg, self.built, self.built.table
         tic = time.perf_counter()
-        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, segment["start_step"], step, units)
-        mine = world.shard(rows)  # every rank draws the same rows and takes its share
-        batch = micro_batches(table.take(pa.array(mine)), cfg.token_budget, pad_id=ctx.pad_id) if len(mine) else []
+        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, self.segment["start_step"], step, units)
+        mine = self.place.world.shard(rows)  # every rank draws the same rows and takes its share
+        batch = built.micro_batches(table.take(pa.array(mine)), cfg.token_budget, pad_id=built.ctx.pad_id) \
+            if len(mine) else []
         lr = lr_at(step, cfg, steps)
-        for group in optimizer.param_groups:
+        for group in built.optimizer.param_groups:
             group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        metrics = accumulate_gradients(ctx, micro_step, batch, policy_version=step - 1, sync=sync)
-        params = [p for p in policy.parameters() if p.grad is not None]
+        built.optimizer.zero_grad(set_to_none=True)
+        measurements = StepMeasurements.of(built.ctx, policy_version=step - 1)
+        metrics = accumulate_gradients(built.ctx, built.micro_step, batch, policy_version=step - 1,
+                                       sync=self.place.sync, measurements=measurements)
+        params = [p for p in built.policy.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
             grad_norm = grad_norm.full_tensor()
-        optimizer.step()
+        built.optimizer.step()
         seconds = time.perf_counter() - tic
-        timing.step += seconds
+        self.timing.step += seconds
         # pass: which pass over the segment's rows this step's first row belongs to (1-based)
+        size = min(cfg.batch_size, table.num_rows)
         metrics.update(event="step", step=step, objective=cfg.objective, lr=lr, grad_norm=float(grad_norm),
                        rows=len(rows), seconds=round(seconds, 4),
-                       tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=data.rounds,
-                       **{"pass": (step - segment["start_step"] - 1) * size // table.num_rows + 1})
-        if world.main:  # synced before a checkpoint and at the end: a step line lost to a
-            metrics_log.append(metrics, sync=False)  # power cut is after the newest checkpoint
-        fault_point("train.step_logged")
+                       tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=self.rounds,
+                       **{"pass": (step - self.segment["start_step"] - 1) * size // table.num_rows + 1})
+        return metrics
 
-        # -- checkpoint -----------------------------------------------------------------------
-        if (save and step == steps) or (cfg.save_every and step % cfg.save_every == 0):
-            with timing("checkpoint"):
-                plain, plain_optimizer = policy, optimizer
-                if sharded:  # every rank takes part in gathering the full state; rank 0 writes it
-                    from training import fsdp
+    def checkpoint(self, step: int) -> Path:
+        """RUN/checkpoints/step-<step>/, a plain HF folder any world size resumes from: every
+        rank takes part in gathering a sharded state, rank 0 writes it."""
+        built, place, cfg = self.built, self.place, self.cfg
+        plain, plain_optimizer = built.policy, built.optimizer
+        if place.sharded:
+            from training import fsdp
 
-                    model_state, optimizer_state = fsdp.full_state(policy, optimizer)
-                    if world.main:
-                        plain, plain_optimizer = fsdp.unsharded(policy, model_state, optimizer_state,
-                                                                make_optimizer, dtype)
-                if world.main:  # a plain HF folder: any world size resumes from it
-                    metrics_log.sync()
-                    saved = ckpt.save_checkpoint(
-                        run_dir, step, plain, plain_optimizer,
-                        {"base_model": str(base_model), "data": segment, "config": cfg.model_dump(mode="json"),
-                         "temperature": ctx.temperature},
-                        tokenizer_from=base_model, keep_last=cfg.keep_last or None,
-                        merged=cfg.lora is not None and cfg.lora.save_merged)
-                else:
-                    saved = ckpt.checkpoint_dir(run_dir, step)
-                sync.barrier()  # no rank reads the run before the checkpoint is whole
-        if progress is not None:
-            progress(step - start_step, steps - start_step, metrics)
-    if world.main and sync_metrics:  # else the caller's next fsynced line makes them durable (the loop's round record)
-        metrics_log.sync()
-    sync.barrier()
-    if session is not None:
-        session.step, session.run_dir, session.base_model = steps, run_dir.resolve(), base_model
-        session.policy, session.optimizer = policy, optimizer
-        session.reference, session.reference_from, session.segment = reference, reference_from, segment
-    return TrainResult(start_step, steps, skipped=False, checkpoint=saved, rows=table.num_rows,
-                       rounds=data.rounds, last_metrics=metrics, seconds=time.perf_counter() - started,
-                       load_seconds=timing.load, step_seconds=timing.step, checkpoint_seconds=timing.checkpoint,
-                       state_dict=_final_weights(policy, optimizer, sharded) if return_state else None)
+            model_state, optimizer_state = fsdp.full_state(built.policy, built.optimizer)
+            if place.world.main:
+                plain, plain_optimizer = fsdp.unsharded(built.policy, model_state, optimizer_state,
+                                                        built.make_optimizer, built.dtype)
+        if place.world.main:
+            self.metrics_log.sync()
+            saved = ckpt.save_checkpoint(
+                self.run_dir, step, plain, plain_optimizer,
+                {"base_model": str(self.start.base_model), "data": self.segment,
+                 "config": cfg.model_dump(mode="json"), "temperature": built.ctx.temperature},
+                tokenizer_from=self.start.base_model, keep_last=cfg.keep_last or None,
+                merged=cfg.lora is not None and cfg.lora.save_merged)
+        else:
+            saved = ckpt.checkpoint_dir(self.run_dir, step)
+        place.sync.barrier()  # no rank reads the run before the checkpoint is whole
+        return saved
 
-
-# ---- helpers ----------------------------------------------------------------------------------
 
 @dataclass
 class _Timing:
@@ -365,85 +407,3 @@ class _Timing:
         finally:
             setattr(self, part, getattr(self, part) + time.perf_counter() - tic)
 
-
-def _final_weights(policy: torch.nn.Module, optimizer, sharded: bool) -> dict[str, torch.Tensor]:
-    """The weights for TrainResult.state_dict: FSDP2's gathered on rank 0 (a collective)."""
-    if sharded:
-        from training import fsdp
-
-        return fsdp.full_state(policy, optimizer)[0]
-    return _cpu_state_dict(policy)
-
-
-def _cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the model's weights on the CPU (the live ones keep changing in a session); a
-    LoRA policy's merged weights under the base model's names (what an engine loads)."""
-    if lora.is_peft(model):
-        return lora.merged_state_dict(model)
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
-
-
-def _load_policy(latest: Path | None, base_model: Path, cfg: TrainConfig, device: torch.device,
-                 dtype: torch.dtype) -> torch.nn.Module:
-    """The trainable policy: the newest checkpoint, else the base model; with [train] lora, the
-    base model with the checkpoint's adapter (or fresh adapters)."""
-    adapter = latest is not None and lora.is_adapter_folder(latest)
-    if cfg.lora is None:
-        if adapter:
-            raise ValueError(f"checkpoint {latest} holds a LoRA adapter: keep [train] lora set to resume this run")
-        return ckpt.load_model(latest or base_model, device, trainable=True, dtype=dtype,
-                               trust_remote_code=cfg.trust_remote_code)
-    if latest is not None and not adapter:
-        raise ValueError(f"checkpoint {latest} is a full model (this run trained without LoRA): to train adapters "
-                         f"on it, start a new run with [model] path = \"{latest}\"")
-    base = ckpt.load_model(base_model, device, trainable=True, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    if not adapter:
-        return lora.wrap(base, cfg.lora)
-    policy = lora.load(base, latest, trainable=True)
-    saved = policy.peft_config[lora.ADAPTER]
-    if (saved.r, float(saved.lora_alpha)) != (cfg.lora.r, float(cfg.lora.alpha)):
-        raise ValueError(f"checkpoint {latest}: its adapter has r={saved.r}, alpha={saved.lora_alpha}, but [train] "
-                         f"lora asks r={cfg.lora.r}, alpha={cfg.lora.alpha}: keep the run's adapter settings")
-    return policy
-
-
-def _with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
-                              token_budget: int, write: bool = True) -> pa.Table:
-    """`table` with an old_logprobs column: the log-probs of the policy at the start of this
-    segment (behavior_logprobs stay: decoupled mode reads both). Computed once and cached
-    under RUN/_train/, so a resumed run uses the same values rather than those of its (already
-    updated) weights."""
-    from safetensors.torch import load_file, save
-
-    cache = (run_dir / TRAIN_CACHE_DIR /
-             f"old_logprobs-{segment['fingerprint'][:16]}-step{segment['start_step']}.safetensors")
-    if cache.is_file():
-        flat = load_file(cache)["logprobs"]
-    elif segment["start_step"] != start_step:
-        raise ValueError(f"{cache} is missing: the recomputed old log-probs of a segment started at step "
-                         f"{segment['start_step']} cannot be rebuilt from step {start_step}'s weights")
-    else:
-        flat_parts = [None] * table.num_rows
-        ctx.policy.eval()
-        with torch.no_grad():
-            for mb in policy_batches(table, token_budget, pad_id=ctx.pad_id):
-                mb = mb.to(ctx.device)
-                logp = ctx.logprobs(ctx.policy, mb)
-                for i, row in enumerate(mb.rows.tolist()):
-                    flat_parts[row] = logp[i][mb.target_mask[i]].float().cpu()
-        ctx.policy.train()
-        flat = torch.cat(flat_parts)
-        if write:  # rank 0 of a ddp run; every rank computed the same values
-            write_atomic(cache, save({"logprobs": flat.contiguous()}))
-    lengths = [len(x) for x in table.column("response_token_ids").to_pylist()]
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.numpy(), pa.float32()))
-    return table.append_column("old_logprobs", column)
-
-
-def _longest_response(table: pa.Table) -> int:
-    import pyarrow.compute as pc
-
-    columns = ["chosen_token_ids", "rejected_token_ids"] if "chosen_token_ids" in table.column_names \
-        else ["response_token_ids"]
-    return max(int(pc.max(pc.list_value_length(table.column(c))).as_py() or 1) for c in columns)

@@ -4,15 +4,8 @@
         ▼ per group (run_id, round, prompt_id): mean, std, advantage
     groups/round=<n>/part-label.parquet
 
-Advantage estimators (r: a sample's reward; mean, std: over its group's kept samples; G:
-their number):
-
-    grpo     (r - mean) / (std + eps)            DeepSeekMath (Shao et al. 2024)
-    dr_grpo  r - mean                            Dr. GRPO (Liu et al. 2025): no std division
-    rloo     r - mean of the other G-1 samples   RLOO (Ahmadian et al. 2024); = G/(G-1) (r - mean)
-    batch    c / (std_batch(c) + eps), c = r - mean
-             REINFORCE++-baseline (Hu et al. 2025): centred within the group, then scaled by
-             the std of c over every row of a kept group of the same (run_id, round)
+Advantage estimators: grpo, dr_grpo, rloo, batch, and any registered with
+`curation.stages.advantages.register_advantage` (the formulas are there); `estimator` names one.
 
 Conventions. std is the sample std (ddof=1, Bessel-corrected), as TRL computes it
 (torch.std); eps = 1e-4, TRL's value. group_std is that std of the group's rewards and
@@ -27,15 +20,13 @@ Every sample of the round ends in exactly one of groups (here) or rejects (earli
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
-import polars as pl
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from curation import schema
 from curation.schema import KEYS
+from curation.stages.advantages import GroupedRewards, get_advantage
 from curation.stages.common import group_ids, group_moments, rows_of, unrejected
 from curation.stages.runner import StageOutput
 
@@ -49,18 +40,26 @@ class LabelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    estimator: Literal["grpo", "dr_grpo", "rloo", "batch"] = Field(
-        "grpo", description="Advantage estimator: grpo, dr_grpo, rloo or batch (see the module docstring).")
+    estimator: str = Field(
+        "grpo", description="Advantage estimator: grpo, dr_grpo, rloo, batch, or another name registered with "
+                            "curation.stages.advantages.register_advantage (formulas there).")
     eps: float = Field(
         1e-4, ge=0, description="Added to the std before dividing (grpo, batch); TRL's default.")
+
+    @field_validator("estimator")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        get_advantage(name)  # a one-line error naming the registered estimators
+        return name
 
 
 CONFIG = LabelConfig
 
 
 def sliceable(cfg: LabelConfig) -> bool:
-    """batch scales by a std over every kept group of the round, so it needs them all at once."""
-    return cfg.estimator != "batch"
+    """An estimator registered with whole_round (batch: a std over every kept group of the
+    round) needs the round at once."""
+    return not get_advantage(cfg.estimator).whole_round
 
 
 def columns(cfg: LabelConfig) -> dict[str, list[str]]:
@@ -101,7 +100,7 @@ def label(table: pa.Table, cfg: LabelConfig, gid: np.ndarray | None = None) -> p
     common.group_ids).
 
     numpy over per-group statistics (common.group_moments: the same bits as Polars' window
-    functions, without a query's fixed ~0.4 ms); batch's std over a round stays a Polars query.
+    functions, without a query's fixed ~0.4 ms), then the registered estimator `cfg.estimator`.
     """
     if table.column("reward").null_count:
         raise ValueError(f"label needs a reward for every row; {table.column('reward').null_count} are null")
@@ -112,28 +111,15 @@ def label(table: pa.Table, cfg: LabelConfig, gid: np.ndarray | None = None) -> p
     n_groups = int(gid.max()) + 1 if len(gid) else 0
     stats = group_moments(gid, reward, n_groups)
     kept = (stats.hi > stats.lo)[gid]  # max > min: exact, free of rounding (NaN for no rows: False)
-    mean, n = stats.mean[gid], stats.count[gid].astype(np.float64)
+    estimator = get_advantage(cfg.estimator)
     with np.errstate(divide="ignore", invalid="ignore"):
         std = np.sqrt(stats.var)[gid]
-        centred = reward - mean
-        if cfg.estimator == "grpo":
-            advantage = centred / (std + cfg.eps)
-        elif cfg.estimator == "dr_grpo":
-            advantage = centred
-        elif cfg.estimator == "rloo":
-            advantage = centred * n / (n - 1)
-        else:
-            advantage = centred / (_batch_std(table, centred, kept) + cfg.eps)
+        rows = GroupedRewards(reward=reward, mean=stats.mean[gid], std=std, size=stats.count[gid].astype(np.float64),
+                              kept=kept, batch=group_ids(table, by=("run_id", "round")).to_numpy()
+                              if estimator.whole_round else None)
+        advantage = estimator(rows, cfg.eps)
     columns = table.select([*KEYS, "reward"]).columns
-    columns += [pa.array(np.where(kept, advantage, 0.0)), pa.array(mean), pa.array(np.where(kept, std, 0.0)),
+    columns += [pa.array(np.where(kept, advantage, 0.0)), pa.array(rows.mean), pa.array(np.where(kept, std, 0.0)),
                 pa.array(kept)]
     return schema.validate(schema.as_contract(columns, "groups"), "groups")
 
-
-def _batch_std(table: pa.Table, centred: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """batch: per row, the std (ddof=1) of `centred` over the kept rows of its (run_id, round).
-    A round is one group whose Welford update is sequential over all its rows: a Polars query."""
-    rows = pl.DataFrame([group_ids(table, by=("run_id", "round")).alias("batch"), pl.Series("centred", centred),
-                         pl.Series("kept", kept)])
-    std = rows.select(pl.when(pl.col("kept")).then(pl.col("centred")).std(ddof=1).over("batch"))
-    return std.to_series().to_numpy()

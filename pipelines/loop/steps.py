@@ -33,7 +33,7 @@ from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
 from training.data import NoTrainingData, count_training_rows
-from training.trainer import TrainResult, train
+from training.trainer import LoopOptions, TrainResult, train
 
 if TYPE_CHECKING:
     from training.ray_ranks import TrainerRanks
@@ -176,11 +176,11 @@ def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> Train
     store: held parts from memory); its new weights are kept for the engine."""
     with ctx.clock("train"):
         if ctx.spec.train.nproc > 1:
-            result = trainer_ranks(ctx).train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path, save=save,
-                                              return_state=True)
+            result = trainer_ranks(ctx).train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path,
+                                              options=LoopOptions(save=save, return_state=True))
         else:
             result = train(ctx.store, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session,
-                           save=save, return_state=True)
+                           options=LoopOptions(save=save, return_state=True))
     ctx.clock.move(result.checkpoint_seconds, "train", "checkpoint")
     ctx.clock.model += result.step_seconds
     if result.state_dict is not None:

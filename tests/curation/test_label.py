@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import tempfile
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 from curation.schema import SCHEMAS, empty
 from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
+from curation.stages.advantages import GroupedRewards, advantage_names, get_advantage, register_advantage
 from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig, kept_with_rewards, label
 from curation.stages.runner import run_stage
@@ -243,3 +245,34 @@ def test_transform_labels_the_unrejected_samples_and_counts_kept_groups():
     assert [(g["prompt_id"], g["sample_idx"], g["group_kept"]) for g in groups.to_pylist()] == [
         ("a", 0, True), ("a", 1, True), ("b", 0, False), ("b", 1, False)]
     assert groups.equals(label(kept_with_rewards(samples, scores, rejects)[0], LabelConfig()))
+
+
+# ---- the estimator registry ------------------------------------------------------------------
+
+@register_advantage("test_sign")
+def sign_advantage(rows: GroupedRewards, eps: float) -> np.ndarray:
+    """A = sign(r - mean): an estimator registered outside groupforge's own module."""
+    return np.sign(rows.reward - rows.mean)
+
+
+def test_the_registry_knows_every_estimator_and_names_them_on_an_unknown_one():
+    assert advantage_names()[:4] == ("grpo", "dr_grpo", "rloo", "batch")
+    assert [get_advantage(name).whole_round for name in ("grpo", "dr_grpo", "rloo", "batch")] == [
+        False, False, False, True]
+    assert label_stage.sliceable(LabelConfig(estimator="rloo")) and not label_stage.sliceable(
+        LabelConfig(estimator="batch"))
+    with pytest.raises(ValueError, match=r"^unknown advantage estimator 'ppo'; known: grpo, dr_grpo, rloo, batch"):
+        get_advantage("ppo")
+    with pytest.raises(ValidationError, match="known: grpo, dr_grpo, rloo, batch"):
+        LabelConfig(estimator="ppo")
+    with pytest.raises(ValueError, match="already registered"):
+        register_advantage("grpo")(sign_advantage)
+
+
+def test_a_registered_estimator_runs_through_the_label_transform():
+    samples, scores = samples_and_scores(group_rows({"a": [1, 0, 0.5], "b": [1, 1], "c": [0.2, 0.9, 0.9]}))
+    tables = {"samples": samples, "scores": scores, "rejects": empty("rejects")}
+    groups = label_stage.transform(tables, LabelConfig(estimator="test_sign")).tables["groups"]
+    # a: mean 0.5 -> signs 1, -1, 0; b: all equal -> 0 (not kept); c: mean 2/3 -> -1, 1, 1
+    assert by_group(groups, "advantage") == {"a": [1.0, -1.0, 0.0], "b": [0.0, 0.0], "c": [-1.0, 1.0, 1.0]}
+    assert label_stage.sliceable(LabelConfig(estimator="test_sign"))

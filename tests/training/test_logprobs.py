@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tests.conftest import REPO
-from training.logprobs import ChunkedTokenLogProbs, token_logprobs, token_logprobs_reference, truncate_
+from training.logprobs import ChunkedTokenLogProbs, GatherRows, token_logprobs, token_logprobs_reference, truncate_
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +248,26 @@ def test_peak_memory_does_not_grow_with_vocab_times_tokens():
     assert m["reference"] > m["full_logits"], mib
     assert m["chunked"] < m["full_logits"] / 4, mib
     assert m["chunked"] < 6 * m["chunk_logits"], mib  # a few chunk-sized buffers (measured ~2.8)
+
+
+def test_gather_rows_sums_repeated_indices_and_repeats_bitwise():
+    x = torch.arange(6.0).reshape(3, 2).requires_grad_()
+    index = torch.tensor([0, 2, 0, 0])
+    out = GatherRows.apply(x, index)
+    assert out.tolist() == [[0.0, 1.0], [4.0, 5.0], [0.0, 1.0], [0.0, 1.0]]
+    out.backward(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]))
+    assert x.grad.tolist() == [[13.0, 16.0], [0.0, 0.0], [3.0, 4.0]]
+
+    # many repeats of a few rows, large enough for torch's parallel index_put_ path
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(64, 256, generator=gen, requires_grad=True)
+    index = torch.randint(0, 8, (4096,), generator=gen)
+    grad_out = torch.randn(4096, 256, generator=gen)
+    grads = []
+    for _ in range(4):
+        big.grad = None
+        GatherRows.apply(big, index).backward(grad_out)
+        grads.append(big.grad.clone())
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+    expected = torch.zeros(64, 256, dtype=torch.float64).index_add_(0, index, grad_out.double())
+    torch.testing.assert_close(grads[0].double(), expected, rtol=1e-5, atol=1e-4)

@@ -24,7 +24,7 @@ from tests.pipelines.test_cli import ENV, GROUPFORGE
 from training import checkpoint as ckpt
 from training import lora
 from training.config import TrainConfig
-from training.trainer import train
+from training.trainer import LoopOptions, train
 
 prompts_file = helpers.prompts_file  # fixtures
 vllm_generator = helpers.vllm_generator
@@ -51,7 +51,7 @@ def trained(curated, toy_dir, tmp_path_factory) -> tuple[Path, object]:
     """3 grpo steps with LoRA (merged/ saved too): (the checkpoint, the TrainResult)."""
     run = copy_run(curated, tmp_path_factory.mktemp("trained") / "run")
     cfg = TrainConfig(lora={**LORA, "save_merged": True}, lr=3e-2, batch_size=64)
-    result = train(run, cfg, steps=3, model=toy_dir / "model", return_state=True)
+    result = train(run, cfg, steps=3, model=toy_dir / "model", options=LoopOptions(return_state=True))
     return result.checkpoint, result
 
 

@@ -19,7 +19,8 @@ from curation.faults import FAULT_ENV
 from tests.conftest import REPO
 from training import checkpoint as ckpt
 from training.config import TrainConfig
-from training.trainer import group_units, lr_at, step_rows, train
+from training.schedule import group_units, lr_at, step_rows
+from training.trainer import train
 
 
 def step_records(run_dir):

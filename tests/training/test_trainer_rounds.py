@@ -14,7 +14,7 @@ from curation.generate.weights import load_state_dict
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
 from training.data import count_training_rows
-from training.trainer import TrainSession, train
+from training.trainer import LoopOptions, TrainSession, train
 
 from .test_trainer import step_records
 
@@ -49,7 +49,7 @@ def test_passes_train_ceil_passes_rows_over_batch_steps_and_later_passes_are_off
 
 def test_timing_fields_and_the_returned_weights(run_copy, toy_dir):
     cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=512, lr=1e-4, save_every=1, keep_last=0)
-    result = train(run_copy, cfg, steps=2, model=toy_dir / "model", return_state=True)
+    result = train(run_copy, cfg, steps=2, model=toy_dir / "model", options=LoopOptions(return_state=True))
     assert result.load_seconds > 0 and result.step_seconds > 0 and result.checkpoint_seconds > 0
     assert result.load_seconds + result.step_seconds + result.checkpoint_seconds <= result.seconds
     assert result.step_seconds == pytest.approx(sum(r["seconds"] for r in step_records(run_copy)), abs=1e-3)
@@ -57,7 +57,8 @@ def test_timing_fields_and_the_returned_weights(run_copy, toy_dir):
     weights = result.state_dict
     assert sorted(weights) == sorted(saved)
     assert all(w.device.type == "cpu" and torch.equal(w, saved[name]) for name, w in weights.items())
-    assert train(run_copy, cfg, steps=2, return_state=True).state_dict is None  # skipped: weights on disk
+    skipped = train(run_copy, cfg, steps=2, options=LoopOptions(return_state=True))
+    assert skipped.state_dict is None  # skipped: weights on disk
 
 
 def _rounds(run_dir, toy_dir, session=None, save_first=True, **kwargs):
@@ -65,7 +66,7 @@ def _rounds(run_dir, toy_dir, session=None, save_first=True, **kwargs):
     rounds 0 and 1 to step 4."""
     cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=512, lr=1e-4, **kwargs)
     first = train(run_dir, cfg.model_copy(update={"rounds": [0]}), steps=2, model=toy_dir / "model",
-                  session=session, save=save_first, return_state=True)
+                  session=session, options=LoopOptions(save=save_first, return_state=True))
     second = train(run_dir, cfg.model_copy(update={"rounds": [0, 1]}), steps=4, model=toy_dir / "model",
                    session=session)
     return first, second
@@ -89,8 +90,9 @@ def test_a_session_skips_checkpoints_and_gives_the_same_weights(curated_run, toy
     assert all(torch.equal(a[name], b[name]) for name in a)
     # The handed-back weights are a copy: training on in the session did not change them.
     assert any(not torch.equal(first.state_dict[name], b[name]) for name in b)
-    assert train(live, TrainConfig(rounds=[0, 1], batch_size=32), steps=4, session=session,
-                 return_state=True).state_dict is not None  # skipped, but the session holds the weights
+    skipped = train(live, TrainConfig(rounds=[0, 1], batch_size=32), steps=4, session=session,
+                    options=LoopOptions(return_state=True))
+    assert skipped.state_dict is not None  # skipped, but the session holds the weights
 
 
 def test_a_killed_session_run_replays_from_the_newest_checkpoint(curated_run, toy_dir, tmp_path):
@@ -101,7 +103,7 @@ def test_a_killed_session_run_replays_from_the_newest_checkpoint(curated_run, to
     shutil.copytree(curated_run, killed)
     _rounds(plain, toy_dir)
     cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=512, lr=1e-4, rounds=[0])
-    train(killed, cfg, steps=2, model=toy_dir / "model", session=TrainSession(), save=False)
+    train(killed, cfg, steps=2, model=toy_dir / "model", session=TrainSession(), options=LoopOptions(save=False))
     assert ckpt.latest_checkpoint(killed) is None and len(step_records(killed)) == 2
     _rounds(killed, toy_dir, session=TrainSession(), save_first=False)  # a new process, a new session
     for key in COMPARED:
@@ -111,7 +113,7 @@ def test_a_killed_session_run_replays_from_the_newest_checkpoint(curated_run, to
 def test_a_failed_call_leaves_the_session_empty(run_copy, toy_dir):
     session = TrainSession()
     train(run_copy, TrainConfig(batch_size=32, token_budget=512, rounds=[0]), steps=1, model=toy_dir / "model",
-          session=session, save=False)
+          session=session, options=LoopOptions(save=False))
     assert session.live and session.step == 1
 
     def interrupted(done, total, metrics):  # after step 2's update: the weights have changed
