@@ -168,12 +168,13 @@ def trainer_calls(run_dir: Path, cfg, model_dir: Path, steps: int, scratch: Path
     from training.batching import policy_batches
     from training.data import load_training_data
     from training.objectives import get_policy_loss
-    from training.trainer import TrainSession, step_rows, train
+    from training.schedule import step_rows
+    from training.trainer import LoopOptions, TrainSession, train
 
     try:
         from training.step import StepContext, accumulate_gradients, policy_micro_step
     except ImportError:  # before the step machinery moved out of trainer.py
-        from training.trainer import StepContext, accumulate_gradients, policy_micro_step
+        from training.step import StepContext, accumulate_gradients, policy_micro_step
 
     data = load_training_data(run_dir, cfg.objective, cfg.rounds)
     rows = data.table.take(pa.array(step_rows(data.table.num_rows, cfg.batch_size, cfg.seed, 0, 1)))
@@ -210,7 +211,8 @@ def trainer_calls(run_dir: Path, cfg, model_dir: Path, steps: int, scratch: Path
             copy = Path(tempfile.mkdtemp(dir=scratch))
             shutil.copytree(run_dir, copy, dirs_exist_ok=True)
             started = time.perf_counter()
-            result = train(copy, cfg, steps=steps, model=model_dir, save=False, session=TrainSession())
+            result = train(copy, cfg, steps=steps, model=model_dir, session=TrainSession(),
+                           options=LoopOptions(save=False))
             whole = time.perf_counter() - started
             done = sum(int(s["tokens"]) for s in MetricsLog(copy).steps())
             shutil.rmtree(copy, ignore_errors=True)
