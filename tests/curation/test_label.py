@@ -16,9 +16,16 @@ from pydantic import ValidationError
 from curation.schema import SCHEMAS, empty
 from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
-from curation.stages.advantages import GroupedRewards, advantage_names, get_advantage, register_advantage
 from curation.stages.filter import FilterConfig
-from curation.stages.label import LabelConfig, kept_with_rewards, label
+from curation.stages.label import (
+    GroupedRewards,
+    LabelConfig,
+    advantage_names,
+    get_advantage,
+    kept_with_rewards,
+    label,
+    register_advantage,
+)
 from curation.stages.runner import run_stage
 from curation.store.run_store import RunStore, fingerprint_file
 from tests.curation.test_filter import commit_inputs, group_rows, rejects_of, samples_and_scores
