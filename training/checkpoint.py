@@ -31,7 +31,6 @@ from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.store.runlog import (
     CHECKPOINTS_DIR,
-    LEGACY_OPTIMIZER_FILE,
     OPTIMIZER_FILE,
     TRAINER_STATE_FILE,
     fsync_dir,
@@ -220,14 +219,12 @@ def engine_weights(folder: str | Path) -> Path | dict[str, torch.Tensor]:
 
 
 def optimizer_file(folder: str | Path) -> Path:
-    """The optimizer state of checkpoint `folder`, checked whole (a ValueError naming it when it is
-    missing or truncated); the legacy name in the folder itself for checkpoints written before it
-    moved to optimizer/, where vLLM does not take it for weights."""
+    """The optimizer state of checkpoint `folder` (in optimizer/, where vLLM does not take it for
+    weights), checked whole (a ValueError naming it when it is missing or truncated)."""
     from curation.generate.weights import check_safetensors
 
     folder = Path(folder)
-    legacy = folder / LEGACY_OPTIMIZER_FILE
-    file = legacy if legacy.is_file() and not (folder / OPTIMIZER_FILE).is_file() else folder / OPTIMIZER_FILE
+    file = folder / OPTIMIZER_FILE
     if not file.is_file():
         raise ValueError(f"checkpoint {folder}: no {OPTIMIZER_FILE} (the optimizer state); delete the folder to "
                          "resume from the checkpoint before it, or start the run again")

@@ -33,7 +33,6 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer/state.safetensors"  # in a subfolder: vLLM loads every *.safetensors of the folder
-LEGACY_OPTIMIZER_FILE = "optimizer.safetensors"  # checkpoints written before 2026-12-01 (read only)
 ROUNDS_DIR = "_rounds"
 TRAIN_CACHE_DIR = "_train"
 REPORT_DIR = "report"

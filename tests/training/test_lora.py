@@ -157,8 +157,8 @@ def test_vllm_reloaded_from_a_lora_checkpoint_samples_the_adapted_policy(trained
 def test_the_round_loop_learns_with_adapters(tmp_path):
     """Six rounds of toy-grpo with [train] lora (r 16, lr 3e-4): the engine gets the merged
     weights in memory, checkpoints are adapters, and greedy accuracy on 200 eval prompts rises
-    (measured 2026-12-02: 0.34 -> 0.395 -> 0.42, with 1 or 2 torch threads; at lr 1e-3 the same
-    toy went 0.34 -> 0.41 -> 0.355: too high an lr for a +0.04 check on 200 prompts)."""
+    (measured: 0.34 -> 0.395 -> 0.42, with 1 or 2 torch threads; at lr 1e-3 the same toy went
+    0.34 -> 0.41 -> 0.355: too high an lr for a +0.04 check on 200 prompts)."""
     args = ["--set", "run.rounds=6", "--set", "run.steps_per_round=2", "--set", "prompts.per_round=64",
             "--set", "prompts.eval_limit=200", "--set", "eval.every=3", "--set", "train.lora={r=16, alpha=32}",
             "--set", "train.lr=3e-4", "--set", "train.batch_size=128", "--set", "run.checkpoint_every=3",
