@@ -162,17 +162,17 @@ def kl_penalty(log_ratio: Tensor, kind: str) -> Tensor:
     raise ValueError(f"unknown kl estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
 
 
-def _log_ratio(logp: Tensor, other: Tensor, mask: Tensor) -> Tensor:
+def log_ratio(logp: Tensor, other: Tensor, mask: Tensor) -> Tensor:
     # Padding of old/ref logps may hold anything (a generator's -inf): keep it out of exp.
     return torch.where(mask > 0, logp - other, 0.0)
 
 
-def _seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+def seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """log s_i = sum_t m_it (logp_it - old_logp_it) / |y_i| (B,)."""
-    return (_log_ratio(logp, old_logp, mask) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return (log_ratio(logp, old_logp, mask) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
 
-def _clipped_pg(ratio: Tensor, adv: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, Tensor]:
+def clipped_pg(ratio: Tensor, adv: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, Tensor]:
     """l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A); with dual clip c, l = min(l, -c A)
     where A < 0 (Ye et al. 2020: bounds the loss of a bad action whose ratio exploded).
     Returns l and where the dual clip was active."""
@@ -215,12 +215,12 @@ def _finish(loss: Tensor, metrics: dict[str, Tensor], logp: Tensor, old_logp: Te
     n = mask.sum().clamp(min=1)
     if old_logp is not None:
         with torch.no_grad():
-            metrics["approx_kl"] = (0.5 * _log_ratio(logp, old_logp, mask) ** 2 * mask).sum() / n
+            metrics["approx_kl"] = (0.5 * log_ratio(logp, old_logp, mask) ** 2 * mask).sum() / n
     if cfg.beta > 0:
         if ref_logp is None:
             raise ValueError(f"beta = {cfg.beta} > 0 needs ref_logp (the reference model's "
                              "log-probs): pass it, or set beta = 0")
-        kl = kl_penalty(_log_ratio(logp, ref_logp, mask), cfg.kl)
+        kl = kl_penalty(log_ratio(logp, ref_logp, mask), cfg.kl)
         loss = loss + cfg.beta * agg_loss(kl, mask, cfg.agg, cfg.norm_len, norm)
         metrics["kl"] = (kl.detach() * mask).sum() / n
     return loss, {k: float(v) for k, v in metrics.items()}
@@ -248,8 +248,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     """
     _require("grpo", old_logp=old_logp, advantages=advantages)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
-    ratio = torch.exp(_log_ratio(logp, old_logp, mask))
-    pg, dual = _clipped_pg(ratio, adv, cfg)
+    ratio = torch.exp(log_ratio(logp, old_logp, mask))
+    pg, dual = clipped_pg(ratio, adv, cfg)
     if is_weight is not None:
         pg = pg * is_weight.detach()
     metrics = _ratio_metrics(ratio, adv, mask > 0, dual, cfg)
@@ -280,8 +280,8 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
         raise ValueError(f"gspo needs per-sequence advantages of shape (B,), got "
                          f"{tuple(advantages.shape)}; use gspo_token for per-token advantages")
     has_tokens = mask.sum(-1) > 0
-    ratio = torch.exp(_seq_log_ratio(logp, old_logp, mask))
-    pg, dual = _clipped_pg(ratio, advantages, cfg)
+    ratio = torch.exp(seq_log_ratio(logp, old_logp, mask))
+    pg, dual = clipped_pg(ratio, advantages, cfg)
     pg = pg * has_tokens
     if is_weight is not None:
         pg = pg * ((is_weight.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1))
@@ -308,9 +308,9 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     """
     _require("gspo_token", old_logp=old_logp, advantages=advantages)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
-    seq_ratio = torch.exp(_seq_log_ratio(logp, old_logp, mask)).detach()
+    seq_ratio = torch.exp(seq_log_ratio(logp, old_logp, mask)).detach()
     ratio = seq_ratio[:, None] * torch.exp(logp - logp.detach())
-    pg, dual = _clipped_pg(ratio, adv, cfg)
+    pg, dual = clipped_pg(ratio, adv, cfg)
     if is_weight is not None:
         pg = pg * is_weight.detach()
     metrics = _ratio_metrics(ratio, adv, mask > 0, dual, cfg)

@@ -9,7 +9,7 @@ above it. Change the code or the example and the test fails until the doc is upd
     python -m tests.training.test_worked_example      # prints the tables to paste into the doc
 
 The walkthrough's per-token and per-sequence pieces use the helpers the losses themselves
-use (`_log_ratio`, `_seq_log_ratio`, `_clipped_pg`); test_decomposition_matches_the_losses
+use (`log_ratio`, `seq_log_ratio`, `clipped_pg`); test_decomposition_matches_the_losses
 checks that the pieces add up to the registered losses.
 """
 
@@ -30,13 +30,13 @@ from curation.stages.label import LabelConfig, label
 from curation.stages.pair import PairConfig
 from training.objectives import (
     ObjectiveConfig,
-    _clipped_pg,
-    _log_ratio,
-    _seq_log_ratio,
     agg_loss,
+    clipped_pg,
     get_pair_loss,
     get_policy_loss,
+    log_ratio,
     loss_defaults,
+    seq_log_ratio,
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "objectives.md"
@@ -193,20 +193,20 @@ def estimators_table() -> Table:
 
 
 def tokens_table() -> Table:
-    log_ratio = _log_ratio(current_logp().detach(), old_logp(), mask())
+    log_ratios = log_ratio(current_logp().detach(), old_logp(), mask())
     rows = []
     for i, r in enumerate(RESPONSES):
         for t, token in enumerate(r.tokens):
-            rows.append((i, t, code(token), r.behavior_logp[t], r.logp[t], float(log_ratio[i, t]),
-                         float(torch.exp(log_ratio[i, t]))))
+            rows.append((i, t, code(token), r.behavior_logp[t], r.logp[t], float(log_ratios[i, t]),
+                         float(torch.exp(log_ratios[i, t]))))
     return Table(("sample", "t", "token", "old_logp", "logp", "logp - old_logp", "r_it"), tuple(rows))
 
 
 def grpo_tokens_table() -> Table:
     cfg = policy_cfg("grpo")
     adv = advantages()
-    ratio = torch.exp(_log_ratio(current_logp().detach(), old_logp(), mask()))
-    per_token, _ = _clipped_pg(ratio, adv[:, None], cfg)
+    ratio = torch.exp(log_ratio(current_logp().detach(), old_logp(), mask()))
+    per_token, _ = clipped_pg(ratio, adv[:, None], cfg)
     grad = policy_loss("grpo")[2]
     rows = []
     for i, r in enumerate(RESPONSES):
@@ -228,9 +228,9 @@ def grpo_loss_table() -> Table:
 def gspo_sequences_table() -> Table:
     cfg = policy_cfg("gspo")
     adv, m = advantages(), mask()
-    mean_log_ratio = _seq_log_ratio(current_logp().detach(), old_logp(), m)
+    mean_log_ratio = seq_log_ratio(current_logp().detach(), old_logp(), m)
     ratio = torch.exp(mean_log_ratio)
-    per_seq, _ = _clipped_pg(ratio, adv, cfg)
+    per_seq, _ = clipped_pg(ratio, adv, cfg)
     grad = policy_loss("gspo")[2]
     rows = []
     for i, r in enumerate(RESPONSES):
@@ -402,12 +402,12 @@ def test_the_example_is_what_the_doc_says():
 def test_decomposition_matches_the_losses():
     """The doc's per-token and per-sequence pieces reduce to the registered losses."""
     m, adv = mask(), advantages()
-    ratio = torch.exp(_log_ratio(current_logp().detach(), old_logp(), m))
+    ratio = torch.exp(log_ratio(current_logp().detach(), old_logp(), m))
     for mode in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"):
-        per_token, _ = _clipped_pg(ratio, adv[:, None], policy_cfg("grpo"))
+        per_token, _ = clipped_pg(ratio, adv[:, None], policy_cfg("grpo"))
         assert float(agg_loss(per_token, m, mode)) == pytest.approx(policy_loss("grpo", agg=mode)[0], abs=1e-12)
-    seq_ratio = torch.exp(_seq_log_ratio(current_logp().detach(), old_logp(), m))
-    per_seq, _ = _clipped_pg(seq_ratio, adv, policy_cfg("gspo"))
+    seq_ratio = torch.exp(seq_log_ratio(current_logp().detach(), old_logp(), m))
+    per_seq, _ = clipped_pg(seq_ratio, adv, policy_cfg("gspo"))
     assert float(per_seq.mean()) == pytest.approx(policy_loss("gspo")[0], abs=1e-12)
     assert policy_loss("gspo_token")[0] == pytest.approx(policy_loss("gspo")[0], abs=1e-12)
     assert torch.allclose(policy_loss("gspo_token")[2], policy_loss("gspo")[2], atol=1e-12)
