@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -22,7 +23,9 @@ def run_recipe(run_dir) -> None:
     cmd = [sys.executable, "-m", "pipelines.cli", "run", "pipelines/specs/toy-grpo.toml", "--run-dir", str(run_dir),
            "--set", "run.rounds=2", "--set", "prompts.per_round=16", "--set", "run.steps_per_round=3",
            "--set", "eval.every=100"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # two torch threads: a parallel scatter-add's order shows only with more than one
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
 
