@@ -170,8 +170,8 @@ def test_inspect_stages_prints_the_stage_graph(tmp_path, toy_dir):
 
 @pytest.mark.parametrize("columns", ["200", "40"])
 def test_tables_never_cut_numbers_on_a_narrow_stdout(columns):
-    code = ("from pipelines.cli.main import _show_table\n"
-            "_show_table('run', ['round', 'train tokens per second', 'generate tokens per second', 'stage'],"
+    code = ("from pipelines.cli.app import show_table\n"
+            "show_table('run', ['round', 'train tokens per second', 'generate tokens per second', 'stage'],"
             " [['12', '16,900', '1,234,567', 'score'], ['13', '17,001', '987', 'filter']], left=('stage',))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**ENV, "COLUMNS": columns}).stdout
