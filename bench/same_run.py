@@ -72,7 +72,8 @@ def summary_text(text: str) -> list[str]:
         row = line.startswith("|")
         if row:
             cells = line.strip("|").split("|")
-            drop = drop if table else {i for i, cell in enumerate(cells) if cell.strip() == "seconds" or "tokens/s" in cell}
+            drop = drop if table else {i for i, cell in enumerate(cells)
+                                       if cell.strip() == "seconds" or "tokens/s" in cell}
             line = "|".join(cell for i, cell in enumerate(cells) if i not in drop)
         table = row
         lines.append(line)

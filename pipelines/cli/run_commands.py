@@ -270,7 +270,7 @@ def compare_command(
     the seeds, reported with 95% confidence intervals. Every run is resumable: a rerun skips the
     finished ones."""
     from pipelines.reports.run_report import report_compare
-    from pipelines.spec import load_compare, load_compare_section
+    from pipelines.studies.compare_spec import load_compare, load_compare_section
 
     with exit_codes():
         section = load_compare_section(specs[0], quick) if len(specs) == 1 else None

@@ -121,8 +121,8 @@ def test_a_transform_must_return_the_tables_it_declares(tmp_path):
 def test_inputs_are_fingerprinted_from_the_manifests_without_reading_the_files(tmp_path, monkeypatch):
     """The runner reuses the sha256 a commit recorded while writing a part; manifests of older
     runs (no output_files) still work: their files are hashed."""
-    from curation.store import fingerprints
     from curation.stages.runner import input_fingerprints
+    from curation.store import fingerprints
 
     store = RunStore(tmp_path / "run")
     commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0]})))

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.store.runlog import MetricsLog, write_atomic
-from pipelines.spec import load_compare, load_compare_section
+from pipelines.studies.compare_spec import load_compare, load_compare_section
 from pipelines.studies.study import Setting, grid, pick_setting, split_prompts, validation_ids, validation_score
 from pipelines.studies.study_report import (
     Interval,
