@@ -9,7 +9,7 @@ import typer
 
 from pipelines.cli.app import console, exit_codes, toy_app
 from pipelines.cli.options import OVERRIDES, build, model_options
-from pipelines.toy.build import VARIANTS, ToyConfig
+from pipelines.toy.task import VARIANTS, ToyConfig
 
 
 @toy_app.command("build")
@@ -26,7 +26,8 @@ def toy_build_command(
 ) -> None:
     """Build an embedded arithmetic task (--task addition or scratchpad) and its warm-started Llama model
     (cached)."""
-    from pipelines.toy.build import build_toy, default_out, variant_config
+    from pipelines.toy.build import build_toy, default_out
+    from pipelines.toy.task import variant_config
 
     with exit_codes():
         # the variant of the task given (its defaults differ), then the flags given on top

@@ -18,8 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.toy.build import META_FILE, VLLM_CPU_HEAD_SIZES, ToyConfig, build_toy, make_problems
+from pipelines.toy.build import META_FILE, build_toy
 from pipelines.toy.model import CHARACTERS, generate_responses, greedy_accuracy
+from pipelines.toy.task import VLLM_CPU_HEAD_SIZES, ToyConfig, make_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 # A build that stops after a few steps: the whole pipeline (data, warm start, save,
@@ -179,7 +180,7 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path):
 def test_a_killed_build_leaves_no_toy_and_the_rerun_builds_it(tmp_path: Path):
     out = tmp_path / "toy"
     code = (
-        "import sys; from pipelines.toy.build import build_toy, ToyConfig;"
+        "import sys; from pipelines.toy.build import build_toy; from pipelines.toy.task import ToyConfig;"
         f"build_toy({str(out)!r}, progress=False, config=ToyConfig(max_steps=100000, target_accuracy=2.0))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True)
