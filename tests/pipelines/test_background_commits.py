@@ -24,7 +24,7 @@ from curation.store.verify import check_run
 from pipelines.loop.run import run_pipeline
 from pipelines.loop.steps import Publisher
 from pipelines.spec import load_spec
-from tests.pipelines.test_run_options import SPEC  # 16 prompts x 4 a round, hf, grpo
+from tests.helpers import OPTIONS_SPEC  # 16 prompts x 4 a round, hf, grpo
 from training.data import load_training_data
 
 STAGES = ("score", "filter", "label")
@@ -36,7 +36,7 @@ def loop_run(toy_dir, tmp_path_factory):
     memory, the same run with background_commits = false)."""
     base = tmp_path_factory.mktemp("background")
     spec_path = base / "spec.toml"
-    spec_path.write_text(SPEC.format(toy=toy_dir, rounds=3, checkpoint_every=2, eval_every=3, refill=""))
+    spec_path.write_text(OPTIONS_SPEC.format(toy=toy_dir, rounds=3, checkpoint_every=2, eval_every=3, refill=""))
     prepared = []
     original = round_steps.prepare_stage
 

@@ -32,7 +32,7 @@ from pipelines.studies.study_stats import (
     t_975,
 )
 from pipelines.studies.study_text import edge_note, lead_sentence, ranking_sentence, spread_sentence, tie_note
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 # ---------------------------------------------------------------------------------------------
 # The validation split

@@ -14,7 +14,7 @@ from curation.stages import score as score_stage
 from curation.store.run_store import RunStore
 from pipelines.loop.curate import curate
 from pipelines.reports.inspect_run import number_ranges, print_stage_graph, stage_graph
-from tests.pipelines.test_curate_cli import hand_made_run
+from tests.helpers import hand_made_run
 
 
 def test_stage_graph_declares_each_stage_and_sums_its_manifests(tmp_path):

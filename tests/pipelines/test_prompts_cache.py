@@ -17,7 +17,7 @@ import pipelines.loop.prompts as prompts
 from curation.generate.base import prompt_id_of
 from curation.schema import SCHEMAS
 from pipelines.loop.prompts import choose_prompts, first_in_order, ranked_prompts, times_used
-from tests.pipelines.test_choose_prompts import PROMPTS, by_tiebreak, chosen, context, prompt_file, sampled
+from tests.helpers import PROMPTS, by_tiebreak, chosen, context, prompt_file, sampled
 
 
 def fresh_ranking(ctx, round: int) -> list[str]:

@@ -12,7 +12,7 @@ import pytest
 
 from pipelines.spec import PipelineSpec, dump_toml, load_spec, parse_overrides, resolved_toml
 from pipelines.studies.compare_spec import check_comparable, load_compare
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
 

@@ -21,6 +21,7 @@ import torch
 from pipelines.toy.build import META_FILE, build_toy
 from pipelines.toy.model import CHARACTERS, generate_responses, greedy_accuracy
 from pipelines.toy.task import VLLM_CPU_HEAD_SIZES, ToyConfig, make_problems
+from tests.helpers import check_same_seed_same_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 # A build that stops after a few steps: the whole pipeline (data, warm start, save,
@@ -144,18 +145,6 @@ def test_second_build_is_a_cache_hit(toy_dir: Path):
     before = {p: p.stat().st_mtime_ns for p in toy_dir.rglob("*") if p.is_file()}
     assert build_toy(toy_dir, progress=False) == toy_dir
     assert {p: p.stat().st_mtime_ns for p in toy_dir.rglob("*") if p.is_file()} == before
-
-
-def check_same_seed_same_bytes(tmp_path: Path, config) -> Path:
-    """Builds `config` twice with seed 3 (a, b: byte-identical files) and once with seed 4 (c:
-    other weights); returns a."""
-    a = build_toy(tmp_path / "a", seed=3, progress=False, config=config)
-    b = build_toy(tmp_path / "b", seed=3, progress=False, config=config)
-    for name in ("model/model.safetensors", "model/tokenizer.json", "train.parquet", "eval.parquet"):
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    c = build_toy(tmp_path / "c", seed=4, progress=False, config=config)
-    assert (a / "model/model.safetensors").read_bytes() != (c / "model/model.safetensors").read_bytes()
-    return a
 
 
 @pytest.mark.filterwarnings("ignore:toy warm start ended")

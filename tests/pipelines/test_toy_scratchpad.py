@@ -22,9 +22,7 @@ from curation.rewards.scratchpad import WELL_FORMED, final_answer, scratchpad_so
 from pipelines.toy.build import META_FILE, build_toy, default_out
 from pipelines.toy.model import TASK_CHARACTERS, greedy_responses, make_tokenizer
 from pipelines.toy.task import TASK_DEFAULTS, ToyConfig, make_problems, supervised_responses, variant_config
-from tests.conftest import REPO, build_lock
-from tests.pipelines.test_cli import ENV, GROUPFORGE
-from tests.pipelines.test_toy import check_same_seed_same_bytes
+from tests.helpers import ENV, GROUPFORGE, REPO, build_lock, check_same_seed_same_bytes
 
 SCRATCHPAD = ToyConfig(task="scratchpad")
 # A few warm-start steps on 20 eval prompts and 512 train prompts: the whole build in seconds.

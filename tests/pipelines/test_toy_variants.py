@@ -29,7 +29,7 @@ from pipelines.toy.task import (
     supervised_answers,
     variant_config,
 )
-from tests.conftest import REPO, build_lock
+from tests.helpers import REPO, build_lock
 
 TOY_BUILD = typer.main.get_command(app).commands["toy"].commands["build"]
 # A few warm-start steps on 50 eval prompts: the whole build in seconds.

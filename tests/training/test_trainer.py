@@ -3,7 +3,6 @@ end to end, resume after kill -9, CLI errors. (Fixtures: tests/training/conftest
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -16,15 +15,10 @@ import pytest
 import torch
 
 from curation.faults import FAULT_ENV
-from tests.conftest import REPO
+from tests.helpers import REPO, step_records
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.trainer import group_units, lr_at, step_rows, train
-
-
-def step_records(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == "step"]
 
 
 def test_step_rows_are_a_seeded_stream_of_permutations():
@@ -167,7 +161,7 @@ def test_top_k_samples_are_on_policy_at_step_one(toy_dir, tmp_path, truncated):
     log-probs): the trainer's first step, at the weights that sampled, sees ratio 1 only when
     it computes its log-probs under the same truncation."""
     from pipelines.loop.curate import STAGES, CurationSpec, run_stage
-    from tests.conftest import make_toy_run
+    from tests.helpers import make_toy_run
 
     run_dir = make_toy_run(toy_dir, tmp_path, "train", n_prompts=16, group_size=8, max_tokens=6, rounds=(0,),
                            temperature=0.8, top_k=3)
