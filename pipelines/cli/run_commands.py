@@ -223,8 +223,8 @@ def init_command(
 
 @app.command("verify")
 def verify_command(run: Path = typer.Argument(..., help="Run folder."),
-           deep: bool = typer.Option(False, "--deep", help="Also hash every file against its manifest's sha256.")
-           ) -> None:
+                   deep: bool = typer.Option(False, "--deep",
+                                             help="Also hash every file against its manifest's sha256.")) -> None:
     """Check that a run folder is what its manifests say: every listed file there with its size,
     rows (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
     Parquet file in a table folder. Exit 0 when it is, 2 with the first problem otherwise."""

@@ -133,7 +133,7 @@ def _accuracy_line(acc: dict[str, Any] | None) -> str:
 
 
 def _phases(record: dict) -> dict[str, float]:
-    """The record's seconds per phase (PHASES order; {} for records written before phases)."""
+    """The record's seconds per phase (PHASES order; {} for a record without phase_seconds)."""
     seconds = record.get("phase_seconds")
     if not isinstance(seconds, dict):
         return {}

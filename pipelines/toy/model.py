@@ -186,7 +186,7 @@ def greedy_responses(
     return [r[0] for r in responses], references
 
 
-def greedy_accuracy(
+def eval_greedy_accuracy(
     model_dir: str | Path, prompts_parquet: str | Path, limit: int | None = None, config: ToyConfig | None = None
 ) -> float:
     """Exact-match accuracy of the answers of greedy decoding (transformers, fp32) on the first

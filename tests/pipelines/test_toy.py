@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pipelines.toy.build import META_FILE, build_toy
-from pipelines.toy.model import CHARACTERS, generate_responses, greedy_accuracy
+from pipelines.toy.model import CHARACTERS, eval_greedy_accuracy, generate_responses
 from pipelines.toy.task import VLLM_CPU_HEAD_SIZES, ToyConfig, make_problems
 from tests.helpers import check_same_seed_same_bytes
 
@@ -122,12 +122,12 @@ def test_model_is_a_small_untied_llama(toy_dir: Path):
 
 
 def test_greedy_accuracy_is_partial_and_matches_the_recorded_value(toy_dir: Path):
-    accuracy = greedy_accuracy(toy_dir / "model", toy_dir / "eval.parquet")
+    accuracy = eval_greedy_accuracy(toy_dir / "model", toy_dir / "eval.parquet")
     assert 0.15 <= accuracy <= 0.6
     # Same computation as the build's; only a different thread count could flip a near-tie.
     assert accuracy == pytest.approx(json.loads((toy_dir / META_FILE).read_text())["eval_greedy_accuracy"], abs=0.01)
     # `limit` reads the first rows only: 10 prompts give a multiple of 0.1.
-    assert round(greedy_accuracy(toy_dir / "model", toy_dir / "eval.parquet", limit=10) * 10, 6) % 1 == 0
+    assert round(eval_greedy_accuracy(toy_dir / "model", toy_dir / "eval.parquet", limit=10) * 10, 6) % 1 == 0
 
 
 def test_responses_stop_at_eos(toy_dir: Path):
