@@ -97,11 +97,13 @@ def load_section(model: type[M], path: str | Path | None, section: str,
 # -- the pipeline spec: one TOML file describes a run ------------------------------------
 
 
-class _Section(BaseModel):
+class SpecSection(BaseModel):
+    """A spec section: a pydantic model whose unknown keys are errors."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class RefillSettings(_Section):
+class RefillSettings(SpecSection):
     """DAPO's dynamic sampling: when filtering leaves too few informative groups, sample more
     prompts in the same round (every extra sample is kept in the tables)."""
 
@@ -113,7 +115,7 @@ class RefillSettings(_Section):
                                                 "for the missing groups divided by the round's kept rate so far.")
 
 
-class RunSection(_Section):
+class RunSection(SpecSection):
     """The round loop."""
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
@@ -147,13 +149,13 @@ class RunSection(_Section):
                                                     "(generator.engines > 1 or generator.ray_address).")
 
 
-class ModelSection(_Section):
+class ModelSection(SpecSection):
     path: str = Field(..., description="Starting model: a Hugging Face folder with safetensors weights.")
     trust_remote_code: bool = Field(False, description="Run the model folder's own Python code (config.json "
                                     "auto_map) in the engines and the trainer. Off: such a folder is refused.")
 
 
-class PromptsSection(_Section):
+class PromptsSection(SpecSection):
     train: list[str] = Field(..., min_length=1, description="Prompt files (Parquet/JSONL); files added later are "
                                                             "picked up by the next round (least-used prompts first).")
     eval: str = Field(..., description="Held-out prompts with a `reference` column.")
@@ -174,7 +176,7 @@ class GeneratorSection(GeneratorConfig, SamplingSettings):
         return SamplingConfig(**self.model_dump(include=set(SamplingSettings.model_fields)), seed=seed)
 
 
-class EvalSection(_Section):
+class EvalSection(SpecSection):
     metric: str = Field("exact_match", description="A registered reward or 'module:function', applied to greedy "
                                                    "responses; eval_accuracy is its mean.")
     max_tokens: int | None = Field(None, ge=1, description="Greedy response length (default: generator.max_tokens).")
@@ -182,7 +184,7 @@ class EvalSection(_Section):
                                             "other rounds record eval_accuracy as null.")
 
 
-class PipelineSpec(_Section):
+class PipelineSpec(SpecSection):
     """A whole run: [run] [model] [prompts] [generator] [score] [filter] [label] [pair] [train] [eval]."""
 
     run: RunSection
@@ -251,35 +253,6 @@ def load_spec(path: str | Path, check_files: bool = True, overrides: list[str] =
     return spec
 
 
-BUDGET_FIELDS = ("model.path", "prompts.train", "prompts.eval", "prompts.per_round", "prompts.eval_limit",
-                 "generator", "run.rounds", "run.seed", "eval")
-"""What a fair comparison holds equal: the start model, the prompts, sampling (group size
-included), the rounds (so the samples generated), the seed and the evaluation."""
-
-
-def budget_difference(a: PipelineSpec, b: PipelineSpec) -> list[str]:
-    """The BUDGET_FIELDS in which spec `a` differs from spec `b` ([] when comparable)."""
-    def budget(s: PipelineSpec) -> tuple:
-        return (s.model.path, tuple(s.prompts.train), s.prompts.eval, s.prompts.per_round, s.prompts.eval_limit,
-                s.generator.model_dump(), s.run.rounds, s.run.seed, s.eval.model_dump())
-
-    return [field for field, x, y in zip(BUDGET_FIELDS, budget(a), budget(b)) if x != y]
-
-
-def check_comparable(specs: dict[str, PipelineSpec]) -> None:
-    """A comparison is fair only from the same model, prompts, sampling, seeds and sample
-    budget; anything else is a ValueError naming the spec and the field that differs."""
-    names = list(specs)
-    if len({s.run.name for s in specs.values()}) < len(specs):
-        raise ValueError("compare: the specs must have different run.name (each gets its own run folder)")
-    first = specs[names[0]]
-    for name in names[1:]:
-        diff = budget_difference(specs[name], first)
-        if diff:
-            raise ValueError(f"compare: {name} differs from {names[0]} in {', '.join(diff)}; "
-                             "a comparison needs the same model, prompts, sampling, seeds and sample budget")
-
-
 def resolved_toml(spec: PipelineSpec) -> str:
     """The spec with every default filled in, as TOML (RUN/spec.toml); it loads back as the
     same spec (the keys the round loop sets, train.seed, train.rounds and train.trust_remote_code,
@@ -310,126 +283,3 @@ def dump_toml(data: dict[str, Any]) -> str:
         elif v is not None:
             lines.insert(0, f"{key} = {value(v)}")
     return "\n".join(lines).lstrip("\n") + "\n"
-
-
-SweepGrid = dict[str, list[int | float | str | bool]]
-"""One objective's sweep: {"train.lr": [1e-4, 2e-4]}; the grid is every combination."""
-
-
-def _check_sweep(sweep: dict[str, SweepGrid]) -> dict[str, SweepGrid]:
-    for name, grid in sweep.items():
-        for key, values in grid.items():
-            if "." not in key:
-                raise ValueError(f"sweep.{name}: {key!r} is not a section.key (e.g. train.lr)")
-            if not values:
-                raise ValueError(f"sweep.{name}.{key}: needs at least one value")
-            if len(set(map(repr, values))) < len(values):
-                raise ValueError(f"sweep.{name}.{key}: a value is listed twice")
-    return sweep
-
-
-class CompareQuick(_Section):
-    """[compare.quick]: what `groupforge compare FILE --quick` uses instead of [compare]'s keys
-    (a key left out keeps [compare]'s value; the runs go to `out`, by default [compare] out + "-quick")."""
-
-    out: str | None = Field(None, description="Folder of the quick study (default: [compare] out + '-quick').")
-    rounds: int | None = Field(None, ge=1, description="Rounds of each final run.")
-    seeds: list[int] | None = Field(None, min_length=3, description="Seeds of the final runs.")
-    sweep: dict[str, SweepGrid] | None = Field(None, description="The sweep grids (replace [compare.sweep]).")
-    sweep_rounds: int | None = Field(None, ge=1, description="Rounds of each sweep run.")
-    validation_size: int | None = Field(None, ge=1, description="Train prompts held out for validation.")
-    overrides: list[str] | None = Field(None, description="Spec overrides for every run (replace [compare] "
-                                                          "overrides).")
-
-    @model_validator(mode="after")
-    def _check(self) -> "CompareQuick":
-        _check_sweep(self.sweep or {})
-        return self
-
-
-class CompareSection(_Section):
-    """[compare] of a compare file. With neither `seeds` nor `sweep`, each spec runs once (its own
-    run.seed); with them, `groupforge compare` runs a study (pipelines/studies/study.py): a sweep per
-    objective on a validation split of the train prompts, then each objective's best setting
-    over `seeds`, reported with 95% confidence intervals."""
-
-    specs: list[str] = Field(..., min_length=2, description="Pipeline specs to run and compare.")
-    out: str = Field("runs/compare", description="Folder for the runs (out/<run.name>) and out/report.")
-    rounds: int | None = Field(None, ge=1, description="Run every spec for this many rounds instead of its own.")
-    overrides: list[str] = Field([], description="Spec overrides (section.key=value, as `groupforge run --set`) "
-                                                 "applied to every spec alike, e.g. prompts.per_round=64.")
-    seeds: list[int] | None = Field(None, min_length=3, description="Study: run each objective's chosen setting "
-                                    "once per seed (run.seed); the report gives mean and 95% CI over them.")
-    sweep: dict[str, SweepGrid] = Field({}, description="Study: per spec (by run.name), a grid of spec keys to "
-                                        "sweep, e.g. [compare.sweep.\"toy-grpo\"] \"train.lr\" = [1e-4, 2e-4]; every "
-                                        "combination runs on the validation split and the best validation score wins. "
-                                        "A spec without a grid keeps its own setting.")
-    sweep_rounds: int | None = Field(None, ge=1, description="Rounds of each sweep run (fewer than the final runs).")
-    sweep_seed: int = Field(100, description="run.seed of the sweep runs (apart from the final seeds, so the "
-                                             "choice is not tuned to a final run's noise).")
-    validation_size: int = Field(256, ge=1, description="Train prompts held out (by a hash of the prompt) as the "
-                                                        "validation split; no run trains on them.")
-    select_last: int = Field(3, ge=1, description="A sweep run's validation score: the mean of its last this "
-                                                  "many validation evals (rounds >= 1).")
-    quick: CompareQuick | None = Field(None, description="[compare.quick]: the small study of --quick.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "CompareSection":
-        _check_sweep(self.sweep)
-        if self.sweep and self.seeds is None:
-            raise ValueError("sweep needs seeds: the final runs of the chosen settings")
-        if self.sweep and self.sweep_rounds is None:
-            raise ValueError("sweep needs sweep_rounds (rounds of each sweep run)")
-        if self.seeds is not None and len(set(self.seeds)) < len(self.seeds):
-            raise ValueError(f"seeds: a seed is listed twice ({self.seeds})")
-        return self
-
-    @property
-    def study(self) -> bool:
-        """Whether this is a study (sweep and seeds) rather than one run per spec."""
-        return bool(self.sweep) or self.seeds is not None
-
-    def quick_study(self) -> "CompareSection":
-        """This section with [compare.quick]'s keys in place of its own (out: out + '-quick' by default)."""
-        if self.quick is None:
-            raise ValueError("--quick needs a [compare.quick] section in the compare file")
-        update = self.quick.model_dump(exclude_none=True)
-        update.setdefault("out", self.out.rstrip("/") + "-quick")
-        return self.model_validate({**self.model_dump(), **update, "quick": None})
-
-
-def load_compare_section(path: str | Path, quick: bool = False) -> CompareSection | None:
-    """The [compare] section of a compare file (with --quick's keys applied), or None when the
-    file has none (a plain spec)."""
-    raw = read_toml(path)
-    if "compare" not in raw:
-        if quick:
-            raise ValueError(f"config {path}: --quick needs a compare file with [compare] and [compare.quick]")
-        return None
-    section = validate_model(CompareSection, raw["compare"], path, "compare")
-    if quick:
-        try:
-            section = section.quick_study()
-        except ValueError as exc:
-            raise ValueError(f"config {path}: {exc}") from None
-    return section
-
-
-def compare_overrides(section: CompareSection | None) -> list[str]:
-    """The overrides every spec of a comparison gets: [compare] overrides, then its rounds."""
-    if section is None:
-        return []
-    return [*section.overrides, *([f"run.rounds={section.rounds}"] if section.rounds is not None else [])]
-
-
-def load_compare(paths: list[str | Path], quick: bool = False,
-                 check_files: bool = True) -> tuple[dict[str, PipelineSpec], Path | None]:
-    """The specs of a comparison (by file name): the given spec files, or those a compare file
-    (a TOML with a [compare] section) lists, with its `overrides` and `rounds` applied; and its
-    output folder. `check_files` as in `load_spec`."""
-    section = load_compare_section(paths[0], quick) if len(paths) == 1 else None
-    if section is not None:
-        paths = section.specs
-    specs = {str(p): load_spec(p, check_files=check_files, overrides=compare_overrides(section)) for p in paths}
-    check_comparable(specs)
-    return specs, Path(section.out) if section is not None else None

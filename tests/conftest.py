@@ -6,12 +6,8 @@ worker and what it starts runs one torch thread, so two workers fill two cores."
 
 from __future__ import annotations
 
-import fcntl
 import os
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -24,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch starts: two workers, two cores
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, build_lock  # noqa: E402  (after the environment above)
 
 # Files that take minutes: scheduled first, so that the other worker is not left waiting at
 # the end for one of them. The rest follow in collection order.
@@ -61,15 +57,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within a file stays
 
 
-@contextmanager
-def build_lock(out: Path) -> Iterator[None]:
-    """Held while a test builds (or finds cached) the toy at `out`: two xdist workers that
-    want the same toy build it once, the second waiting for the first's cache."""
-    with open(Path(tempfile.gettempdir()) / f"groupforge-test-build-{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 @pytest.fixture(scope="session")
 def toy_dir() -> Path:
     from pipelines.toy.build import build_toy
@@ -79,21 +66,3 @@ def toy_dir() -> Path:
         return build_toy(out, progress=False)
 
 
-def make_toy_run(toy_dir: Path, folder: Path, prompts_from: str, n_prompts: int, group_size: int,
-                 max_tokens: int, rounds=(0, 1), **sampling) -> Path:
-    """A run with `rounds` of the first `n_prompts` toy prompts of `prompts_from`
-    ("train" or "eval"), sampled with the transformers backend (fast to start); seed = round;
-    `sampling`: more SamplingConfig settings (temperature, top_p, top_k)."""
-    import pyarrow.parquet as pq
-
-    from curation.generate.base import SamplingConfig
-    from curation.generate.stage import generate
-
-    prompts_file = folder / "prompts.parquet"
-    pq.write_table(pq.read_table(toy_dir / f"{prompts_from}.parquet").slice(0, n_prompts), prompts_file)
-    run_dir = folder / "run"
-    for round in rounds:
-        generate(run_dir, prompts_file, SamplingConfig(group_size=group_size, max_tokens=max_tokens, seed=round,
-                                                       **sampling),
-                 model=toy_dir / "model", backend="hf", round=round)
-    return run_dir

@@ -87,7 +87,7 @@ def _limit_cpu(cpu_s: float | None) -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
-def _worker_main(read_fd: int, write_fd: int, progress_fd: int) -> None:
+def worker_main(read_fd: int, write_fd: int, progress_fd: int) -> None:
     """A worker process: load the function, then score chunks until an empty message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the parent, which kills us
     conn_in, conn_out = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
@@ -134,8 +134,8 @@ class _Worker:
         child_in_r, parent_out_w = os.pipe()
         parent_in_r, child_out_w = os.pipe()
         progress_r, progress_w = os.pipe()
-        code = (f"from curation.rewards.pool import _worker_main; "
-                f"_worker_main({child_in_r}, {child_out_w}, {progress_w})")
+        code = (f"from curation.rewards.pool import worker_main; "
+                f"worker_main({child_in_r}, {child_out_w}, {progress_w})")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.process = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
                                         stdout=_stderr_fd(), pass_fds=(child_in_r, child_out_w, progress_w),
@@ -215,88 +215,114 @@ def run_isolated(fn, inputs: pa.Table, *, timeout_s: float, workers: int = 2,
     """Score every row of `inputs` with `fn` in `workers` processes, each item within `timeout_s`
     (wall) and `cpu_s` (CPU seconds), each worker within `memory_mb` of address space."""
     n = inputs.num_rows
-    values: list[float | None] = [None] * n
-    errors: list[str | None] = [None] * n
     if n == 0:
-        return values, errors
+        return [], []
     try:
         payload = pickle.dumps(fn)
     except Exception as exc:
         raise ValueError(f"reward function {fn!r} cannot be sent to worker processes ({error_text(exc)}); "
                          "define it at module level, or as a callable class") from None
     chunk_rows = chunk_rows or max(1, min(512, math.ceil(n / (workers * 4))))
-    pending = deque((s, min(s + chunk_rows, n)) for s in range(0, n, chunk_rows))
-    limits = (memory_mb, cpu_s)
-    pool = [_Worker(payload, limits) for _ in range(min(workers, len(pending)))]
+    scoring = _Scoring(fn, inputs, payload, (memory_mb, cpu_s), timeout_s, workers, chunk_rows)
+    try:
+        while scoring.pending or any(w.task is not None for w in scoring.pool):
+            scoring.dispatch()
+            ready = set(wait([w.conn for w in scoring.pool], timeout=0.05))
+            now = time.monotonic()
+            for k, worker in enumerate(scoring.pool):
+                worker.poll_progress(now)
+                dead = worker.conn in ready and scoring.receive(worker, now)
+                scoring.check(k, worker, dead, now)
+    finally:
+        scoring.close()
+    return scoring.values, scoring.errors
 
-    def requeue_and_replace(k: int, row: int, error: str) -> None:
-        worker = pool[k]
+
+class _Scoring:
+    """One `run_isolated` call: the results so far, the chunks of rows left, the worker pool.
+    A worker that dies or runs past a limit blames the row it was on; the rest of its chunk
+    goes back to the queue and a fresh worker takes its place."""
+
+    def __init__(self, fn, inputs: pa.Table, payload: bytes, limits: tuple[int | None, float | None],
+                 timeout_s: float, workers: int, chunk_rows: int):
+        n = inputs.num_rows
+        self.fn, self.inputs, self.payload, self.limits, self.timeout_s = fn, inputs, payload, limits, timeout_s
+        self.values: list[float | None] = [None] * n
+        self.errors: list[str | None] = [None] * n
+        self.pending = deque((s, min(s + chunk_rows, n)) for s in range(0, n, chunk_rows))
+        self.pool = [_Worker(payload, limits) for _ in range(min(workers, len(self.pending)))]
+
+    def dispatch(self) -> None:
+        """Give a chunk to each started worker without one."""
+        for worker in self.pool:
+            if worker.ready and worker.task is None and self.pending:
+                task = self.pending.popleft()
+                if not worker.dispatch(task, self.inputs):
+                    self.pending.appendleft(task)  # it died while idle: replaced by `check`
+
+    def receive(self, worker: _Worker, now: float) -> bool:
+        """Read the worker's messages (started, a chunk's results); True if its pipe broke."""
+        while worker.conn.poll():
+            try:
+                kind, body = worker.conn.recv()
+            except (EOFError, OSError):
+                return True
+            if kind == "error":
+                raise RuntimeError(f"reward worker could not load {self.fn!r}: {body}")
+            if kind == "ready":
+                worker.ready, worker.since = True, now
+            elif kind == "done":
+                start, stop = worker.task
+                for row, (value, error) in zip(range(start, stop), body):
+                    self.values[row], self.errors[row] = value, error
+                worker.task = None
+        return False
+
+    def check(self, k: int, worker: _Worker, dead: bool, now: float) -> None:
+        """Replace pool[k] if it died or its item ran past the timeout (blaming that item);
+        a worker that cannot start is a config error."""
+        if dead or not worker.alive():
+            worker.process.wait()
+            code = _exit_status(worker.process.returncode)
+            if not worker.ready:
+                raise RuntimeError(f"reward worker for {self.fn!r} died while starting ({code})")
+            if worker.task is None:
+                worker.kill()
+                self.pool[k] = _Worker(self.payload, self.limits)
+            elif worker.process.returncode == -signal.SIGXCPU:
+                self.requeue_and_replace(k, worker.current_row(), f"over the CPU-time limit of {self.limits[1]:g}s")
+            else:
+                self.requeue_and_replace(k, worker.current_row(), f"reward worker died ({code})")
+            return
+        if not worker.ready and now - worker.since > max(_START_TIMEOUT_S, self.timeout_s):
+            raise RuntimeError(f"reward worker for {self.fn!r} did not start in {_START_TIMEOUT_S:g}s")
+        if worker.task is not None and now - worker.since > self.timeout_s and not worker.conn.poll():
+            self.requeue_and_replace(k, worker.current_row(), f"timeout after {self.timeout_s:g}s")
+
+    def requeue_and_replace(self, k: int, row: int, error: str) -> None:
+        worker = self.pool[k]
         start, stop = worker.task
-        errors[row], values[row] = error, None
+        self.errors[row], self.values[row] = error, None
         for task in ((row + 1, stop), (start, row)):  # rows before `row` were scored, but their results died with it
             if task[0] < task[1]:
-                pending.appendleft(task)
+                self.pending.appendleft(task)
         worker.kill()
-        pool[k] = _Worker(payload, limits)
+        self.pool[k] = _Worker(self.payload, self.limits)
 
-    try:
-        while pending or any(w.task is not None for w in pool):
-            for worker in pool:
-                if worker.ready and worker.task is None and pending:
-                    task = pending.popleft()
-                    if not worker.dispatch(task, inputs):
-                        pending.appendleft(task)  # it died while idle: replaced below
-            ready = set(wait([w.conn for w in pool], timeout=0.05))
-            now = time.monotonic()
-            for k, worker in enumerate(pool):
-                worker.poll_progress(now)
-                dead = False
-                while worker.conn in ready and worker.conn.poll():
-                    try:
-                        kind, body = worker.conn.recv()
-                    except (EOFError, OSError):
-                        dead = True
-                        break
-                    if kind == "error":
-                        raise RuntimeError(f"reward worker could not load {fn!r}: {body}")
-                    if kind == "ready":
-                        worker.ready, worker.since = True, now
-                    elif kind == "done":
-                        start, stop = worker.task
-                        for row, (value, error) in zip(range(start, stop), body):
-                            values[row], errors[row] = value, error
-                        worker.task = None
-                if dead or not worker.alive():
-                    worker.process.wait()
-                    code = _exit_status(worker.process.returncode)
-                    if not worker.ready:
-                        raise RuntimeError(f"reward worker for {fn!r} died while starting ({code})")
-                    if worker.task is None:
-                        worker.kill()
-                        pool[k] = _Worker(payload, limits)
-                    elif worker.process.returncode == -signal.SIGXCPU:
-                        requeue_and_replace(k, worker.current_row(), f"over the CPU-time limit of {cpu_s:g}s")
-                    else:
-                        requeue_and_replace(k, worker.current_row(), f"reward worker died ({code})")
-                    continue
-                if not worker.ready and now - worker.since > max(_START_TIMEOUT_S, timeout_s):
-                    raise RuntimeError(f"reward worker for {fn!r} did not start in {_START_TIMEOUT_S:g}s")
-                if worker.task is not None and now - worker.since > timeout_s and not worker.conn.poll():
-                    requeue_and_replace(k, worker.current_row(), f"timeout after {timeout_s:g}s")
-    finally:
-        for worker in pool:
+    def close(self) -> None:
+        """Ask every worker to exit, give them 2 s together, then kill what is left."""
+        for worker in self.pool:
             try:
                 worker.out.send_bytes(b"")
             except OSError:
                 pass
         deadline = time.monotonic() + 2.0
-        for worker in pool:
+        for worker in self.pool:
             try:
                 worker.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             worker.kill()
-    return values, errors
 
 
 def _exit_status(returncode: int) -> str:

@@ -78,23 +78,8 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         raise ValueError(f"eval file {eval_file}: has no 'reference' values; eval scores greedy answers against them")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model.resolve().name}-{objective}").strip("-.") or objective
     per_round = min(128, facts.rows)
-    if facts.answer_tokens is not None:
-        max_tokens = max(16, 2 * facts.answer_tokens[1])
-        length_note = (f"references are {facts.answer_tokens[0]} tokens (median), {facts.answer_tokens[1]} at most: "
-                       "twice the longest; raise it for reasoning before the answer")
-    else:
-        max_tokens = 256
-        length_note = "no reference answers to measure: set it to the longest response you want"
-    if eval_file is not None:
-        eval_line = f"eval = {_toml(eval_file)}"
-        eval_note = f"# {eval_facts.rows:,} held-out prompts with references"
-    elif facts.has_reference:
-        eval_line = f"eval = {_toml(prompts)}"
-        eval_note = ("# the train file itself (no --eval given): this measures accuracy on prompts it trains on;\n"
-                     "# give a held-out file with a reference column for an honest number")
-    else:
-        eval_line = 'eval = "TODO: a held-out prompts file with a reference column (eval scores greedy answers)"'
-        eval_note = "# the prompts have no reference column, so they cannot be the eval set"
+    max_tokens, length_note = _max_tokens(facts)
+    eval_note, eval_line = _eval_entry(facts, eval_facts, prompts, eval_file)
     limit = _line("eval_limit", min(200, (eval_facts or facts).rows), "greedy eval on the first N eval prompts")
     if facts.has_reference:
         reward = ['name = "exact_match"      # the response equals the reference; "math" compares math answers']
@@ -148,6 +133,28 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         "",
     ]
     return "\n".join(lines)
+
+
+def _max_tokens(facts: PromptFacts) -> tuple[int, str]:
+    """[generator] max_tokens: twice the longest reference answer (at least 16), and its comment."""
+    if facts.answer_tokens is None:
+        return 256, "no reference answers to measure: set it to the longest response you want"
+    return max(16, 2 * facts.answer_tokens[1]), (
+        f"references are {facts.answer_tokens[0]} tokens (median), {facts.answer_tokens[1]} at most: "
+        "twice the longest; raise it for reasoning before the answer")
+
+
+def _eval_entry(facts: PromptFacts, eval_facts: PromptFacts | None, prompts: Path,
+                eval_file: str | Path | None) -> tuple[str, str]:
+    """The [prompts] eval key and the comment above it: the --eval file, else the train file when
+    it has references (said to be no held-out set), else a TODO."""
+    if eval_file is not None:
+        return f"# {eval_facts.rows:,} held-out prompts with references", f"eval = {_toml(eval_file)}"
+    if facts.has_reference:
+        return ("# the train file itself (no --eval given): this measures accuracy on prompts it trains on;\n"
+                "# give a held-out file with a reference column for an honest number"), f"eval = {_toml(prompts)}"
+    return ("# the prompts have no reference column, so they cannot be the eval set",
+            'eval = "TODO: a held-out prompts file with a reference column (eval scores greedy answers)"')
 
 
 def _toml(value) -> str:

@@ -153,12 +153,12 @@ def print_stage_graph(run_dir: Path, console: Console) -> None:
     for row in stage_graph(run_dir):
         ran = bool(row.rounds)
         table.add_row(row.stage, ", ".join(row.reads) or "-", ", ".join(row.writes) or "-",
-                      _ranges(row.rounds) or "-", (row.last_run or "never")[:19].replace("T", " "),
+                      number_ranges(row.rounds) or "-", (row.last_run or "never")[:19].replace("T", " "),
                       str(row.rows_in) if ran else "-", str(row.rows_out) if ran else "-")
     console.print(table)
 
 
-def _ranges(numbers: list[int]) -> str:
+def number_ranges(numbers: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     spans: list[list[int]] = []
     for n in numbers:

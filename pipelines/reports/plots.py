@@ -322,7 +322,7 @@ def study_measurements_figure(measures: dict[str, dict[str, tuple[list[float], l
 def ratio_spread_figure(spreads: dict[str, list[dict]]) -> Figure:
     """Token vs sequence importance-ratio std against mean response length, one colour per
     objective (solid: token ratios, dashed: sequence ratios); rows from
-    study_report.pooled_spread."""
+    ratio_spread.pooled_spread."""
     fig = _figure(8, 5)
     ax = fig.subplots()
     for i, (name, buckets) in enumerate(spreads.items()):

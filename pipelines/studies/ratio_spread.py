@@ -1,4 +1,4 @@
-"""Token-ratio vs sequence-ratio spread by response length, measured on a finished run (issue 15).
+"""Token-ratio vs sequence-ratio spread by response length, measured on a finished run.
 
 The GSPO paper (Zheng et al. 2025) argues that GRPO's per-token importance ratios are noisy
 over long responses while GSPO's length-normalised sequence ratio is not. This module
@@ -301,3 +301,35 @@ def ratio_spread_for_run(run_dir: str | Path, rounds: Sequence[int] | None = Non
             table = table.add_column(i, RUN_SCHEMA.field(name), pa.array([value] * n, pa.int64()))
         parts.append(table)
     return pa.concat_tables(parts) if parts else RUN_SCHEMA.empty_table()
+
+
+# -- pooled over rounds, for the study's report ------------------------------------------
+
+RATIO_OBJECTIVES = ("grpo", "gspo", "gspo_token")
+"""Objectives whose loss weighs samples by importance ratios: the study measures their spread."""
+
+
+def pooled_spread(rows: list[dict]) -> list[dict]:
+    """Rows of `ratio_spread_for_run` (one per round and length bucket) pooled over rounds, one
+    per bucket: samples and tokens summed; the token columns weighted by tokens, the sequence
+    columns by samples, each round's own statistic (so a pooled std is the mean of the rounds'
+    stds, not the std of the pooled ratios)."""
+    by_bucket: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_bucket.setdefault((row["length_lo"], row["length_hi"]), []).append(row)
+    out = []
+    for (lo, hi), group in sorted(by_bucket.items(), key=lambda item: item[0][0]):
+        samples, tokens = sum(r["samples"] for r in group), sum(r["tokens"] for r in group)
+        if not samples:
+            continue
+        out.append({"length_lo": lo, "length_hi": hi, "samples": samples, "tokens": tokens,
+                    "mean_length": tokens / samples, "rounds": sorted({r["round"] for r in group}),
+                    **{k: _weighted(group, k, "tokens") for k in ("token_ratio_std", "token_clip_frac")},
+                    **{k: _weighted(group, k, "samples")
+                       for k in ("token_ratio_within_std", "seq_ratio_std", "seq_clip_frac")}})
+    return out
+
+
+def _weighted(rows: list[dict], key: str, weight: str) -> float:
+    total = sum(r[weight] for r in rows)
+    return sum(r[key] * r[weight] for r in rows) / total if total else float("nan")

@@ -1,6 +1,6 @@
 """A comparison study: a sweep per objective on a validation split, then each objective's best
 setting over several seeds at equal samples (`groupforge compare FILE` with a [compare] that
-has `seeds` and `sweep`; the compare file's models are pipelines/spec.py's CompareSection).
+has `seeds` and `sweep`; the compare file's models are pipelines/studies/compare_spec.py's CompareSection).
 
     OUT/data/train.parquet        the spec's train prompts without the validation split
     OUT/data/validation.parquet   `validation_size` train prompts, held out by a hash of the prompt
@@ -37,16 +37,8 @@ from typing import Any, Callable, Iterable
 
 from curation.store.runlog import SPEC_FILE, MetricsLog, read_json, write_atomic, write_json_atomic
 from pipelines.reports.run_report import number
-from pipelines.spec import (
-    CompareSection,
-    PipelineSpec,
-    budget_difference,
-    check_comparable,
-    compare_overrides,
-    load_spec,
-    read_toml,
-    resolved_toml,
-)
+from pipelines.spec import PipelineSpec, load_spec, read_toml, resolved_toml
+from pipelines.studies.compare_spec import CompareSection, budget_difference, check_comparable, compare_overrides
 
 DATA_DIR, SWEEP_DIR, FINAL_DIR, STUDY_FILE = "data", "sweep", "final", "study.json"
 VALIDATION_SALT = "groupforge-validation:"

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import torch
 
 if TYPE_CHECKING:
-    from pipelines.toy.build import ToyConfig
+    from pipelines.toy.task import ToyConfig
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -94,7 +94,7 @@ MAX_NEW_TOKENS = 8  # answers are at most 3 characters + EOS; room to see a non-
 def max_new_tokens(config: ToyConfig | None) -> int:
     """Greedy/eval response length: MAX_NEW_TOKENS for addition; for another task its longest
     response + EOS + 7 tokens of room, within max_position_embeddings."""
-    from pipelines.toy.build import longest_prompt, longest_response
+    from pipelines.toy.task import longest_prompt, longest_response
 
     if config is None or config.task == "addition":
         return MAX_NEW_TOKENS
@@ -160,7 +160,7 @@ def _read_prompts(prompts_parquet: str | Path, limit: int | None) -> tuple[list[
 def _accuracy(responses: list[list[str]], references: list[str], config: ToyConfig | None = None
               ) -> tuple[float, float]:
     """(mean exact match of the first response's answer, fraction with any exact match)."""
-    from pipelines.toy.build import ToyConfig, response_answer
+    from pipelines.toy.task import ToyConfig, response_answer
 
     config = config or ToyConfig()
     first = [response_answer(config, r[0]) == ref for r, ref in zip(responses, references)]
@@ -186,7 +186,7 @@ def greedy_responses(
     return [r[0] for r in responses], references
 
 
-def greedy_accuracy(
+def eval_greedy_accuracy(
     model_dir: str | Path, prompts_parquet: str | Path, limit: int | None = None, config: ToyConfig | None = None
 ) -> float:
     """Exact-match accuracy of the answers of greedy decoding (transformers, fp32) on the first

@@ -15,8 +15,7 @@ import yaml
 from curation.card import CARD_MARKER, METADATA_KEY
 from curation.stages.runner import CURATION_STAGES, run_stage
 from curation.store.run_store import RunStore
-from tests.conftest import make_toy_run
-from tests.pipelines.test_cli import ENV, GROUPFORGE
+from tests.helpers import ENV, GROUPFORGE, make_toy_run
 
 
 def groupforge(*args) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from curation.faults import PAUSE_ENV
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 PROMPTS, G = 24, 4
 

@@ -11,7 +11,7 @@ import pytest
 
 from curation import faults
 from curation.store.runlog import write_atomic
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_a_bad_fault_spec_names_the_points(monkeypatch):

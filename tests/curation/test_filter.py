@@ -15,50 +15,9 @@ from curation.stages.common import group_ids
 from curation.stages.filter import FilterConfig
 from curation.stages.runner import run_stage
 from curation.store.run_store import RunStore, fingerprint_file
+from tests.helpers import commit_inputs, group_rows, rejects_of, samples_and_scores
 
 # ---- builders (label and pair tests use them too) -----------------------------------------
-
-
-def samples_and_scores(rows: list[dict], round: int = 0, run_id: str = "r") -> tuple[pa.Table, pa.Table]:
-    """samples and scores tables of `rows`: dicts with prompt_id, sample_idx, reward and
-    optionally response, n_tokens, finish_reason, scored (False: no scores row at all)."""
-    samples = pa.Table.from_pylist([
-        {"run_id": run_id, "round": round, "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
-         "group_size": 8, "prompt_token_ids": [1, 2], "response": r.get("response", f"answer {r['sample_idx']}"),
-         "response_token_ids": [7] * r.get("n_tokens", 3), "behavior_logprobs": [-0.5] * r.get("n_tokens", 3),
-         "finish_reason": r.get("finish_reason", "stop"), "policy_version": 0, "generator": "test", "seed": 1}
-        for r in rows
-    ], schema=SCHEMAS["samples"])
-    scores = pa.Table.from_pylist([
-        {"run_id": run_id, "round": round, "prompt_id": r["prompt_id"], "sample_idx": r["sample_idx"],
-         "reward": r["reward"], "scorer": "{}"}
-        for r in rows if r.get("scored", True)
-    ], schema=SCHEMAS["scores"])
-    return samples, scores
-
-
-def group_rows(rewards: dict[str, list[float | None]]) -> list[dict]:
-    """One row per reward: prompt_id -> rewards by sample_idx."""
-    return [{"prompt_id": p, "sample_idx": i, "reward": r} for p, rs in rewards.items() for i, r in enumerate(rs)]
-
-
-def rejects_of(rows: list[tuple[str, int | None]], stage: str = "score", reason: str = "invalid_reward",
-               round: int = 0, run_id: str = "r") -> pa.Table:
-    return pa.Table.from_pylist([
-        {"run_id": run_id, "round": round, "prompt_id": p, "sample_idx": i, "stage": stage, "reason": reason,
-         "detail": None} for p, i in rows
-    ], schema=SCHEMAS["rejects"])
-
-
-def commit_inputs(store: RunStore, round: int, samples: pa.Table, scores: pa.Table,
-                  score_rejects: pa.Table | None = None) -> None:
-    """Write a round's samples and scores as the generate and score stages would."""
-    with store.commit("generate", round, inputs={}, config={}) as commit:
-        commit.write("samples", samples, part="generate")
-        commit.write("rejects", empty("rejects"), part="generate")
-    with store.commit("score", round, inputs={}, config={}) as commit:
-        commit.write("scores", scores, part="score")
-        commit.write("rejects", score_rejects if score_rejects is not None else empty("rejects"), part="score")
 
 
 def filter_samples(samples: pa.Table, scores: pa.Table, rejects_so_far: pa.Table, cfg: FilterConfig) -> pa.Table:

@@ -10,8 +10,8 @@ import torch
 from curation.generate.base import SamplingConfig
 from curation.generate.stage import generate
 from curation.store.run_store import RunStore
-from tests.curation import generate_helpers as helpers
-from tests.curation.generate_helpers import (
+from tests import helpers
+from tests.helpers import (
     SAMPLING,
     check_samples_table,
     load_fp32,

@@ -19,8 +19,7 @@ from curation.generate.base import GeneratorConfig, SamplingConfig
 from curation.generate.ray_engines import RayGenerator, engine_of
 from curation.generate.stage import generate, make_generator
 from curation.store.run_store import RunStore
-from tests.curation.generate_helpers import load_fp32, mean_abs_diff, perturbed_model, transformers_logprobs
-from tests.curation.ray_helpers import ray_temp_dir, sample_columns
+from tests.helpers import load_fp32, mean_abs_diff, perturbed_model, ray_temp_dir, sample_columns, transformers_logprobs
 
 SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=11)
 
@@ -162,7 +161,7 @@ except JobError as exc:
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -14,7 +14,7 @@ from curation.generate.base import GeneratorConfig, SamplingConfig
 from curation.generate.stage import generate, make_generator
 from curation.generate.vllm import VLLMGenerator
 from curation.store.run_store import RunStore
-from tests.curation.ray_helpers import ray_temp_dir, sample_columns
+from tests.helpers import ray_temp_dir, sample_columns
 
 SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=5)
 

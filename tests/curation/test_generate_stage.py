@@ -16,8 +16,8 @@ from curation.generate.stage import AUTO_HF_MAX_PARAMS, READS, STAGE, WRITES, ge
 from curation.generate.weights import count_parameters
 from curation.schema import SCHEMAS
 from curation.store.run_store import RunStore
-from tests.curation import generate_helpers as helpers
-from tests.curation.generate_helpers import SAMPLING
+from tests import helpers
+from tests.helpers import SAMPLING
 
 prompts_file = helpers.prompts_file  # fixtures
 vllm_generator = helpers.vllm_generator

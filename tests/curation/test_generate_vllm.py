@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from curation.generate.base import SamplingConfig
 from curation.generate.stage import generate
 from curation.store.run_store import RunStore
-from tests.curation import generate_helpers as helpers
-from tests.curation.generate_helpers import (
+from tests import helpers
+from tests.helpers import (
     SAMPLING,
     check_samples_table,
     load_fp32,

@@ -28,19 +28,9 @@ from curation.stages.label import (
 )
 from curation.stages.runner import run_stage
 from curation.store.run_store import RunStore, fingerprint_file
-from tests.curation.test_filter import commit_inputs, group_rows, rejects_of, samples_and_scores
+from tests.helpers import commit_inputs, group_rows, rejects_of, rewards_table, samples_and_scores
 
 EPS = 1e-4
-
-
-def rewards_table(rewards: dict[str, list[float]], round: int = 0) -> pa.Table:
-    rows = group_rows(rewards)
-    return pa.table({
-        "run_id": ["r"] * len(rows), "round": pa.array([round] * len(rows), pa.int32()),
-        "prompt_id": [r["prompt_id"] for r in rows],
-        "sample_idx": pa.array([r["sample_idx"] for r in rows], pa.int32()),
-        "reward": pa.array([r["reward"] for r in rows], pa.float64()),
-    })
 
 
 def by_group(groups: pa.Table, column: str) -> dict[str, list[float]]:

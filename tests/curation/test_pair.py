@@ -21,8 +21,7 @@ from curation.stages.label import LabelConfig, label
 from curation.stages.pair import PairConfig
 from curation.stages.runner import run_stage
 from curation.store.run_store import RunStore, fingerprint_file
-from tests.curation.test_filter import commit_inputs, group_rows, samples_and_scores
-from tests.curation.test_label import rewards_table
+from tests.helpers import commit_inputs, group_rows, rewards_table, samples_and_scores
 
 
 def pair(groups: pa.Table, cfg: PairConfig) -> pa.Table:

@@ -10,11 +10,9 @@ import pickle
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +21,7 @@ from curation.rewards.math_answers import MathVerify
 from curation.rewards.pool import run_inline, run_isolated
 from curation.rewards.reward_model import RewardModel
 from curation.rewards.rules import ExactMatch, LengthPenalty, OverlongPenalty, RegexFormat
+from tests.helpers import build_reward_model, plain_forward
 
 USER_MODULE = "gf_user_rewards_r"
 
@@ -176,30 +175,6 @@ def test_math_in_the_worker_pool():
 
 
 # ---- reward model -------------------------------------------------------------------
-
-
-def build_reward_model(folder: Path, toy_dir: Path, num_labels: int = 1) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
-
-    tokenizer = AutoTokenizer.from_pretrained(toy_dir / "model")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id, num_labels=num_labels,
-                         id2label={i: ["bad", "good"][i] if num_labels == 2 else f"LABEL_{i}"
-                                   for i in range(num_labels)})
-    torch.manual_seed(0)
-    LlamaForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def plain_forward(folder: Path, texts: list[str], index: int) -> list[float]:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
-    with torch.no_grad():
-        return [model(**tokenizer(t, return_tensors="pt")).logits[0, index].item() for t in texts]
 
 
 def test_reward_model_scores_are_the_logit(tmp_path, toy_dir):

@@ -15,7 +15,7 @@ from curation.schema import KEYS, SCHEMAS
 from curation.stages.common import rejects_table
 from curation.stages.runner import CURATION_STAGES, StageOutput, run_stage, stage_module
 from curation.store.run_store import RunStore
-from tests.curation.test_filter import commit_inputs, group_rows, samples_and_scores
+from tests.helpers import commit_inputs, group_rows, samples_and_scores
 
 
 @pytest.mark.parametrize("name", CURATION_STAGES)

@@ -25,7 +25,7 @@ from curation.stages import score as score_stage
 from curation.stages.runner import run_stage
 from curation.stages.score import RewardSpec, ScoreConfig
 from curation.store.run_store import RunStore
-from tests.conftest import make_toy_run
+from tests.helpers import make_toy_run
 
 USER_MODULE = "gf_user_rewards_s"
 
@@ -406,7 +406,7 @@ def test_run_needs_samples(tmp_path):
 
 
 def test_reward_model_through_the_stage(run_dir, toy_dir, tmp_path):
-    from tests.curation.test_rewards import build_reward_model, plain_forward
+    from tests.helpers import build_reward_model, plain_forward
 
     folder = build_reward_model(tmp_path / "rm", toy_dir)
     reward_model = RewardSpec(name="reward_model", column="rm", kwargs={"path": str(folder)})

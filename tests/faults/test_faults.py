@@ -33,14 +33,10 @@ import torch
 from safetensors.torch import load_file
 
 from curation.faults import FAULT_ENV, POINTS
-from tests.conftest import REPO
-from tests.pipelines.test_run import SPEC as E2E_SPEC
-from tests.pipelines.test_run import _check_tables
+from tests.helpers import FAULTS_SPEC, REPO, check_tables
 
 # The round loop test's spec, with the transformers generator (fast to start, deterministic)
 # and two chunks a round (so a kill can land between them).
-SPEC = (E2E_SPEC.replace('backend = "vllm"', 'backend = "hf"\nchunk_prompts = 8')
-        .replace("per_round = 24", "per_round = 16").replace("eval_limit = 64", "eval_limit = 32"))
 
 # (point, count, command): what each kill interrupts. A round commits generate, score, filter,
 # label in that order (commits 1-4 in round 1, 5-8 in round 2); it generates 2 chunks.
@@ -110,7 +106,7 @@ def _commands(spec: Path, run_dir: Path) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def spec(toy_dir, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("spec") / "faults.toml"
-    path.write_text(SPEC.format(toy=toy_dir, train=f'"{toy_dir}/train.parquet"'))
+    path.write_text(FAULTS_SPEC.format(toy=toy_dir, train=f'"{toy_dir}/train.parquet"'))
     return path
 
 
@@ -152,7 +148,7 @@ def check_engine_loads(folder: Path) -> None:
 
 
 def check_invariants(run_dir: Path) -> None:
-    _check_tables(run_dir)
+    check_tables(run_dir)
     listed = set()
     for path in sorted((run_dir / "_manifests").glob("*.json")):
         manifest = json.loads(path.read_text())

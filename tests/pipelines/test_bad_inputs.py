@@ -17,8 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import REPO
-from tests.faults.test_faults import SPEC as FAULTS_SPEC
+from tests.helpers import FAULTS_SPEC, REPO
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -4,66 +4,13 @@ model, no engine). The informative strategy: tests/pipelines/test_prompts.py."""
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation.generate.base import prompt_id_of
-from curation.schema import SCHEMAS
-from curation.store.run_store import RunStore
 from curation.store.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state
 from pipelines.loop.prompts import choose_prompts, prompt_keys, tiebreak
-from pipelines.loop.run import RoundContext
-from pipelines.spec import PipelineSpec
-
-
-def prompt_file(path: Path, texts: list[str]) -> Path:
-    pq.write_table(pa.table({"prompt": texts, "reference": ["x"] * len(texts)}), path)
-    return path
-
-
-def context(run_dir: Path, train: list[Path], per_round: int, seed: int = 0) -> RoundContext:
-    spec = PipelineSpec.model_validate({
-        "run": {"name": "choose", "seed": seed}, "model": {"path": "unused"},
-        "prompts": {"train": [str(f) for f in train], "eval": "unused.parquet", "per_round": per_round}})
-    return RoundContext(spec=spec, store=RunStore(run_dir))
-
-
-def sampled(store: RunStore, round: int, texts: list[str], group_size: int = 2) -> None:
-    """A samples table for `round`: `group_size` responses to each of `texts`."""
-    rows = [{"run_id": "choose", "round": round, "prompt_id": prompt_id_of(text, None), "sample_idx": i,
-             "group_size": group_size, "prompt_token_ids": [1, 2], "response": "r", "response_token_ids": [3],
-             "behavior_logprobs": [-0.5], "finish_reason": "stop", "policy_version": 0, "generator": "test",
-             "seed": 0}
-            for text in texts for i in range(group_size)]
-    with store.commit("generate", round, {}, {}) as commit:
-        commit.write("samples", pa.Table.from_pylist(rows, schema=SCHEMAS["samples"]))
-
-
-def chosen(path: Path) -> list[str]:
-    """The chosen prompts' texts, in the order they were chosen."""
-    return pq.read_table(path).column("prompt").to_pylist()
-
-
-def sha64(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
-
-
-def splitmix64(x: int) -> int:
-    """splitmix64's finaliser on Python ints (the reference for the module's numpy version)."""
-    mask = (1 << 64) - 1
-    x = (x + 0x9E3779B97F4A7C15) & mask
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
-    return x ^ (x >> 31)
-
-
-def by_tiebreak(texts: list[str], seed: int, round: int) -> list[str]:
-    """The seeded order: h = splitmix64(s(prompt_id) ^ s("seed:round")), s = sha256's first 8 bytes."""
-    return sorted(texts, key=lambda t: splitmix64(sha64(prompt_id_of(t, None)) ^ sha64(f"{seed}:{round}")))
+from tests.helpers import PROMPTS, by_tiebreak, chosen, context, prompt_file, sampled, sha64, splitmix64
 
 
 def test_tiebreak_matches_the_reference_and_changes_with_round_and_seed():
@@ -73,9 +20,6 @@ def test_tiebreak_matches_the_reference_and_changes_with_round_and_seed():
     assert len(set(h.tolist())) == len(ids)
     assert np.argsort(h).tolist() != np.argsort(tiebreak(0, 4, prompt_keys(ids))).tolist()
     assert np.argsort(h).tolist() != np.argsort(tiebreak(1, 3, prompt_keys(ids))).tolist()
-
-
-PROMPTS = [f"{a} + {b} =" for a in range(4) for b in range(5)]  # 20 distinct prompts
 
 
 def test_least_used_prompts_first(tmp_path):

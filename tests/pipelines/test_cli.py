@@ -15,22 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.store.run_store import RunStore
-from tests.conftest import make_toy_run
-
-GROUPFORGE = str(Path(sys.executable).parent / "groupforge")
-ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
-
-
-def groupforge(*args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([GROUPFORGE, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout)
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one error line, got:\n{proc.stderr}"
-    assert lines[0].startswith("error: ")
-    return lines[0]
+from tests.helpers import ENV, GROUPFORGE, error_line, groupforge, make_toy_run
 
 
 def write_bad_prompt_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -170,8 +155,8 @@ def test_inspect_stages_prints_the_stage_graph(tmp_path, toy_dir):
 
 @pytest.mark.parametrize("columns", ["200", "40"])
 def test_tables_never_cut_numbers_on_a_narrow_stdout(columns):
-    code = ("from pipelines.cli.main import _show_table\n"
-            "_show_table('run', ['round', 'train tokens per second', 'generate tokens per second', 'stage'],"
+    code = ("from pipelines.cli.app import show_table\n"
+            "show_table('run', ['round', 'train tokens per second', 'generate tokens per second', 'stage'],"
             " [['12', '16,900', '1,234,567', 'score'], ['13', '17,001', '987', 'filter']], left=('stage',))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**ENV, "COLUMNS": columns}).stdout

@@ -14,7 +14,7 @@ from curation.generate.base import GeneratorConfig, SamplingConfig
 from pipelines.cli.main import app
 from pipelines.cli.options import build, flag_name, given, parse_int_list, pick
 from pipelines.spec import GeneratorSection, load_section
-from tests.conftest import REPO
+from tests.helpers import REPO
 from training.config import TrainConfig
 
 COMMANDS = typer.main.get_command(app).commands

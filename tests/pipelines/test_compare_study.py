@@ -16,27 +16,23 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.store.runlog import MetricsLog, write_atomic
-from pipelines.spec import load_compare, load_compare_section
+from pipelines.studies.compare_spec import load_compare, load_compare_section
+from pipelines.studies.ratio_spread import pooled_spread
 from pipelines.studies.study import Setting, grid, pick_setting, split_prompts, validation_ids, validation_score
-from pipelines.studies.study_report import (
+from pipelines.studies.study_stats import (
     Interval,
     at,
     band,
     common_grid,
-    edge_note,
     interpolate,
-    lead_sentence,
     mean_ci,
     pooled_snr,
-    pooled_spread,
-    ranking_sentence,
     seed_curves,
-    spread_sentence,
     step_bands,
     t_975,
-    tie_note,
 )
-from tests.conftest import REPO
+from pipelines.studies.study_text import edge_note, lead_sentence, ranking_sentence, spread_sentence, tie_note
+from tests.helpers import REPO
 
 # ---------------------------------------------------------------------------------------------
 # The validation split

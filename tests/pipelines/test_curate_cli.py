@@ -3,18 +3,12 @@ pipelines/loop/curate.py's config loading and `curate()` on a hand-made run."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import duckdb
-import pyarrow as pa
 import pytest
 
-from curation.schema import empty
 from curation.store.run_store import RunStore
 from pipelines.loop.curate import CurationSpec, curate, load_curation_spec
-from tests.conftest import REPO, make_toy_run
-from tests.curation.test_filter import samples_and_scores
-from tests.pipelines.test_cli import error_line, groupforge
+from tests.helpers import REPO, error_line, groupforge, hand_made_run, make_toy_run
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +79,6 @@ def test_readme_curation_config_is_valid(tmp_path):
 
 
 # ---- the config and curate() without a subprocess ---------------------------------------------
-
-RESPONSES = {"p0": ["4", "4", "4", "4"], "p1": ["4", "5", "4", "6"], "p2": ["5", "4", "5", "5"]}
-
-
-def hand_made_run(run: Path, rounds=(0,)) -> Path:
-    """A run as generate leaves it, without a model: 3 prompts (reference "4") x 4 samples per round."""
-    store = RunStore(run)
-    prompts = pa.table({"prompt_id": list(RESPONSES), "prompt": ["2+2=", "1+3=", "0+4="], "reference": ["4"] * 3})
-    for round in rounds:
-        rows = [{"prompt_id": p, "sample_idx": i, "reward": 0.0, "response": text}
-                for p, texts in RESPONSES.items() for i, text in enumerate(texts)]
-        samples, _ = samples_and_scores(rows, round=round)
-        with store.commit("generate", round, inputs={"prompts": "sha"}, config={}) as commit:
-            commit.write("samples", samples, part="generate")
-            commit.write("rejects", empty("rejects"), part="generate")
-            commit.write("prompts", prompts, part="hand-made", round=None)
-            commit.record(rows_in=len(RESPONSES), rows_out=samples.num_rows)
-    return run
 
 
 def test_unknown_sections_are_errors_naming_the_section_and_the_file(tmp_path):

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.pipelines.test_cli import ENV, GROUPFORGE
+from tests.helpers import ENV, GROUPFORGE, REPO
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -14,7 +14,7 @@ import pytest
 
 from pipelines.cli.init_spec import starter_spec
 from pipelines.spec import load_spec
-from tests.pipelines.test_cli import ENV, GROUPFORGE
+from tests.helpers import ENV, GROUPFORGE
 
 
 def groupforge(*args, cwd: Path) -> subprocess.CompletedProcess:

@@ -13,8 +13,8 @@ from curation.stages import pair as pair_stage
 from curation.stages import score as score_stage
 from curation.store.run_store import RunStore
 from pipelines.loop.curate import curate
-from pipelines.reports.inspect_run import _ranges, print_stage_graph, stage_graph
-from tests.pipelines.test_curate_cli import hand_made_run
+from pipelines.reports.inspect_run import number_ranges, print_stage_graph, stage_graph
+from tests.helpers import hand_made_run
 
 
 def test_stage_graph_declares_each_stage_and_sums_its_manifests(tmp_path):
@@ -53,4 +53,4 @@ def test_print_stage_graph_shows_every_stage_and_its_tables(tmp_path):
 
 
 def test_ranges():
-    assert _ranges([]) == "" and _ranges([4]) == "4" and _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert number_ranges([]) == "" and number_ranges([4]) == "4" and number_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

@@ -19,7 +19,7 @@ from curation.store.run_store import RunStore
 from pipelines.loop.prompts import PromptBook, PromptChoice, choose_prompts, pass_rates, prompt_choice, ranked_prompts
 from pipelines.loop.run import RoundContext
 from pipelines.spec import PipelineSpec
-from tests.pipelines.test_choose_prompts import PROMPTS, chosen, prompt_file, sampled, sha64, splitmix64
+from tests.helpers import PROMPTS, chosen, prompt_file, sampled, sha64, splitmix64
 
 
 @dataclass

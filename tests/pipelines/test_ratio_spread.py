@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pipelines.studies.ratio_spread import COLUMNS, RatioSpreadSkip, length_buckets, ratio_spread, ratio_spread_for_run
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 # docs/objectives.md, "2. Log-probabilities and importance ratios": logp - old_logp of the
 # worked group's four responses (lengths 3, 3, 2, 4).

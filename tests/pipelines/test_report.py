@@ -12,8 +12,9 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from pipelines.reports.run_report import breakdown_line, load_metrics, markdown_table, report_compare, report_run
-from tests.conftest import REPO
+from pipelines.reports.markdown import markdown_table
+from pipelines.reports.run_report import breakdown_line, load_metrics, report_compare, report_run
+from tests.helpers import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,52 +8,20 @@ import os
 import subprocess
 import sys
 
-import duckdb
 import pyarrow.parquet as pq
 import pytest
 
 from curation.faults import FAULT_ENV
 from curation.generate.base import load_prompts
 from curation.store.run_store import RunStore
-from tests.conftest import REPO
+from tests.helpers import E2E_SPEC, REPO, check_tables, round_records
 
 pytestmark = pytest.mark.slow
-
-SPEC = """
-[run]
-name = "e2e"
-rounds = 2
-steps_per_round = 2
-seed = 3
-
-[model]
-path = "{toy}/model"
-
-[prompts]
-train = [{train}]
-eval = "{toy}/eval.parquet"
-per_round = 24
-eval_limit = 64
-
-[generator]
-backend = "vllm"
-group_size = 4
-max_tokens = 6
-
-[filter]
-drop_duplicates = false
-
-[train]
-objective = "grpo"
-batch_size = 32
-token_budget = 256
-lr = 1e-4
-"""
 
 
 def _spec(tmp_path, toy_dir, train_files):
     path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(toy=toy_dir, train=", ".join(f'"{f}"' for f in train_files)))
+    path.write_text(E2E_SPEC.format(toy=toy_dir, train=", ".join(f'"{f}"' for f in train_files)))
     return path
 
 
@@ -61,32 +29,6 @@ def _run(spec, run_dir, *args, env=None):
     cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir), *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
-
-
-def _rounds(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if r["event"] == "round"]
-
-
-def _check_tables(run_dir):
-    """Every (round, prompt_id, sample_idx) once in samples; groups + rejects cover samples exactly."""
-    glob = lambda t: f"'{run_dir}/{t}/**/*.parquet'"  # noqa: E731
-    dup = duckdb.sql("SELECT count(*) - count(DISTINCT (round, prompt_id, sample_idx)) "
-                     f"FROM read_parquet({glob('samples')})")
-    assert dup.fetchall()[0][0] == 0
-    uncovered = duckdb.sql(f"""
-        WITH covered AS (
-            SELECT round, prompt_id, sample_idx, 1 AS n FROM read_parquet({glob('groups')})
-            UNION ALL
-            SELECT s.round, s.prompt_id, s.sample_idx, 1 FROM read_parquet({glob('rejects')}) r
-            JOIN read_parquet({glob('samples')}) s
-              ON s.round = r.round AND s.prompt_id = r.prompt_id
-             AND (r.sample_idx IS NULL OR r.sample_idx = s.sample_idx))
-        SELECT count(*) FROM read_parquet({glob('samples')}) s
-        LEFT JOIN (SELECT round, prompt_id, sample_idx, sum(n) AS n FROM covered GROUP BY ALL) c
-          USING (round, prompt_id, sample_idx)
-        WHERE c.n IS DISTINCT FROM 1""")
-    assert uncovered.fetchall()[0][0] == 0
 
 
 def test_kill_mid_round_resume_extend_and_lock(toy_dir, tmp_path):
@@ -97,12 +39,12 @@ def test_kill_mid_round_resume_extend_and_lock(toy_dir, tmp_path):
     # after round 2's samples and curation were committed and before its checkpoint.
     crash = _run(spec, run_dir, env={FAULT_ENV: "train.step_logged:3"})
     assert crash.returncode == -9, crash.stderr[-2000:]
-    assert [r["round"] for r in _rounds(run_dir)] == [0, 1]
+    assert [r["round"] for r in round_records(run_dir)] == [0, 1]
     assert RunStore(run_dir).rounds("samples") == [1, 2]
 
     done = _run(spec, run_dir)
     assert done.returncode == 0, done.stderr[-2000:]
-    records = _rounds(run_dir)
+    records = round_records(run_dir)
     assert [r["round"] for r in records] == [0, 1, 2]
     assert [r["policy_version"] for r in records] == [0, 2, 4]
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -112,11 +54,11 @@ def test_kill_mid_round_resume_extend_and_lock(toy_dir, tmp_path):
     assert "eval acc" in done.stdout and (run_dir / "report" / "progress.png").is_file()
     summary = (run_dir / "report" / "summary.md").read_text()  # counts from the tables too
     assert "## Tables" in summary and "| 2 | 96 | 96 |" in summary
-    _check_tables(run_dir)
+    check_tables(run_dir)
 
     # Rerunning a finished run does nothing.
     again = _run(spec, run_dir)
-    assert again.returncode == 0 and [r["round"] for r in _rounds(run_dir)] == [0, 1, 2]
+    assert again.returncode == 0 and [r["round"] for r in round_records(run_dir)] == [0, 1, 2]
 
     # Scheduled refresh: a new prompt file in the spec, then --rounds +1. Its prompts were never
     # used, so round 3 takes them first.
@@ -125,14 +67,14 @@ def test_kill_mid_round_resume_extend_and_lock(toy_dir, tmp_path):
     spec = _spec(tmp_path, toy_dir, [toy_dir / "train.parquet", extra])
     more = _run(spec, run_dir, "--rounds", "+1")
     assert more.returncode == 0, more.stderr[-2000:]
-    assert [r["round"] for r in _rounds(run_dir)] == [0, 1, 2, 3]
+    assert [r["round"] for r in round_records(run_dir)] == [0, 1, 2, 3]
     new_ids = set(load_prompts(extra).column("prompt_id").to_pylist())
     round3 = set(pq.read_table(run_dir / "_rounds" / "round=3" / "prompts.parquet").column("prompt_id").to_pylist())
     assert len(round3 & new_ids) == 24  # 24 per round, all from the 30 unused new prompts
-    _check_tables(run_dir)
+    check_tables(run_dir)
 
     # A second job on a locked run exits with a distinct code when told not to wait.
     with RunStore(run_dir).lock():
         busy = _run(spec, run_dir, "--rounds", "+1", "--no-wait")
     assert busy.returncode == 3 and "lock" in busy.stderr.lower()
-    assert [r["round"] for r in _rounds(run_dir)] == [0, 1, 2, 3]
+    assert [r["round"] for r in round_records(run_dir)] == [0, 1, 2, 3]

@@ -20,49 +20,13 @@ from pipelines.loop.refill import refill_size
 from pipelines.loop.run import run_pipeline
 from pipelines.reports.run_report import report_run
 from pipelines.spec import load_spec
-from tests.conftest import REPO
+from tests.helpers import OPTIONS_SPEC, REPO
 from training import checkpoint as ckpt
-
-SPEC = """
-[run]
-name = "options"
-rounds = {rounds}
-steps_per_round = 2
-seed = 5
-checkpoint_every = {checkpoint_every}
-{refill}
-
-[model]
-path = "{toy}/model"
-
-[prompts]
-train = ["{toy}/train.parquet"]
-eval = "{toy}/eval.parquet"
-per_round = 16
-eval_limit = 48
-
-[generator]
-backend = "hf"
-group_size = 4
-max_tokens = 6
-
-[filter]
-drop_duplicates = false
-
-[train]
-objective = "grpo"
-batch_size = 32
-token_budget = 256
-lr = 1e-4
-
-[eval]
-every = {eval_every}
-"""
 
 
 def _spec(tmp_path, toy_dir, rounds=5, checkpoint_every=1, eval_every=1, refill=""):
     path = tmp_path / "spec.toml"
-    path.write_text(SPEC.format(toy=toy_dir, rounds=rounds, checkpoint_every=checkpoint_every,
+    path.write_text(OPTIONS_SPEC.format(toy=toy_dir, rounds=rounds, checkpoint_every=checkpoint_every,
                                 eval_every=eval_every, refill=refill))
     return path
 

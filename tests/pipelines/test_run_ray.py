@@ -21,8 +21,7 @@ import pytest
 
 from curation.faults import FAULT_ENV
 from curation.store.run_store import RunStore
-from tests.conftest import REPO
-from tests.pipelines.test_run import SPEC, _check_tables, _rounds
+from tests.helpers import E2E_SPEC, REPO, check_tables, round_records
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ engines = 2
 
 
 def _spec(tmp_path, toy_dir):
-    text = SPEC.format(toy=toy_dir, train=f'"{toy_dir}/train.parquet"')
+    text = E2E_SPEC.format(toy=toy_dir, train=f'"{toy_dir}/train.parquet"')
     text = text.replace('[generator]\nbackend = "vllm"\ngroup_size = 4\nmax_tokens = 6\n', RAY.lstrip())
     text = text.replace("rounds = 2\n", "rounds = 3\noverlap = 1\n")
     path = tmp_path / "spec.toml"
@@ -80,7 +79,7 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
         # sample round 3 (or just after).
         crash = _cli(cmd, {**env, FAULT_ENV: "train.step_logged:3"})
         assert crash.returncode == -9, crash.stderr[-3000:]
-        assert [r["round"] for r in _rounds(run_dir)] == [0, 1]
+        assert [r["round"] for r in round_records(run_dir)] == [0, 1]
         log = crash.stdout + crash.stderr  # progress lines go to stderr
         assert log.count("starting the vllm engine") == 1
         assert "round 2: generate 24 prompts x 4 with policy_version 0, while round 1 trains" in log
@@ -91,7 +90,7 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
         done = _cli(cmd, env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert (done.stdout + done.stderr).count("starting the vllm engine") == 1
-    records = _rounds(run_dir)
+    records = round_records(run_dir)
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     assert [r["policy_version"] for r in records] == [0, 2, 4, 6]
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -102,7 +101,7 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
                           f"read_parquet('{run_dir}/samples/**/*.parquet') GROUP BY round ORDER BY round").fetchall()
     assert versions == [(1, 0, 0), (2, 0, 0), (3, 2, 2)]
     assert RunStore(run_dir).rounds("samples") == [1, 2, 3]
-    _check_tables(run_dir)
+    check_tables(run_dir)
 
 
 def test_ddp_trainer_ranks_kept_across_rounds_and_a_killed_rank(toy_dir, tmp_path):
@@ -121,14 +120,14 @@ def test_ddp_trainer_ranks_kept_across_rounds_and_a_killed_rank(toy_dir, tmp_pat
         crash = _cli(cmd, {**env, FAULT_ENV: "train.step_logged:3", KILL_RANK_ENV: "1"})
         assert crash.returncode == 1 and "Traceback" not in crash.stderr, crash.stderr[-3000:]
         assert "error: trainer rank 1 of 2 died training toward step 4" in crash.stderr, crash.stderr[-3000:]
-        assert [r["round"] for r in _rounds(run_dir)] == [0, 1]
+        assert [r["round"] for r in round_records(run_dir)] == [0, 1]
         done = _cli(cmd, env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert (done.stdout + done.stderr).count("starting 2 trainer ranks (ddp)") == 1
-    records = _rounds(run_dir)
+    records = round_records(run_dir)
     assert [r["round"] for r in records] == [0, 1, 2]
     assert [r["policy_version"] for r in records] == [0, 2, 4]
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in steps if r["event"] == "step") == [1, 2, 3, 4]  # rank 0 alone writes
     assert [r["samples"] for r in records[1:]] == [24 * 4] * 2
-    _check_tables(run_dir)
+    check_tables(run_dir)

@@ -10,16 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.spec import (
-    PipelineSpec,
-    check_comparable,
-    dump_toml,
-    load_compare,
-    load_spec,
-    parse_overrides,
-    resolved_toml,
-)
-from tests.conftest import REPO
+from pipelines.spec import PipelineSpec, dump_toml, load_spec, parse_overrides, resolved_toml
+from pipelines.studies.compare_spec import check_comparable, load_compare
+from tests.helpers import REPO
 
 SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
 

@@ -18,8 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipelines.toy.build import META_FILE, VLLM_CPU_HEAD_SIZES, ToyConfig, build_toy, make_problems
-from pipelines.toy.model import CHARACTERS, generate_responses, greedy_accuracy
+from pipelines.toy.build import META_FILE, build_toy
+from pipelines.toy.model import CHARACTERS, eval_greedy_accuracy, generate_responses
+from pipelines.toy.task import VLLM_CPU_HEAD_SIZES, ToyConfig, make_problems
+from tests.helpers import check_same_seed_same_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 # A build that stops after a few steps: the whole pipeline (data, warm start, save,
@@ -120,12 +122,12 @@ def test_model_is_a_small_untied_llama(toy_dir: Path):
 
 
 def test_greedy_accuracy_is_partial_and_matches_the_recorded_value(toy_dir: Path):
-    accuracy = greedy_accuracy(toy_dir / "model", toy_dir / "eval.parquet")
+    accuracy = eval_greedy_accuracy(toy_dir / "model", toy_dir / "eval.parquet")
     assert 0.15 <= accuracy <= 0.6
     # Same computation as the build's; only a different thread count could flip a near-tie.
     assert accuracy == pytest.approx(json.loads((toy_dir / META_FILE).read_text())["eval_greedy_accuracy"], abs=0.01)
     # `limit` reads the first rows only: 10 prompts give a multiple of 0.1.
-    assert round(greedy_accuracy(toy_dir / "model", toy_dir / "eval.parquet", limit=10) * 10, 6) % 1 == 0
+    assert round(eval_greedy_accuracy(toy_dir / "model", toy_dir / "eval.parquet", limit=10) * 10, 6) % 1 == 0
 
 
 def test_responses_stop_at_eos(toy_dir: Path):
@@ -143,18 +145,6 @@ def test_second_build_is_a_cache_hit(toy_dir: Path):
     before = {p: p.stat().st_mtime_ns for p in toy_dir.rglob("*") if p.is_file()}
     assert build_toy(toy_dir, progress=False) == toy_dir
     assert {p: p.stat().st_mtime_ns for p in toy_dir.rglob("*") if p.is_file()} == before
-
-
-def check_same_seed_same_bytes(tmp_path: Path, config) -> Path:
-    """Builds `config` twice with seed 3 (a, b: byte-identical files) and once with seed 4 (c:
-    other weights); returns a."""
-    a = build_toy(tmp_path / "a", seed=3, progress=False, config=config)
-    b = build_toy(tmp_path / "b", seed=3, progress=False, config=config)
-    for name in ("model/model.safetensors", "model/tokenizer.json", "train.parquet", "eval.parquet"):
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    c = build_toy(tmp_path / "c", seed=4, progress=False, config=config)
-    assert (a / "model/model.safetensors").read_bytes() != (c / "model/model.safetensors").read_bytes()
-    return a
 
 
 @pytest.mark.filterwarnings("ignore:toy warm start ended")
@@ -179,7 +169,7 @@ def test_a_failed_build_leaves_nothing(tmp_path: Path):
 def test_a_killed_build_leaves_no_toy_and_the_rerun_builds_it(tmp_path: Path):
     out = tmp_path / "toy"
     code = (
-        "import sys; from pipelines.toy.build import build_toy, ToyConfig;"
+        "import sys; from pipelines.toy.build import build_toy; from pipelines.toy.task import ToyConfig;"
         f"build_toy({str(out)!r}, progress=False, config=ToyConfig(max_steps=100000, target_accuracy=2.0))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, start_new_session=True)

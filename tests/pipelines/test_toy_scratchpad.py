@@ -19,20 +19,10 @@ import pytest
 
 from curation.rewards import get_reward
 from curation.rewards.scratchpad import WELL_FORMED, final_answer, scratchpad_solution
-from pipelines.toy.build import (
-    META_FILE,
-    TASK_DEFAULTS,
-    ToyConfig,
-    build_toy,
-    default_out,
-    make_problems,
-    supervised_responses,
-    variant_config,
-)
+from pipelines.toy.build import META_FILE, build_toy, default_out
 from pipelines.toy.model import TASK_CHARACTERS, greedy_responses, make_tokenizer
-from tests.conftest import REPO, build_lock
-from tests.pipelines.test_cli import ENV, GROUPFORGE
-from tests.pipelines.test_toy import check_same_seed_same_bytes
+from pipelines.toy.task import TASK_DEFAULTS, ToyConfig, make_problems, supervised_responses, variant_config
+from tests.helpers import ENV, GROUPFORGE, REPO, build_lock, check_same_seed_same_bytes
 
 SCRATCHPAD = ToyConfig(task="scratchpad")
 # A few warm-start steps on 20 eval prompts and 512 train prompts: the whole build in seconds.

@@ -1,4 +1,4 @@
-"""The toy's options and named variants (pipelines/toy/build.py): each option changes the build as it
+"""The toy's options and named variants (pipelines/toy/task.py): each option changes the build as it
 says, the `groupforge toy build` flags are the ToyConfig fields, bad configs are one-line errors.
 
 Builds here are tiny (a few warm-start steps, 50 eval prompts); the full variants are built and
@@ -20,18 +20,16 @@ from rich.markup import escape
 
 from pipelines.cli.main import app
 from pipelines.cli.options import flag_name
-from pipelines.toy.build import (
-    META_FILE,
+from pipelines.toy.build import META_FILE, build_toy, default_out
+from pipelines.toy.task import (
     VARIANTS,
     VLLM_CPU_HEAD_SIZES,
     ToyConfig,
-    build_toy,
-    default_out,
     make_problems,
     supervised_answers,
     variant_config,
 )
-from tests.conftest import REPO, build_lock
+from tests.helpers import REPO, build_lock
 
 TOY_BUILD = typer.main.get_command(app).commands["toy"].commands["build"]
 # A few warm-start steps on 50 eval prompts: the whole build in seconds.

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.pipelines.test_run import SPEC as E2E_SPEC
+from tests.helpers import E2E_SPEC, REPO
 
 SPEC = (E2E_SPEC.replace('backend = "vllm"', 'backend = "hf"').replace("rounds = 2", "rounds = 1")
         .replace("per_round = 24", "per_round = 16").replace("eval_limit = 64", "eval_limit = 32"))

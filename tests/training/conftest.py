@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import make_toy_run
+from tests.helpers import make_toy_run
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from training.config import TrainConfig, steps_for_passes
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.training.test_objectives import loop_agg, loop_clip_pg, loop_seq_ratio, random_batch
+from tests.helpers import loop_agg, loop_clip_pg, loop_seq_ratio, random_batch
 from training.config import TrainConfig
 from training.correction import CorrectionConfig, correction_weights, mismatch_metrics
 from training.objectives import ObjectiveConfig, get_policy_loss

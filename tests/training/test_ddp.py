@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from curation.store.runlog import MetricsLog
-from tests.conftest import REPO
+from tests.helpers import REPO
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.trainer import train

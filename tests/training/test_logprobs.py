@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 from training.logprobs import ChunkedTokenLogProbs, GatherRows, token_logprobs, token_logprobs_reference, truncate_
 
 

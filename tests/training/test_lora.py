@@ -17,10 +17,8 @@ from peft import PeftModel
 from curation.generate.stage import generate
 from curation.stages.runner import CURATION_STAGES, run_stage
 from curation.store.run_store import RunStore
-from tests.conftest import REPO, make_toy_run
-from tests.curation import generate_helpers as helpers
-from tests.curation.generate_helpers import SAMPLING, load_fp32, mean_abs_diff, transformers_logprobs
-from tests.pipelines.test_cli import ENV, GROUPFORGE
+from tests import helpers
+from tests.helpers import ENV, GROUPFORGE, REPO, SAMPLING, load_fp32, make_toy_run, mean_abs_diff, transformers_logprobs
 from training import checkpoint as ckpt
 from training import lora
 from training.config import TrainConfig

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers import loop_agg, loop_clip_pg, loop_seq_ratio, random_batch
 from training.objectives import (
     LOSS_DEFAULTS,
     PAIR_LOSSES,
@@ -222,44 +223,6 @@ def test_pairwise_golden_length_normalized():
 
 # ---- equality with loop implementations of the papers' formulas ---------------------------
 
-def random_batch(seed, B=5, T=7, noise=0.3):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(F64)
-    logp = -3 * torch.rand(B, T, generator=g, dtype=F64)
-    old = logp + noise * torch.randn(B, T, generator=g, dtype=F64)
-    ref = logp + 0.2 * torch.randn(B, T, generator=g, dtype=F64)
-    adv = torch.randn(B, generator=g, dtype=F64)
-    token_adv = torch.randn(B, T, generator=g, dtype=F64)
-    return logp.requires_grad_(), old, ref, adv, token_adv, mask
-
-
-def loop_agg(v, m, mode, norm_len):
-    B, T = len(v), len(v[0])
-    total, seq_means, num_tokens = 0.0, 0.0, 0.0
-    for i in range(B):
-        row_sum, row_len = 0.0, 0.0
-        for t in range(T):
-            row_sum += v[i][t] * m[i][t]
-            row_len += m[i][t]
-        total += row_sum
-        num_tokens += row_len
-        seq_means += row_sum / row_len
-    if mode == "token-mean":
-        return total / num_tokens
-    if mode == "seq-mean-token-mean":
-        return seq_means / B
-    return total / (B * (norm_len or T))
-
-
-def loop_clip_pg(r, a, cfg):
-    """-min(r A, clip(r, 1-eps_low, 1+eps_high) A), then the dual clip for A < 0."""
-    clipped = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high)
-    pg = -min(r * a, clipped * a)
-    if cfg.dual_clip is not None and a < 0:
-        pg = min(pg, -cfg.dual_clip * a)
-    return pg
-
 
 def loop_kl_term(logp, ref, m, cfg):
     if cfg.beta == 0:
@@ -283,15 +246,6 @@ def loop_grpo(logp, old, ref, a, m, cfg):  # a: (B,) or (B, T)
             row.append(loop_clip_pg(math.exp(logp[i][t] - old[i][t]), a_it, cfg))
         pg.append(row)
     return loop_agg(pg, m, cfg.agg, cfg.norm_len) + loop_kl_term(logp, ref, m, cfg)
-
-
-def loop_seq_ratio(logp, old, m, i):
-    """s_i = exp(sum_t m_it (logp_it - old_it) / |y_i|)."""
-    log_sum, length = 0.0, 0.0
-    for t in range(len(logp[0])):
-        log_sum += m[i][t] * (logp[i][t] - old[i][t])
-        length += m[i][t]
-    return math.exp(log_sum / length)
 
 
 def loop_gspo(logp, old, ref, a, m, cfg):

@@ -13,7 +13,7 @@ import tomllib
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 VARYING = {"seconds", "tokens_per_s"}
 """Wall-clock fields of a step record."""

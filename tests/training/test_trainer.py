@@ -3,7 +3,6 @@ end to end, resume after kill -9, CLI errors. (Fixtures: tests/training/conftest
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -16,16 +15,11 @@ import pytest
 import torch
 
 from curation.faults import FAULT_ENV
-from tests.conftest import REPO
+from tests.helpers import REPO, step_records
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.schedule import group_units, lr_at, step_rows
 from training.trainer import train
-
-
-def step_records(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["event"] == "step"]
 
 
 def test_step_rows_are_a_seeded_stream_of_permutations():
@@ -170,7 +164,7 @@ def test_top_k_samples_are_on_policy_at_step_one(toy_dir, tmp_path, truncated):
     it computes its log-probs under the same truncation."""
     from curation.stages.runner import run_stage
     from pipelines.loop.curate import STAGES, CurationSpec
-    from tests.conftest import make_toy_run
+    from tests.helpers import make_toy_run
 
     run_dir = make_toy_run(toy_dir, tmp_path, "train", n_prompts=16, group_size=8, max_tokens=6, rounds=(0,),
                            temperature=0.8, top_k=3)

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from curation.generate.weights import load_state_dict
+from tests.helpers import step_records
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
 from training.data import count_training_rows
 from training.trainer import LoopOptions, TrainSession, train
-
-from .test_trainer import step_records
 
 COMPARED = ("loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_frac_low", "pass")
 

@@ -1,0 +1,131 @@
+"""The typer app behind `groupforge ...` and what its commands share: the exit codes, the
+consoles, the run-folder check, the writer lock, the tables and the progress bar.
+
+Exit codes: 0 ok, 2 bad input (a table, file or flag is wrong: the message says which),
+3 the run is locked by another job (with --no-wait), 4 a full disk, 1 anything unexpected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from curation.errors import JobError, NoSpaceError, is_no_space, no_space_error
+from curation.store.run_store import RunLockedError, RunStore
+from curation.store.verify import check_run
+
+EXIT_BAD_INPUT = 2
+EXIT_LOCKED = 3
+EXIT_JOB = 1
+EXIT_NO_SPACE = 4
+DEBUG_ENV = "GROUPFORGE_DEBUG"  # set by --debug: errors keep their tracebacks
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="groupforge: table-first GRPO/GSPO post-training.")
+toy_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The embedded toy task and model.")
+app.add_typer(toy_app, name="toy")
+console = Console()
+err_console = Console(stderr=True)
+
+NO_WAIT = typer.Option(False, "--no-wait", help="Exit (code 3) instead of waiting for another job's lock.")
+"""The --no-wait flag of every command that takes the run's writer lock."""
+
+
+def fail(message: str, code: int) -> "typer.Exit":
+    """Print `message` as one error line on stderr; the exit to raise with `code`."""
+    # escaped: a message may quote TOML like "[filte]", which rich would take for markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+@contextmanager
+def exit_codes() -> Iterator[None]:
+    """Bad input (a table, file, flag or spec: SchemaError and pydantic's ValidationError are
+    ValueErrors) -> one error line, exit 2; a run locked by another job -> exit 3; a job that
+    cannot go on (curation.errors.JobError) -> one error line, exit 1; a full disk -> one error
+    line naming the folder, exit 4. With --debug (GROUPFORGE_DEBUG) every error keeps its traceback."""
+    try:
+        yield
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        if isinstance(exc, NoSpaceError) or is_no_space(exc):  # a full disk, whoever wrote
+            message = str(exc) if isinstance(exc, NoSpaceError) else str(no_space_error(getattr(exc, "filename", None)))
+            raise fail(message, EXIT_NO_SPACE) from None
+        if isinstance(exc, (FileNotFoundError, ValueError)):
+            raise fail(str(exc), EXIT_BAD_INPUT) from None
+        if isinstance(exc, RunLockedError):
+            raise fail(str(exc), EXIT_LOCKED) from None
+        if isinstance(exc, JobError):
+            raise fail(str(exc), EXIT_JOB) from None
+        raise
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from groupforge import __version__
+
+        console.print(f"groupforge {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceback of every error (also: "
+                                                                 f"{DEBUG_ENV}=1)."),
+             version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                          help="Print groupforge's version and exit.")) -> None:
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+
+
+def checked_run_folder(run: Path) -> Path:
+    """`run`, checked against its manifests (curation/store/verify.py) before a command reads it."""
+    if not run.is_dir():
+        raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    with exit_codes():
+        check_run(run)
+    return run
+
+
+def writer_lock(run: Path, no_wait: bool):
+    """The run's writer lock, waiting (and saying so) unless --no-wait."""
+    return RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}"))
+
+
+def show_table(title: str, columns: list[str], rows: list[list[str]], left: tuple[str, ...] = ()) -> None:
+    """A table of text cells on stdout: a rich table when the console is wide enough for every
+    cell, else the same cells as plain aligned text, so a pipe or a narrow terminal never gets
+    a number cut to "16,9…" (lines longer than the terminal wrap instead)."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    if console.measure(table, options=console.options.update(max_width=1 << 16)).maximum <= console.width:
+        console.print(table)
+        return
+    widths = [max(len(cell) for cell in cells) for cells in zip(columns, *rows)]
+    lines = [title] + ["  ".join(cell.ljust(w) if column in left else cell.rjust(w)
+                                 for cell, w, column in zip(cells, widths, columns)).rstrip()
+                       for cells in [columns, *rows]]
+    console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+
+
+def progress_bar() -> Progress:
+    """The progress bar of a long command, on stderr so that stdout keeps only the tables."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=False,
+    )
