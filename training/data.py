@@ -27,7 +27,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.store.run_store import ROUND_DIR, RunStore, contract_columns
+from curation.store.layout import ROUND_DIR, contract_columns
+from curation.store.run_store import RunStore
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token")
 OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")

@@ -41,7 +41,8 @@ from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig
 from curation.generate.weights import check_model_folder, count_parameters, weights_fingerprint
 from curation.schema import SCHEMAS, SchemaError, validate
 from curation.stages.common import rejects_table
-from curation.store.run_store import RunStore, config_hash, known_fingerprint
+from curation.store.fingerprints import config_hash, known_fingerprint
+from curation.store.run_store import RunStore
 from curation.store.runlog import read_json, write_atomic, write_json_atomic
 
 STAGE = "generate"

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from curation import schema
 from curation.stages.common import group_ids
 from curation.stages.runner import StageOutput
-from curation.store.run_store import connect
+from curation.store.layout import connect
 
 STAGE = "pair"
 READS = ("groups",)

@@ -42,7 +42,8 @@ from curation.store.fingerprints import (
     config_hash,
     file_stat,
 )
-from curation.store.run_store import ROUND_TABLES, HeldPart, RunStore, check_name, check_round
+from curation.store.layout import ROUND_TABLES, check_name, check_round
+from curation.store.run_store import HeldPart, RunStore
 from curation.store.runlog import fsync_dir, read_json, to_json, write_atomic
 from curation.store.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
 

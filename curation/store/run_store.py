@@ -32,18 +32,11 @@ dictionary type that does not merge with the int32 column; use `pyarrow.dataset`
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
-import re
 import shutil
-import socket
-import sys
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,28 +46,22 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.store.fingerprints import (  # noqa: F401,E501
-    code_version,
-    config_hash,
-    file_stat,
-    fingerprint_file,
-    fingerprint_path,
-    known_fingerprint,
+from curation.store.fingerprints import config_hash, fingerprint_file, known_fingerprint
+from curation.store.layout import (
+    NAME,
+    ROUND_DIR,
+    check_name,
+    check_round,
+    connect,
+    contract_columns,
+    parquet_files,
 )
+from curation.store.lock import writer_lock
 from curation.store.runlog import read_json
 
 if TYPE_CHECKING:
     from curation.store.commit import Commit
 
-ROUND_TABLES = ("samples", "scores", "groups", "rejects", "pairs")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # stage and part names
-ROUND_DIR = re.compile(r"round=(\d+)")  # a round folder's name (RunStore.partition_dir)
-_HELD: dict[Path, int] = {}  # run roots whose lock this process holds, with a nesting count
-
-
-def connect() -> duckdb.DuckDBPyConnection:
-    """A new in-memory DuckDB connection (close it when done)."""
-    return duckdb.connect(":memory:")
 
 
 @dataclass(frozen=True)
@@ -86,43 +73,6 @@ class HeldPart:
     """The file's sha256 (its fingerprint as a stage input)."""
     table: pa.Table
     """The validated table the file holds."""
-
-
-def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.Table:
-    """`columns` of `data` (a part of `table`) in this order and with the contract's types; a
-    column the part lacks is an optional one, given as nulls."""
-    wanted = pa.schema([schema.SCHEMAS[table].field(c) for c in columns])
-    arrays = [data.column(c).cast(f.type) if c in data.column_names else pa.nulls(data.num_rows, f.type)
-              for c, f in zip(columns, wanted)]
-    return pa.Table.from_arrays(arrays, schema=wanted)
-
-
-def parquet_files(folder: Path) -> list[Path]:
-    """The *.parquet files of `folder`, by name ([] when there is no folder)."""
-    try:
-        return sorted(folder / entry.name for entry in os.scandir(folder)
-                      if entry.name.endswith(".parquet") and entry.is_file())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-class RunLockedError(RuntimeError):
-    """Another process holds the run's writer lock. The message names the run and the holder."""
-
-
-# ---- small helpers ------------------------------------------------------------------
-
-
-def check_name(name: str, what: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"invalid {what} name {name!r}: use letters, digits, '_', '-', '.'")
-    return name
-
-
-def check_round(round: int) -> int:
-    if isinstance(round, bool) or not isinstance(round, int) or round < 0:
-        raise ValueError(f"invalid round {round!r}: expected an integer >= 0")
-    return round
 
 
 def _first_line(exc: BaseException) -> str:
@@ -464,7 +414,7 @@ class RunStore:
         prompts: set[str] = set()
         for rel in sorted(samples):
             stage = Path(rel).stem.removeprefix("part-")
-            if not _NAME.fullmatch(stage) or rel not in samples:
+            if not NAME.fullmatch(stage) or rel not in samples:
                 continue
             outputs = set((self.load_manifest(stage, round) or {}).get("outputs", []))
             mine = outputs & samples
@@ -490,65 +440,7 @@ class RunStore:
 
         return Commit(self, stage, round, inputs, config)
 
-    @contextlib.contextmanager
     def lock(self, wait: bool = True, timeout: float | None = None,
-             on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-        """The exclusive writer lock (flock on RUN/.lock), re-entrant within one process.
-
-        `wait=False`, or `timeout` seconds passing, raises RunLockedError naming the holder;
-        `on_wait(message)` is called once when the lock is busy and we start waiting.
-        """
-        key = self.root.resolve()
-        if _HELD.get(key):
-            _HELD[key] += 1
-            try:
-                yield
-            finally:
-                _HELD[key] -= 1
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / ".lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            self._acquire(fd, path, wait, timeout, on_wait)
-            holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-                      "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(holder).encode(), 0)
-            _HELD[key] = 1
-            try:
-                yield
-            finally:
-                del _HELD[key]
-                os.ftruncate(fd, 0)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-    def _acquire(self, fd: int, path: Path, wait: bool, timeout: float | None,
-                 on_wait: Callable[[str], None] | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waited = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                pass
-            message = f"run {self.root} is locked by {_describe_holder(path)}"
-            if not wait:
-                raise RunLockedError(message)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RunLockedError(f"{message}; gave up after {timeout:g}s")
-            if on_wait is not None and not waited:
-                on_wait(message + "; waiting")
-            waited = True
-            time.sleep(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
-
-
-def _describe_holder(path: Path) -> str:
-    try:
-        h = json.loads(path.read_text())
-        return f"pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
+             on_wait: Callable[[str], None] | None = None) -> contextlib.AbstractContextManager[None]:
+        """The run's exclusive writer lock (`curation.store.lock.writer_lock`)."""
+        return writer_lock(self.root, wait=wait, timeout=timeout, on_wait=on_wait)

@@ -19,7 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from curation.errors import JobError, NoSpaceError, is_no_space, no_space_error
-from curation.store.run_store import RunLockedError, RunStore
+from curation.store.lock import RunLockedError
+from curation.store.run_store import RunStore
 from curation.store.verify import check_run
 
 EXIT_BAD_INPUT = 2

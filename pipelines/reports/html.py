@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from curation import schema
-from curation.store.run_store import RunStore, connect
+from curation.store.layout import connect
+from curation.store.run_store import RunStore
 from curation.store.runlog import write_atomic
 
 GROUPS_PER_PAGE = 40

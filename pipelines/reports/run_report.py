@@ -199,7 +199,8 @@ def table_counts_markdown(run_dir: str | Path) -> str:
     reason, read from the run's Parquet tables ("" when the run has no tables)."""
     import duckdb
 
-    from curation.store.run_store import ROUND_TABLES, RunStore
+    from curation.store.layout import ROUND_TABLES
+    from curation.store.run_store import RunStore
 
     store = RunStore(run_dir).snapshot()  # whole commits only, while a job may be writing
     rounds = sorted({round for table in ROUND_TABLES for round in store.rounds(table)})

@@ -14,7 +14,8 @@ from curation.stages import filter as filter_stage
 from curation.stages.common import group_ids
 from curation.stages.filter import FilterConfig
 from curation.stages.runner import run_stage
-from curation.store.run_store import RunStore, fingerprint_file
+from curation.store.fingerprints import fingerprint_file
+from curation.store.run_store import RunStore
 from tests.helpers import commit_inputs, group_rows, rejects_of, samples_and_scores
 
 # ---- builders (label and pair tests use them too) -----------------------------------------

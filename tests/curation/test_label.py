@@ -27,7 +27,8 @@ from curation.stages.label import (
     register_advantage,
 )
 from curation.stages.runner import run_stage
-from curation.store.run_store import RunStore, fingerprint_file
+from curation.store.fingerprints import fingerprint_file
+from curation.store.run_store import RunStore
 from tests.helpers import commit_inputs, group_rows, rejects_of, rewards_table, samples_and_scores
 
 EPS = 1e-4

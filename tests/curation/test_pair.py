@@ -20,7 +20,8 @@ from curation.stages import pair as pair_stage
 from curation.stages.label import LabelConfig, label
 from curation.stages.pair import PairConfig
 from curation.stages.runner import run_stage
-from curation.store.run_store import RunStore, fingerprint_file
+from curation.store.fingerprints import fingerprint_file
+from curation.store.run_store import RunStore
 from tests.helpers import commit_inputs, group_rows, rewards_table, samples_and_scores
 
 

@@ -20,14 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.schema import SCHEMAS, SchemaError
-from curation.store.run_store import (
-    RunLockedError,
-    RunStore,
-    code_version,
-    config_hash,
-    fingerprint_file,
-    fingerprint_path,
-)
+from curation.store.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path
+from curation.store.lock import RunLockedError
+from curation.store.run_store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {"temperature": 1.0, "group_size": 2}
