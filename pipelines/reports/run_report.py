@@ -288,7 +288,7 @@ def _summary_markdown(run_dir: Path, rounds: list[dict], steps: list[dict], skip
 
 
 def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Write progress.png, training.png, summary.md and index.html (pipelines/reports/html.py)
+    """Write progress.png, training.png, summary.md and index.html (pipelines/reports/html_page.py)
     for a run into `out_dir` (default RUN/report/) and return that folder. A run without
     metrics.jsonl raises ValueError."""
     run_dir = Path(run_dir)
@@ -305,7 +305,7 @@ def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     summary = _summary_markdown(run_dir, rounds, steps, skipped, objective) + table_counts_markdown(run_dir)
     fault_point("report.before_write")
     write_atomic(out / "summary.md", summary)
-    from pipelines.reports.html import write_html_report
+    from pipelines.reports.html_page import write_html_report
 
     write_html_report(run_dir, out, rounds)  # index.html: curves, times, rejects, a sample browser
     return out

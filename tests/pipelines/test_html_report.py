@@ -1,4 +1,4 @@
-"""The browsable report (pipelines/reports/html.py + report_page.html) of a real toy run, opened
+"""The browsable report (pipelines/reports/html_page.py + report_page.html) of a real toy run, opened
 in a real headless Chromium (the Debian package `make` installs): no console errors, the
 accuracy curve drawn, and paging to round 2 shows that round's rows."""
 
