@@ -71,6 +71,7 @@ from curation import schema
 from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.stages.common import drop_counts
+from curation.store.fingerprints import part_fingerprints
 from curation.store.run_store import RunStore
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
@@ -137,9 +138,10 @@ def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int,
                        exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
     """{relative path: sha256} of every part file of `tables` for `round` (prompts: the parts
     the round's samples came from), leaving out the parts named in `exclude_parts`
-    (`RunStore.part_fingerprints`: held parts and manifests vouch for most)."""
+    (`curation.store.fingerprints.part_fingerprints`: held parts and manifests vouch for most)."""
     paths = [path for table in tables for path in _files(store, table, round) if not _own_part(path, exclude_parts)]
-    return {path.relative_to(store.root).as_posix(): sha for path, sha in store.part_fingerprints(paths, round).items()}
+    found = part_fingerprints(store, paths, round)
+    return {path.relative_to(store.root).as_posix(): found[path] for path in paths}
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,11 @@ Layout of a run directory RUN:
 Several stages add rows to one table and round (`rejects` gets rows from generate, score
 and filter), so each stage writes its own part file, named after the stage by default.
 
-A commit (curation/store/commit.py) writes into `_tmp` (same filesystem), then renames each file into place and writes
-the manifest last. Readers only glob the table folders, so they never see `_tmp`,
-`_staging` or `_manifests`. The `round=<n>` folder and the `round` column inside the file
-always agree, so every way of reading a table gives the same rounds:
-
-    duckdb   read_parquet('RUN/samples/**/*.parquet', hive_partitioning=true)   path, BIGINT
-    duckdb   read_parquet('RUN/samples/**/*.parquet', hive_partitioning=false)  file, INTEGER
-    polars   pl.scan_parquet('RUN/samples/**/*.parquet')                        file, Int32
-    polars   pl.scan_parquet('RUN/samples/**/*.parquet', hive_partitioning=True) path, Int32
-    pyarrow  pyarrow.dataset.dataset('RUN/samples', partitioning='hive')         path, int32
-
-(`pyarrow.parquet.read_table('RUN/samples')` fails: it infers `round` from the folders as a
-dictionary type that does not merge with the int32 column; use `pyarrow.dataset` as above.)
+A commit (curation/store/commit.py) writes into `_tmp` (same filesystem), then renames each
+file into place and writes the manifest last. Readers only glob the table folders, so they
+never see `_tmp`, `_staging` or `_manifests`; the `round=<n>` folder and the `round` column
+inside the file always agree, so DuckDB, Polars and pyarrow read the same rounds
+(docs/guide-data.md, "Read the tables yourself").
 """
 
 from __future__ import annotations
@@ -35,7 +27,6 @@ import contextlib
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,7 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.store.fingerprints import config_hash, fingerprint_file, known_fingerprint
+from curation.store.fingerprints import config_hash
 from curation.store.layout import (
     NAME,
     ROUND_DIR,
@@ -374,34 +365,6 @@ class RunStore:
             if isinstance(files, dict):
                 recorded.update(files)
         return recorded
-
-    def part_fingerprints(self, paths: Sequence[Path], round: int | None = None) -> dict[Path, str]:
-        """{path: sha256} of part files: a held part's own, else what its round's manifests
-        (prompts parts: `round`'s) record (`output_files`, while size and mtime_ns match), else
-        hashed (in parallel: hashlib lets go of the GIL)."""
-        found: dict[Path, str] = {}
-        recorded: dict[int | None, dict[str, dict]] = {}
-        todo = []
-        for path in paths:
-            held = self.held_part(path)
-            if held is not None:
-                found[path] = held.sha256
-                continue
-            m = ROUND_DIR.fullmatch(path.parent.name)
-            of = int(m[1]) if m else round
-            if of is not None and of not in recorded:
-                recorded[of] = self.recorded_files(of)
-            entry = recorded.get(of, {}).get(path.relative_to(self.root).as_posix())
-            if entry is not None and known_fingerprint(path, entry) == entry.get("sha256"):
-                found[path] = entry["sha256"]
-            else:
-                todo.append(path)
-        if len(todo) > 1:
-            with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
-                found.update(zip(todo, pool.map(fingerprint_file, todo)))
-        elif todo:
-            found[todo[0]] = fingerprint_file(todo[0])
-        return {path: found[path] for path in paths}
 
     def round_prompts(self, round: int) -> list[Path] | None:
         """The prompts parts the round's samples came from: those listed by the manifests that

@@ -122,13 +122,13 @@ def test_inputs_are_fingerprinted_from_the_manifests_without_reading_the_files(t
     """The runner reuses the sha256 a commit recorded while writing a part; manifests of older
     runs (no output_files) still work: their files are hashed."""
     from curation.stages.runner import input_fingerprints
-    from curation.store import fingerprints, run_store
+    from curation.store import fingerprints
 
     store = RunStore(tmp_path / "run")
     commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0]})))
     expected = {rel: fingerprints.fingerprint_file(store.root / rel) for rel in store.recorded_files(0)}
     reads = []
-    monkeypatch.setattr(run_store, "fingerprint_file", lambda path: reads.append(path) or "x")
+    monkeypatch.setattr(fingerprints, "fingerprint_file", lambda path: reads.append(path) or "x")
     got = input_fingerprints(store, ("samples", "scores"), 0)
     assert got == {rel: expected[rel] for rel in got} and len(got) == 2 and reads == []
     for path in store.root.glob("_manifests/*.json"):  # as an older version wrote them
@@ -142,7 +142,8 @@ def test_a_store_that_holds_its_commits_feeds_the_next_stage_from_memory(tmp_pat
     """The round loop's store (hold=True) keeps what each stage committed; the next stage reads
     it from memory, its fingerprints from the held sha256, and its output is the files' output."""
     from curation.stages import filter as filter_stage
-    from curation.store import run_store
+    from curation.store import fingerprints
+    from curation.store.fingerprints import part_fingerprints
 
     store = RunStore(tmp_path / "run", hold=True)
     samples, scores = samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0], "c": [1, 1]}))
@@ -156,10 +157,10 @@ def test_a_store_that_holds_its_commits_feeds_the_next_stage_from_memory(tmp_pat
     run_stage(filter_stage, store.root, 0, force=True)  # through a plain store: from the files
     part = "rejects/round=0/part-filter.parquet"
     from_files = pq.read_table(store.root / part)
-    expected_sha = RunStore(store.root).part_fingerprints([store.root / part])[store.root / part]
+    expected_sha = part_fingerprints(RunStore(store.root), [store.root / part])[store.root / part]
     for reader in ("read_table", "read_schema", "read_metadata"):
         monkeypatch.setattr(pq, reader, lambda *a, **k: pytest.fail("read a file it holds"))
-    monkeypatch.setattr(run_store, "fingerprint_file", lambda *a: pytest.fail("hashed a file it holds"))
+    monkeypatch.setattr(fingerprints, "fingerprint_file", lambda *a: pytest.fail("hashed a file it holds"))
     report = run_stage(filter_stage, store, 0, force=True)
     assert not report.skipped and store.held[part].table.num_rows > 0
     assert store.held[part].table.equals(from_files) and store.held[part].sha256 == expected_sha
