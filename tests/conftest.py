@@ -30,7 +30,6 @@ LONG_FILES = (
     "tests/pipelines/test_run.py",
     "tests/curation/test_generate_ray.py",
     "tests/training/test_ddp.py",
-    "tests/pipelines/test_toy_variants.py",
     "tests/training/test_trainer.py",
     "tests/pipelines/test_trackers.py",
     "tests/pipelines/test_cli.py",
