@@ -46,7 +46,7 @@ PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: install lint
 	$(PY) -m pytest -q --durations=30 -m "not exhaustive" $(PARALLEL)
 
-# Everything, the exhaustive cases too (13 more fault kills, the toy variants' builds; ~10 min more).
+# Everything, the exhaustive cases too (14 more fault kills, the toy variants' builds, both engines on every bad model folder; ~10 min more).
 test-exhaustive: install lint
 	$(PY) -m pytest -q --durations=30 $(PARALLEL)
 
