@@ -316,7 +316,6 @@ class Commit:
         fault_point("commit.files_published")
         write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
         journal_path.unlink()
-        store.pending_journals().discard(journal_path)
         for rel in outputs:
             if rel in self._tables:
                 store.held[rel] = HeldPart(self._sha256[rel], self._tables[rel])

@@ -333,8 +333,8 @@ class RunStore:
 
     def pending_journals(self) -> set[Path]:
         """The journals (`*.pending`) of commits a killed process left, listed once per store:
-        callers hold the run's lock, so only this process adds one, and its commits remove
-        their own (a commit drops its journal from this set when it is done)."""
+        callers hold the run's lock, so no other process adds one (a caller checks that a listed
+        journal still exists: a commit deletes its own once it is done)."""
         if self._journals is None:
             try:
                 self._journals = {Path(entry.path) for entry in os.scandir(self.root / "_manifests")

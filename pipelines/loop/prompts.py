@@ -40,7 +40,6 @@ and never rewrites an earlier round's; a book is for one run and one set of trai
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -55,8 +54,7 @@ from curation.generate.base import load_prompts
 from curation.store.run_store import RunStore
 from curation.store.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
 
-__all__ = ["PromptBook", "PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak",
-           "times_used"]
+__all__ = ["PromptBook", "PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak"]
 
 
 class PromptChoice(BaseModel):
@@ -164,12 +162,6 @@ def prompt_choice(spec: object) -> PromptChoice:
     return choice if isinstance(choice, PromptChoice) else PromptChoice.model_validate(choice)
 
 
-def times_used(store: RunStore, round: int) -> dict[str, int]:
-    """Per prompt_id: how many rounds before `round` sampled it (read from the samples tables)."""
-    return dict(Counter(prompt_id for earlier in store.rounds("samples") if earlier < round
-                        for prompt_id in _round_ids(store, earlier)))
-
-
 def _round_ids(store: RunStore, round: int) -> frozenset[str]:
     """The prompt ids the round's samples hold (held parts from memory)."""
     return frozenset(store.read_columns("samples", ["prompt_id"], round, validate=False)
@@ -208,9 +200,8 @@ class PromptBook:
             earlier = [r for r in store.rounds("samples") if r < round]
         else:
             earlier = range(self._counted, round)
-        for r in earlier:
-            ids = _round_ids(store, r) if store.files("samples", r) else frozenset()
-            self._used[pool.positions(ids)] += 1
+        for r in earlier:  # a round without samples holds no ids
+            self._used[pool.positions(_round_ids(store, r))] += 1
         self._counted = max(self._counted, round)
         return self._used.copy()
 

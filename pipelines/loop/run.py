@@ -140,7 +140,6 @@ def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     """Round `round` >= 1: generate, curate (refill), train, evaluate; returns its metrics record."""
     spec = ctx.spec
     ctx.clock = clock = Phases()
-    ctx.store.release()
     # The loop runs rounds in order, so the previous record is there; a missing one counts as
     # a start from the base model.
     found = ctx.records.get(round - 1)
