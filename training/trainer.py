@@ -72,7 +72,7 @@ from training.policy import (
 from training.schedule import group_units, lr_at, step_rows
 from training.step import StepContext, accumulate_gradients, pair_micro_step, policy_micro_step
 
-__all__ = ["LoopOptions", "TrainConfig", "TrainResult", "TrainSession", "lr_at", "step_rows", "train"]
+__all__ = ["LoopOptions", "TrainResult", "TrainSession", "train"]
 
 
 @dataclass
