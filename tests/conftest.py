@@ -65,3 +65,18 @@ def toy_dir() -> Path:
         return build_toy(out, progress=False)
 
 
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3-compatible server on 127.0.0.1 (tests/s3_server.py), one per worker, with the
+    standard AWS variables pointing at it in this process's environment."""
+    from tests.s3_server import S3Server, aws_env_applied, restore_env
+
+    server = S3Server.start(tmp_path_factory.mktemp("moto") / "moto.log")
+    before = aws_env_applied(server)
+    try:
+        yield server
+    finally:
+        restore_env(before)
+        server.stop()
