@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from curation.errors import JobError
 from curation.store.fingerprints import code_version
 from curation.store.run_store import RunStore
-from curation.store.runlog import read_json, write_atomic
+from curation.store.runlog import write_atomic
 
 CARD_FILE = "README.md"
 CARD_MARKER = "<!-- written by groupforge export: rewritten on every export into this folder -->"
@@ -43,11 +43,7 @@ def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str, 
     source model and its fingerprint, policy versions, sampling settings, reward functions and
     their versions, filter/label/pair settings, drops by reason, groupforge's version and the
     command that wrote it."""
-    manifests = {}
-    for path in sorted((store.root / "_manifests").glob("*-round=*.json")):
-        stage, _, number = path.stem.partition("-round=")
-        if number.isdigit() and (rounds is None or int(number) in rounds):
-            manifests[(stage, int(number))] = read_json(path) or {}
+    manifests = {key: m for key, m in sorted(store.state.manifests.items()) if rounds is None or key[1] in rounds}
     used = sorted({r for _, r in manifests})
     generate = [m for (stage, _), m in sorted(manifests.items()) if stage == "generate"]
     by_stage = {stage: [m for (s, _), m in sorted(manifests.items()) if s == stage] for stage in CURATION}
@@ -173,12 +169,12 @@ def _distinct(values) -> list:
 
 def _source_model(store: RunStore, generate: list[dict]) -> str | None:
     """The model the run sampled from: its spec's [model] path, else the generator's name."""
-    spec = store.root / "spec.toml"
-    if spec.is_file():
+    spec = store.storage.read_if_exists("spec.toml")
+    if spec is not None:
         import tomllib
 
         try:
-            path = tomllib.loads(spec.read_text()).get("model", {}).get("path")
+            path = tomllib.loads(spec.decode()).get("model", {}).get("path")
         except tomllib.TOMLDecodeError:
             path = None
         if path:

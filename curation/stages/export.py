@@ -127,10 +127,12 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
         tables[name] = store.read(name, rounds=rounds)
         if tables[name].num_rows == 0:
             where = f" in rounds {cfg.rounds}" if cfg.rounds else ""
-            raise ValueError(f"{store.root}: the {name} table is empty{where}; "
+            raise ValueError(f"{store.location}: the {name} table is empty{where}; "
                              f"run the stage that writes it before exporting {cfg.format}")
     table = export_table(tables, cfg)
     table = with_provenance(table, provenance(store, cfg.rounds, cfg.format, cfg.style))
+    if out is None and store.root is None:
+        raise ValueError(f"{store.location}: give --out for an export of a run on object storage")
     path = Path(out) if out else store.root / EXPORTS_DIR / f"{cfg.format}-{cfg.style}.parquet"
 
     def write(f) -> None:

@@ -112,3 +112,11 @@ def commit(table: Storage, schema: pa.Schema, add: Sequence[DeltaFile] = (), rem
     if not table.create(_log_name(version), payload.encode()):
         raise DeltaConflict(f"{table.where(_log_name(version))}: another writer wrote version {version} first")
     return version
+
+
+def checkpoint(table: Storage) -> None:
+    """A Parquet checkpoint of the log at its newest version (delta-rs writes it, and
+    `_delta_log/_last_checkpoint`), so readers replay at most CHECKPOINT_EVERY JSON files."""
+    from deltalake import DeltaTable
+
+    DeltaTable(table.url).create_checkpoint()

@@ -209,7 +209,7 @@ class PromptBook:
 _PASS_RATE_SQL = """
 WITH per_round AS (
     SELECT prompt_id, round, min(reward) AS lo, max(reward) AS hi, sum(reward) AS total, count(reward) AS n
-    FROM read_parquet($f, hive_partitioning = false)
+    FROM scores
     WHERE reward IS NOT NULL
     GROUP BY prompt_id, round
 ), recent AS (
@@ -225,10 +225,11 @@ def pass_rates(store: RunStore, round: int, window: int) -> dict[str, tuple[floa
     """Per prompt_id sampled (and scored) before `round`: (recent pass rate, saturated) over
     its samples in the last `window` rounds it was sampled in. Recent pass rate: the mean
     reward; saturated: all those rewards are equal."""
-    files = [str(f) for f in store.files("scores", [r for r in store.rounds("scores") if r < round])]
-    if not files:
+    earlier = [r for r in store.rounds("scores") if r < round]
+    if not earlier:
         return {}
-    rows = duckdb.sql(_PASS_RATE_SQL, params={"f": files, "window": window}).fetchall()
+    scores = store.read_columns("scores", ["prompt_id", "round", "reward"], earlier)  # noqa: F841 (read by the SQL)
+    rows = duckdb.sql(_PASS_RATE_SQL, params={"window": window}).fetchall()
     return {prompt_id: (float(rate), bool(saturated)) for prompt_id, rate, saturated in rows}
 
 

@@ -94,7 +94,6 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
     run_dir.mkdir(parents=True, exist_ok=True)
     store = RunStore(run_dir, hold=True)
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
-        store.clean_tmp()
         check_run(run_dir)  # a resumed run folder is what its manifests say, before a round reads it
         from training.checkpoint import check_checkpoint, latest_checkpoint  # torch: only once a run starts
 

@@ -206,18 +206,13 @@ def table_counts_markdown(run_dir: str | Path) -> str:
     rounds = sorted({round for table in ROUND_TABLES for round in store.rounds(table)})
     if not rounds:
         return ""
-    source = "read_parquet($f, hive_partitioning = false, union_by_name = true)"
     rows, reasons = [], {}
     for round in rounds:
-        counts = []
-        for table in ROUND_TABLES:
-            files = [str(f) for f in store.files(table, round)]
-            counts.append(duckdb.sql(f"SELECT count(*) FROM {source}", params={"f": files}).fetchall()[0][0]
-                          if files else 0)
-        files = [str(f) for f in store.files("rejects", round)]
-        if files:
-            by_reason = f"SELECT stage, reason, count(*) FROM {source} GROUP BY ALL ORDER BY ALL"
-            for stage, reason, n in duckdb.sql(by_reason, params={"f": files}).fetchall():
+        counts = [sum(store.row_count(rel) for rel in store.files(table, round)) for table in ROUND_TABLES]
+        if store.files("rejects", round):
+            rejects = store.read_columns("rejects", ["stage", "reason"], round)  # noqa: F841 (read by the SQL)
+            by_reason = "SELECT stage, reason, count(*) FROM rejects GROUP BY ALL ORDER BY ALL"
+            for stage, reason, n in duckdb.sql(by_reason).fetchall():
                 reasons.setdefault(f"{stage}: {reason}", {})[round] = n
         rows.append([round] + counts)
     reason_names = sorted(reasons)
