@@ -92,23 +92,31 @@ class RunStore:
         """The parts committed through this store (with `hold`), by path relative to the run."""
         self.log = CommitLog(self.storage)
         self._frozen = False  # a snapshot: the state is not read again
+        self._unlisted: RunState | None = None  # the state of a run without a commit log (`refresh`)
 
     @property
     def state(self) -> RunState:
         """What the commit log says the run holds, as this store last read it. A run written
         without a log (by other tools, or an older groupforge) reads as its files and old
         manifests say (`curation.store.migrate`) until a writer takes them into the log."""
+        if self._unlisted is not None:
+            return self._unlisted
         if self.log.state.seq < 0 and not self._frozen:
-            self.log.refresh()
-            if self.log.state.seq < 0:
-                from curation.store.migrate import unlisted_state
-
-                return unlisted_state(self.storage)
-        return self.log.state
+            self.refresh()
+        return self._unlisted or self.log.state
 
     def refresh(self) -> RunState:
         """Read the commits made since this store last looked (by another process)."""
-        return self.log.refresh() if not self._frozen else self.log.state
+        if self._frozen:
+            return self.state
+        state = self.log.refresh()
+        self._unlisted = None
+        if state.seq < 0:  # no commit log: what the files and any old manifests say
+            from curation.store.migrate import unlisted_state
+
+            self._unlisted = unlisted_state(self.storage)
+            return self._unlisted
+        return state
 
     def held_part(self, rel: str) -> HeldPart | None:
         """The part held for the file `rel` (None: read the file)."""
@@ -125,7 +133,7 @@ class RunStore:
         """A reader's view of the run as of now: the commits made so far, and no later one,
         while a job may go on committing beside it. Take a new snapshot to see later commits."""
         view = RunStore(self.storage)
-        view.log.state = self.log.refresh().copy()
+        view.log.state = self.refresh().copy()
         view._frozen = True
         return view
 
@@ -371,6 +379,7 @@ class RunStore:
         A commit does it when the caller did not take `lock()`."""
         if self.log.writer is None:
             self.log.open()
+            self._unlisted = None
             self._tidy()
 
     def _tidy(self) -> None:

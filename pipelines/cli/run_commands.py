@@ -232,10 +232,30 @@ def verify_command(run: Path = typer.Argument(..., help="Run folder."),
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():
         found = check_run(run, deep=deep)
-    pending = (f"; {found.pending} commit(s) left pending by a kill (the next run finishes them)"
-               if found.pending else "")
+    pending = (f"; {found.orphans} file(s) of killed commits, listed by no commit (the next writer removes them)"
+               if found.orphans else "")
     console.print(f"{run}: {found.manifests} manifests, {found.files} files ({found.bytes / 2**20:,.1f} MiB) match"
                   f"{' byte for byte' if deep else ''}{pending}", soft_wrap=True)
+
+
+@app.command("migrate")
+def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
+                    no_wait: bool = typer.Option(False, "--no-wait", help="Exit 3 if another job holds the run.")
+                    ) -> None:
+    """Take a run folder written by an older groupforge (RUN/_manifests/) or by another tool (Parquet
+    files in the table folders) into a commit log and Delta tables. Any writing command does the same
+    on its own; this does only that. Exit 0 (also when there is nothing to do)."""
+    from curation.store.run_store import RunStore
+
+    if not run.is_dir():
+        raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    store = RunStore(run)
+    had_log = store.storage.exists("_log/" + f"{0:020d}.json")
+    with exit_codes(), store.lock(wait=not no_wait):
+        pass
+    state = store.state
+    done = "already had a commit log" if had_log else "migrated"
+    console.print(f"{run}: {done}: {len(state.manifests)} manifests, {len(state.files)} files live")
 
 
 @app.command("report")
