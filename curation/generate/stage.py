@@ -5,12 +5,12 @@
         ▼
     generator.sample(chunk of prompts, per-prompt seeds, n=G) ──> RUN/_staging/generate-round=<n>/chunk-*.parquet
         ▼ (all chunks done)
-    one atomic commit: samples/round=<n>/part-generate.parquet, rejects/..., prompts/part-<fp>.parquet,
-    then _manifests/generate-round=<n>.json
+    one atomic commit: samples/round=<n>/part-generate-<sha>.parquet, rejects/...,
+    prompts/part-<fp>-<sha>.parquet, then its commit log entry (RUN/_log/, with the manifest)
 
 A round may sample several prompts files: the first as stage "generate", more (the round
-loop's refills) under their own stage names, each with its own manifest and part files
-(`part-<stage>.parquet`; prompts `part-<stage>-<fingerprint>.parquet`).
+loop's refills) under their own stage names, each with its own commits and part files
+(`part-<stage>-<sha>.parquet`; prompts `part-<stage>-<fingerprint>-<sha>.parquet`).
 
 Finished chunks survive a kill and are reused by the rerun (when inputs and config are
 unchanged; a prompts file of one chunk is sampled and committed without staging); nothing

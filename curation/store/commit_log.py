@@ -227,7 +227,7 @@ class CommitLog:
         return self._replay(base, seq, entries, states)
 
     def entries(self) -> list[Entry]:
-        """Every entry, oldest first (for `inspect` and `export --as-of`)."""
+        """Every entry, oldest first."""
         entries, _ = self._listing()
         return [self._read_entry(seq) for seq in entries]
 

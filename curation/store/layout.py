@@ -1,5 +1,5 @@
 """The run folder's names: its round tables, part and round folder names, and the small
-helpers every store module shares (listing part files, a part's contract columns, DuckDB)."""
+helpers every store module shares (a part file's name and path, a part's contract columns, DuckDB)."""
 
 from __future__ import annotations
 

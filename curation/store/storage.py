@@ -1,10 +1,11 @@
 """Where a run's files live: a local folder or an object store, behind one small interface.
 
 `open_storage("runs/x")` is a local folder; `open_storage("s3://bucket/runs/x")` (also `gs://`,
-`az://`, `abfss://`, `memory://`) an object store reached with obstore. Everything above this
-module (the run store, commits, the run log, checkpoints) reads and writes whole objects by a
-path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a local run and an
-object-store run share one format and one code path.
+`az://`, `abfss://`, `memory://`) an object store reached with obstore. The run store above
+this module (its tables, commits, the commit log and the Delta logs) reads and writes whole
+objects by a path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a
+local run and an object-store run share one format and one code path. The run's other files
+(curation/store/runlog.py, checkpoints, reports) are written to a local folder.
 
 Why obstore: one API over S3, GCS, Azure and local files with *conditional writes*
 (`create`: If-None-Match, the primitive that makes commits atomic without a rename and lets

@@ -225,9 +225,10 @@ def init_command(
 def verify_command(run: Path = typer.Argument(..., help="Run folder."),
                    deep: bool = typer.Option(False, "--deep",
                                              help="Also hash every file against its manifest's sha256.")) -> None:
-    """Check that a run folder is what its manifests say: every listed file there with its size,
-    rows (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
-    Parquet file in a table folder. Exit 0 when it is, 2 with the first problem otherwise."""
+    """Check that a run folder is what its commit log says: every listed file there with its size
+    (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
+    Parquet file in a table folder; files of killed commits are counted. Exit 0 when it is, 2
+    with the first problem otherwise."""
     if not run.is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():
