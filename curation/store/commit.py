@@ -3,8 +3,8 @@
     with store.commit(stage, round, inputs, config) as commit:
         commit.write("rejects", table)          # validated, written under its final name
         commit.record(rows_in=..., drops=...)   # counts for the manifest
-    # here: the commit log entry is written (the commit point), the stage's earlier parts
-    # for the round that no commit lists any more are deleted
+    # here: the commit log entry is written (the commit point); the stage's earlier parts
+    # for the round leave the live files (kept for earlier versions of the run)
 
 Each part file is written under a name no other bytes can have (`part-<part>-<sha>.parquet`,
 curation/store/layout.py), straight to the run's storage: no temporary file and no rename,
@@ -95,8 +95,9 @@ class Commit:
     """Writes one stage's outputs for one round; nothing is visible until the `with` block ends.
 
     On success: the commit log entry lists the files written (the commit point), the stage's
-    earlier files for the round that no commit lists any more are deleted, the stage's staging
-    folder is removed, and every touched table's Delta log gets a version. On an exception:
+    earlier files for the round leave the live files (they stay on storage for earlier versions
+    of the run), the stage's staging folder is removed, and every touched table's Delta log gets
+    a version. On an exception:
     the files written are deleted (best effort; nothing lists them) and it re-raises.
     """
 
@@ -194,6 +195,7 @@ class Commit:
             else:
                 store.held.pop(rel, None)
         mirror_commit(store, before, gone)
-        store.delete_files(gone)
+        for rel in gone:  # kept on storage for earlier versions of the run (RunState.retired)
+            store.held.pop(rel, None)
         staging = store.staging(self.stage, self.round)
         staging.delete_all(e.rel for e in staging.list())

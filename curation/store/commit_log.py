@@ -100,6 +100,9 @@ class RunState:
     """(stage, round) -> the seq of that commit."""
     writer: str | None = None
     """The job that opened the run last."""
+    retired: dict[str, int] = field(default_factory=dict)
+    """Files that were live and are not any more -> the entry that retired them. They are kept
+    (earlier versions of the run read them: `export --as-of`, Delta time travel) until vacuumed."""
 
     def apply(self, entry: Entry) -> list[str]:
         """Bring the state to `entry`; the files no longer live after it."""
@@ -112,6 +115,7 @@ class RunState:
         for rel, meta in entry.add.items():
             self.refs[rel] = self.refs.get(rel, 0) + 1
             self.files[rel] = meta
+            self.retired.pop(rel, None)
         if entry.kind != "commit" or entry.stage is None or entry.round is None:
             return []
         key = (entry.stage, entry.round)
@@ -121,6 +125,7 @@ class RunState:
             if self.refs[rel] <= 0:
                 del self.refs[rel]
                 self.files.pop(rel, None)
+                self.retired[rel] = entry.seq
                 gone.append(rel)
         self.manifests[key] = dict(entry.manifest)
         self.commits[key] = entry.seq
@@ -128,17 +133,19 @@ class RunState:
 
     def copy(self) -> RunState:
         return RunState(self.seq, dict(self.files), dict(self.refs), dict(self.manifests), dict(self.commits),
-                        self.writer)
+                        self.writer, dict(self.retired))
 
     def to_json(self) -> dict:
         return {"seq": self.seq, "writer": self.writer,
                 "files": {rel: {**f.to_json(), "refs": self.refs[rel]} for rel, f in sorted(self.files.items())},
                 "manifests": [{"stage": s, "round": r, "seq": self.commits[(s, r)], "manifest": m}
-                              for (s, r), m in sorted(self.manifests.items())]}
+                              for (s, r), m in sorted(self.manifests.items())],
+                "retired": dict(sorted(self.retired.items()))}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RunState:
-        state = cls(seq=int(data["seq"]), writer=data.get("writer"))
+        state = cls(seq=int(data["seq"]), writer=data.get("writer"),
+                    retired={rel: int(seq) for rel, seq in (data.get("retired") or {}).items()})
         for rel, f in data["files"].items():
             state.refs[rel] = int(f.pop("refs"))
             state.files[rel] = LoggedFile(**f)

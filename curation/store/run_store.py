@@ -23,6 +23,7 @@ inside the file always agree (docs/guide-data.md, "Read the tables yourself").
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,8 +386,7 @@ class RunStore:
     def _tidy(self) -> None:
         """What a job that starts writing does first: take in the tables of a run written
         without a commit log (`curation.store.migrate`), bring the Delta logs level with the
-        commit log, and sweep the part files a killed commit left (named as groupforge names
-        them, listed by no commit)."""
+        commit log, and remove what killed jobs left (`orphans`, local temporary files)."""
         from curation.store.delta_mirror import lagging_tables, sync_tables
         from curation.store.migrate import import_unlisted
 
@@ -395,13 +395,22 @@ class RunStore:
         lagging = lagging_tables(self)
         if lagging:
             sync_tables(self, lagging)
-        live = self.state.files
-        orphans = [e.rel for table in schema.SCHEMAS for e in self.storage.list(table)
-                   if e.rel not in live and (m := PART_FILE.fullmatch(e.rel.rsplit("/", 1)[-1])) and m["sha"]]
-        self.storage.delete_all(orphans)
+        self.storage.delete_all(self.orphans())
+        if isinstance(self.storage, LocalStorage):
+            self.storage.remove_dead_temps()
 
-    def delete_files(self, rels: Sequence[str]) -> None:
-        """Remove files no commit lists any more (after the commit that dropped them)."""
-        for rel in rels:
-            self.held.pop(rel, None)
-        self.storage.delete_all(rels)
+    def orphans(self) -> list[str]:
+        """Part files of killed commits: in a table folder, named `part-<part>-<sha16>.parquet`
+        with bytes that hash to that name, and never listed by a commit (neither live nor
+        retired). A file that only looks like one (its bytes hash to another name) is not
+        touched: `verify` names it as a foreign file."""
+        known = self.state.files.keys() | self.state.retired.keys()
+        found = []
+        for table in schema.SCHEMAS:
+            for entry in self.storage.list(table):
+                m = PART_FILE.fullmatch(entry.rel.rsplit("/", 1)[-1])
+                if entry.rel in known or not m or not m["sha"] or "/_delta_log/" in f"/{entry.rel}":
+                    continue
+                if hashlib.sha256(self.storage.read(entry.rel)).hexdigest()[:16] == m["sha"]:
+                    found.append(entry.rel)
+        return found

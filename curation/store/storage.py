@@ -220,8 +220,32 @@ class LocalStorage(Storage):
     def delete(self, rel: str) -> None:
         (self.root / _check_rel(rel)).unlink(missing_ok=True)
 
+    def remove_dead_temps(self) -> int:
+        """Delete the temporary files of writes whose process is gone (a kill mid-write; their
+        names carry the writer's pid); how many. A live process's are kept."""
+        removed = 0
+        for folder, _, files in os.walk(self.root):
+            for name in files:
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                pid = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+                if pid.isdigit() and not _alive(int(pid)):
+                    Path(folder, name).unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
     def exists(self, rel: str) -> bool:
         return (self.root / _check_rel(rel)).is_file()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_dir(path: Path) -> None:

@@ -13,9 +13,9 @@ problem, raised before anything is read or written:
                commit recorded (`deep`: its sha256 too)
     links      an entry of a local run folder (or a round folder) that is a symlink leading out
                of it: no write of a job may land outside the run folder
-    foreign    a *.parquet file in a table folder that the log does not list and that is not a
-               killed commit's (those are named `part-<part>-<sha>.parquet`; the next writer
-               sweeps them)
+    foreign    a *.parquet file in a table folder that the log does not list (live, or retired:
+               kept for earlier versions) and that is not a killed commit's (those are named
+               `part-<part>-<sha>.parquet` after their bytes; the next writer sweeps them)
 
 A run written without a commit log (other tools, an older groupforge) is checked as
 curation/store/migrate.py reads it. Cost: one listing per table folder, one JSON read per log
@@ -57,6 +57,8 @@ class RunCheck:
     bytes: int = 0
     orphans: int = 0
     """Files of killed commits (listed by no entry; the next writer removes them)."""
+    retired: int = 0
+    """Files of earlier versions of the run (replaced by a later commit; kept for time travel)."""
 
 
 def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
@@ -100,8 +102,11 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
         name = rel.rsplit("/", 1)[-1]
         if rel in state.files or not name.endswith(".parquet") or "/_delta_log/" in f"/{rel}":
             continue
+        if rel in state.retired:
+            result.retired += 1
+            continue
         m = PART_FILE.fullmatch(name)
-        if m and m["sha"]:
+        if m and m["sha"] and hashlib.sha256(storage.read(rel)).hexdigest()[:16] == m["sha"]:
             result.orphans += 1
             continue
         raise RunFolderError(f"{storage.where(rel)}: a Parquet file in the {rel.split('/', 1)[0]} table folder "

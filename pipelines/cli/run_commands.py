@@ -235,6 +235,7 @@ def verify_command(run: Path = typer.Argument(..., help="Run folder."),
         found = check_run(run, deep=deep)
     pending = (f"; {found.orphans} file(s) of killed commits, listed by no commit (the next writer removes them)"
                if found.orphans else "")
+    pending += f"; {found.retired} file(s) of earlier versions kept" if found.retired else ""
     console.print(f"{run}: {found.manifests} manifests, {found.files} files ({found.bytes / 2**20:,.1f} MiB) match"
                   f"{' byte for byte' if deep else ''}{pending}", soft_wrap=True)
 
