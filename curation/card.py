@@ -20,8 +20,6 @@ skipped with a warning. The license field is left for the user to fill in.
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -40,12 +38,12 @@ METADATA_KEY = b"groupforge.provenance"
 CURATION = ("score", "filter", "label", "pair")
 
 
-def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str, command: list[str] | None = None
-               ) -> dict[str, Any]:
+def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str) -> dict[str, Any]:
     """Where an export of `rounds` (None: all) of the run comes from, from its manifests: the
     source model and its fingerprint, policy versions, sampling settings, reward functions and
-    their versions, filter/label/pair settings, drops by reason, groupforge's version and the
-    command that wrote it."""
+    their versions, filter/label/pair settings, drops by reason and groupforge's version. Nothing
+    about the export call itself (no command line, no time): an export of the same data by the
+    same groupforge gives the same bytes (`export --as-of`)."""
     manifests = {key: m for key, m in sorted(store.state.manifests.items()) if rounds is None or key[1] in rounds}
     used = sorted({r for _, r in manifests})
     generate = [m for (stage, _), m in sorted(manifests.items()) if stage == "generate"]
@@ -68,7 +66,6 @@ def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str, 
         "drops": dict(sorted(drops.items())),
         "code_versions": _distinct(m.get("code_version") for m in manifests.values()),
         "exported_by": code_version(),
-        "command": shlex.join(command if command is not None else ["groupforge", *sys.argv[1:]]),
     }
 
 
@@ -166,8 +163,7 @@ def _provenance_lines(record: dict[str, Any]) -> list[str]:
             ("reward settings", value(record["reward_settings"])), ("filter", value(record["filter"])),
             ("label", value(record["label"])), ("pair", value(record["pair"])),
             ("rows dropped, by reason", value(record["drops"]) if record["drops"] else "none"),
-            ("written by", value(record["code_versions"])), ("exported by", value(record["exported_by"])),
-            ("command", value(record["command"]))]
+            ("written by", value(record["code_versions"])), ("exported by", value(record["exported_by"]))]
     return ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
 
 

@@ -138,6 +138,24 @@ class RunStore:
         view._frozen = True
         return view
 
+    def as_of_round(self, round: int) -> RunStore:
+        """A reader's view of the run as it was when `round` was done: the commits up to the
+        first entry of a later round (a later rerun of an earlier round is not in it). Its files
+        are all kept (replaced ones are retired, not deleted), so reads give the same bytes."""
+        self.refresh()
+        entries = self.log.entries()
+        rounds = [e.round for e in entries if e.kind == "commit" and e.round is not None]
+        if round not in rounds:
+            raise ValueError(f"{self.location}: no commit of round {round}; rounds committed: "
+                             f"{sorted(set(rounds)) or 'none'}")
+        later = next((e.seq for e in entries if e.kind == "commit" and e.round is not None and e.round > round),
+                     None)
+        seq = entries[-1].seq if later is None else later - 1
+        view = RunStore(self.storage)
+        view.log.state = self.log.state_as_of(seq)
+        view._frozen = True
+        return view
+
     def duckdb_views(self, con: duckdb.DuckDBPyConnection, rounds: int | Sequence[int] | None = None,
                      prefix: str = "") -> duckdb.DuckDBPyConnection:
         """Create (or replace) a view per table (samples, scores, groups, rejects, pairs, prompts)

@@ -158,6 +158,9 @@ def export_command(
     format: str = typer.Option("preference", "--format", help="preference | prompt_only | unpaired | sft"),
     style: str = typer.Option("standard", "--style", help="standard (text) | conversational (messages)"),
     round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
+    as_of: Optional[int] = typer.Option(None, "--as-of", metavar="ROUND",
+                                        help="The run as it was when this round was done (later commits left out): "
+                                             "the same bytes as an export taken then."),
     out: Optional[Path] = typer.Option(None, "--out",
                                        help="A path ending in .parquet (that file), or a folder (an existing one, "
                                             "or a new name without a suffix) that gets <format>-<style>.parquet. "
@@ -183,7 +186,7 @@ def export_command(
     except ValidationError as exc:
         raise fail("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors()), EXIT_BAD_INPUT) from None
     with exit_codes():
-        path, rows, card = run_export(run, cfg, out)
+        path, rows, card = run_export(run, cfg, out, as_of)
     console.print(f"wrote {rows} rows ({format}, {style}) to {escape(str(path))}")
     if card is not None:
         console.print(f"dataset card: {escape(str(card))}")
