@@ -39,7 +39,7 @@ from curation.faults import fault_point
 from curation.store.commit_log import LoggedFile
 from curation.store.delta_mirror import mirror_commit
 from curation.store.fingerprints import canonical_json, code_version, config_hash
-from curation.store.layout import ROUND_TABLES, check_name, check_round, part_rel
+from curation.store.layout import ROUND_TABLES, check_name, check_round, part_name, part_rel
 from curation.store.run_store import HeldPart, RunStore
 from curation.store.runlog import to_json
 from curation.store.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
@@ -72,6 +72,8 @@ def encode_part(stage: str, table: str, data: pa.Table, part: str | None = None,
     stage's name) of `round` (None: prompts); None for an empty table of SKIPPED_WHEN_EMPTY."""
     if table in ROUND_TABLES and round is None:
         raise ValueError(f"the {table} table is partitioned by round; give a round")
+    if table not in ROUND_TABLES and round is not None:
+        raise ValueError(f"the {table} table is not partitioned by round; give round=None")
     part = check_name(part or stage, "part")
     where = f"{table}/{'' if round is None else f'round={round}/'}part-{part}"
     data = data if isinstance(data, pa.Table) else pa.table(data)
@@ -110,12 +112,15 @@ class Commit:
         self._tables: dict[str, pa.Table] = {}  # the tables to hold in the store (RunStore.hold)
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
         self._scratch: Path | None = None
+        self._open = False  # inside the `with` block: writes are taken
 
     def __enter__(self) -> Commit:
         self.store.open_for_writing()
+        self._open = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._open = False
         try:
             if exc_type is None:
                 self._publish()
@@ -136,24 +141,46 @@ class Commit:
         `hold=False`: the table is not kept in the store's `held` parts even when the store
         holds them (a stage writing a large round slice by slice, so memory holds one slice).
         """
+        if not self._open:
+            raise RuntimeError("Commit.write must be called inside `with store.commit(...)`")
         if round is _COMMIT_ROUND:
             round = None if table == "prompts" else self.round
         encoded = encode_part(self.stage, table, data, part, round)
         if encoded is None:
             return
-        if any(rel.rsplit("-", 1)[0] == encoded.rel.rsplit("-", 1)[0] for rel in self._files):
-            raise ValueError(f"part {encoded.rel.rsplit('-', 1)[0]} is written twice in one commit of stage "
-                             f"{self.stage!r}")
-        if encoded.rel not in self.store.state.files:  # the same bytes live already: nothing to write
+        named = _unhashed(encoded.rel)
+        if any(_unhashed(rel) == named for rel in self._files):
+            raise ValueError(f"part {named} is written twice in one commit of stage {self.stage!r}")
+        owner = self._owner(named, round)
+        if owner is not None:
+            raise ValueError(f"part {named} belongs to stage {owner!r}; stage {self.stage!r} must write another "
+                             "part name")
+        if encoded.rel not in self.store.state.files:
             self.store.storage.write(encoded.rel, encoded.payload)
             self._written.append(encoded.rel)
+        elif not self.store.storage.exists(encoded.rel):  # live, but lost since: written again
+            self.store.storage.write(encoded.rel, encoded.payload)
         self._files[encoded.rel] = LoggedFile(encoded.sha256, encoded.payload.size, encoded.data.num_rows)
         if hold and self.store.hold:
             self._tables[encoded.rel] = encoded.data
 
+    def _owner(self, named: str, round: int | None) -> str | None:
+        """The other stage whose newest commit lists a file of the part `named` (folder and
+        part name, e.g. `rejects/round=0/part-filter`): of the same round for a round table,
+        of any round for prompts. A stage's parts are told apart by their name (a stage that
+        reads a table it writes leaves its own parts out), so two stages never share one."""
+        for (stage, r), manifest in self.store.state.manifests.items():
+            if stage == self.stage or (round is not None and r != round):
+                continue
+            if any(_unhashed(rel) == named for rel in manifest.get("outputs", [])):
+                return stage
+        return None
+
     def scratch(self, name: str) -> Path:
         """A local path (removed with the commit, whatever happens) for files a stage needs
         while it writes, e.g. a large round split into slices."""
+        if not self._open:
+            raise RuntimeError("Commit.scratch must be called inside `with store.commit(...)`")
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix=f"gf-{self.stage}-{self.round}-"))
         return self._scratch / check_name(name, "scratch")
@@ -199,3 +226,8 @@ class Commit:
             store.held.pop(rel, None)
         staging = store.staging(self.stage, self.round)
         staging.delete_all(e.rel for e in staging.list())
+
+
+def _unhashed(rel: str) -> str:
+    """A part file's folder and part name, without its hash: `samples/round=0/part-generate`."""
+    return f"{rel.rpartition('/')[0]}/part-{part_name(rel)}"

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from curation import schema
 from curation.store.commit_log import Entry, LoggedFile, RunState
-from curation.store.layout import ROUND_DIR
+from curation.store.layout import PART_FILE, ROUND_DIR
 from curation.store.storage import Storage
 
 if TYPE_CHECKING:
@@ -66,9 +66,13 @@ def _old_manifests(storage: Storage) -> list[dict]:
     return sorted(manifests, key=lambda m: (m["round"], m["stage"]))
 
 
-def unlisted_entries(storage: Storage, writer: str = "import", start: int = 0) -> list[Entry]:
+def unlisted_entries(storage: Storage, writer: str = "import", start: int = 0, skip_ours: bool = False
+                     ) -> list[Entry]:
     """The commit log entries that take in a run written without one: its old manifests' commits,
-    then an "import" of the table files no manifest lists (none when there are none)."""
+    then an "import" of the table files no manifest lists (none when there are none).
+    `skip_ours`: leave out the files no old manifest lists that are named as groupforge names
+    its parts (`part-<part>-<sha>.parquet`): in a run whose log holds no commit yet, a killed
+    commit's files, which the next writer sweeps."""
     files = _table_files(storage)
     described: dict[str, LoggedFile] = {}
 
@@ -89,23 +93,31 @@ def unlisted_entries(storage: Storage, writer: str = "import", start: int = 0) -
         entries.append(Entry(start + len(entries), "commit", writer, str(manifest.get("created_at", "")),
                              manifest["stage"], manifest["round"], manifest, {rel: describe(rel) for rel in outputs}))
         listed.update(outputs)
-    rest = [rel for rel in files if rel not in listed]
+    rest = [rel for rel in files if rel not in listed and not (skip_ours and _ours(rel))]
     if rest:
         entries.append(Entry(start + len(entries), "import", writer, "", add={rel: describe(rel) for rel in rest}))
     return entries
 
 
-def unlisted_state(storage: Storage) -> RunState:
-    """The state a reader sees of a run with no commit log (nothing written)."""
+def _ours(rel: str) -> bool:
+    m = PART_FILE.fullmatch(rel.rsplit("/", 1)[-1])
+    return bool(m and m["sha"])
+
+
+def unlisted_state(storage: Storage, skip_ours: bool = False) -> RunState:
+    """The state a reader sees of a run with no commit in its log (nothing written; `skip_ours`
+    as for `unlisted_entries`)."""
     state = RunState()
-    for entry in unlisted_entries(storage):
+    for entry in unlisted_entries(storage, skip_ours=skip_ours):
         state.apply(entry)
     return state
 
 
 def import_unlisted(store: RunStore) -> int:
     """Append to the run's (new) commit log the entries `unlisted_entries` gives; how many."""
-    entries = unlisted_entries(store.storage, store.log.writer or "import", store.log.state.seq + 1)
+    # this job's "open" is the log's first entry: no earlier job can have left a killed commit
+    entries = unlisted_entries(store.storage, store.log.writer or "import", store.log.state.seq + 1,
+                               skip_ours=store.log.state.seq > 0)
     for entry in entries:
         if entry.kind == "commit":
             store.log.commit(entry.stage, entry.round, entry.manifest, entry.add)

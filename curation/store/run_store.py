@@ -112,12 +112,21 @@ class RunStore:
             return self.state
         state = self.log.refresh()
         self._unlisted = None
-        if state.seq < 0:  # no commit log: what the files and any old manifests say
+        if not state.manifests and not state.files and self.log.writer is None:
+            # nothing committed yet (no log, or only jobs that opened it): what the files and any
+            # old manifests say; with a log, files named as groupforge names them are a killed
+            # commit's, not the run's
             from curation.store.migrate import unlisted_state
 
-            self._unlisted = unlisted_state(self.storage)
+            self._unlisted = unlisted_state(self.storage, skip_ours=state.seq >= 0)
             return self._unlisted
         return state
+
+    @property
+    def logged(self) -> bool:
+        """Whether the run's commit log holds its tables (False: nothing committed through a log
+        yet; the run reads as its files and old manifests say until a writer takes them in)."""
+        return self.state is not self._unlisted
 
     def held_part(self, rel: str) -> HeldPart | None:
         """The part held for the file `rel` (None: read the file)."""
@@ -135,6 +144,8 @@ class RunStore:
         while a job may go on committing beside it. Take a new snapshot to see later commits."""
         view = RunStore(self.storage)
         view.log.state = self.refresh().copy()
+        if self._unlisted is not None:  # a run without commits: as its files say
+            view._unlisted = view.log.state
         view._frozen = True
         return view
 
@@ -368,10 +379,13 @@ class RunStore:
         return None if samples else sorted(prompts)
 
     def is_up_to_date(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> bool:
-        """True when the stage's newest commit for the round had these inputs and config."""
+        """True when the stage's newest commit for the round had these inputs and config, and its
+        outputs all exist."""
         manifest = self.load_manifest(stage, round)
         return (manifest is not None and manifest.get("inputs") == dict(inputs)
-                and manifest.get("config_hash") == config_hash(config))
+                and manifest.get("config_hash") == config_hash(config)
+                and all(self.held_part(rel) is not None or self.storage.exists(rel)
+                        for rel in manifest.get("outputs", [])))
 
     # -- writing
     def commit(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> Commit:
@@ -395,7 +409,12 @@ class RunStore:
 
     def open_for_writing(self) -> None:
         """Start writing the run (once per store): an "open" entry in the commit log, then `_tidy`.
-        A commit does it when the caller did not take `lock()`."""
+        A commit does it when the caller did not take `lock()`. A local run folder is checked
+        first (each commit) for links that lead out of it: no write lands outside it."""
+        if self.root is not None:
+            from curation.store.verify import check_links
+
+            check_links(self.root)
         if self.log.writer is None:
             self.log.open()
             self._unlisted = None
@@ -408,7 +427,7 @@ class RunStore:
         from curation.store.delta_mirror import lagging_tables, sync_tables
         from curation.store.migrate import import_unlisted
 
-        if self.state.seq == 0:
+        if not self.state.manifests and not self.state.files:  # nothing committed yet
             import_unlisted(self)
         lagging = lagging_tables(self)
         if lagging:

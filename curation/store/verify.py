@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from curation import schema
+from curation.store.commit_log import LOG_DIR
 from curation.store.layout import PART_FILE
+from curation.store.migrate import OLD_MANIFESTS
 from curation.store.storage import LocalStorage, Storage, open_storage
 
 FORMAT_VERSION = 2
@@ -67,7 +69,7 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
 
     storage = root if isinstance(root, Storage) else open_storage(root)
     if isinstance(storage, LocalStorage):
-        _check_links(storage.root)
+        check_links(storage.root)
     store = RunStore(storage)
     try:
         state = store.state
@@ -75,16 +77,19 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
         raise RunFolderError(str(exc)) from None
     result = RunCheck()
     for (stage, round), manifest in sorted(state.manifests.items()):
-        where = f"the commit log's manifest of {stage} round {round}"
+        if store.logged:  # the log entry of the stage's newest commit for the round
+            where = f"{storage.where(f'{LOG_DIR}/{state.commits[(stage, round)]:020d}.json')} (the manifest of " \
+                    f"{stage} round {round})"
+        else:
+            where = storage.where(f"{OLD_MANIFESTS}/{stage}-round={round}.json")
         result.manifests += 1
         version = manifest.get("format_version", 1)
         if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise RunFolderError(f"{storage.where()}: {where} was written by a newer groupforge (run format "
-                                 f"{version}; this one reads up to {FORMAT_VERSION}): upgrade groupforge to read "
-                                 "this run")
+            raise RunFolderError(f"{where}: written by a newer groupforge (run format {version}; this one reads "
+                                 f"up to {FORMAT_VERSION}): upgrade groupforge to read this run")
         if SEAL_FIELD in manifest and manifest[SEAL_FIELD] != seal_of(manifest):
-            raise RunFolderError(f"{storage.where()}: {where} was edited after its commit (its seal does not match "
-                                 "its content); restore it, or rerun the stage with --force to write it again")
+            raise RunFolderError(f"{where}: edited after its commit (its seal does not match its content); "
+                                 "restore it, or rerun the stage with --force to write it again")
     listed = {e.rel: e.size for table in schema.SCHEMAS for e in storage.list(table)}
     for rel, meta in sorted(state.files.items()):
         where = storage.where(rel)
@@ -115,7 +120,7 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
     return result
 
 
-def _check_links(root: Path) -> None:
+def check_links(root: Path) -> None:
     """No entry of the run folder (nor a table's round folder) is a symlink that leads out of
     it: every write of a job stays inside the run folder."""
     inside = root.resolve()

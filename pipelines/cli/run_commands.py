@@ -252,11 +252,12 @@ def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
     if not run.is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     store = RunStore(run)
-    had_log = store.storage.exists("_log/" + f"{0:020d}.json")
-    with exit_codes(), store.lock(wait=not no_wait):
-        pass
+    with exit_codes():
+        done = "already had a commit log" if store.logged else "migrated"
+        if done == "migrated":  # a run with a log is left as it is: nothing written
+            with store.lock(wait=not no_wait):
+                pass
     state = store.state
-    done = "already had a commit log" if had_log else "migrated"
     console.print(f"{run}: {done}: {len(state.manifests)} manifests, {len(state.files)} files live")
 
 
