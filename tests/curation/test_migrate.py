@@ -160,7 +160,8 @@ def test_an_old_run_folder_reads_without_writing_and_the_first_commit_takes_it_i
     # a rerun of an old stage replaces its old part like any other
     with later.commit("filter", 0, {}, {"again": True}) as commit:
         commit.write("rejects", rejects(0, "filter").slice(0, 0))
-    assert not (run / "rejects/round=0/part-filter.parquet").exists()
+    assert (run / "rejects/round=0/part-filter.parquet").exists()  # retired: kept for earlier versions
+    assert "rejects/round=0/part-filter.parquet" in later.state.retired
     assert later.files("rejects") == ["rejects/round=0/part-generate.parquet"]
     delta_matches(run)
 
@@ -290,7 +291,7 @@ def test_a_kill_at_commit_logged_leaves_the_delta_log_behind_until_the_next_writ
     assert after.load_manifest("generate", 0)["config"] == {"attempt": 2}
     assert set(after.read("samples")["response"].to_pylist()) == {f"killed{p}-{i}" for p in range(3) for i in range(2)}
     assert after.read("rejects").num_rows == 1
-    assert (run / replaced[0]).exists() and check_run(run).orphans == 1  # the replaced part, not yet removed
+    assert (run / replaced[0]).exists() and (check_run(run).retired, check_run(run).orphans) == (1, 0)
     assert len(list((run / "samples" / "_delta_log").glob("*.json"))) == versions  # one version behind
     assert set(DeltaTable(str(run / "samples")).to_pyarrow_table()["response"].to_pylist()) == {
         f"first{p}-{i}" for p in range(2) for i in range(2)}
@@ -302,7 +303,7 @@ def test_a_kill_at_commit_logged_leaves_the_delta_log_behind_until_the_next_writ
     assert delta_rows(run, "samples") == after.read("samples").num_rows == 6
     assert delta_rows(run, "rejects") == 1
     delta_matches(run)
-    assert not (run / replaced[0]).exists() and check_run(run).orphans == 0
+    assert (run / replaced[0]).exists() and (check_run(run).retired, check_run(run).orphans) == (1, 0)
 
 
 # ---- what check_run names -------------------------------------------------------------------

@@ -236,18 +236,22 @@ def test_recommit_replaces_the_stage_outputs_without_duplicates(tmp_path):
     assert store.read("samples").num_rows == 8
     with store.commit("generate", 0, INPUTS, CONFIG) as c:
         c.write("samples", samples(0, tag="new"))
-    assert unhashed(parquet_files(tmp_path)) == ["samples/round=0/part-generate"]
+    assert unhashed(store.files("samples")) == ["samples/round=0/part-generate"]
+    # the replaced parts leave the live files and stay on disk for earlier versions of the run
+    assert sorted(store.state.retired) == sorted(set(parquet_files(tmp_path)) - set(store.files("samples")))
+    assert len(store.state.retired) == 3
     got = store.read("samples")["response"].to_pylist()
     assert len(got) == 4 and all(s.startswith("new") for s in got)
-    new = parquet_files(tmp_path)
+    new = store.files("samples")
     with store.commit("generate", 0, INPUTS, CONFIG) as c:  # same part again: replaced
         c.write("samples", samples(0, tag="newer"))
     assert store.read("samples").num_rows == 4
-    assert len(parquet_files(tmp_path)) == 1 and parquet_files(tmp_path) != new
-    newer = parquet_files(tmp_path)
+    assert len(store.files("samples")) == 1 and store.files("samples") != new and new[0] in store.state.retired
+    newer = store.files("samples")
     with store.commit("generate", 0, INPUTS, {"same": "bytes"}) as c:  # the same bytes: the file stays live
         c.write("samples", samples(0, tag="newer"))
-    assert parquet_files(tmp_path) == newer == store.files("samples") and store.read("samples").num_rows == 4
+    assert store.files("samples") == newer and store.read("samples").num_rows == 4
+    assert newer[0] not in store.state.retired
     assert store.read("rejects").num_rows == 0 and store.rounds("rejects") == []
     assert (delta_rows(tmp_path, "samples"), delta_rows(tmp_path, "rejects")) == (4, 0)
 
@@ -258,9 +262,12 @@ def test_the_files_of_an_interrupted_commit_are_swept_by_the_next_writer(tmp_pat
     store = RunStore(tmp_path)
     with store.commit("generate", 1, INPUTS, CONFIG) as c:
         c.write("samples", samples(1))
-    stray = tmp_path / "samples" / "round=0" / f"part-generate-shard7-{'ab12' * 4}.parquet"
+    sink = pa.BufferOutputStream()
+    pq.write_table(samples(0, tag="stray"), sink)
+    data = sink.getvalue().to_pybytes()
+    stray = tmp_path / "samples" / "round=0" / f"part-generate-shard7-{hashlib.sha256(data).hexdigest()[:16]}.parquet"
     stray.parent.mkdir(parents=True)
-    pq.write_table(samples(0, tag="stray"), stray)
+    stray.write_bytes(data)
     later = RunStore(tmp_path)
     assert later.read("samples", 0).num_rows == 0 and not later.is_up_to_date("generate", 0, INPUTS, CONFIG)
     with later.commit("generate", 0, INPUTS, CONFIG) as c:
