@@ -113,6 +113,7 @@ class Commit:
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
         self._scratch: Path | None = None
         self._open = False  # inside the `with` block: writes are taken
+        self._folders: set[str] = set()  # folders checked to lie inside a local run folder
 
     def __enter__(self) -> Commit:
         self.store.open_for_writing()
@@ -155,6 +156,9 @@ class Commit:
         if owner is not None:
             raise ValueError(f"part {named} belongs to stage {owner!r}; stage {self.stage!r} must write another "
                              "part name")
+        if _unhashed(encoded.rel).rpartition("/")[0] not in self._folders:
+            self.store.inside(encoded.rel)
+            self._folders.add(_unhashed(encoded.rel).rpartition("/")[0])
         if encoded.rel not in self.store.state.files:
             self.store.storage.write(encoded.rel, encoded.payload)
             self._written.append(encoded.rel)

@@ -410,15 +410,30 @@ class RunStore:
     def open_for_writing(self) -> None:
         """Start writing the run (once per store): an "open" entry in the commit log, then `_tidy`.
         A commit does it when the caller did not take `lock()`. A local run folder is checked
-        first (each commit) for links that lead out of it: no write lands outside it."""
-        if self.root is not None:
-            from curation.store.verify import check_links
-
-            check_links(self.root)
+        first for links that lead out of it (and each commit checks the folders it writes to:
+        `inside`), so no write lands outside it."""
         if self.log.writer is None:
+            if self.root is not None:
+                from curation.store.verify import check_links
+
+                check_links(self.root)
             self.log.open()
             self._unlisted = None
             self._tidy()
+
+    def inside(self, rel: str) -> None:
+        """Refuse a write to `rel` when its folder of a local run resolves outside the run folder
+        (a symlink): a RunFolderError naming it."""
+        if self.root is None:
+            return
+        folder = (self.root / rel).parent
+        while not folder.exists() and folder != self.root:
+            folder = folder.parent  # the nearest folder there is: it decides where the write lands
+        if not folder.resolve().is_relative_to(self.root.resolve()):
+            from curation.store.verify import RunFolderError
+
+            raise RunFolderError(f"{folder}: resolves to {folder.resolve()}, outside the run folder {self.root} "
+                                 "(a symlink?); groupforge writes only inside the run folder")
 
     def _tidy(self) -> None:
         """What a job that starts writing does first: take in the tables of a run written

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -629,8 +630,9 @@ def test_a_table_folder_linked_outside_the_run_is_refused(tmp_path):
     (store.root / "samples").unlink()
     with store.commit("generate", 0, {}, {}) as commit:  # a link made after the run's first commit
         commit.write("samples", samples(0))
-    (store.root / "scores").symlink_to(outside, target_is_directory=True)
+    shutil.rmtree(store.root / "samples" / "round=0")
+    (store.root / "samples" / "round=0").symlink_to(outside, target_is_directory=True)
     with pytest.raises(ValueError, match="outside the run folder"):
-        with store.commit("generate", 1, {}, {}) as commit:
-            commit.write("samples", samples(1))
-    assert list(outside.rglob("*")) == [] and store.load_manifest("generate", 1) is None
+        with store.commit("generate", 0, {}, {"again": True}) as commit:
+            commit.write("samples", samples(0, tag="again"))
+    assert list(outside.rglob("*")) == [] and "again" not in store.load_manifest("generate", 0)["config"]
