@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from curation.errors import disk_write
+from curation.store.storage import Storage, open_storage
 
 SPEC_FILE = "spec.toml"
 PIPELINE_FILE = "pipeline.json"
@@ -234,58 +235,80 @@ class MetricsLog:
     `"event": "round"` records come from the round loop, `"event": "step"` records from the
     trainer. A killed process can leave a cut last line, so unparsable lines are skipped
     and counted; a resumed run can write a round or step twice, so the last record of a
-    number wins."""
+    number wins. `run`: the run folder, URL or Storage (an object store rewrites the object
+    on each append: it has no append)."""
 
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / METRICS_FILE
+    def __init__(self, run: str | Path | Storage):
+        self.storage = run if isinstance(run, Storage) else open_storage(run)
+        self.path: Path | str = self.storage.local_path(METRICS_FILE) or self.storage.where(METRICS_FILE)
+        """The file (a Path on local disk, a URL on an object store)."""
 
     def exists(self) -> bool:
-        return self.path.is_file()
+        return self.storage.exists(METRICS_FILE)
 
     def append(self, record: dict[str, Any] | RoundRecord, sync: bool = True) -> None:
         """Append one line; readers see it at once. `sync=False` leaves the fsync to a later
-        `sync()` (the trainer's step lines: one fsync per call and checkpoint, not per step)."""
+        `sync()` (the trainer's step lines: one fsync per call and checkpoint, not per step).
+        A last line cut by a kill gets its newline first, so the new line is not glued to it."""
         line = json.dumps(record.to_dict() if isinstance(record, RoundRecord) else record, sort_keys=True)
-        with disk_write(self.path):
-            append_line(self.path, line.encode("utf-8"), sync)
+        size = self.storage.size(METRICS_FILE) or 0
+        cut = size > 0 and not self._ends_with_newline()
+        self.storage.append(METRICS_FILE, ((b"\n" if cut else b"") + line.encode("utf-8") + b"\n"), sync)
+
+    def _ends_with_newline(self) -> bool:
+        local = self.storage.local_path(METRICS_FILE)
+        if local is not None:
+            with open(local, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                return f.read(1) == b"\n"
+        return (self.storage.read_if_exists(METRICS_FILE) or b"\n").endswith(b"\n")
 
     def sync(self) -> None:
-        """Make every line appended so far durable (fsync)."""
-        if self.exists():
-            with open(self.path, "rb") as f:
+        """Make every line appended so far durable (fsync; an object store's writes are)."""
+        local = self.storage.local_path(METRICS_FILE)
+        if local is not None and local.is_file():
+            with open(local, "rb") as f:
                 os.fsync(f.fileno())
 
-    def _lines(self) -> Iterator[str]:
+    def _text(self, start: int = 0) -> str:
         # errors="replace": a kill can cut a multi-byte character in half, too.
-        yield from self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        local = self.storage.local_path(METRICS_FILE)
+        if local is not None:
+            with open(local, "rb") as f:
+                f.seek(start)
+                return f.read().decode("utf-8", errors="replace")
+        return (self.storage.read_if_exists(METRICS_FILE) or b"")[start:].decode("utf-8", errors="replace")
+
+    def _lines(self) -> Iterator[str]:
+        yield from self._text().splitlines()
 
     def position(self) -> tuple[int, int]:
-        """(inode, size) of the file now ((0, 0) without one): where `records_since` starts."""
-        try:
-            stat = self.path.stat()
-        except FileNotFoundError:
+        """(a mark of the file's identity, its size) now ((0, 0) without one): where
+        `records_since` starts. Locally the mark is the inode (`drop_steps_after` replaces the
+        file: a new inode); on an object store it is 0."""
+        size = self.storage.size(METRICS_FILE)
+        if size is None:
             return (0, 0)
-        return (stat.st_ino, stat.st_size)
+        local = self.storage.local_path(METRICS_FILE)
+        return (local.stat().st_ino if local is not None else 0, size)
 
     def records_since(self, position: tuple[int, int]) -> list[dict]:
-        """The records appended after `position` (from `position()`), in file order, without
-        reading what came before. A file rewritten since (drop_steps_after replaces it: a new
-        inode) is read whole. Unparsable lines are skipped."""
-        inode, offset = position
-        if not self.exists():
+        """The records appended after `position` (from `position()`), in file order. A file
+        replaced since (another inode, or shorter than the mark) is read whole. Unparsable
+        lines are skipped."""
+        mark, offset = position
+        now_mark, size = self.position()
+        if size == 0:
             return []
-        with open(self.path, "rb") as f:
-            if os.fstat(f.fileno()).st_ino != inode:
-                offset = 0
-            f.seek(offset)
-            text = f.read().decode("utf-8", errors="replace")
-        return [record for record in map(_parse_line, text.splitlines()) if record is not None]
+        if now_mark != mark or size < offset:
+            offset = 0
+        return [record for record in map(_parse_line, self._text(offset).splitlines()) if record is not None]
 
     def read(self) -> tuple[list[dict], list[dict], int]:
         """(round records, step records, lines skipped): one record per number (the last
         written), sorted by number. A missing file raises ValueError naming it."""
         if not self.exists():
-            raise ValueError(f"{self.path}: no metrics file (is {self.path.parent} a groupforge run folder?)")
+            raise ValueError(f"{self.path}: no metrics file (is {self.storage.where()} a groupforge run folder?)")
         by_number: dict[str, dict[int, dict]] = {"round": {}, "step": {}}
         skipped = 0
         for line in self._lines():
@@ -326,7 +349,7 @@ class MetricsLog:
         lines = [line for line in self._lines() if line.strip()]
         kept = [line for line in lines if not _is_step_after(line, step)]
         if len(kept) < len(lines):
-            write_atomic(self.path, "".join(line + "\n" for line in kept))
+            self.storage.write(METRICS_FILE, "".join(line + "\n" for line in kept).encode("utf-8"))
 
 
 def _is_step_after(line: str, step: int) -> bool:

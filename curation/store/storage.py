@@ -118,6 +118,17 @@ class Storage:
         this call created it, False when it existed already (nothing written)."""
         raise NotImplementedError
 
+    def append(self, rel: str, data: Data, sync: bool = True) -> None:
+        """Add `data` at the end of the object (created when missing). A local file is appended
+        in place (`sync`: fsynced); an object store has no append, so the object is read and
+        written again whole (fine for the small logs this is for: a run's metrics)."""
+        self.write(rel, (self.read_if_exists(rel) or b"") + bytes(data))
+
+    def size(self, rel: str) -> int | None:
+        """The object's size in bytes (None: no object)."""
+        data = self.read_if_exists(rel)
+        return None if data is None else len(data)
+
     def list(self, prefix: str = "") -> list[Entry]:
         """Every object under `prefix` (a folder: '' for all, 'samples/' for one), sorted by path."""
         raise NotImplementedError
@@ -199,6 +210,31 @@ class LocalStorage(Storage):
             tmp.unlink(missing_ok=True)
         _fsync_dir(path.parent)
         return True
+
+    def append(self, rel: str, data: Data, sync: bool = True) -> None:
+        path = self.root / _check_rel(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with disk_write(path):
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                start = os.lseek(fd, 0, os.SEEK_END)
+                view = memoryview(bytes(data))
+                try:
+                    while view:
+                        view = view[os.write(fd, view):]
+                    if sync:
+                        os.fsync(fd)
+                except OSError:
+                    os.ftruncate(fd, start)  # no half record left behind (a full disk)
+                    raise
+            finally:
+                os.close(fd)
+
+    def size(self, rel: str) -> int | None:
+        try:
+            return (self.root / _check_rel(rel)).stat().st_size
+        except FileNotFoundError:
+            return None
 
     def list(self, prefix: str = "") -> list[Entry]:
         prefix = prefix.rstrip("/")
@@ -334,13 +370,15 @@ class ObjectStorage(Storage):
             pass
 
     def exists(self, rel: str) -> bool:
+        return self.size(rel) is not None
+
+    def size(self, rel: str) -> int | None:
         import obstore
 
         try:
-            self._call(rel, "checking", obstore.head, _check_rel(rel))
+            return int(self._call(rel, "checking", obstore.head, _check_rel(rel))["size"])
         except FileNotFoundError:
-            return False
-        return True
+            return None
 
 
 def _reason(exc: BaseException) -> str:
