@@ -230,6 +230,9 @@ class Commit:
             store.held.pop(rel, None)
         staging = store.staging(self.stage, self.round)
         staging.delete_all(e.rel for e in staging.list())
+        folder = staging.local_path()
+        if folder is not None:  # a local folder stays behind its files
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _unhashed(rel: str) -> str:

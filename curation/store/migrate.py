@@ -28,11 +28,15 @@ OLD_MANIFESTS = "_manifests"
 
 
 def _describe(storage: Storage, rel: str) -> LoggedFile:
+    """A table file's sha256, size and rows; a SchemaError naming it when it is not Parquet (its
+    rows cannot be counted, and a reader that trusts the count would never open it)."""
     data = storage.read(rel)
     try:
         rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
-    except (pa.ArrowInvalid, OSError):
-        rows = 0  # not Parquet: readers name the file when they read it
+    except (pa.ArrowInvalid, OSError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise schema.SchemaError(f"{rel.split('/', 1)[0]} table ({storage.where(rel)}): not a readable Parquet "
+                                 f"file ({first})") from None
     return LoggedFile(hashlib.sha256(data).hexdigest(), len(data), rows)
 
 

@@ -92,9 +92,11 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
                              "outside runs/: refused; give --run-dir to write there on purpose")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # a resumed run folder is what its commit log says, before the lock writes the log's "open"
+    # entry (a damaged run gets nothing written) and before a round reads it
+    check_run(run_dir)
     store = RunStore(run_dir, hold=True)
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
-        check_run(run_dir)  # a resumed run folder is what its manifests say, before a round reads it
         from training.checkpoint import check_checkpoint, latest_checkpoint  # torch: only once a run starts
 
         newest = latest_checkpoint(run_dir)
