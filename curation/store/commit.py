@@ -42,6 +42,7 @@ from curation.store.fingerprints import canonical_json, code_version, config_has
 from curation.store.layout import ROUND_TABLES, check_name, check_round, part_name, part_rel
 from curation.store.run_store import HeldPart, RunStore
 from curation.store.runlog import to_json
+from curation.store.tidy import check_inside
 from curation.store.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
 
 _MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_version", "outputs",
@@ -157,7 +158,7 @@ class Commit:
             raise ValueError(f"part {named} belongs to stage {owner!r}; stage {self.stage!r} must write another "
                              "part name")
         if _unhashed(encoded.rel).rpartition("/")[0] not in self._folders:
-            self.store.inside(encoded.rel)
+            check_inside(self.store, encoded.rel)
             self._folders.add(_unhashed(encoded.rel).rpartition("/")[0])
         if encoded.rel not in self.store.state.files:
             self.store.storage.write(encoded.rel, encoded.payload)

@@ -23,7 +23,6 @@ inside the file always agree (docs/guide-data.md, "Read the tables yourself").
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,6 @@ from curation import schema
 from curation.store.commit_log import CommitLog, LoggedFile, RunState
 from curation.store.fingerprints import config_hash
 from curation.store.layout import (
-    PART_FILE,
     ROUND_DIR,
     check_name,
     check_round,
@@ -408,10 +406,10 @@ class RunStore:
             yield
 
     def open_for_writing(self) -> None:
-        """Start writing the run (once per store): an "open" entry in the commit log, then `_tidy`.
-        A commit does it when the caller did not take `lock()`. A local run folder is checked
-        first for links that lead out of it (and each commit checks the folders it writes to:
-        `inside`), so no write lands outside it."""
+        """Start writing the run (once per store): an "open" entry in the commit log, then
+        `curation.store.tidy.tidy`. A commit does it when the caller did not take `lock()`. A
+        local run folder is checked first for links that lead out of it (and each commit checks
+        the folders it writes to: `curation.store.tidy.check_inside`), so no write lands outside it."""
         if self.log.writer is None:
             if self.root is not None:
                 from curation.store.verify import check_links
@@ -419,50 +417,6 @@ class RunStore:
                 check_links(self.root)
             self.log.open()
             self._unlisted = None
-            self._tidy()
+            from curation.store.tidy import tidy
 
-    def inside(self, rel: str) -> None:
-        """Refuse a write to `rel` when its folder of a local run resolves outside the run folder
-        (a symlink): a RunFolderError naming it."""
-        if self.root is None:
-            return
-        folder = (self.root / rel).parent
-        while not folder.exists() and folder != self.root:
-            folder = folder.parent  # the nearest folder there is: it decides where the write lands
-        if not folder.resolve().is_relative_to(self.root.resolve()):
-            from curation.store.verify import RunFolderError
-
-            raise RunFolderError(f"{folder}: resolves to {folder.resolve()}, outside the run folder {self.root} "
-                                 "(a symlink?); groupforge writes only inside the run folder")
-
-    def _tidy(self) -> None:
-        """What a job that starts writing does first: take in the tables of a run written
-        without a commit log (`curation.store.migrate`), bring the Delta logs level with the
-        commit log, and remove what killed jobs left (`orphans`, local temporary files)."""
-        from curation.store.delta_mirror import lagging_tables, sync_tables
-        from curation.store.migrate import import_unlisted
-
-        if not self.state.manifests and not self.state.files:  # nothing committed yet
-            import_unlisted(self)
-        lagging = lagging_tables(self)
-        if lagging:
-            sync_tables(self, lagging)
-        self.storage.delete_all(self.orphans())
-        if isinstance(self.storage, LocalStorage):
-            self.storage.remove_dead_temps()
-
-    def orphans(self) -> list[str]:
-        """Part files of killed commits: in a table folder, named `part-<part>-<sha16>.parquet`
-        with bytes that hash to that name, and never listed by a commit (neither live nor
-        retired). A file that only looks like one (its bytes hash to another name) is not
-        touched: `verify` names it as a foreign file."""
-        known = self.state.files.keys() | self.state.retired.keys()
-        found = []
-        for table in schema.SCHEMAS:
-            for entry in self.storage.list(table):
-                m = PART_FILE.fullmatch(entry.rel.rsplit("/", 1)[-1])
-                if entry.rel in known or not m or not m["sha"] or "/_delta_log/" in f"/{entry.rel}":
-                    continue
-                if hashlib.sha256(self.storage.read(entry.rel)).hexdigest()[:16] == m["sha"]:
-                    found.append(entry.rel)
-        return found
+            tidy(self)
