@@ -109,8 +109,8 @@ def test_a_sliced_round_reruns_up_to_date_and_back_to_whole(two_runs, monkeypatc
     with RunStore(run).lock():
         report = run_stage("label", run, 0, cfgs[2], force=True)
     assert not report.skipped
-    [part] = (run / "groups" / "round=0").iterdir()  # slices gone
-    assert part_name(part.name) == "label" and RunStore(run).files("groups", 0) == ["groups/round=0/" + part.name]
+    [part] = RunStore(run).files("groups", 0)  # the slices retired: out of the live files
+    assert part_name(part) == "label" and len(list((run / "groups" / "round=0").iterdir())) > 1
     assert rows(run, "groups") == expected
 
 
