@@ -4,8 +4,8 @@ after kill -9), the per-phase seconds of every round, and output that never cuts
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,7 +20,7 @@ from pipelines.loop.refill import refill_size
 from pipelines.loop.run import run_pipeline
 from pipelines.reports.run_report import report_run
 from pipelines.spec import load_spec
-from tests.helpers import OPTIONS_SPEC, REPO
+from tests.helpers import OPTIONS_SPEC, REPO, logged_files, parquet_sql
 from training import checkpoint as ckpt
 
 
@@ -145,16 +145,17 @@ def test_refill_samples_more_prompts_and_resumes_after_kill(tmp_path, toy_dir):
     extra = sum(pq.read_metadata(run_dir / "_rounds" / "round=1" / name).num_rows for name in refills)
     assert refills and len(refills) <= 2 and 0 < extra <= 12 and record["refill_prompts"] == extra
     assert record["samples"] == (16 + extra) * 4
-    parts = sorted(p.name for p in (run_dir / "samples" / "round=1").glob("*.parquet"))
-    assert parts == ["part-generate.parquet"] + [f"part-{name.removesuffix('.parquet')}.parquet" for name in refills]
-    glob = lambda t: f"'{run_dir}/{t}/round=1/*.parquet'"  # noqa: E731
+    parts = sorted(re.fullmatch(r"part-(.+)-[0-9a-f]{16}\.parquet", p.name)[1]
+                   for p in logged_files(run_dir, "samples", [1]))
+    assert parts == ["generate"] + [name.removesuffix(".parquet") for name in refills]
+    glob = lambda t: parquet_sql(run_dir, t, [1])  # noqa: E731
     counts = duckdb.sql(f"SELECT count(*), count(DISTINCT prompt_id), count(DISTINCT (prompt_id, sample_idx)) "
-                        f"FROM read_parquet({glob('samples')})").fetchall()[0]
+                        f"FROM {glob('samples')}").fetchall()[0]
     assert counts == (record["samples"], 16 + extra, record["samples"])  # no prompt sampled twice, no row twice
-    labelled = duckdb.sql(f"SELECT count(*) FROM read_parquet({glob('groups')})").fetchall()[0][0]
-    rejected = duckdb.sql(f"SELECT count(*) FROM read_parquet({glob('rejects')}) WHERE stage = 'filter'").fetchall()
+    labelled = duckdb.sql(f"SELECT count(*) FROM {glob('groups')}").fetchall()[0][0]
+    rejected = duckdb.sql(f"SELECT count(*) FROM {glob('rejects')} WHERE stage = 'filter'").fetchall()
     assert labelled + rejected[0][0] == record["samples"]  # the refilled samples were curated too
-    assert record["kept_groups"] == duckdb.sql(f"SELECT count(DISTINCT prompt_id) FROM read_parquet({glob('groups')}) "
+    assert record["kept_groups"] == duckdb.sql(f"SELECT count(DISTINCT prompt_id) FROM {glob('groups')} "
                                                "WHERE group_kept").fetchall()[0][0]
 
     # Narrow stdout: plain text, every number whole; one breakdown line per round.
@@ -162,7 +163,7 @@ def test_refill_samples_more_prompts_and_resumes_after_kill(tmp_path, toy_dir):
         assert f"{r['gen_tokens_per_s']:,.0f}" in done.stdout and f"{r['train_tokens_per_s']:,.0f}" in done.stdout
     assert "…" not in done.stdout
     assert done.stdout.count("model work") == 1  # the round finished by this process
-    assert json.loads((run_dir / "_manifests" / "refill-1-round=1.json").read_text())["rows_in"] > 0
+    assert RunStore(run_dir).load_manifest("refill-1", 1)["rows_in"] > 0
 
 
 def test_refill_size_divides_the_missing_groups_by_the_kept_rate():
