@@ -80,3 +80,14 @@ def s3_server(tmp_path_factory):
     finally:
         restore_env(before)
         server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_storage(request, tmp_path):
+    """A run's storage, once as a local folder and once under a new bucket of the S3 server."""
+    from curation.store.storage import open_storage
+
+    if request.param == "local":
+        return open_storage(tmp_path / "run")
+    server = request.getfixturevalue("s3_server")
+    return open_storage(f"s3://{server.bucket()}/runs/x")

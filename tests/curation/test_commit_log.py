@@ -10,16 +10,12 @@ import sys
 import pytest
 
 from curation.store.commit_log import CommitLog, LoggedFile, RunTakenOver
-from curation.store.storage import open_storage
 from tests.helpers import REPO
 
 
-@pytest.fixture(params=["local", "s3"])
-def storage(request, tmp_path):
-    if request.param == "local":
-        return open_storage(tmp_path / "run")
-    server = request.getfixturevalue("s3_server")
-    return open_storage(f"s3://{server.bucket()}/run")
+@pytest.fixture
+def storage(run_storage):
+    return run_storage
 
 
 def _file(n: int) -> LoggedFile:

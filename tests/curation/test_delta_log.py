@@ -13,18 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.store import delta_log
-from curation.store.storage import open_storage
 
 SCHEMA = pa.schema([pa.field("round", pa.int32(), nullable=False), pa.field("prompt_id", pa.string(), nullable=False),
                     pa.field("token_ids", pa.list_(pa.int32()))])
 
 
-@pytest.fixture(params=["local", "s3"])
-def table(request, tmp_path):
-    if request.param == "local":
-        return open_storage(tmp_path / "run").child("samples")
-    server = request.getfixturevalue("s3_server")
-    return open_storage(f"s3://{server.bucket()}/run").child("samples")
+@pytest.fixture
+def table(run_storage):
+    return run_storage.child("samples")
 
 
 def _part(table, round: int, name: str, rows: int) -> delta_log.DeltaFile:

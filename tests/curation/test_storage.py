@@ -19,12 +19,9 @@ from curation.store.storage import (
 from tests.helpers import REPO
 
 
-@pytest.fixture(params=["local", "s3"])
-def storage(request, tmp_path):
-    if request.param == "local":
-        return open_storage(tmp_path / "run")
-    server = request.getfixturevalue("s3_server")
-    return open_storage(f"s3://{server.bucket()}/runs/x")
+@pytest.fixture
+def storage(run_storage):
+    return run_storage
 
 
 def test_write_read_replace_and_missing(storage):
