@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from curation.errors import disk_write
-from curation.store.storage import Storage, open_storage
+from curation.store.storage import Storage, open_storage, process_alive
 
 SPEC_FILE = "spec.toml"
 PIPELINE_FILE = "pipeline.json"
@@ -62,18 +62,8 @@ def _remove_dead_temps(folder: Path, name: str) -> None:
         return
     for entry in entries:
         pid = entry.name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             Path(entry.path).unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return pid != 0
 
 
 def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], None], *,
@@ -107,27 +97,6 @@ def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], Non
             raise
     fsync_dir(path.parent)
     return path
-
-
-def append_line(path: Path, line: bytes, sync: bool = True) -> None:
-    """Append `line` and a newline to `path` (created 0644). A last line cut by a kill gets its
-    newline first, so the new line is not glued to it (the cut line stays unparsable, the new
-    one parses); a failed write (a full disk) is truncated away: no half line is left."""
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.lseek(fd, 0, os.SEEK_END)
-        cut = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
-        data = memoryview((b"\n" if cut else b"") + line + b"\n")
-        try:
-            while data:
-                data = data[os.write(fd, data):]
-            if sync:
-                os.fsync(fd)
-        except OSError:
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)
 
 
 def to_json(obj: object) -> str:

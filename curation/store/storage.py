@@ -265,7 +265,7 @@ class LocalStorage(Storage):
                 if not name.startswith(TEMP_PREFIX):
                     continue
                 pid = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-                if pid.isdigit() and not _alive(int(pid)):
+                if pid.isdigit() and not process_alive(int(pid)):
                     Path(folder, name).unlink(missing_ok=True)
                     removed += 1
         return removed
@@ -274,7 +274,8 @@ class LocalStorage(Storage):
         return (self.root / _check_rel(rel)).is_file()
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host is running (a temporary file's writer, say)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
