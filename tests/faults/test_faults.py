@@ -4,8 +4,9 @@ by readers of its own (DuckDB and pyarrow over the files, transformers for check
 the store's code:
 
 - each (round, prompt_id, sample_idx) once in samples; groups + rejects cover samples exactly
-- every manifest's files exist with the sha256, size and rows it lists; no part file is
-  left that no manifest lists; no commit journal is left pending
+- every file a commit log entry lists exists with the sha256, size and rows the entry records;
+  no part file is left that no entry lists (a killed commit's files are swept by the rerun);
+  each table's Delta log (read by delta-rs) lists exactly the live files of the commit log
 - every checkpoint loads with transformers (and in two cases the newest with vLLM, which answers
   greedily as transformers does); metrics.jsonl has each round and each step once
 - the final weights equal those of a run nobody killed (the toy run is deterministic)
@@ -30,10 +31,12 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 import torch
+from deltalake import DeltaTable
 from safetensors.torch import load_file
 
 from curation.faults import FAULT_ENV, POINTS
-from tests.helpers import FAULTS_SPEC, REPO, check_tables
+from curation.store.storage import TEMP_PREFIX
+from tests.helpers import FAULTS_SPEC, REPO, check_tables, logged_files, parquet_sql
 
 # The round loop test's spec, with the transformers generator (fast to start, deterministic)
 # and two chunks a round (so a kill can land between them).
@@ -44,10 +47,10 @@ CASES = [
     ("generate.chunk_staged", 1, "run"),       # round 1: the first of two chunks staged
     ("generate.chunk_staged", 2, "run"),       # round 1: both chunks staged, not committed
     ("generate.chunk_staged", 3, "run"),       # round 2: the first chunk staged
-    ("commit.journal_written", 1, "run"),      # round 1's generate commit: journal, no file moved
-    ("commit.journal_written", 3, "run"),      # round 1's filter commit
-    ("commit.journal_written", 8, "run"),      # round 2's label commit
-    ("commit.files_published", 2, "run"),      # round 1's score: files in place, no manifest
+    ("commit.logged", 1, "run"),               # round 1's generate commit: log entry, no Delta version
+    ("commit.logged", 3, "run"),               # round 1's filter commit
+    ("commit.logged", 8, "run"),               # round 2's label commit
+    ("commit.files_published", 2, "run"),      # round 1's score: part files written, no log entry
     ("commit.files_published", 5, "run"),      # round 2's generate
     ("commit.files_published", 7, "run"),      # round 2's filter
     ("stage.before_commit", 1, "run"),         # round 1's score computed, nothing written
@@ -74,8 +77,8 @@ FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.ste
 
 # Kills at a point another case already covers in the other round or stage: `make test` leaves them out
 # (its time budget), `make test-exhaustive` runs them.
-EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.journal_written", 1),
-              ("commit.journal_written", 3), ("commit.files_published", 5), ("commit.files_published", 7),
+EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.logged", 1),
+              ("commit.logged", 3), ("commit.files_published", 5), ("commit.files_published", 7),
               ("stage.before_commit", 1), ("stage.before_commit", 3), ("train.step_logged", 1),
               ("train.step_logged", 4), ("checkpoint.weights_written", 1), ("loop.after_curate", 1),
               ("loop.reload", 2), ("loop.eval", 1)}
@@ -151,21 +154,24 @@ def check_engine_loads(folder: Path) -> None:
 def check_invariants(run_dir: Path) -> None:
     check_tables(run_dir)
     listed = set()
-    for path in sorted((run_dir / "_manifests").glob("*.json")):
-        manifest = json.loads(path.read_text())
-        for rel, meta in manifest.get("output_files", {}).items():
+    for path in sorted((run_dir / "_log").glob("*.json")):
+        entry = json.loads(path.read_text())
+        for rel, meta in ({} if path.name.endswith(".state.json") else entry.get("add", {})).items():
             file = run_dir / rel
             assert file.is_file(), f"{path.name} lists {rel}, which is missing"
             assert file.stat().st_size == meta["size"], f"{rel}: size differs from {path.name}"
             assert hashlib.sha256(file.read_bytes()).hexdigest() == meta["sha256"], f"{rel}: sha256 differs"
-            if rel in manifest.get("output_rows", {}):
-                assert pq.read_metadata(file).num_rows == manifest["output_rows"][rel], f"{rel}: rows differ"
+            assert pq.read_metadata(file).num_rows == meta["rows"], f"{rel}: rows differ"
             listed.add(rel)
-    assert not list((run_dir / "_manifests").glob("*.pending")), "a commit journal is left pending"
     for table in ("samples", "scores", "groups", "rejects", "pairs", "prompts"):
-        for file in (run_dir / table).rglob("*.parquet") if (run_dir / table).is_dir() else []:
+        folder = run_dir / table
+        files = [f for f in folder.rglob("*.parquet") if "_delta_log" not in f.parts] if folder.is_dir() else []
+        for file in files:
             rel = file.relative_to(run_dir).as_posix()
-            assert rel in listed, f"{rel} is in a table folder but no manifest lists it"
+            assert rel in listed, f"{rel} is in a table folder but no log entry lists it"
+        if files:
+            live = {f.relative_to(folder).as_posix() for f in logged_files(run_dir, table)}
+            assert set(DeltaTable(str(folder)).files()) == live, f"{table}: the Delta log and the commit log differ"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = [r["round"] for r in records if r["event"] == "round"]
     steps = [r["step"] for r in records if r["event"] == "step"]
@@ -174,7 +180,7 @@ def check_invariants(run_dir: Path) -> None:
 
     for folder in sorted((run_dir / "checkpoints").glob("step-*")):
         AutoModelForCausalLM.from_pretrained(folder)  # loads, weights and config complete
-    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{run_dir}/samples/**/*.parquet')").fetchall()[0][0] > 0
+    assert duckdb.sql(f"SELECT count(*) FROM {parquet_sql(run_dir, 'samples')}").fetchall()[0][0] > 0
 
 
 @pytest.mark.parametrize("point,count,command", [
@@ -258,7 +264,7 @@ def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(fraction, spec, ref
         assert "no space left on device in " + str(run_dir) in errors[0], errors[0]
         assert "rerun the same command" in errors[0]
         left = [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or ".tmp-step-" in p.name
-                or (p.is_file() and "_tmp" in p.relative_to(run_dir).parts)]
+                or p.name.startswith(TEMP_PREFIX)]
         assert not left, f"temporary files left on the full disk: {left}"
     resize(4 * _usage(reference))
     again = _cli(_commands(spec, run_dir)["run"])
