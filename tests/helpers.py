@@ -411,6 +411,38 @@ def sample_columns(samples: pa.Table) -> list[dict]:
                            "seed", "policy_version", "generator"]).to_pylist()
 
 
+RAY_SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=11)
+"""The sampling of the Ray engine tests, whose engines' samples are checked against one in-process engine's."""
+
+
+def ray_prompts(toy_dir: Path, folder: Path) -> Path:
+    """The prompts of the Ray engine tests: the first 96 toy train prompts, written to `folder`."""
+    path = folder / "prompts.parquet"
+    pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 96), path)
+    return path
+
+
+_ONE_ENGINE_SAMPLES: dict[tuple[str, str, str], pa.Table] = {}
+
+
+def one_engine_samples(toy_dir: Path, prompts_file: Path, sampling: SamplingConfig, folder: Path) -> pa.Table:
+    """The samples of `prompts_file` from one in-process vLLM engine (no Ray), 32 prompts a call,
+    the run written under `folder`. Kept for the process: the Ray test files (one xdist worker
+    runs them all) take the same toy, prompts and sampling, and start that engine once."""
+    key = (str(toy_dir), hashlib.sha256(prompts_file.read_bytes()).hexdigest(), sampling.model_dump_json())
+    if key not in _ONE_ENGINE_SAMPLES:
+        from curation.generate.stage import generate
+        from curation.generate.vllm import VLLMGenerator
+
+        generator = VLLMGenerator(toy_dir / "model", dtype="float32")
+        try:
+            generate(folder / "run", prompts_file, sampling, generator=generator, chunk_prompts=32)
+        finally:
+            generator.close()
+        _ONE_ENGINE_SAMPLES[key] = RunStore(folder / "run").read("samples")
+    return _ONE_ENGINE_SAMPLES[key]
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompt choice
 # ---------------------------------------------------------------------------------------------

@@ -15,13 +15,23 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from curation.generate.base import GeneratorConfig, SamplingConfig
+from curation.generate.base import GeneratorConfig
 from curation.generate.ray_engines import RayGenerator, engine_of
 from curation.generate.stage import generate, make_generator
 from curation.store.run_store import RunStore
-from tests.helpers import load_fp32, mean_abs_diff, perturbed_model, ray_temp_dir, sample_columns, transformers_logprobs
+from tests.helpers import (
+    RAY_SAMPLING,
+    load_fp32,
+    mean_abs_diff,
+    one_engine_samples,
+    perturbed_model,
+    ray_prompts,
+    ray_temp_dir,
+    sample_columns,
+    transformers_logprobs,
+)
 
-SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=11)
+SAMPLING = RAY_SAMPLING
 
 
 @pytest.fixture(scope="module")
@@ -38,32 +48,22 @@ def engines(toy_dir):
 
 @pytest.fixture(scope="module")
 def prompts_file(toy_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.parquet"
-    pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 96), path)
-    return path
+    return ray_prompts(toy_dir, tmp_path_factory.mktemp("prompts"))
 
 
 @pytest.fixture(scope="module")
-def one_engine_samples(toy_dir, prompts_file, tmp_path_factory):
+def one_engine(toy_dir, prompts_file, tmp_path_factory):
     """The same prompts and seeds through one in-process engine (no Ray)."""
-    from curation.generate.vllm import VLLMGenerator
-
-    generator = VLLMGenerator(toy_dir / "model", dtype="float32")
-    try:
-        run = tmp_path_factory.mktemp("one") / "run"
-        generate(run, prompts_file, SAMPLING, generator=generator, chunk_prompts=32)
-    finally:
-        generator.close()
-    return RunStore(run).read("samples")
+    return one_engine_samples(toy_dir, prompts_file, SAMPLING, tmp_path_factory.mktemp("one"))
 
 
-def test_two_engines_equal_one(engines, prompts_file, one_engine_samples, tmp_path):
+def test_two_engines_equal_one(engines, prompts_file, one_engine, tmp_path):
     assert isinstance(engines, RayGenerator) and engines.engines == 2
     assert len({info["pid"] for info in engines.info}) == 2
     result = generate(tmp_path / "run", prompts_file, SAMPLING, generator=engines, chunk_prompts=32)
     samples = RunStore(tmp_path / "run").read("samples")
     assert result.samples == samples.num_rows == 96 * SAMPLING.group_size
-    assert sample_columns(samples) == sample_columns(one_engine_samples)
+    assert sample_columns(samples) == sample_columns(one_engine)
     # both engines had work: the shards split the prompts
     ids = samples.column("prompt_token_ids").to_pylist()[:: SAMPLING.group_size]
     assert {engine_of(p, 2) for p in ids} == {0, 1}
