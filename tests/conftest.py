@@ -65,8 +65,6 @@ def toy_dir() -> Path:
         return build_toy(out, progress=False)
 
 
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """moto's S3-compatible server on 127.0.0.1 (tests/s3_server.py), one per worker, with the
