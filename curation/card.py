@@ -2,6 +2,9 @@
 
     groupforge export RUN --format sft            RUN/exports/sft-standard.parquet
                                                   RUN/exports/README.md   (this module)
+    groupforge export RUN --out pairs             pairs/preference-standard.parquet
+                                                  pairs/README.md
+    groupforge export RUN --out data/p.parquet    data/p.parquet, data/README.md
 
 Each export carries its provenance in its own Parquet footer (schema metadata key
 `groupforge.provenance`, JSON: see `provenance`), so the card is rebuilt from the files in
@@ -80,18 +83,30 @@ def with_provenance(table: pa.Table, record: dict[str, Any]) -> pa.Table:
     return table.replace_schema_metadata(metadata)
 
 
+def foreign_card(folder: str | Path) -> Path | None:
+    """`folder`/README.md when it exists and groupforge did not write it (no CARD_MARKER), else None."""
+    card = Path(folder) / CARD_FILE
+    if card.exists() and CARD_MARKER not in card.read_text(errors="replace"):
+        return card
+    return None
+
+
 def write_card(folder: str | Path) -> Path | None:
     """(Re)write `folder`/README.md from the groupforge exports in `folder`; None (and nothing
-    written) when a README.md that groupforge did not write is there."""
+    written) when a README.md that groupforge did not write is there (`foreign_card`), or when
+    the folder holds no groupforge export."""
     folder = Path(folder)
     card = folder / CARD_FILE
-    if card.exists() and CARD_MARKER not in card.read_text(errors="replace"):
+    if foreign_card(folder) is not None:
         return None
     exports = []
     for path in sorted(folder.glob("*.parquet")):
-        metadata = pq.read_schema(path).metadata or {}
-        if METADATA_KEY in metadata:
-            exports.append((path, json.loads(metadata[METADATA_KEY]), pq.read_metadata(path).num_rows))
+        try:
+            metadata = pq.read_schema(path).metadata or {}
+            if METADATA_KEY in metadata:
+                exports.append((path, json.loads(metadata[METADATA_KEY]), pq.read_metadata(path).num_rows))
+        except (OSError, pa.ArrowException):  # a folder, or not a Parquet file: not an export
+            continue
     if not exports:
         return None
     newest = max(exports, key=lambda e: e[0].stat().st_mtime_ns)[0]

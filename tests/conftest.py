@@ -85,3 +85,58 @@ def toy_dir() -> Path:
     out = REPO / "runs" / "toy"
     with build_lock(out):
         return build_toy(out, progress=False)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3-compatible server on 127.0.0.1 (tests/s3_server.py), one per worker, with the
+    standard AWS variables pointing at it in this process's environment."""
+    from tests.s3_server import S3Server, aws_env_applied, restore_env
+
+    server = S3Server.start(tmp_path_factory.mktemp("moto") / "moto.log")
+    before = aws_env_applied(server)
+    try:
+        yield server
+    finally:
+        restore_env(before)
+        server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_storage(request, tmp_path):
+    """A run's storage, once as a local folder and once under a new bucket of the S3 server."""
+    from curation.store.storage import open_storage
+
+    if request.param == "local":
+        return open_storage(tmp_path / "run")
+    server = request.getfixturevalue("s3_server")
+    return open_storage(f"s3://{server.bucket()}/runs/x")
+
+
+@pytest.fixture(scope="session")
+def ray_prompts_file(toy_dir, tmp_path_factory) -> Path:
+    """The prompts of the Ray engine tests: the first 96 toy train prompts."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path_factory.mktemp("ray-prompts") / "prompts.parquet"
+    pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 96), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def one_engine_samples(toy_dir, ray_prompts_file, tmp_path_factory):
+    """`ray_prompts_file` sampled with `RAY_SAMPLING` by one in-process vLLM engine (no Ray), 32
+    prompts a call: the reference the Ray engine tests compare with. Session-scoped, so the Ray
+    files (one xdist worker runs them all) start that engine once."""
+    from curation.generate.stage import generate
+    from curation.generate.vllm import VLLMGenerator
+    from curation.store.run_store import RunStore
+    from tests.helpers import RAY_SAMPLING
+
+    run = tmp_path_factory.mktemp("one-engine") / "run"
+    generator = VLLMGenerator(toy_dir / "model", dtype="float32")
+    try:
+        generate(run, ray_prompts_file, RAY_SAMPLING, generator=generator, chunk_prompts=32)
+    finally:
+        generator.close()
+    return RunStore(run).read("samples")

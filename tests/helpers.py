@@ -100,6 +100,83 @@ def groupforge(*args, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([GROUPFORGE, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout)
 
 
+def groupforge_in_process(*args, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`groupforge args` run in this process, as `groupforge()` runs it in a child: in `cwd`, its
+    stdout and stderr captured (the consoles 200 columns wide and without colour, as on a pipe),
+    its exit code from SystemExit, an exception that escapes printed as a traceback on stderr with
+    exit code 1, and warnings printed on stderr under Python's default filters. Not for a command
+    that starts a vLLM engine: one that fails may leave its state in this process. Afterwards the
+    environment, cwd, sys.argv, sys.excepthook (typer sets it), the consoles and the logging
+    handlers are as they were before."""
+    import io
+    import logging
+    import traceback
+    import warnings
+
+    from pipelines.cli.app import console, err_console
+    from pipelines.cli.main import main
+
+    argv = ["groupforge", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd, saved_argv, saved_hook = dict(os.environ), os.getcwd(), sys.argv, sys.excepthook
+    saved_out, saved_err = sys.stdout, sys.stderr
+    saved_consoles = [(c, c._width, c._height, c._color_system) for c in (console, err_console)]
+    capture = {id(saved_out): out, id(saved_err): err, id(sys.__stdout__): out, id(sys.__stderr__): err}
+
+    def stream_handlers() -> list[logging.StreamHandler]:
+        loggers = [logging.root, *(x for x in logging.Logger.manager.loggerDict.values()
+                                   if isinstance(x, logging.Logger))]
+        return [h for x in loggers for h in x.handlers  # (logging's _StderrHandler follows sys.stderr)
+                if isinstance(h, logging.StreamHandler) and "stream" in vars(h)]
+
+    def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+        err.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    moved = [(h, h.stream) for h in stream_handlers() if id(h.stream) in capture]
+    code = 0
+    try:
+        for handler, stream in moved:  # a handler on this process's stdout or stderr: captured too
+            handler.setStream(capture[id(stream)])
+        os.environ["COLUMNS"] = "200"
+        os.chdir(cwd)
+        sys.argv = argv
+        for c in (console, err_console):
+            c.size = (200, 25)
+            c._color_system = None
+        with warnings.catch_warnings():
+            warnings.resetwarnings()  # Python's default filters: pytest's would record a warning, not print it
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.showwarning = show_warning
+            sys.stdout, sys.stderr = out, err
+            try:
+                main()
+            except SystemExit as exc:
+                if exc.code is None or isinstance(exc.code, int):
+                    code = exc.code or 0
+                else:  # sys.exit("message"): the message on stderr, exit code 1
+                    print(exc.code, file=err)
+                    code = 1
+            except Exception:
+                traceback.print_exc(file=err)
+                code = 1
+    finally:
+        sys.stdout, sys.stderr = saved_out, saved_err
+        for handler, stream in moved:
+            handler.setStream(stream)
+        for handler in stream_handlers():  # added while the output was captured
+            if handler.stream is out or handler.stream is err:
+                handler.setStream(saved_out if handler.stream is out else saved_err)
+        for c, width, height, colors in saved_consoles:
+            c._width, c._height, c._color_system = width, height, colors
+        sys.argv, sys.excepthook = saved_argv, saved_hook
+        os.chdir(saved_cwd)
+        for name in set(os.environ) - set(saved_env):
+            del os.environ[name]
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def error_line(proc: subprocess.CompletedProcess) -> str:
     """The one "error: ..." line a failed command printed."""
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
@@ -413,34 +490,6 @@ def sample_columns(samples: pa.Table) -> list[dict]:
 
 RAY_SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=11)
 """The sampling of the Ray engine tests, whose engines' samples are checked against one in-process engine's."""
-
-
-def ray_prompts(toy_dir: Path, folder: Path) -> Path:
-    """The prompts of the Ray engine tests: the first 96 toy train prompts, written to `folder`."""
-    path = folder / "prompts.parquet"
-    pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 96), path)
-    return path
-
-
-_ONE_ENGINE_SAMPLES: dict[tuple[str, str, str], pa.Table] = {}
-
-
-def one_engine_samples(toy_dir: Path, prompts_file: Path, sampling: SamplingConfig, folder: Path) -> pa.Table:
-    """The samples of `prompts_file` from one in-process vLLM engine (no Ray), 32 prompts a call,
-    the run written under `folder`. Kept for the process: the Ray test files (one xdist worker
-    runs them all) take the same toy, prompts and sampling, and start that engine once."""
-    key = (str(toy_dir), hashlib.sha256(prompts_file.read_bytes()).hexdigest(), sampling.model_dump_json())
-    if key not in _ONE_ENGINE_SAMPLES:
-        from curation.generate.stage import generate
-        from curation.generate.vllm import VLLMGenerator
-
-        generator = VLLMGenerator(toy_dir / "model", dtype="float32")
-        try:
-            generate(folder / "run", prompts_file, sampling, generator=generator, chunk_prompts=32)
-        finally:
-            generator.close()
-        _ONE_ENGINE_SAMPLES[key] = RunStore(folder / "run").read("samples")
-    return _ONE_ENGINE_SAMPLES[key]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,8 +13,13 @@ response as one assistant turn. Every row also carries prompt_id, round and, whe
 apply, chosen_idx / rejected_idx / sample_idx, soft_label, weight, reward — columns TRL
 ignores and a data engineer joins on.
 
+Where it goes (`export_path`): RUN/exports/<format>-<style>.parquet by default; `out` ending in
+.parquet is that file; any other `out` is a folder (an existing one, or a new name without a
+suffix) and the export is <folder>/<format>-<style>.parquet. Another suffix (pairs.jsonl) is
+refused: an export is always a Parquet file `datasets` reads.
+
 The file's footer carries the export's provenance (curation/card.py), and `run_with_card`
-(what `groupforge export` calls) rewrites the folder's dataset card (README.md).
+(what `groupforge export` calls) rewrites the dataset card (README.md) of the file's folder.
 
 unpaired labels a response desirable when its advantage is > 0 (better than its group).
 """
@@ -115,11 +120,43 @@ def _styled(table: pa.Table, cfg: ExportConfig) -> pa.Table:
     return table
 
 
-def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -> tuple[Path, int]:
-    """Write the export of `run_dir` to `out` (default RUN/exports/<format>-<style>.parquet),
-    atomically. Returns the path and the row count."""
-    if out is not None and ".." in Path(out).parts:
+def export_path(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -> Path:
+    """The Parquet file an export of `run_dir` with `cfg` is written to: `out` when it ends in
+    .parquet; <out>/<format>-<style>.parquet when `out` is a folder (an existing one, or a new
+    name without a suffix); RUN/exports/<format>-<style>.parquet when `out` is None. Any other
+    `out` is a ValueError (one line, naming it), raised before anything is read or written."""
+    name = f"{cfg.format}-{cfg.style}.parquet"
+    if out is None:
+        return Path(run_dir) / EXPORTS_DIR / name
+    out = Path(out)
+    if ".." in out.parts:
         raise ValueError(f"export path {out}: '..' is refused in an export path; give it without '..'")
+    accepts = (f"--out accepts a path ending in .parquet, or a folder (an existing one, or a new name "
+               f"without a suffix) to write {name} and its README.md into")
+    if out.suffix == ".parquet":
+        if out.is_dir():
+            raise ValueError(f"--out {out}: is a folder, not a Parquet file; {accepts}")
+        path = out
+    elif out.is_dir():
+        return out / name
+    elif out.exists():
+        raise ValueError(f"--out {out}: is a file without the .parquet suffix; {accepts}")
+    elif out.suffix:
+        raise ValueError(f"--out {out}: exports are Parquet, not {out.suffix}; {accepts}")
+    else:
+        path = out / name
+    for parent in path.parents:  # the nearest one that exists must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out {out}: {parent} is a file, not a folder; {accepts}")
+            break
+    return path
+
+
+def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -> tuple[Path, int]:
+    """Write the export of `run_dir` to `export_path(run_dir, cfg, out)`, atomically. Returns
+    the path and the row count."""
+    path = export_path(run_dir, cfg, out)
     store = RunStore(run_dir).snapshot()  # whole commits only, while a job may be writing
     tables = {}
     for name in READS[cfg.format]:
@@ -131,7 +168,6 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
                              f"run the stage that writes it before exporting {cfg.format}")
     table = export_table(tables, cfg)
     table = with_provenance(table, provenance(store, cfg.rounds, cfg.format, cfg.style))
-    path = Path(out) if out else store.root / EXPORTS_DIR / f"{cfg.format}-{cfg.style}.parquet"
 
     def write(f) -> None:
         pq.write_table(table, f, compression="zstd")
@@ -144,6 +180,7 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
 def run_with_card(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None
                   ) -> tuple[Path, int, Path | None]:
     """`run`, then the dataset card of the export's folder (curation/card.py): (path, rows,
-    the card, or None when the folder holds a README.md groupforge did not write)."""
+    the card, or None when the folder holds a README.md groupforge did not write:
+    `curation.card.foreign_card` names it)."""
     path, rows = run(run_dir, cfg, out)
     return path, rows, write_card(path.parent)

@@ -159,16 +159,21 @@ def export_command(
     style: str = typer.Option("standard", "--style", help="standard (text) | conversational (messages)"),
     round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
     out: Optional[Path] = typer.Option(None, "--out",
-                                       help="Parquet file (default RUN/exports/<format>-<style>.parquet)."),
+                                       help="A path ending in .parquet (that file), or a folder (an existing one, "
+                                            "or a new name without a suffix) that gets <format>-<style>.parquet. "
+                                            "The dataset card README.md goes in the file's folder. "
+                                            "Default: RUN/exports/<format>-<style>.parquet."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="REPO",
                                               help="Also push the export and its card to this Hugging Face dataset "
                                                    "repo (private unless --public), with datasets' push_to_hub."),
     public: bool = typer.Option(False, "--public", help="With --push-to-hub: a public repo."),
 ) -> None:
-    """Write a TRL-format dataset (Parquet, loadable with datasets.load_dataset) and the folder's dataset card
-    (README.md: features, splits, row counts, provenance from the run's manifests)."""
+    """Write a TRL-format dataset (Parquet, loadable with datasets.load_dataset) and the dataset card of its
+    folder (README.md: features, splits, row counts, provenance from the run's manifests), so that
+    datasets.load_dataset(folder) reads it too. A README.md that groupforge did not write is left as it is."""
     from pydantic import ValidationError
 
+    from curation.card import foreign_card
     from curation.stages.export import ExportConfig
     from curation.stages.export import run_with_card as run_export
 
@@ -179,12 +184,12 @@ def export_command(
         raise fail("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors()), EXIT_BAD_INPUT) from None
     with exit_codes():
         path, rows, card = run_export(run, cfg, out)
-    console.print(f"wrote {rows} rows ({format}, {style}) to {path}")
-    if card is None:
-        err_console.print(f"[yellow]warning:[/] {path.parent / 'README.md'} was not written by groupforge: "
+    console.print(f"wrote {rows} rows ({format}, {style}) to {escape(str(path))}")
+    if card is not None:
+        console.print(f"dataset card: {escape(str(card))}")
+    elif (foreign := foreign_card(path.parent)) is not None:
+        err_console.print(f"[yellow]warning:[/] {escape(str(foreign))} was not written by groupforge: "
                           "left as it is, no dataset card written")
-    else:
-        console.print(f"dataset card: {card}")
     if push_to_hub:
         from curation.card import push
 

@@ -1,7 +1,7 @@
-"""Bad prompts files through the real CLI (`groupforge generate`): each case gets one error
-line naming the file, the column and the problem (`error: ...`; model loading may print its
-progress bars before it), exit code 2, no traceback, and no table
-written. The corpus is built here, from the toy's prompts, so it needs nothing checked in."""
+"""Bad prompts files through the CLI (`groupforge generate`, run in this process): each case gets
+one error line naming the file, the column and the problem (`error: ...`; model loading may print
+its progress bars before it), exit code 2, no traceback, and no table written. The corpus is
+built here, from the toy's prompts, so it needs nothing checked in."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, groupforge_in_process
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
@@ -89,9 +89,8 @@ def test_a_bad_prompts_file_gets_one_line_naming_it(name, file, writer, fragment
     if writer is not None:
         writer(prompts)
     run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "generate", "--model", str(toy_dir / "model"),
-                           "--prompts", str(prompts), "--out", str(run), "--backend", "hf", "--max-tokens", "4"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = groupforge_in_process("generate", "--model", toy_dir / "model", "--prompts", prompts, "--out", run,
+                                 "--backend", "hf", "--max-tokens", 4)
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]  # not progress bars
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-2000:]

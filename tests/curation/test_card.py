@@ -95,7 +95,7 @@ def test_a_readme_that_groupforge_did_not_write_is_left_alone(run, tmp_path):
     proc = groupforge("export", run, "--format", "sft", "--out", out)
     assert proc.returncode == 0, proc.stderr
     assert mine.read_text() == "# my notes\n" and out.is_file()
-    assert "was not written by groupforge" in proc.stderr
+    assert f"warning: {mine} was not written by groupforge" in proc.stderr
     mine.unlink()  # without it, the card is written, and a later export rewrites it
     assert groupforge("export", run, "--format", "sft", "--out", out).returncode == 0
     assert CARD_MARKER in mine.read_text()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from curation.stages.export import ExportConfig, run
+from curation.card import CARD_MARKER
+from curation.stages.export import ExportConfig, export_path, run
 from curation.store.run_store import RunStore
 from curation.store.runlog import EXPORTS_DIR
+from tests.helpers import ENV, GROUPFORGE, error_line
 
 PROMPTS = {"p1": "12+30=", "p2": "40+2="}
 RESPONSES = {("p1", 0): "42", ("p1", 1): "41", ("p1", 2): "40", ("p2", 0): "42", ("p2", 1): "7"}
@@ -98,3 +103,121 @@ def test_an_export_path_with_dotdot_is_refused(tmp_path):
     with pytest.raises(ValueError, match="'..' is refused in an export path"):
         run(tmp_path / "run", ExportConfig(format="preference"), tmp_path / "run" / ".." / "x.parquet")
     assert not (tmp_path / "x.parquet").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --out: a .parquet file, or a folder; either way a folder that `datasets` loads with its card
+# ---------------------------------------------------------------------------------------------
+
+
+def export_cli(cwd, *args) -> subprocess.CompletedProcess:
+    """`groupforge export` run from `cwd` (so that a relative --out lands there)."""
+    return subprocess.run([GROUPFORGE, "export", *map(str, args)], capture_output=True, text=True, env=ENV,
+                          cwd=cwd, timeout=300)
+
+
+def listing(folder) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if "run" not in p.relative_to(folder).parts}
+
+
+def test_out_without_a_suffix_is_a_folder_with_the_export_and_its_card(tmp_path):
+    from datasets import load_dataset
+
+    make_run(tmp_path / "run")
+    proc = export_cli(tmp_path, "run", "--format", "preference", "--out", "pairs")  # a new name
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr  # no README.md anywhere: nothing to warn about
+    folder = tmp_path / "pairs"
+    assert listing(tmp_path) == {"pairs", "pairs/preference-standard.parquet", "pairs/README.md"}
+    assert "to pairs/preference-standard.parquet" in proc.stdout and "dataset card: pairs/README.md" in proc.stdout
+    assert CARD_MARKER in (folder / "README.md").read_text()
+    ds = load_dataset(str(folder))["train"]
+    assert ds["chosen"] == ["42", "42"] and ds["rejected"] == ["40", "7"]
+
+    # an existing folder: the next export goes beside the first one, and the card lists both
+    proc = export_cli(tmp_path, "run", "--format", "sft", "--out", folder)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    assert {p.name for p in folder.iterdir()} == {"preference-standard.parquet", "sft-standard.parquet", "README.md"}
+    assert sorted(load_dataset(str(folder), "sft-standard")["train"]["completion"]) == ["42", "42"]
+    assert load_dataset(str(folder), "preference-standard")["train"].num_rows == 2
+
+
+def test_out_ending_in_parquet_is_that_file_and_its_folder_gets_the_card(tmp_path):
+    from datasets import load_dataset
+
+    make_run(tmp_path / "run")
+    out = tmp_path / "data" / "my-pairs.parquet"  # in a folder that does not exist yet
+    proc = export_cli(tmp_path, "run", "--format", "preference", "--out", out)
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    assert listing(tmp_path) == {"data", "data/my-pairs.parquet", "data/README.md"}
+    assert load_dataset("parquet", data_files=str(out), split="train")["chosen"] == ["42", "42"]
+    card = (tmp_path / "data" / "README.md").read_text()
+    assert CARD_MARKER in card and "my-pairs.parquet" in card
+    # a card groupforge wrote is rewritten by the next export into the folder
+    assert export_cli(tmp_path, "run", "--format", "sft", "--out", tmp_path / "data" / "sft.parquet").returncode == 0
+    card = (tmp_path / "data" / "README.md").read_text()
+    assert "config_name: my-pairs" in card and "config_name: sft" in card
+    assert load_dataset(str(tmp_path / "data"), "my-pairs")["train"]["rejected"] == ["40", "7"]
+    assert load_dataset(str(tmp_path / "data"))["train"].column_names[:3] == ["prompt_id", "prompt", "round"]
+
+
+@pytest.mark.parametrize("form", ["file", "folder"])
+def test_a_readme_groupforge_did_not_write_is_kept_and_named(tmp_path, form):
+    make_run(tmp_path / "run")
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "README.md").write_text("# my notes\n")
+    out = folder / "p.parquet" if form == "file" else folder
+    proc = export_cli(tmp_path, "run", "--format", "preference", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert (folder / "README.md").read_text() == "# my notes\n"
+    written = folder / ("p.parquet" if form == "file" else "preference-standard.parquet")
+    assert pq.read_metadata(written).num_rows == 2
+    assert f"warning: {folder / 'README.md'} was not written by groupforge" in proc.stderr
+    assert "dataset card" not in proc.stdout
+
+
+@pytest.mark.parametrize("out", ["pairs.jsonl", "pairs.csv", "sub/pairs.json"])
+def test_out_with_another_suffix_is_one_error_exit_2_and_writes_nothing(tmp_path, out):
+    make_run(tmp_path / "run")
+    proc = export_cli(tmp_path, "run", "--format", "preference", "--out", out)
+    assert proc.returncode == 2
+    line = error_line(proc)
+    assert line.startswith(f"error: --out {out}: exports are Parquet, not .{out.rsplit('.', 1)[1]}; "
+                           "--out accepts a path ending in .parquet, or a folder")
+    assert listing(tmp_path) == set()
+
+
+def test_export_path(tmp_path):
+    cfg = ExportConfig(format="sft", style="conversational")
+    name = "sft-conversational.parquet"
+    (tmp_path / "folder.v2").mkdir()
+    (tmp_path / "dir.parquet").mkdir()
+    (tmp_path / "file").write_text("")
+    assert export_path(tmp_path / "run", cfg) == tmp_path / "run" / EXPORTS_DIR / name
+    assert export_path(tmp_path / "run", cfg, tmp_path / "a.parquet") == tmp_path / "a.parquet"
+    assert export_path(tmp_path / "run", cfg, tmp_path / "new") == tmp_path / "new" / name
+    assert export_path(tmp_path / "run", cfg, tmp_path / "folder.v2") == tmp_path / "folder.v2" / name
+    for bad, message in [("x.jsonl", "exports are Parquet, not .jsonl"),
+                         ("dir.parquet", "is a folder, not a Parquet"),
+                         ("file", "is a file without the .parquet suffix"),
+                         ("file/x.parquet", "file is a file, not a folder"),
+                         ("file/new", "file is a file, not a folder")]:
+        with pytest.raises(ValueError, match=message):
+            export_path(tmp_path / "run", cfg, tmp_path / bad)
+
+
+def test_the_card_lists_the_exports_among_other_files_of_the_folder(tmp_path):
+    from datasets import load_dataset
+
+    from curation.stages.export import run_with_card
+
+    make_run(tmp_path / "run")
+    folder = tmp_path / "shared"
+    (folder / "spark.parquet").mkdir(parents=True)  # a folder of part files
+    (folder / "notes.parquet").write_text("not Parquet")
+    pq.write_table(pa.table({"x": [1]}), folder / "other.parquet")  # Parquet that groupforge did not write
+    path, rows, card = run_with_card(tmp_path / "run", ExportConfig(format="sft"), folder)
+    assert path == folder / "sft-standard.parquet" and rows == 2 and card == folder / "README.md"
+    assert "config_name: sft-standard" in card.read_text() and "other" not in card.read_text()
+    assert sorted(load_dataset(str(folder))["train"]["completion"]) == ["42", "42"]

@@ -1,8 +1,7 @@
 """Multi-node Ray: a head (no CPUs for work) and two worker nodes on this machine
 (`ray.cluster_utils.Cluster`), one vLLM engine on each node, joined by address as a user's
-`ray_address` would; the samples equal one in-process engine's (the reference
-tests/curation/test_generate_ray.py takes too: one xdist worker runs both files, and starts
-that engine once)."""
+`ray_address` would; the samples equal one in-process engine's (the session fixture
+`one_engine_samples`, shared with test_generate_ray.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +13,11 @@ from ray.cluster_utils import Cluster
 from curation.generate.base import GeneratorConfig
 from curation.generate.stage import generate, make_generator
 from curation.store.run_store import RunStore
-from tests.helpers import RAY_SAMPLING, one_engine_samples, ray_prompts, ray_temp_dir, sample_columns
+from tests.helpers import RAY_SAMPLING, ray_temp_dir, sample_columns
 
 
-def test_one_engine_per_node_on_a_three_node_cluster(toy_dir, tmp_path):
-    prompts_file = ray_prompts(toy_dir, tmp_path)
-    one = one_engine_samples(toy_dir, prompts_file, RAY_SAMPLING, tmp_path / "one")
+def test_one_engine_per_node_on_a_three_node_cluster(toy_dir, ray_prompts_file, one_engine_samples, tmp_path):
+    prompts_file = ray_prompts_file
 
     os.makedirs("/tmp/ray", exist_ok=True)  # Cluster records its address in /tmp/ray whatever temp_dir says
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
@@ -40,4 +38,4 @@ def test_one_engine_per_node_on_a_three_node_cluster(toy_dir, tmp_path):
         cluster.shutdown()
     samples = RunStore(tmp_path / "run").read("samples")
     assert samples.num_rows == 96 * RAY_SAMPLING.group_size
-    assert sample_columns(samples) == sample_columns(one)
+    assert sample_columns(samples) == sample_columns(one_engine_samples)

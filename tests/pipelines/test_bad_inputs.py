@@ -1,7 +1,9 @@
-"""Bad model folders, checkpoints and run folders through the real CLI: each gets one `error:`
-line naming the file or folder and the problem, exit code 2, no traceback, and nothing
-written (README, "Exit codes"). Built here from the toy and one short run, nothing checked in.
-The prompts-file corpus is tests/curation/test_bad_prompts.py; spec keys are in test_spec.py."""
+"""Bad model folders, checkpoints and run folders through the CLI: each gets one `error:` line
+naming the file or folder and the problem, exit code 2, no traceback, and nothing written
+(README, "Exit codes"). Built here from the toy and one short run, nothing checked in. The CLI
+runs in this process, except the commands that start a vLLM engine and the short run itself:
+those run `python -m pipelines.cli` in a child process. The prompts-file corpus is
+tests/curation/test_bad_prompts.py; spec keys are in test_spec.py."""
 
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import FAULTS_SPEC, REPO
+from tests.helpers import FAULTS_SPEC, REPO, groupforge_in_process
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The CLI in a child process."""
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -79,7 +82,8 @@ def test_a_bad_model_folder_gets_one_line_naming_it(name, damage, file, fragment
     shutil.copytree(toy_dir / "model", model)
     damage(model)
     out = tmp_path / "run"
-    line = _one_error_line(_cli("generate", "--model", str(model), "--prompts", str(toy_dir / "eval.parquet"),
+    cli = _cli if backend == "vllm" else groupforge_in_process  # an engine that fails leaves its state behind
+    line = _one_error_line(cli("generate", "--model", str(model), "--prompts", str(toy_dir / "eval.parquet"),
                                 "--out", str(out), "--backend", backend, "--max-tokens", "4"))
     assert str(model) in line and file in line and fragment in line, line
     assert not list(out.rglob("*.parquet")) if out.exists() else True  # nothing written
@@ -198,7 +202,7 @@ def test_a_bad_checkpoint_stops_the_resumed_run_with_its_name(name, damage, frag
     checkpoint = _newest_checkpoint(run)
     damage(checkpoint)
     before = _files_and_bytes(run)
-    line = _one_error_line(_cli("run", str(spec), "--run-dir", str(run), "--rounds", "+1", timeout=600))
+    line = _one_error_line(groupforge_in_process("run", str(spec), "--run-dir", str(run), "--rounds", "+1"))
     assert str(checkpoint) in line and fragment in line, line
     after = _files_and_bytes(run)
     changed = {k for k in before.keys() & after.keys() if before[k] != after[k]} - {"spec.toml", "pipeline.json"}
@@ -294,21 +298,21 @@ def test_a_damaged_run_folder_is_named_by_every_command(name, damage, fragment, 
     args = {"inspect": ["inspect", str(run)], "report": ["report", str(run)], "verify": ["verify", str(run)],
             "export": ["export", str(run), "--format", "unpaired"],
             "run": ["run", str(spec), "--run-dir", str(run), "--rounds", "+1"]}[command]
-    line = _one_error_line(_cli(*args, timeout=600))
+    line = _one_error_line(groupforge_in_process(*args))
     assert str(path) in line and fragment in line, line
     assert _files_and_bytes(run).keys() <= before.keys() | {"spec.toml"}, "a command wrote into the damaged run"
 
 
 def test_verify_deep_finds_a_changed_byte_that_keeps_the_size(copy):
     _, run = copy
-    done = _cli("verify", str(run))
+    done = groupforge_in_process("verify", str(run))
     assert done.returncode == 0 and "match" in done.stdout, done.stderr
     part = run / "scores" / "round=1" / "part-score.parquet"
     data = bytearray(part.read_bytes())
     data[8] ^= 0xFF  # in the first column chunk's data, not the footer
     part.write_bytes(bytes(data))
-    assert _cli("verify", str(run)).returncode == 0  # size and footer unchanged: only the bytes tell
-    line = _one_error_line(_cli("verify", str(run), "--deep"))
+    assert groupforge_in_process("verify", str(run)).returncode == 0  # size and footer unchanged: only the bytes tell
+    line = _one_error_line(groupforge_in_process("verify", str(run), "--deep"))
     assert str(part) in line and "sha256 differs" in line
 
 

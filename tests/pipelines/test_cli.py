@@ -1,4 +1,5 @@
-"""The real `groupforge` CLI in a subprocess: wrong tables, kills, reruns, inspect."""
+"""The `groupforge` CLI: wrong tables and flags and inspect, run in this process; a kill, reruns
+and a lock held by another process through the installed console script in a child process."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.store.run_store import RunStore
-from tests.helpers import ENV, GROUPFORGE, error_line, groupforge, make_toy_run
+from tests.helpers import ENV, GROUPFORGE, error_line, groupforge, groupforge_in_process, make_toy_run
 
 
 def write_bad_prompt_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -40,8 +41,8 @@ def write_bad_prompt_files(folder: Path) -> dict[str, tuple[Path, str]]:
 @pytest.mark.parametrize("kind", ["missing column", "wrong type", "empty file", "not parquet"])
 def test_generate_rejects_wrong_prompt_tables(tmp_path, toy_dir, kind):
     path, phrase = write_bad_prompt_files(tmp_path / "bad")[kind]
-    proc = groupforge("generate", "--model", toy_dir / "model", "--prompts", path, "--out", tmp_path / "run",
-                      "--backend", "hf", "-G", 2)
+    proc = groupforge_in_process("generate", "--model", toy_dir / "model", "--prompts", path,
+                                 "--out", tmp_path / "run", "--backend", "hf", "-G", 2)
     assert proc.returncode == 2, proc.stderr
     line = error_line(proc)
     assert phrase in line and str(path) in line
@@ -67,7 +68,7 @@ def test_inspect_rejects_wrong_run_tables(tmp_path):
         part = run / "samples" / "round=0" / "part-generate.parquet"
         part.parent.mkdir(parents=True)
         pq.write_table(pa.table(columns), part)
-        proc = groupforge("inspect", run)
+        proc = groupforge_in_process("inspect", run)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert phrase in error_line(proc)
     for kind, content in {"empty": b"", "not parquet": b"this is not parquet at all"}.items():
@@ -75,7 +76,7 @@ def test_inspect_rejects_wrong_run_tables(tmp_path):
         part = run / "samples" / "round=0" / "part-generate.parquet"
         part.parent.mkdir(parents=True)
         part.write_bytes(content)
-        proc = groupforge("inspect", run)
+        proc = groupforge_in_process("inspect", run)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "part-generate.parquet" in error_line(proc)
 
@@ -133,8 +134,8 @@ def test_generate_second_job_on_locked_run_exits_3(tmp_path, toy_dir):
 
 
 def test_generate_bad_sampling_flag_is_one_error_line_naming_the_flag(tmp_path, toy_dir):
-    proc = groupforge("generate", "--model", toy_dir / "model", "--prompts", toy_dir / "eval.parquet",
-                      "--out", tmp_path / "run", "--backend", "hf", "-G", 0, "--top-p", 1.5)
+    proc = groupforge_in_process("generate", "--model", toy_dir / "model", "--prompts", toy_dir / "eval.parquet",
+                                 "--out", tmp_path / "run", "--backend", "hf", "-G", 0, "--top-p", 1.5)
     assert proc.returncode == 2, proc.stderr
     assert error_line(proc) == ("error: --group-size: group_size must be >= 1, got 0; "
                                 "--top-p: top_p must be in (0, 1], got 1.5")
@@ -147,7 +148,7 @@ def test_inspect_stages_prints_the_stage_graph(tmp_path, toy_dir):
     if not hasattr(inspect_module, "print_stage_graph"):
         pytest.skip("pipelines.reports.inspect_run.print_stage_graph is not written yet")
     run = make_toy_run(toy_dir, tmp_path, "eval", n_prompts=4, group_size=2, max_tokens=4, rounds=(0,))
-    shown = groupforge("inspect", run, "--stages")
+    shown = groupforge_in_process("inspect", run, "--stages")
     assert shown.returncode == 0, shown.stderr
     for word in ("generate", "score", "filter", "label", "pair", "samples", "rejects", "prompts file"):
         assert word in shown.stdout, word

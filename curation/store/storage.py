@@ -1,0 +1,324 @@
+"""Where a run's files live: a local folder or an object store, behind one small interface.
+
+`open_storage("runs/x")` is a local folder; `open_storage("s3://bucket/runs/x")` (also `gs://`,
+`az://`, `abfss://`, `memory://`) an object store reached with obstore. Everything above this
+module (the run store, commits, the run log, checkpoints) reads and writes whole objects by a
+path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a local run and an
+object-store run share one format and one code path.
+
+Why obstore: one API over S3, GCS, Azure and local files with *conditional writes*
+(`create`: If-None-Match, the primitive that makes commits atomic without a rename and lets
+two writers never both win), the same Rust `object_store` crate that delta-rs and Polars use
+(so the same URLs and environment variables reach all three), and no Python event loop or
+threads of its own. fsspec/s3fs and pyarrow.fs expose no conditional put.
+
+Credentials and endpoints come from the standard environment (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_REGION, AWS_ALLOW_HTTP;
+GOOGLE_SERVICE_ACCOUNT / GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_ACCOUNT_NAME,
+AZURE_STORAGE_ACCOUNT_KEY, ...), read by obstore when a request is made; `options` adds
+non-secret settings (endpoint, region, allow_http). Nothing here writes a credential anywhere.
+
+The local backend is plain files (no obstore): writes go to a temporary file, are fsynced and
+renamed into place, so a kill or a power cut leaves the old object or the new one; `create`
+links the temporary file to its name, which fails when the name exists. A full disk is a
+NoSpaceError naming the object (curation.errors).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from curation.errors import JobError, disk_write
+
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "memory")
+TEMP_PREFIX = ".gf-tmp-"
+"""Local temporary files start with this; listings leave them out."""
+
+Data = bytes | bytearray | memoryview
+
+
+class StorageError(JobError):
+    """An object store refused or failed a request (missing bucket, no credentials, network);
+    the message names the URL and the store's reason."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One object in a listing."""
+
+    rel: str
+    """Its path relative to the storage root, '/'-separated."""
+    size: int
+
+
+def is_object_url(location: str | os.PathLike) -> bool:
+    """True for `s3://...`, `gs://...`, `az://...` (an object store), False for a local path."""
+    text = str(location)
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.lower() in OBJECT_SCHEMES
+
+
+def open_storage(location: str | os.PathLike, options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage at `location`: a local folder (a path or `file://...`) or an object-store URL.
+    `options`: obstore settings for an object store (endpoint, region, allow_http, ...)."""
+    text = str(location)
+    if text.startswith("file://"):
+        return LocalStorage(Path(text.removeprefix("file://")))
+    if is_object_url(text):
+        return ObjectStorage(text, options or {})
+    if "://" in text:
+        raise ValueError(f"{text}: unknown storage scheme {text.partition('://')[0]!r}; use a local path or one of "
+                         + ", ".join(f"{s}://" for s in OBJECT_SCHEMES))
+    return LocalStorage(Path(text))
+
+
+def _check_rel(rel: str) -> str:
+    parts = PurePosixPath(rel).parts
+    if not rel or rel.startswith("/") or ".." in parts or "\\" in rel:
+        raise ValueError(f"{rel!r}: not a path inside the storage root")
+    return rel
+
+
+class Storage:
+    """Whole-object reads and writes under one root (see the module docstring)."""
+
+    url: str
+    """The root as a URL or a local path, for messages and for readers (Polars, delta-rs)."""
+
+    def where(self, rel: str = "") -> str:
+        """`rel` as a full location for messages: a path or `s3://bucket/run/rel`."""
+        return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def child(self, rel: str) -> Storage:
+        """The same storage rooted at `rel` (a subfolder)."""
+        raise NotImplementedError
+
+    def read(self, rel: str) -> bytes:
+        """The object's bytes; FileNotFoundError naming it when there is none."""
+        raise NotImplementedError
+
+    def read_if_exists(self, rel: str) -> bytes | None:
+        try:
+            return self.read(rel)
+        except FileNotFoundError:
+            return None
+
+    def write(self, rel: str, data: Data) -> None:
+        """Replace (or create) the object whole: a reader sees the old bytes or the new, never a part."""
+        raise NotImplementedError
+
+    def create(self, rel: str, data: Data) -> bool:
+        """Write the object only if there is none under that name (If-None-Match: *): True when
+        this call created it, False when it existed already (nothing written)."""
+        raise NotImplementedError
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        """Every object under `prefix` (a folder: '' for all, 'samples/' for one), sorted by path."""
+        raise NotImplementedError
+
+    def delete(self, rel: str) -> None:
+        """Remove the object; no error when there is none."""
+        raise NotImplementedError
+
+    def delete_all(self, rels: Iterable[str]) -> None:
+        for rel in rels:
+            self.delete(rel)
+
+    def exists(self, rel: str) -> bool:
+        raise NotImplementedError
+
+    def local_path(self, rel: str = "") -> Path | None:
+        """The local file of `rel` (local storage), None on an object store: callers that need a
+        file (a model folder for vLLM) copy the objects into a node-local cache instead."""
+        return None
+
+
+class LocalStorage(Storage):
+    """A local folder (created on the first write)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.url!r})"
+
+    def child(self, rel: str) -> LocalStorage:
+        return LocalStorage(self.root / _check_rel(rel))
+
+    def local_path(self, rel: str = "") -> Path:
+        return self.root / _check_rel(rel) if rel else self.root
+
+    def read(self, rel: str) -> bytes:
+        path = self.root / _check_rel(rel)
+        try:
+            return path.read_bytes()
+        except IsADirectoryError:
+            raise FileNotFoundError(f"{path} is a folder, not a file") from None
+
+    def _staged(self, path: Path, data: Data) -> Path:
+        """`data` in a synced temporary file beside `path` (same filesystem: a rename or link is atomic)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        try:
+            with disk_write(path), open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def write(self, rel: str, data: Data) -> None:
+        path = self.root / _check_rel(rel)
+        tmp = self._staged(path, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+
+    def create(self, rel: str, data: Data) -> bool:
+        path = self.root / _check_rel(rel)
+        if path.exists():
+            return False
+        tmp = self._staged(path, data)
+        try:
+            os.link(tmp, path)  # fails if the name exists: the local If-None-Match
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+        return True
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        prefix = prefix.rstrip("/")
+        start = self.root / _check_rel(prefix) if prefix else self.root
+        found: list[Entry] = []
+        for folder, dirs, files in os.walk(start):
+            dirs.sort()
+            base = Path(folder).relative_to(self.root).as_posix()
+            for name in files:
+                if name.startswith(TEMP_PREFIX):
+                    continue
+                rel = name if base == "." else f"{base}/{name}"
+                try:
+                    found.append(Entry(rel, os.stat(os.path.join(folder, name)).st_size))
+                except FileNotFoundError:
+                    continue  # removed while listing
+        return sorted(found, key=lambda e: e.rel)
+
+    def delete(self, rel: str) -> None:
+        (self.root / _check_rel(rel)).unlink(missing_ok=True)
+
+    def exists(self, rel: str) -> bool:
+        return (self.root / _check_rel(rel)).is_file()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ObjectStorage(Storage):
+    """An object store bucket and prefix, through obstore."""
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None, *, _store: Any = None):
+        from obstore.store import from_url
+
+        self.url = url.rstrip("/")
+        self.options = dict(options or {})
+        try:
+            self._store = _store if _store is not None else from_url(self.url, **self.options)
+        except Exception as exc:  # obstore's config errors: unknown option, bad URL
+            raise StorageError(f"{self.url}: cannot open the object store: {_reason(exc)}") from None
+
+    def __repr__(self) -> str:
+        return f"ObjectStorage({self.url!r})"
+
+    def child(self, rel: str) -> ObjectStorage:
+        return ObjectStorage(f"{self.url}/{_check_rel(rel).rstrip('/')}", self.options)
+
+    def _call(self, rel: str, action: str, fn, *args, **kwargs):
+        import obstore.exceptions as oe
+
+        try:
+            return fn(self._store, *args, **kwargs)
+        except (oe.NotFoundError, FileNotFoundError) as exc:
+            if action == "writing":  # a write finds no bucket, not no object
+                raise StorageError(f"{self.where(rel)}: writing failed: the bucket (or container) does not "
+                                   f"exist: {_reason(exc)}") from None
+            raise FileNotFoundError(f"{self.where(rel)}: no such object") from None
+        except (oe.AlreadyExistsError, oe.PreconditionError):
+            raise
+        except Exception as exc:
+            raise StorageError(f"{self.where(rel)}: {action} failed: {_reason(exc)}") from None
+
+    def read(self, rel: str) -> bytes:
+        import obstore
+
+        result = self._call(rel, "reading", obstore.get, _check_rel(rel))
+        return bytes(result.bytes())
+
+    def write(self, rel: str, data: Data) -> None:
+        import obstore
+
+        self._call(rel, "writing", obstore.put, _check_rel(rel), bytes(data) if isinstance(data, bytearray) else data)
+
+    def create(self, rel: str, data: Data) -> bool:
+        import obstore
+        import obstore.exceptions as oe
+
+        try:
+            self._call(rel, "writing", obstore.put, _check_rel(rel), bytes(data) if isinstance(data, bytearray)
+                       else data, mode="create")
+        except (oe.AlreadyExistsError, oe.PreconditionError):
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> list[Entry]:
+        import obstore
+
+        prefix = _check_rel(prefix.rstrip("/")) if prefix.rstrip("/") else ""
+        stream = self._call(prefix, "listing", obstore.list, prefix or None)
+        found: list[Entry] = []
+        try:
+            for chunk in stream:
+                found.extend(Entry(meta["path"], int(meta["size"])) for meta in chunk)
+        except Exception as exc:
+            raise StorageError(f"{self.where(prefix)}: listing failed: {_reason(exc)}") from None
+        return sorted(found, key=lambda e: e.rel)
+
+    def delete(self, rel: str) -> None:
+        import obstore
+
+        try:
+            self._call(rel, "deleting", obstore.delete, _check_rel(rel))
+        except FileNotFoundError:
+            pass
+
+    def exists(self, rel: str) -> bool:
+        import obstore
+
+        try:
+            self._call(rel, "checking", obstore.head, _check_rel(rel))
+        except FileNotFoundError:
+            return False
+        return True
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of an obstore error (its debug trace follows on later lines)."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line if len(line) <= 300 else line[:300] + "..."
