@@ -39,21 +39,43 @@ LONG_FILES = (
 RAY_FILES = ("test_generate_ray.py", "test_generate_ray_cluster.py", "test_run_ray.py")
 
 
+def _group(nodeid: str) -> str:
+    """The xdist group of a test: "ray" for the files that start a Ray cluster, else its file."""
+    file = nodeid.split("::")[0]
+    return "ray" if file.rsplit("/", 1)[-1] in RAY_FILES else file
+
+
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`--dist loadgroup`), one group per file, or "ray" for the files that
     start a Ray cluster; the long files first."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        file = item.nodeid.split("::")[0]
-        group = "ray" if file.rsplit("/", 1)[-1] in RAY_FILES else file
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(_group(item.nodeid)))
 
     def rank(item) -> int:
         file = item.nodeid.split("::")[0]
         return LONG_FILES.index(file) if file in LONG_FILES else len(LONG_FILES)
 
     items.sort(key=rank)  # stable: the order within a file stays
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # first: xdist answers loadgroup itself
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` with the groups above taken from the node ids. xdist's own passes a
+    group on by appending "@group" to each item's node id, which pytest 9 ignores (a node id
+    is derived from the node's path): each test would be a group of its own, a file's tests
+    spread over both workers, its module fixtures built on each (again whenever a worker
+    switches files), and the Ray files run at once."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return FileGroups(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -63,8 +85,6 @@ def toy_dir() -> Path:
     out = REPO / "runs" / "toy"
     with build_lock(out):
         return build_toy(out, progress=False)
-
-
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +111,32 @@ def run_storage(request, tmp_path):
         return open_storage(tmp_path / "run")
     server = request.getfixturevalue("s3_server")
     return open_storage(f"s3://{server.bucket()}/runs/x")
+
+
+@pytest.fixture(scope="session")
+def ray_prompts_file(toy_dir, tmp_path_factory) -> Path:
+    """The prompts of the Ray engine tests: the first 96 toy train prompts."""
+    import pyarrow.parquet as pq
+
+    path = tmp_path_factory.mktemp("ray-prompts") / "prompts.parquet"
+    pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 96), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def one_engine_samples(toy_dir, ray_prompts_file, tmp_path_factory):
+    """`ray_prompts_file` sampled with `RAY_SAMPLING` by one in-process vLLM engine (no Ray), 32
+    prompts a call: the reference the Ray engine tests compare with. Session-scoped, so the Ray
+    files (one xdist worker runs them all) start that engine once."""
+    from curation.generate.stage import generate
+    from curation.generate.vllm import VLLMGenerator
+    from curation.store.run_store import RunStore
+    from tests.helpers import RAY_SAMPLING
+
+    run = tmp_path_factory.mktemp("one-engine") / "run"
+    generator = VLLMGenerator(toy_dir / "model", dtype="float32")
+    try:
+        generate(run, ray_prompts_file, RAY_SAMPLING, generator=generator, chunk_prompts=32)
+    finally:
+        generator.close()
+    return RunStore(run).read("samples")

@@ -515,6 +515,10 @@ def sample_columns(samples: pa.Table) -> list[dict]:
                            "seed", "policy_version", "generator"]).to_pylist()
 
 
+RAY_SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=11)
+"""The sampling of the Ray engine tests, whose engines' samples are checked against one in-process engine's."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompt choice
 # ---------------------------------------------------------------------------------------------

@@ -15,13 +15,21 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from curation.generate.base import GeneratorConfig, SamplingConfig
+from curation.generate.base import GeneratorConfig
 from curation.generate.ray_engines import RayGenerator, engine_of
 from curation.generate.stage import generate, make_generator
 from curation.store.run_store import RunStore
-from tests.helpers import load_fp32, mean_abs_diff, perturbed_model, ray_temp_dir, sample_columns, transformers_logprobs
+from tests.helpers import (
+    RAY_SAMPLING,
+    load_fp32,
+    mean_abs_diff,
+    perturbed_model,
+    ray_temp_dir,
+    sample_columns,
+    transformers_logprobs,
+)
 
-SAMPLING = SamplingConfig(group_size=4, max_tokens=8, seed=11)
+SAMPLING = RAY_SAMPLING
 
 
 @pytest.fixture(scope="module")
@@ -36,31 +44,10 @@ def engines(toy_dir):
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def prompts_file(toy_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.parquet"
-    pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 96), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def one_engine_samples(toy_dir, prompts_file, tmp_path_factory):
-    """The same prompts and seeds through one in-process engine (no Ray)."""
-    from curation.generate.vllm import VLLMGenerator
-
-    generator = VLLMGenerator(toy_dir / "model", dtype="float32")
-    try:
-        run = tmp_path_factory.mktemp("one") / "run"
-        generate(run, prompts_file, SAMPLING, generator=generator, chunk_prompts=32)
-    finally:
-        generator.close()
-    return RunStore(run).read("samples")
-
-
-def test_two_engines_equal_one(engines, prompts_file, one_engine_samples, tmp_path):
+def test_two_engines_equal_one(engines, ray_prompts_file, one_engine_samples, tmp_path):
     assert isinstance(engines, RayGenerator) and engines.engines == 2
     assert len({info["pid"] for info in engines.info}) == 2
-    result = generate(tmp_path / "run", prompts_file, SAMPLING, generator=engines, chunk_prompts=32)
+    result = generate(tmp_path / "run", ray_prompts_file, SAMPLING, generator=engines, chunk_prompts=32)
     samples = RunStore(tmp_path / "run").read("samples")
     assert result.samples == samples.num_rows == 96 * SAMPLING.group_size
     assert sample_columns(samples) == sample_columns(one_engine_samples)
@@ -103,7 +90,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_new_weights_reach_every_engine(engines, toy_dir, prompts_file, tmp_path):
+def test_new_weights_reach_every_engine(engines, toy_dir, ray_prompts_file, tmp_path):
     new_dir = perturbed_model(toy_dir, tmp_path / "new-model")
     new_model, old_model = load_fp32(new_dir), load_fp32(toy_dir / "model")
     from safetensors.torch import load_file
@@ -113,7 +100,7 @@ def test_new_weights_reach_every_engine(engines, toy_dir, prompts_file, tmp_path
                                                     .items()})]:
             engines.update_weights(weights, policy_version=version)
             run = tmp_path / f"run-{version}"
-            generate(run, prompts_file, SAMPLING, generator=engines, chunk_prompts=32)
+            generate(run, ray_prompts_file, SAMPLING, generator=engines, chunk_prompts=32)
             samples = RunStore(run).read("samples")
             assert set(samples.column("policy_version").to_pylist()) == {version}
             for engine in (0, 1):  # every engine's rows, on their own
@@ -126,7 +113,7 @@ def test_new_weights_reach_every_engine(engines, toy_dir, prompts_file, tmp_path
         # a fresh engine started after an update holds the new weights too
         engines.update_weights(new_dir, policy_version=5)
         ray.kill(engines.actor(0), no_restart=True)
-        prompts = [engines.tokenize(p, None) for p in pq.read_table(prompts_file).column("prompt").to_pylist()]
+        prompts = [engines.tokenize(p, None) for p in pq.read_table(ray_prompts_file).column("prompt").to_pylist()]
         assert len(engines.greedy(prompts, max_tokens=4)) == len(prompts)
         assert engines.restarts >= 1
         assert {i["weights_sha256"] for i in ray.get([engines.actor(e).describe.remote() for e in (0, 1)])} == {

@@ -107,10 +107,12 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
 def test_ddp_trainer_ranks_kept_across_rounds_and_a_killed_rank(toy_dir, tmp_path):
     """2 DDP trainer ranks (Ray actors) next to 2 engines on 2 CPUs (half a CPU each): SIGKILL
     rank 1 after step 3; the run stops with an error naming the rank, the rerun resumes and
-    starts its ranks once."""
+    starts its ranks once. The engines are transformers ones (the ranks are what is tested;
+    a vLLM engine takes several times as long to start)."""
     from training.ray_ranks import KILL_RANK_ENV
 
     text = _spec(tmp_path, toy_dir).read_text().replace("overlap = 1\n", "")
+    text = text.replace('backend = "vllm"\n', 'backend = "hf"\n')
     text = text.replace("engines = 2\n", "engines = 2\nengine_cpus = 0.5\n")
     text = text.replace('objective = "grpo"\n', 'objective = "grpo"\nstrategy = "ddp"\nnproc = 2\nrank_cpus = 0.5\n')
     spec, run_dir = tmp_path / "ddp.toml", tmp_path / "run"
