@@ -18,6 +18,8 @@ one dictionary lookup. The points, where they sit and what a kill there leaves b
     loop.eval                  the greedy evaluation is running
     export.before_rename       an export file is written to its temp path
     report.before_write        the report's numbers are computed, no file written
+    location.file_uploaded     a local file (a checkpoint's, the report's, a round's prompts) is
+                               uploaded to an object-store run, the files after it are not
 
 `GROUPFORGE_PAUSE=<point>:<count>:<folder>` stops there instead: the process writes
 `<folder>/paused` and waits until `<folder>/resume` exists (concurrency tests: a reader runs
@@ -38,7 +40,8 @@ PAUSE_ENV = "GROUPFORGE_PAUSE"
 
 POINTS = ("generate.chunk_staged", "commit.files_published", "commit.logged", "stage.before_commit",
           "train.step_logged", "checkpoint.weights_written", "checkpoint.optimizer_written", "loop.after_curate",
-          "loop.reload", "loop.eval", "export.before_rename", "report.before_write")
+          "loop.reload", "loop.eval", "export.before_rename", "report.before_write",
+          "location.file_uploaded")
 
 _passed: dict[str, int] = {}
 

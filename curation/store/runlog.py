@@ -117,15 +117,22 @@ def write_json_atomic(path: str | Path, obj: object, **kwargs: Any) -> Path:
 def read_json(path: str | Path) -> dict | None:
     """A JSON object from `path`; None when the file does not exist; a ValueError naming the
     file when it is not valid JSON (a run file written by hand, or damaged)."""
-    path = Path(path)
     try:
-        value = json.loads(path.read_text())
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         return None
+    return parse_json(data, str(path))
+
+
+def parse_json(data: bytes, where: str) -> dict:
+    """The JSON object in `data` (the file or object `where`); a ValueError naming it when it is
+    not one."""
+    try:
+        value = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
+        raise ValueError(f"{where}: expected a JSON object, found {type(value).__name__}")
     return value
 
 
@@ -332,16 +339,20 @@ def _is_step_after(line: str, step: int) -> bool:
 # ---- the round loop's state -----------------------------------------------------------------
 
 
-def load_pipeline_state(run_dir: str | Path) -> dict[str, Any]:
+def load_pipeline_state(run: str | Path | Storage) -> dict[str, Any]:
     """RUN/pipeline.json: `target_rounds` (the last round to run) and `prompt_files` (train
     prompt files the run has seen); {} for a new run."""
-    return read_json(Path(run_dir) / PIPELINE_FILE) or {}
+    storage = run if isinstance(run, Storage) else open_storage(run)
+    data = storage.read_if_exists(PIPELINE_FILE)
+    return {} if data is None else parse_json(data, storage.where(PIPELINE_FILE))
 
 
-def save_pipeline_state(run_dir: str | Path, state: dict[str, Any]) -> None:
-    write_json_atomic(Path(run_dir) / PIPELINE_FILE, state)
+def save_pipeline_state(run: str | Path | Storage, state: dict[str, Any]) -> None:
+    storage = run if isinstance(run, Storage) else open_storage(run)
+    storage.write(PIPELINE_FILE, to_json(state).encode("utf-8"))
 
 
-def round_prompts_path(run_dir: str | Path, round: int) -> Path:
-    """Where the prompts chosen for `round` are kept (written once, reused on resume)."""
-    return Path(run_dir) / ROUNDS_DIR / f"round={round}" / "prompts.parquet"
+def round_prompts_rel(round: int, name: str = "prompts.parquet") -> str:
+    """Where the prompts chosen for `round` are kept, relative to the run (written once, reused
+    on resume); `name`: another prompt file of the round (a refill's)."""
+    return f"{ROUNDS_DIR}/round={round}/{name}"

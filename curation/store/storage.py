@@ -5,7 +5,9 @@
 this module (its tables, commits, the commit log and the Delta logs) reads and writes whole
 objects by a path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a
 local run and an object-store run share one format and one code path. The run's other files
-(curation/store/runlog.py, checkpoints, reports) are written to a local folder.
+go through it too: its logs as whole objects (curation/store/runlog.py), the folders that must
+be local files to be used (checkpoints, the report) through `RunLocation`
+(curation/store/location.py).
 
 Why obstore: one API over S3, GCS, Azure and local files with *conditional writes*
 (`create`: If-None-Match, the primitive that makes commits atomic without a rename and lets
@@ -143,6 +145,15 @@ class Storage:
 
     def exists(self, rel: str) -> bool:
         raise NotImplementedError
+
+    def upload(self, rel: str, path: Path) -> None:
+        """Write the local file `path` as the object `rel`, whole (as `write`)."""
+        self.write(rel, Path(path).read_bytes())
+
+    def download(self, rel: str, path: Path) -> None:
+        """The object `rel` into the local file `path`, written beside it and renamed into place:
+        a kill leaves no part of a file under `path`."""
+        _write_local(Path(path), self.read(rel))
 
     def local_path(self, rel: str = "") -> Path | None:
         """The local file of `rel` (local storage), None on an object store: callers that need a
@@ -349,6 +360,18 @@ class ObjectStorage(Storage):
             return False
         return True
 
+    def upload(self, rel: str, path: Path) -> None:
+        import obstore
+
+        self._call(rel, "writing", obstore.put, _check_rel(rel), Path(path))  # multipart when large
+
+    def download(self, rel: str, path: Path) -> None:
+        import obstore
+
+        path = Path(path)
+        result = self._call(rel, "reading", obstore.get, _check_rel(rel))
+        _write_local(path, (bytes(chunk) for chunk in result.stream()))
+
     def list(self, prefix: str = "") -> list[Entry]:
         import obstore
 
@@ -380,6 +403,23 @@ class ObjectStorage(Storage):
             return int(self._call(rel, "checking", obstore.head, _check_rel(rel))["size"])
         except FileNotFoundError:
             return None
+
+
+def _write_local(path: Path, data: Data | Iterable[Data]) -> None:
+    """`data` (bytes, or chunks of them) into the local file `path`: a temporary file beside it,
+    fsynced and renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        with disk_write(path), open(tmp, "wb") as f:
+            for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _reason(exc: BaseException) -> str:

@@ -16,7 +16,7 @@ from curation.store.runlog import (
     RoundRecord,
     load_pipeline_state,
     read_json,
-    round_prompts_path,
+    round_prompts_rel,
     save_pipeline_state,
     to_json,
     write_atomic,
@@ -95,12 +95,12 @@ def test_read_json_errors_name_the_file(tmp_path):
         read_json(tmp_path / "binary.json")
 
 
-def test_pipeline_state_and_round_prompts_path(tmp_path):
+def test_pipeline_state_and_round_prompts_rel(tmp_path):
     assert load_pipeline_state(tmp_path) == {}
     save_pipeline_state(tmp_path, {"target_rounds": 3, "prompt_files": ["a.parquet"]})
     assert load_pipeline_state(tmp_path) == {"target_rounds": 3, "prompt_files": ["a.parquet"]}
     assert json.loads((tmp_path / "pipeline.json").read_text())["target_rounds"] == 3
-    assert round_prompts_path(tmp_path, 4) == tmp_path / "_rounds" / "round=4" / "prompts.parquet"
+    assert round_prompts_rel(4) == "_rounds/round=4/prompts.parquet"
 
 
 # ---- the metrics log -----------------------------------------------------------------------

@@ -35,6 +35,7 @@ from deltalake import DeltaTable
 from safetensors.torch import load_file
 
 from curation.faults import FAULT_ENV, POINTS
+from curation.store.location import CACHE_ENV
 from curation.store.storage import TEMP_PREFIX
 from tests.helpers import FAULTS_SPEC, REPO, check_tables, logged_files, parquet_sql
 
@@ -93,10 +94,14 @@ def _marks(case: tuple) -> tuple:
 ENGINE_CHECKED = {("checkpoint.weights_written", 2), ("loop.reload", 1)}  # vLLM loads the newest checkpoint
 
 
-def _cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own; `fault`: GROUPFORGE_FAULT; `cache`: its node-local cache
+    for object-store runs (GROUPFORGE_CACHE: a fresh folder is a fresh machine)."""
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     if fault:
         env[FAULT_ENV] = fault
+    if cache is not None:
+        env[CACHE_ENV] = str(cache)
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
 
@@ -216,9 +221,52 @@ def test_the_readme_lists_every_point():
     text = (REPO / "docs" / "reliability.md").read_text()
     table = text[text.index("## Faults tried"):].split("\n## ", 1)[0]
     rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `")}
-    assert list(rows) == list(POINTS) and {case[0] for case in CASES} == set(POINTS)
+    assert list(rows) == list(POINTS) and {case[0] for case in CASES} | {p for p, _ in S3_KILLS} == set(POINTS)
     for point, count, _ in CASES:  # each kill tried is in its point's row
         assert f"{count}" in rows[point].split("|")[2], (point, count)
+    for point, count in S3_KILLS:
+        assert f"S3: {count}" in rows[point].split("|")[2], (point, count)
+
+
+# ---- a run on object storage ------------------------------------------------------------------
+
+S3_KILLS = [  # one after another on one run, each process on a fresh machine (an empty cache)
+    ("commit.files_published", 2),      # round 1's score commit: part files on S3, no log entry
+    ("commit.logged", 1),               # the rerun's first commit (round 1's score): log entry, no Delta version
+    ("location.file_uploaded", 3),      # round 1's checkpoint half uploaded (no trainer_state.json)
+    ("train.step_logged", 2),           # a step line in S3's metrics.jsonl, no checkpoint after it
+    ("checkpoint.weights_written", 1),  # a checkpoint in the cache only, nothing uploaded
+    ("loop.reload", 1),                 # the engine loading weights fetched from S3
+]
+
+
+def test_a_run_on_s3_resumes_after_kills_on_fresh_machines(spec, reference, s3_server, tmp_path):
+    """The toy loop with --run-dir s3://... on moto's S3 server, SIGKILLed at each of S3_KILLS
+    in turn, each rerun with an empty node cache (it resumes from the bucket alone); then the
+    bucket, read by boto3, DuckDB, pyarrow, delta-rs and Polars (not by groupforge), holds a
+    whole run with the weights of the run nobody killed, and no local run folder was made."""
+    import polars as pl
+
+    bucket = s3_server.bucket()
+    url = f"s3://{bucket}/runs/faults"
+    command = ["run", str(spec), "--run-dir", url]
+    for i, (point, count) in enumerate(S3_KILLS):
+        crash = _cli(command, fault=f"{point}:{count}", cache=tmp_path / f"node-{i}")
+        assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+    done = _cli(command, cache=tmp_path / "node-last")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (REPO / "runs" / "faults").exists() and not (tmp_path / "runs").exists()
+
+    mirror = tmp_path / "mirror"
+    keys = s3_server.download(bucket, "runs/faults", mirror)
+    assert "metrics.jsonl" in keys and any(k.startswith("samples/_delta_log/") for k in keys)
+    check_invariants(mirror)
+    got, want = _final_weights(mirror), _final_weights(reference)
+    assert all(torch.equal(got[k], want[k]) for k in want), "the final weights differ from the local reference"
+    rows = duckdb.sql(f"SELECT count(*) FROM {parquet_sql(mirror, 'samples')}").fetchall()[0][0]
+    assert pl.scan_delta(f"{url}/samples").select(pl.len()).collect().item() == rows  # over the endpoint
+    assert DeltaTable(f"{url}/groups").to_pyarrow_table().num_rows == \
+        duckdb.sql(f"SELECT count(*) FROM {parquet_sql(mirror, 'groups')}").fetchall()[0][0]
 
 
 # ---- a full disk ------------------------------------------------------------------------------

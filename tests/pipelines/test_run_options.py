@@ -49,7 +49,7 @@ def test_eval_every_checkpoint_every_replay_and_the_breakdown(tmp_path, toy_dir)
 
     with pytest.raises(Stop):
         run_pipeline(spec, run_dir, log=lambda msg: None, on_round=stop_after_round_3)
-    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [4]
+    assert ckpt.checkpoint_steps(run_dir) == [4]
     before = _steps(run_dir)
     assert sorted(before) == [1, 2, 3, 4, 5, 6]
 
@@ -65,7 +65,7 @@ def test_eval_every_checkpoint_every_replay_and_the_breakdown(tmp_path, toy_dir)
     assert [r["round"] for r in records] == [0, 1, 2, 3, 4, 5]
     assert [r["eval_accuracy"] is not None for r in records] == [True, False, True, False, True, True]
     assert [r["policy_version"] for r in records] == [0, 2, 4, 6, 8, 10]
-    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [4, 8, 10]
+    assert ckpt.checkpoint_steps(run_dir) == [4, 8, 10]
 
     # every record says where its time went: the phases sum to the wall seconds
     for r in records:
