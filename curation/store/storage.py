@@ -347,15 +347,14 @@ class ObjectStorage(Storage):
     def write(self, rel: str, data: Data) -> None:
         import obstore
 
-        self._call(rel, "writing", obstore.put, _check_rel(rel), bytes(data) if isinstance(data, bytearray) else data)
+        self._call(rel, "writing", obstore.put, _check_rel(rel), _payload(data))
 
     def create(self, rel: str, data: Data) -> bool:
         import obstore
         import obstore.exceptions as oe
 
         try:
-            self._call(rel, "writing", obstore.put, _check_rel(rel), bytes(data) if isinstance(data, bytearray)
-                       else data, mode="create")
+            self._call(rel, "writing", obstore.put, _check_rel(rel), _payload(data), mode="create")
         except (oe.AlreadyExistsError, oe.PreconditionError):
             return False
         return True
@@ -403,6 +402,11 @@ class ObjectStorage(Storage):
             return int(self._call(rel, "checking", obstore.head, _check_rel(rel))["size"])
         except FileNotFoundError:
             return None
+
+
+def _payload(data: Data) -> bytes:
+    """`data` as bytes: obstore takes bytes, not every buffer (a pyarrow Buffer, a bytearray)."""
+    return data if isinstance(data, bytes) else bytes(memoryview(data))
 
 
 def _write_local(path: Path, data: Data | Iterable[Data]) -> None:

@@ -176,7 +176,9 @@ def check_invariants(run_dir: Path) -> None:
             assert rel in listed, f"{rel} is in a table folder but no log entry lists it"
         if files:
             live = {f.relative_to(folder).as_posix() for f in logged_files(run_dir, table)}
-            assert set(DeltaTable(str(folder)).files()) == live, f"{table}: the Delta log and the commit log differ"
+            uris = {Path(uri.removeprefix("file://")).relative_to(folder.resolve()).as_posix()
+                    for uri in DeltaTable(str(folder)).file_uris()}
+            assert uris == live, f"{table}: the Delta log and the commit log differ"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = [r["round"] for r in records if r["event"] == "round"]
     steps = [r["step"] for r in records if r["event"] == "step"]
