@@ -216,17 +216,20 @@ class Commit:
         }))
         manifest = {**content, SEAL_FIELD: seal_of(content)}  # a hand edit shows (store/verify.py)
         fault_point("commit.files_published")
-        before = store.state.copy()
-        earlier = (store.load_manifest(self.stage, self.round) or {}).get("outputs", [])
-        tables = tuple(sorted({rel.split("/", 1)[0] for rel in (*outputs, *earlier)}))
-        gone = store.log.commit(self.stage, self.round, manifest, self._files, tables)  # the commit point
-        fault_point("commit.logged")
-        for rel in outputs:
-            if rel in self._tables:
-                store.held[rel] = HeldPart(self._files[rel].sha256, self._tables[rel])
-            else:
-                store.held.pop(rel, None)
-        mirror_commit(store, before, gone)
+        with store.job.lock:  # a sibling store of this job (another thread) commits in turn
+            store.catch_up()
+            before = store.state.copy()
+            earlier = (store.load_manifest(self.stage, self.round) or {}).get("outputs", [])
+            tables = tuple(sorted({rel.split("/", 1)[0] for rel in (*outputs, *earlier)}))
+            gone = store.log.commit(self.stage, self.round, manifest, self._files, tables)  # the commit point
+            store.job.seq = store.log.state.seq
+            fault_point("commit.logged")
+            for rel in outputs:
+                if rel in self._tables:
+                    store.held[rel] = HeldPart(self._files[rel].sha256, self._tables[rel])
+                else:
+                    store.held.pop(rel, None)
+            mirror_commit(store, before, gone)
         for rel in gone:  # kept on storage for earlier versions of the run (RunState.retired)
             store.held.pop(rel, None)
         staging = store.staging(self.stage, self.round)

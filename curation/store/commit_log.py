@@ -227,6 +227,13 @@ class CommitLog:
         self.state = self._replay(self.state, None, entries, states)
         return self.state
 
+    def catch_up(self, seq: int) -> RunState:
+        """Read the entries up to `seq` that this object has not read (another store of this job
+        wrote them: `RunStore.sibling`), without listing the log."""
+        for n in range(self.state.seq + 1, seq + 1):
+            self.state.apply(self._read_entry(n))
+        return self.state
+
     def state_as_of(self, seq: int) -> RunState:
         """The run after entry `seq` (an earlier version of the run)."""
         entries, states = self._listing()

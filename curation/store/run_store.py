@@ -23,8 +23,9 @@ inside the file always agree (docs/guide-data.md, "Read the tables yourself").
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,15 @@ from curation.store.storage import LocalStorage, Storage, open_storage
 
 if TYPE_CHECKING:
     from curation.store.commit import Commit
+
+
+@dataclass
+class JobWrites:
+    """What the stores of one writing job share (`RunStore.sibling`): the lock that orders their
+    commits, and the newest commit log entry any of them wrote."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = -1
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,8 @@ class RunStore:
         self.held: dict[str, HeldPart] = {}
         """The parts committed through this store (with `hold`), by path relative to the run."""
         self.log = CommitLog(self.storage)
+        self.job = JobWrites()
+        """Shared with this store's siblings: their commits take turns and see each other's."""
         self._frozen = False  # a snapshot: the state is not read again
         self._unlisted: RunState | None = None  # the state of a run without a commit log (`refresh`)
 
@@ -136,6 +148,19 @@ class RunStore:
 
     def __repr__(self) -> str:
         return f"RunStore({self.location!r}{', snapshot' if self._frozen else ''})"
+
+    def sibling(self) -> RunStore:
+        """Another store of this writing job on the run, for a thread that commits beside this
+        store's user (the round loop's next-round generate): the same writer in the commit log,
+        commits in turn with this store's, no held parts. Call after the job opened the run."""
+        other = RunStore(self.storage)
+        other.log.writer, other.log.state, other.job = self.log.writer, self.log.state.copy(), self.job
+        return other
+
+    def catch_up(self) -> None:
+        """Read the commits this store's siblings made since it last looked."""
+        if self.job.seq > self.log.state.seq:
+            self.log.catch_up(self.job.seq)
 
     def snapshot(self) -> RunStore:
         """A reader's view of the run as of now: the commits made so far, and no later one,

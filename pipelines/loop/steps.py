@@ -48,6 +48,7 @@ def sample(ctx: RoundContext, round: int, prompts_file: Path, policy_version: in
             future, ctx.prefetch = ctx.prefetch[1], None
             future.result()
             ctx.clock.model += time.perf_counter() - tic  # only the wait: the rest ran beside training
+        ctx.store.catch_up()  # the thread's commits
         return
     if ctx.store.load_manifest(stage, round) is not None:
         return
@@ -73,7 +74,7 @@ def prefetch(ctx: RoundContext, round: int, prompts_file: Path, policy_version: 
             f"{round - 1} trains")
     if ctx.pool is None:
         ctx.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupforge-prefetch")
-    ctx.prefetch = (round, ctx.pool.submit(_generate_call, ctx, RunStore(ctx.store.storage), round, prompts_file,
+    ctx.prefetch = (round, ctx.pool.submit(_generate_call, ctx, ctx.store.sibling(), round, prompts_file,
                                            generator, "generate"))
 
 
