@@ -44,6 +44,9 @@ PARTS = ["generate", "score", "filter", "label", "pair", "train", "reload", "che
 def round_parts(run_dir: Path, skip: int = 2) -> list[dict[str, float]]:
     """Per round after the first `skip`: wall, model and overhead seconds, and each phase's
     overhead (generate, train and eval without their model work)."""
+    from curation.store.run_store import RunStore
+
+    store = RunStore(run_dir)  # the stages' manifests, from the run's commit log
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_seconds = {r["step"]: r["seconds"] for r in records if r.get("event") == "step"}
     out = []
@@ -51,7 +54,7 @@ def round_parts(run_dir: Path, skip: int = 2) -> list[dict[str, float]]:
         if r.get("event") != "round" or r["round"] <= skip:
             continue
         phases = r["phase_seconds"]
-        manifest = json.loads((run_dir / "_manifests" / f"generate-round={r['round']}.json").read_text())
+        manifest = store.load_manifest("generate", r["round"])
         sampling = float(manifest.get("sample_seconds") or 0)
         steps = sum(step_seconds[s] for s in range(r["policy_version"] - r["steps"] + 1, r["policy_version"] + 1))
         greedy = r["model_seconds"] - sampling - steps

@@ -12,11 +12,13 @@ an old worktree's code runs with this venv; the CLI module's file is checked to 
 the digest's `meta`. Then it digests every file of each run folder and the toy:
 
 - Parquet, safetensors and other files: sha256 of the bytes;
-- JSON (manifests, trainer_state, pipeline.json, report/data/run.js), spec.toml, metrics.jsonl's records: the
-  values, without DROPPED fields (times, rates, code version and the seal over them), the run
-  folder's absolute path written as RUN;
+- JSON (the commit log's entries and states with the stages' manifests, trainer_state, pipeline.json,
+  report/data/run.js), the Delta logs' actions, spec.toml, metrics.jsonl's records: the values, without
+  DROPPED fields (times, rates, the writing job's id, code version and the seal over them) and the
+  Delta tables' random ids, the run folder's absolute path written as RUN;
 - report/summary.md: its text without the time section and the wall/tokens-per-second figures;
-- SKIPPED files (the writer lock, temp folders named by pid) are only listed (compared by name, digits masked).
+- SKIPPED files (the writer lock, temp files and folders named by pid, the Delta logs' Parquet checkpoints, which
+  hold the times of the JSON versions they sum up) are only listed (compared by name, digits masked).
 
 `compare` prints every difference (a file on one side only, another hash, another field value with
 both values) and exits 1 if there is any, else 0. `meta` (paths, commit, CLI file) is shown, not compared.
@@ -41,10 +43,13 @@ SETTINGS = ("run.rounds=12", "prompts.per_round=32", "run.steps_per_round=2", "r
 FAULT = "train.step_logged:13"  # 2 steps a round: the first step of round 7 (checkpoints at rounds 4, 8, 12)
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
        "HF_HUB_OFFLINE": "1"}
-# Times and rates (wall clock), the code's version string, and `seal` (a manifest's sha256 over its
-# other fields, created_at and code_version included). Nothing else is left out.
-DROPPED = {"created_at", "mtime_ns", "code_version", "seal"}
-SKIPPED = re.compile(r"(^|/)(\.lock|_tmp/.*|\.tmp-.*)$")
+# Times and rates (wall clock: a commit log entry's `at`, a manifest's `created_at`, the Delta logs'
+# timestamps), the writing job's id (host:pid:random, in the commit log), the code's version string,
+# and `seal` (a manifest's sha256 over its other fields, created_at and code_version included).
+# Nothing else is left out.
+DROPPED = {"created_at", "at", "writer", "mtime_ns", "code_version", "seal", "timestamp", "modificationTime",
+           "deletionTimestamp", "createdTime"}
+SKIPPED = re.compile(r"(^|/)(\.lock|\.gf-tmp-.*|\.tmp-.*|_delta_log/(_last_checkpoint|.*\.checkpoint\.parquet))$")
 CLI = ("import importlib, sys; m = importlib.import_module(sys.argv.pop(1)); f = sys.argv.pop(1); "
        "print('groupforge-cli-file:', m.__file__, file=sys.stderr, flush=True); "
        "sys.argv[0] = 'groupforge'; sys.exit(getattr(m, f)())")
@@ -83,6 +88,11 @@ def summary_text(text: str) -> list[str]:
 
 def digest_file(path: Path, run_dir: str):
     name = path.name
+    if path.parent.name == "_delta_log" and name.endswith(".json"):  # a Delta version: one action a line
+        actions = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for action in actions:
+            action.get("metaData", {}).pop("id", None)  # a random uuid
+        return clean(actions, run_dir)
     if name == "metrics.jsonl":
         return [clean(json.loads(line), run_dir) for line in path.read_text().splitlines() if line.strip()]
     if name.endswith(".json"):

@@ -20,8 +20,6 @@ skipped with a warning. The license field is left for the user to fill in.
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ import pyarrow.parquet as pq
 from curation.errors import JobError
 from curation.store.fingerprints import code_version
 from curation.store.run_store import RunStore
-from curation.store.runlog import read_json, write_atomic
+from curation.store.runlog import write_atomic
 
 CARD_FILE = "README.md"
 CARD_MARKER = "<!-- written by groupforge export: rewritten on every export into this folder -->"
@@ -40,17 +38,13 @@ METADATA_KEY = b"groupforge.provenance"
 CURATION = ("score", "filter", "label", "pair")
 
 
-def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str, command: list[str] | None = None
-               ) -> dict[str, Any]:
+def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str) -> dict[str, Any]:
     """Where an export of `rounds` (None: all) of the run comes from, from its manifests: the
     source model and its fingerprint, policy versions, sampling settings, reward functions and
-    their versions, filter/label/pair settings, drops by reason, groupforge's version and the
-    command that wrote it."""
-    manifests = {}
-    for path in sorted((store.root / "_manifests").glob("*-round=*.json")):
-        stage, _, number = path.stem.partition("-round=")
-        if number.isdigit() and (rounds is None or int(number) in rounds):
-            manifests[(stage, int(number))] = read_json(path) or {}
+    their versions, filter/label/pair settings, drops by reason and groupforge's version. Nothing
+    about the export call itself (no command line, no time): an export of the same data by the
+    same groupforge gives the same bytes (`export --as-of`)."""
+    manifests = {key: m for key, m in sorted(store.state.manifests.items()) if rounds is None or key[1] in rounds}
     used = sorted({r for _, r in manifests})
     generate = [m for (stage, _), m in sorted(manifests.items()) if stage == "generate"]
     by_stage = {stage: [m for (s, _), m in sorted(manifests.items()) if s == stage] for stage in CURATION}
@@ -72,7 +66,6 @@ def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str, 
         "drops": dict(sorted(drops.items())),
         "code_versions": _distinct(m.get("code_version") for m in manifests.values()),
         "exported_by": code_version(),
-        "command": shlex.join(command if command is not None else ["groupforge", *sys.argv[1:]]),
     }
 
 
@@ -170,8 +163,7 @@ def _provenance_lines(record: dict[str, Any]) -> list[str]:
             ("reward settings", value(record["reward_settings"])), ("filter", value(record["filter"])),
             ("label", value(record["label"])), ("pair", value(record["pair"])),
             ("rows dropped, by reason", value(record["drops"]) if record["drops"] else "none"),
-            ("written by", value(record["code_versions"])), ("exported by", value(record["exported_by"])),
-            ("command", value(record["command"]))]
+            ("written by", value(record["code_versions"])), ("exported by", value(record["exported_by"]))]
     return ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
 
 
@@ -188,12 +180,12 @@ def _distinct(values) -> list:
 
 def _source_model(store: RunStore, generate: list[dict]) -> str | None:
     """The model the run sampled from: its spec's [model] path, else the generator's name."""
-    spec = store.root / "spec.toml"
-    if spec.is_file():
+    spec = store.storage.read_if_exists("spec.toml")
+    if spec is not None:
         import tomllib
 
         try:
-            path = tomllib.loads(spec.read_text()).get("model", {}).get("path")
+            path = tomllib.loads(spec.decode()).get("model", {}).get("path")
         except tomllib.TOMLDecodeError:
             path = None
         if path:

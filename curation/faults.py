@@ -7,8 +7,8 @@ Several points may be given, comma-separated. Unset (always, outside tests), a p
 one dictionary lookup. The points, where they sit and what a kill there leaves behind:
 
     generate.chunk_staged      a chunk of a multi-chunk round is staged (RUN/_staging)
-    commit.journal_written     a commit's journal (.pending) is written, no file moved yet
-    commit.files_published     part files are in place, the manifest is not
+    commit.files_published     a commit's part files are written, its commit log entry is not
+    commit.logged              its commit log entry is written, the Delta logs and stale parts are not
     stage.before_commit        a curation stage computed its tables, nothing written
     train.step_logged          an optimizer step's metrics line is written
     checkpoint.weights_written a checkpoint's weights are in its temp folder, no optimizer state
@@ -18,6 +18,8 @@ one dictionary lookup. The points, where they sit and what a kill there leaves b
     loop.eval                  the greedy evaluation is running
     export.before_rename       an export file is written to its temp path
     report.before_write        the report's numbers are computed, no file written
+    location.file_uploaded     a local file (a checkpoint's, the report's, a round's prompts) is
+                               uploaded to an object-store run, the files after it are not
 
 `GROUPFORGE_PAUSE=<point>:<count>:<folder>` stops there instead: the process writes
 `<folder>/paused` and waits until `<folder>/resume` exists (concurrency tests: a reader runs
@@ -36,9 +38,10 @@ from pathlib import Path
 FAULT_ENV = "GROUPFORGE_FAULT"
 PAUSE_ENV = "GROUPFORGE_PAUSE"
 
-POINTS = ("generate.chunk_staged", "commit.journal_written", "commit.files_published", "stage.before_commit",
+POINTS = ("generate.chunk_staged", "commit.files_published", "commit.logged", "stage.before_commit",
           "train.step_logged", "checkpoint.weights_written", "checkpoint.optimizer_written", "loop.after_curate",
-          "loop.reload", "loop.eval", "export.before_rename", "report.before_write")
+          "loop.reload", "loop.eval", "export.before_rename", "report.before_write",
+          "location.file_uploaded")
 
 _passed: dict[str, int] = {}
 

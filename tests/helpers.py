@@ -276,21 +276,48 @@ def step_records(run_dir):
     return [r for r in map(json.loads, lines) if r["event"] == "step"]
 
 
+def logged_files(run_dir: Path, table: str, rounds=None) -> list[Path]:
+    """The live files of `table` (`rounds`: only those rounds') as the run's commit log lists
+    them, read without the store: the "commit" entries of RUN/_log/ folded per (stage, round),
+    the newest winning, and the files "import" entries take in. Unlike a glob of the table
+    folder, this leaves out files of earlier versions, killed commits' files and the Delta
+    log's own files."""
+    newest, imported = {}, set()
+    for path in sorted((Path(run_dir) / "_log").glob("*.json")):
+        if path.name.endswith(".state.json"):
+            continue
+        entry = json.loads(path.read_text())
+        if entry["kind"] == "commit":
+            newest[(entry["stage"], entry["round"])] = set(entry["add"])
+        elif entry["kind"] == "import":
+            imported |= set(entry["add"])
+    live = imported.union(*newest.values())
+    folders = None if rounds is None else {f"round={r}" for r in rounds}
+    return sorted(Path(run_dir) / rel for rel in live if rel.split("/")[0] == table
+                  and (folders is None or rel.split("/")[1] in folders))
+
+
+def parquet_sql(run_dir: Path, table: str, rounds=None) -> str:
+    """DuckDB's read_parquet over the live files of `table` (`logged_files`), without hive columns."""
+    files = [str(f) for f in logged_files(run_dir, table, rounds)]
+    assert files, f"no live {table} file in {run_dir}"
+    return f"read_parquet({files!r}, hive_partitioning = false, union_by_name = true)"
+
+
 def check_tables(run_dir):
     """Every (round, prompt_id, sample_idx) once in samples; groups + rejects cover samples exactly."""
-    glob = lambda t: f"'{run_dir}/{t}/**/*.parquet'"  # noqa: E731
     dup = duckdb.sql("SELECT count(*) - count(DISTINCT (round, prompt_id, sample_idx)) "
-                     f"FROM read_parquet({glob('samples')})")
+                     f"FROM {parquet_sql(run_dir, 'samples')}")
     assert dup.fetchall()[0][0] == 0
     uncovered = duckdb.sql(f"""
         WITH covered AS (
-            SELECT round, prompt_id, sample_idx, 1 AS n FROM read_parquet({glob('groups')})
+            SELECT round, prompt_id, sample_idx, 1 AS n FROM {parquet_sql(run_dir, 'groups')}
             UNION ALL
-            SELECT s.round, s.prompt_id, s.sample_idx, 1 FROM read_parquet({glob('rejects')}) r
-            JOIN read_parquet({glob('samples')}) s
+            SELECT s.round, s.prompt_id, s.sample_idx, 1 FROM {parquet_sql(run_dir, 'rejects')} r
+            JOIN {parquet_sql(run_dir, 'samples')} s
               ON s.round = r.round AND s.prompt_id = r.prompt_id
              AND (r.sample_idx IS NULL OR r.sample_idx = s.sample_idx))
-        SELECT count(*) FROM read_parquet({glob('samples')}) s
+        SELECT count(*) FROM {parquet_sql(run_dir, 'samples')} s
         LEFT JOIN (SELECT round, prompt_id, sample_idx, sum(n) AS n FROM covered GROUP BY ALL) c
           USING (round, prompt_id, sample_idx)
         WHERE c.n IS DISTINCT FROM 1""")

@@ -63,16 +63,31 @@ class S3Server:
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
 
-    def bucket(self, name: str | None = None) -> str:
-        """A new empty bucket; its name."""
+    def client(self):
+        """A boto3 S3 client of this endpoint: a reader that shares no code with groupforge's."""
         import boto3
 
-        name = name or f"gf-{uuid.uuid4().hex[:12]}"
         env = self.env()
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"])
-        client.create_bucket(Bucket=name)
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"])
+
+    def bucket(self, name: str | None = None) -> str:
+        """A new empty bucket; its name."""
+        name = name or f"gf-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
         return name
+
+    def download(self, bucket: str, prefix: str, dest: Path) -> list[str]:
+        """Every object under `bucket/prefix/` into the folder `dest` (with boto3); their keys
+        relative to the prefix."""
+        client, keys = self.client(), []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/"):
+            for item in page.get("Contents", []):
+                rel = item["Key"][len(prefix.rstrip("/")) + 1:]
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                client.download_file(bucket, item["Key"], str(dest / rel))
+                keys.append(rel)
+        return sorted(keys)
 
 
 def aws_env_applied(server: S3Server) -> dict[str, str | None]:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from tests.helpers import logged_files
+
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "<!-- readme-example -->"
 
@@ -41,7 +43,8 @@ def test_readme_example_runs(toy_dir: Path, tmp_path: Path):
     run = tmp_path / "runs" / "my-run"
     assert (run / "checkpoints" / "step-2" / "model.safetensors").is_file()
     # round 2 was sampled by the trained weights: policy_version 2, and 64 prompts x 8
-    samples = pq.read_table(run / "samples" / "round=2" / "part-generate.parquet")
+    [part] = logged_files(run, "samples", [2])
+    samples = pq.read_table(part)
     assert samples.num_rows == 64 * 8
     assert set(samples.column("policy_version").to_pylist()) == {2}
     n_groups = int(done.stdout.strip().splitlines()[-1].split()[0])  # the example's own line comes last

@@ -7,9 +7,11 @@
         trainer_state.json                                step, config, data cursor, param groups
 
 k is the optimizer step, which is also the `policy_version` of samples generated from it.
-A checkpoint is written into `RUN/checkpoints/.tmp-step-<k>-<pid>/` and renamed into place,
-`trainer_state.json` last, so a folder named step-<k> is always complete; a kill while
-saving leaves only a `.tmp-*` folder, removed by the next save.
+A checkpoint is written into `checkpoints/.tmp-step-<k>-<pid>/` of the run's work folder
+(curation/store/location.py) and renamed into place, `trainer_state.json` last, so a folder
+named step-<k> is always complete; a kill while saving leaves only a `.tmp-*` folder, removed by
+the next save. A run on an object store then uploads the folder, `trainer_state.json` last: a
+checkpoint counts once its trainer_state.json is in the storage (`checkpoint_steps`).
 
 Optimizer state is stored as tensors (safetensors) and JSON (param groups), so loading a
 checkpoint from elsewhere never unpickles anything. The file names are `curation.store.runlog`'s.
@@ -29,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from curation.errors import disk_write
 from curation.faults import fault_point
+from curation.store.location import RunLocation
 from curation.store.runlog import (
     CHECKPOINTS_DIR,
     OPTIMIZER_FILE,
@@ -58,30 +61,37 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIR
+Run = str | Path | RunLocation
+"""A run as the checkpoint functions take it: its folder or URL, or its location."""
 
 
-def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / f"step-{step}"
+def checkpoint_rel(step: int) -> str:
+    """Checkpoint `step`'s folder, relative to the run."""
+    return f"{CHECKPOINTS_DIR}/step-{step}"
 
 
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint, oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for folder in root.iterdir():
-        match = _STEP_DIR.fullmatch(folder.name)
-        if match and (folder / TRAINER_STATE_FILE).is_file():
-            found.append((int(match[1]), folder))
+def checkpoint_steps(run: Run) -> list[int]:
+    """The steps of every complete checkpoint in the run's storage (those with a
+    trainer_state.json), oldest first."""
+    found = set()
+    for entry in RunLocation.of(run).storage.list(CHECKPOINTS_DIR + "/"):
+        parts = entry.rel.split("/")
+        match = _STEP_DIR.fullmatch(parts[1]) if len(parts) == 3 else None
+        if match and parts[2] == TRAINER_STATE_FILE:
+            found.add(int(match[1]))
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
+def checkpoint_dir(run: Run, step: int) -> Path:
+    """The local folder of checkpoint `step` (for a run on an object store: its copy in this
+    machine's cache, downloaded when missing)."""
+    return RunLocation.of(run).fetch(checkpoint_rel(step), last=TRAINER_STATE_FILE)
+
+
+def latest_checkpoint(run: Run) -> Path | None:
+    """The local folder of the newest complete checkpoint (None: there is none)."""
+    steps = checkpoint_steps(run)
+    return checkpoint_dir(run, steps[-1]) if steps else None
 
 
 def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -139,21 +149,24 @@ def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.
                 os.fsync(f.fileno())
     fsync_dir((tmp / OPTIMIZER_FILE).parent)
     fault_point("checkpoint.optimizer_written")
-    # Last: a folder with a trainer_state.json is complete (list_checkpoints relies on it).
+    # Last: a folder with a trainer_state.json is complete (checkpoint_steps relies on it).
     write_json_atomic(tmp / TRAINER_STATE_FILE, {**state, "step": step, "optimizer_param_groups": groups})
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(run: Run, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     state: dict[str, Any], tokenizer_from: str | Path | None = None,
                     keep_last: int | None = None, merged: bool = False) -> Path:
-    """Write checkpoint `step` atomically and return its folder; then keep only the newest
-    `keep_last` checkpoints (None: keep all). A LoRA model (training/lora.py) saves its adapter
-    in peft's format, and with `merged` also merged/, the full model."""
-    root = checkpoints_dir(run_dir)
+    """Write checkpoint `step` atomically and return its local folder; then keep only the
+    newest `keep_last` checkpoints (None: keep all). A LoRA model (training/lora.py) saves its
+    adapter in peft's format, and with `merged` also merged/, the full model. For a run on an
+    object store the folder is written in this machine's cache, then uploaded with
+    trainer_state.json last."""
+    location = RunLocation.of(run)
+    root = location.work / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    final = checkpoint_dir(run_dir, step)
+    final = location.work / checkpoint_rel(step)
     tmp = root / f".tmp-step-{step}-{os.getpid()}"
     try:
         with disk_write(final):
@@ -165,10 +178,11 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(root)
+    location.upload(checkpoint_rel(step), last=TRAINER_STATE_FILE)
     if keep_last is not None:
-        for old_step, folder in list_checkpoints(run_dir)[:-keep_last]:
+        for old_step in checkpoint_steps(location)[:-keep_last]:
             if old_step != step:
-                shutil.rmtree(folder, ignore_errors=True)
+                location.remove(checkpoint_rel(old_step))
     return final
 
 

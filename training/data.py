@@ -17,7 +17,6 @@ read from memory.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import pyarrow.parquet as pq
 
 from curation import schema
 from curation.store.fingerprints import part_fingerprints
-from curation.store.layout import ROUND_DIR, contract_columns
+from curation.store.layout import contract_columns
 from curation.store.run_store import RunStore
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token")
@@ -72,7 +71,7 @@ def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max
         missing = [round for round in chosen if not store.files(source, round)]
         if missing:
             available = store.rounds(source)
-            raise ValueError(f"{store.root}: no {source} table for round(s) {missing}; rounds with {source}: "
+            raise ValueError(f"{store.location}: no {source} table for round(s) {missing}; rounds with {source}: "
                              f"{available or 'none'} (run `groupforge curate` first)")
     if max_staleness is not None and chosen:
         newest = _newest_round(store, "samples")
@@ -82,36 +81,27 @@ def select_rounds(store: RunStore, objective: str, rounds: list[int] | None, max
 
 
 def _newest_round(store: RunStore, table: str) -> int | None:
-    """The newest round of `table` with a part file (`max(store.rounds(table))`), from one
-    listing of the table folder: only the newest round folders are looked into."""
-    try:
-        names = [entry.name for entry in os.scandir(store.table_dir(table)) if entry.is_dir()]
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    found = sorted((int(m[1]) for m in map(ROUND_DIR.fullmatch, names) if m), reverse=True)
-    return next((round for round in found if store.files(table, round)), None)
+    """The newest round of `table` with a live part file."""
+    rounds = store.rounds(table)
+    return rounds[-1] if rounds else None
 
 
-def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[Path]:
-    """The rounds' part files of `table`, each one's schema checked against the contract
-    (a held part was checked when it was committed)."""
-    files = store.files(table, rounds)
-    for path in files:
-        if store.held_part(path) is None:
-            schema.validate(pq.read_schema(path).empty_table(), table, path)
-    return files
+def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[str]:
+    """The rounds' part files of `table` (their schemas are checked when they are read)."""
+    return store.files(table, rounds)
 
 
-def _read(store: RunStore, table: str, files: list[Path], columns: list[str]) -> pa.Table:
-    """`columns` of `table`'s part `files` (checked), in file order, with the contract's types;
-    a held part from memory."""
+def _read(store: RunStore, table: str, files: list[str], columns: list[str]) -> pa.Table:
+    """`columns` of `table`'s part `files` (checked against the contract), in file order, with
+    the contract's types; a held part from memory."""
     parts = []
-    for path in files:
-        held = store.held_part(path)
+    for rel in files:
+        held = store.held_part(rel)
         if held is not None:
             part = held.table.select(columns)
         else:
-            with pq.ParquetFile(path) as f:
+            with pq.ParquetFile(store.source(rel)) as f:
+                schema.validate(f.schema_arrow.empty_table(), table, store.where(rel))
                 part = f.read(columns=columns, use_threads=False)
         parts.append(contract_columns(table, part, columns))
     if not parts:
@@ -136,7 +126,7 @@ def round_sampling(store: RunStore, rounds: list[int]) -> dict[str, float | None
         if len(found) > 1:
             what, hint = (("at different temperatures", "set `temperature`") if key == "temperature" else
                           (f"with different {key} values", "set `truncated_logprobs = false`"))
-            raise ValueError(f"{store.root}: rounds {rounds} were sampled {what} {sorted(found)}; "
+            raise ValueError(f"{store.location}: rounds {rounds} were sampled {what} {sorted(found)}; "
                              f"train on them separately or {hint}")
     return {key: found.pop() if found else None for key, found in values.items()}
 
@@ -193,7 +183,7 @@ def _kept_groups(groups: pa.Table, objective: str, sft_min_reward: float | None)
     return groups.filter(keep)
 
 
-def _policy_rows(store: RunStore, files: dict[str, list[Path]], objective: str, sft_min_reward: float | None,
+def _policy_rows(store: RunStore, files: dict[str, list[str]], objective: str, sft_min_reward: float | None,
                  count: bool = False) -> pa.Table | int:
     """samples JOIN groups on the keys, the objective's groups rows only, in key order: the
     sample columns then advantage and reward; with `count`, only how many rows."""
@@ -211,7 +201,7 @@ def _policy_rows(store: RunStore, files: dict[str, list[Path]], objective: str, 
     return _in_key_order(rows, ["round", "prompt_id", "sample_idx"])
 
 
-def _pair_rows(store: RunStore, files: dict[str, list[Path]],
+def _pair_rows(store: RunStore, files: dict[str, list[str]],
                count: bool = False) -> pa.Table | int:
     """pairs JOIN samples (chosen) JOIN samples (rejected), in key order: the pair's keys, the
     prompt and both responses with their behavior log-probs, rewards, soft_label, weight; with
@@ -239,7 +229,7 @@ def _pair_rows(store: RunStore, files: dict[str, list[Path]],
 
 
 def _inputs(run: RunStore | str | Path, objective: str, rounds: list[int] | None,
-            max_staleness: int | None) -> tuple[RunStore, list[int], dict[str, list[Path]]]:
+            max_staleness: int | None) -> tuple[RunStore, list[int], dict[str, list[str]]]:
     """The run's store, the chosen rounds and their checked part files per table."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
@@ -273,10 +263,10 @@ def load_training_data(run: RunStore | str | Path, objective: str, rounds: list[
             _policy_rows(store, files, objective, sft_min_reward)
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
-        for path, digest in part_fingerprints(store, files[table_name]).items():
-            h.update(f"{path.relative_to(store.root)}={digest}\n".encode())
+        for rel, digest in part_fingerprints(store, files[table_name]).items():
+            h.update(f"{rel}={digest}\n".encode())
     if table is None or table.num_rows == 0:
-        raise NoTrainingData(f"{store.root}: nothing to train on for objective {objective!r} in rounds "
+        raise NoTrainingData(f"{store.location}: nothing to train on for objective {objective!r} in rounds "
                          f"{chosen or 'none'} (no {'pairs' if objective == 'pairwise' else 'kept groups'}"
                          f"{'' if max_staleness is None else f' within max_staleness={max_staleness}'})")
     sampling = round_sampling(store, chosen)

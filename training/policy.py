@@ -18,7 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from curation.store.runlog import TRAIN_CACHE_DIR, write_atomic
+from curation.store.runlog import TRAIN_CACHE_DIR
+from curation.store.storage import Storage
 from training import checkpoint as ckpt
 from training import lora
 from training.batching import policy_batches
@@ -108,21 +109,21 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
 
 
-def with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
+def with_recomputed_logprobs(storage: Storage, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
                              token_budget: int, write: bool = True) -> pa.Table:
     """`table` with an old_logprobs column: the log-probs of the policy at the start of this
     segment (behavior_logprobs stay: decoupled mode reads both). Computed once and cached
-    under RUN/_train/, so a resumed run uses the same values rather than those of its (already
-    updated) weights."""
-    from safetensors.torch import load_file, save
+    under RUN/_train/ in the run's `storage`, so a resumed run uses the same values rather than
+    those of its (already updated) weights."""
+    from safetensors.torch import load, save
 
-    cache = (run_dir / TRAIN_CACHE_DIR /
-             f"old_logprobs-{segment['fingerprint'][:16]}-step{segment['start_step']}.safetensors")
-    if cache.is_file():
-        flat = load_file(cache)["logprobs"]
+    cache = f"{TRAIN_CACHE_DIR}/old_logprobs-{segment['fingerprint'][:16]}-step{segment['start_step']}.safetensors"
+    saved = storage.read_if_exists(cache)
+    if saved is not None:
+        flat = load(saved)["logprobs"]
     elif segment["start_step"] != start_step:
-        raise ValueError(f"{cache} is missing: the recomputed old log-probs of a segment started at step "
-                         f"{segment['start_step']} cannot be rebuilt from step {start_step}'s weights")
+        raise ValueError(f"{storage.where(cache)} is missing: the recomputed old log-probs of a segment started "
+                         f"at step {segment['start_step']} cannot be rebuilt from step {start_step}'s weights")
     else:
         flat_parts = [None] * table.num_rows
         ctx.policy.eval()
@@ -135,7 +136,7 @@ def with_recomputed_logprobs(run_dir: Path, table: pa.Table, segment: dict, star
         ctx.policy.train()
         flat = torch.cat(flat_parts)
         if write:  # rank 0 of a ddp run; every rank computed the same values
-            write_atomic(cache, save({"logprobs": flat.contiguous()}))
+            storage.write(cache, save({"logprobs": flat.contiguous()}))
     lengths = [len(x) for x in table.column("response_token_ids").to_pylist()]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.numpy(), pa.float32()))

@@ -49,6 +49,7 @@ import pyarrow as pa
 import torch
 
 from curation.faults import fault_point
+from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
 from curation.store.runlog import MetricsLog
 from training import checkpoint as ckpt
@@ -111,8 +112,8 @@ class TrainSession:
     leaves it empty, so the next one loads from disk."""
 
     step: int = 0
-    run_dir: Path | None = None
-    """The run these weights belong to (a session given another run's folder is not used)."""
+    run: str | None = None
+    """The run these weights belong to (`RunLocation.key`: a session given another run is not used)."""
     policy: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     reference: torch.nn.Module | None = None
@@ -150,9 +151,9 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
     `progress(done, total, step_metrics)` after each step; `options`: LoopOptions()."""
     options = options or LoopOptions()
     started, timing = time.perf_counter(), _Timing()
-    run_dir = Path(run.root if isinstance(run, RunStore) else run)
+    location = RunLocation.of(run.storage if isinstance(run, RunStore) else run)
     place = distributed.Placement.of(cfg)
-    start = _resume(run_dir, model, session, timing)
+    start = _resume(location, model, session, timing)
 
     def skipped() -> TrainResult:
         weights = cpu_state_dict(session.policy) if options.return_state and start.live else None
@@ -161,7 +162,7 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
 
     if start.step >= steps:
         return skipped()
-    metrics_log = MetricsLog(run_dir)
+    metrics_log = MetricsLog(location.storage)
     if not start.live and place.world.main:  # a live session wrote every step record there is up to its step
         metrics_log.drop_steps_after(start.step)
     with timing("load"):
@@ -171,14 +172,14 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
         steps = min(steps, segment["start_step"] + steps_for_passes(data.num_rows, cfg.batch_size, cfg.passes))
         if start.step >= steps:
             return skipped()
-    built = _build_policy(run_dir, cfg, start, data, segment, place, session, timing)
-    loop = _StepLoop(run_dir, cfg, start, segment, data.rounds, place, built, metrics_log, timing)
+    built = _build_policy(location, cfg, start, data, segment, place, session, timing)
+    loop = _StepLoop(location, cfg, start, segment, data.rounds, place, built, metrics_log, timing)
     metrics, saved = loop.run(steps, options.save, progress)
     if place.world.main:
         metrics_log.sync()
     place.sync.barrier()
     if session is not None:
-        session.step, session.run_dir, session.base_model = steps, run_dir.resolve(), start.base_model
+        session.step, session.run, session.base_model = steps, location.key, start.base_model
         session.policy, session.optimizer = built.policy, built.optimizer
         session.reference, session.reference_from, session.segment = built.reference, built.reference_from, segment
     weights = final_weights(built.policy, built.optimizer, place.sharded) if options.return_state else None
@@ -202,16 +203,17 @@ class _Start:
     base_model: Path
 
 
-def _resume(run_dir: Path, model: str | Path | None, session: TrainSession | None, timing: _Timing) -> _Start:
+def _resume(location: RunLocation, model: str | Path | None, session: TrainSession | None,
+            timing: _Timing) -> _Start:
     """The session's weights when they are at least as new as the newest checkpoint, else that
     checkpoint, else the base model folder `model`."""
     with timing("load"):
-        latest = ckpt.latest_checkpoint(run_dir)
+        latest = ckpt.latest_checkpoint(location)
         state = ckpt.load_trainer_state(latest) if latest else {}
-    live = (session is not None and session.live and session.run_dir == run_dir.resolve()
+    live = (session is not None and session.live and session.run == location.key
             and session.step >= int(state.get("step", 0)))
     if not live and latest is None and (model is None or not (Path(model) / "config.json").is_file()):
-        raise ValueError(f"{run_dir}: no checkpoint to resume and no base model folder (got {model!r}; "
+        raise ValueError(f"{location.url}: no checkpoint to resume and no base model folder (got {model!r}; "
                          "it needs a config.json)")
     return _Start(latest, state, live, step=session.step if live else int(state.get("step", 0)),
                   base_model=session.base_model if live else Path(state.get("base_model") or model or ""))
@@ -247,7 +249,7 @@ class _Built:
     """The rows trained on (with recomputed old_logprobs when the config asks for them)."""
 
 
-def _build_policy(run_dir: Path, cfg: TrainConfig, start: _Start, data: TrainingData, segment: dict,
+def _build_policy(location: RunLocation, cfg: TrainConfig, start: _Start, data: TrainingData, segment: dict,
                   place: distributed.Placement, session: TrainSession | None, timing: _Timing) -> _Built:
     """The session's policy and optimizer, or loaded ones (FSDP2: sharded); the reference;
     the step's context. Leaves the session empty."""
@@ -292,7 +294,7 @@ def _build_policy(run_dir: Path, cfg: TrainConfig, start: _Start, data: Training
     table = data.table
     if cfg.old_logprobs == "recompute" and cfg.objective in POLICY_OBJECTIVES:
         with timing("load"):
-            table = with_recomputed_logprobs(run_dir, table, segment, start.step, ctx, cfg.token_budget,
+            table = with_recomputed_logprobs(location.storage, table, segment, start.step, ctx, cfg.token_budget,
                                              write=place.world.main)
     return _Built(policy, optimizer, make_optimizer, reference, reference_from, dtype, ctx, micro_batches,
                   micro_step, table)
@@ -305,7 +307,7 @@ class _StepLoop:
     """Steps start+1..steps of a call over the built policy: one `step` per optimizer step,
     `checkpoint` when one is due."""
 
-    run_dir: Path
+    location: RunLocation
     cfg: TrainConfig
     start: _Start
     segment: dict[str, Any]
@@ -380,13 +382,13 @@ class _StepLoop:
         if place.world.main:
             self.metrics_log.sync()
             saved = ckpt.save_checkpoint(
-                self.run_dir, step, plain, plain_optimizer,
+                self.location, step, plain, plain_optimizer,
                 {"base_model": str(self.start.base_model), "data": self.segment,
                  "config": cfg.model_dump(mode="json"), "temperature": built.ctx.temperature},
                 tokenizer_from=self.start.base_model, keep_last=cfg.keep_last or None,
                 merged=cfg.lora is not None and cfg.lora.save_merged)
         else:
-            saved = ckpt.checkpoint_dir(self.run_dir, step)
+            saved = self.location.work / ckpt.checkpoint_rel(step)  # rank 0 writes it
         place.sync.barrier()  # no rank reads the run before the checkpoint is whole
         return saved
 

@@ -5,12 +5,12 @@
         ▼
     generator.sample(chunk of prompts, per-prompt seeds, n=G) ──> RUN/_staging/generate-round=<n>/chunk-*.parquet
         ▼ (all chunks done)
-    one atomic commit: samples/round=<n>/part-generate.parquet, rejects/..., prompts/part-<fp>.parquet,
-    then _manifests/generate-round=<n>.json
+    one atomic commit: samples/round=<n>/part-generate-<sha>.parquet, rejects/...,
+    prompts/part-<fp>-<sha>.parquet, then its commit log entry (RUN/_log/, with the manifest)
 
 A round may sample several prompts files: the first as stage "generate", more (the round
-loop's refills) under their own stage names, each with its own manifest and part files
-(`part-<stage>.parquet`; prompts `part-<stage>-<fingerprint>.parquet`).
+loop's refills) under their own stage names, each with its own commits and part files
+(`part-<stage>-<sha>.parquet`; prompts `part-<stage>-<fingerprint>-<sha>.parquet`).
 
 Finished chunks survive a kill and are reused by the rerun (when inputs and config are
 unchanged; a prompts file of one chunk is sampled and committed without staging); nothing
@@ -25,8 +25,7 @@ or passed in live (the round loop keeps one across rounds); its defaults are
 
 from __future__ import annotations
 
-import functools
-import shutil
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ from curation.schema import SCHEMAS, SchemaError, validate
 from curation.stages.common import rejects_table
 from curation.store.fingerprints import config_hash, known_fingerprint
 from curation.store.run_store import RunStore
-from curation.store.runlog import read_json, write_atomic, write_json_atomic
+from curation.store.storage import Storage
 
 STAGE = "generate"
 READS = ("prompts file", "model weights")
@@ -151,7 +150,7 @@ def generate(
     if generator is None and model is None:
         raise ValueError("generate needs a model folder or a live generator")
     store = run if isinstance(run, RunStore) else RunStore(run)
-    run_id = run_id or store.root.name
+    run_id = run_id or store.name
     prompts = load_prompts(prompts_file)
     policy_version = generator.policy_version if generator is not None else 0
     if generator is None:
@@ -266,10 +265,11 @@ def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids:
     staging = _staging(call.store, call.stage, call.round, call.inputs, call.config) if len(chunks) > 1 else None
     resumed, done_prompts, sample_seconds, parts = 0, 0, 0.0, []
     for k, chunk in enumerate(chunks):
-        path = staging / f"chunk-{k:06d}.parquet" if staging is not None else None
-        if path is not None and path.exists():
+        chunk_file = f"chunk-{k:06d}.parquet"
+        staged = staging.read_if_exists(chunk_file) if staging is not None else None
+        if staged is not None:
             resumed += 1
-            parts.append(pq.read_table(path))
+            parts.append(pq.read_table(pa.BufferReader(staged)))
         else:
             seeds = [prompt_seed(call.sampling.seed, call.round, prompt_ids[i]) for i in chunk]
             tic = time.perf_counter()
@@ -278,8 +278,10 @@ def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids:
             parts.append(_samples_table(call.run_id, call.round, call.sampling, call.fingerprint,
                                         call.config["policy_version"], [prompt_ids[i] for i in chunk],
                                         [token_ids[i] for i in chunk], seeds, groups))
-            if path is not None:
-                write_atomic(path, functools.partial(pq.write_table, parts[-1]))
+            if staging is not None:
+                sink = pa.BufferOutputStream()
+                pq.write_table(parts[-1], sink)
+                staging.write(chunk_file, sink.getvalue())
                 fault_point("generate.chunk_staged")
         done_prompts += len(chunk)
         if progress is not None:
@@ -288,16 +290,15 @@ def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids:
     return _Sampled(validate(samples, "samples"), resumed, sample_seconds)
 
 
-def _staging(store: RunStore, stage: str, round: int, inputs: dict, config: dict) -> Path:
+def _staging(store: RunStore, stage: str, round: int, inputs: dict, config: dict) -> Storage:
     """The staging folder of this round, emptied when it holds chunks of other inputs/config."""
-    staging = store.staging_dir(stage, round)
+    staging = store.staging(stage, round)
     key = {"inputs": inputs, "config_hash": config_hash(config)}
-    meta = staging / "staging.json"
-    if read_json(meta) == key:
+    meta = staging.read_if_exists("staging.json")
+    if meta is not None and json.loads(meta) == key:
         return staging
-    shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    write_json_atomic(meta, key)
+    staging.delete_all(e.rel for e in staging.list())
+    staging.write("staging.json", json.dumps(key, sort_keys=True).encode())
     return staging
 
 

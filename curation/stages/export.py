@@ -153,18 +153,21 @@ def export_path(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None =
     return path
 
 
-def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -> tuple[Path, int]:
+def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None,
+        as_of: int | None = None) -> tuple[Path, int]:
     """Write the export of `run_dir` to `export_path(run_dir, cfg, out)`, atomically. Returns
-    the path and the row count."""
+    the path and the row count. `as_of`: the run as it was when that round was done
+    (RunStore.as_of_round): the same bytes as an export taken then, by the same groupforge."""
     path = export_path(run_dir, cfg, out)
-    store = RunStore(run_dir).snapshot()  # whole commits only, while a job may be writing
+    store = RunStore(run_dir)
+    store = store.snapshot() if as_of is None else store.as_of_round(as_of)  # whole commits only
     tables = {}
     for name in READS[cfg.format]:
         rounds: Sequence[int] | None = None if name == "prompts" else cfg.rounds
         tables[name] = store.read(name, rounds=rounds)
         if tables[name].num_rows == 0:
             where = f" in rounds {cfg.rounds}" if cfg.rounds else ""
-            raise ValueError(f"{store.root}: the {name} table is empty{where}; "
+            raise ValueError(f"{store.location}: the {name} table is empty{where}; "
                              f"run the stage that writes it before exporting {cfg.format}")
     table = export_table(tables, cfg)
     table = with_provenance(table, provenance(store, cfg.rounds, cfg.format, cfg.style))
@@ -177,10 +180,10 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None) -
     return path, table.num_rows
 
 
-def run_with_card(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None
-                  ) -> tuple[Path, int, Path | None]:
+def run_with_card(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None,
+                  as_of: int | None = None) -> tuple[Path, int, Path | None]:
     """`run`, then the dataset card of the export's folder (curation/card.py): (path, rows,
     the card, or None when the folder holds a README.md groupforge did not write:
     `curation.card.foreign_card` names it)."""
-    path, rows = run(run_dir, cfg, out)
+    path, rows = run(run_dir, cfg, out, as_of)
     return path, rows, write_card(path.parent)

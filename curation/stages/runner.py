@@ -65,13 +65,13 @@ from typing import Any, Mapping
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from curation import schema
 from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.stages.common import drop_counts
 from curation.store.fingerprints import part_fingerprints
+from curation.store.layout import part_name
 from curation.store.run_store import RunStore
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
@@ -139,9 +139,8 @@ def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int,
     """{relative path: sha256} of every part file of `tables` for `round` (prompts: the parts
     the round's samples came from), leaving out the parts named in `exclude_parts`
     (`curation.store.fingerprints.part_fingerprints`: held parts and manifests vouch for most)."""
-    paths = [path for table in tables for path in _files(store, table, round) if not _own_part(path, exclude_parts)]
-    found = part_fingerprints(store, paths, round)
-    return {path.relative_to(store.root).as_posix(): found[path] for path in paths}
+    rels = [rel for table in tables for rel in _files(store, table, round) if not _own_part(rel, exclude_parts)]
+    return part_fingerprints(store, rels)
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ def run_stage(stage: str | ModuleType, run: RunStore | str | Path, round: int, c
     store = run if isinstance(run, RunStore) else RunStore(run)
     main = module.READS[0]
     if not store.files(main, round):
-        raise FileNotFoundError(f"run {store.root} has no {main} for round {round}; run {_writer_of(main)} first")
+        raise FileNotFoundError(f"run {store.location} has no {main} for round {round}; run {_writer_of(main)} first")
     plan = plan_stage(module, store, round, cfg)
     if not force and store.is_up_to_date(name, round, plan.inputs, plan.config):
         manifest = store.load_manifest(name, round) or {}
@@ -213,7 +212,7 @@ def _slice_tables(module: ModuleType, store: RunStore, round: int, cfg, plan: St
     into the slices' Arrow files in the commit's temp folder, then each slice is read alone."""
     prompts = None
     if "prompts" in module.READS:
-        prompts = _prompts(store, [store.root / rel for rel in plan.inputs if rel.startswith("prompts/")])
+        prompts = _prompts(store, [rel for rel in plan.inputs if rel.startswith("prompts/")])
     if plan.slices == 1:
         tables = {table: prompts if table == "prompts" else _read(store, table, round, columns, plan.own)
                   for table, columns in module.columns(cfg).items()}
@@ -247,18 +246,9 @@ def _slice_count(store: RunStore, module: ModuleType, cfg, round: int, own: tupl
     if hasattr(module, "sliceable") and not module.sliceable(cfg):
         return 1
     table, rows = module.READS[0], 0
-    for path in store.files(table, round):
-        if _own_part(path, own):
-            continue
-        held = store.held_part(path)
-        if held is not None:
-            rows += held.table.num_rows
-            continue
-        try:
-            rows += pq.read_metadata(path).num_rows
-        except (pa.ArrowInvalid, OSError):
-            schema.read_table_file(path, table)  # raises SchemaError naming the file
-            raise
+    for rel in store.files(table, round):
+        if not _own_part(rel, own):
+            rows += store.row_count(rel)
     return max(1, math.ceil(rows / slice_rows()))
 
 
@@ -317,18 +307,18 @@ def _merged(total: dict[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
 _SLICE_PART = re.compile(r"(?P<stage>.+)-s\d{4}")
 
 
-def _own_part(path: Path, own: tuple[str, ...]) -> bool:
-    """Whether the part file at `path` is one of the stages' `own` (whole or a slice of it)."""
-    name = path.stem.removeprefix("part-")
+def _own_part(rel: str, own: tuple[str, ...]) -> bool:
+    """Whether the part file `rel` is one of the stages' `own` (whole or a slice of it)."""
+    name = part_name(rel)
     sliced = _SLICE_PART.fullmatch(name)
     return name in own or (sliced is not None and sliced["stage"] in own)
 
 
 def _own_parts(store: RunStore, table: str, round: int, own: tuple[str, ...]) -> tuple[str, ...]:
-    """The part names (`part-<name>.parquet`) of `table` in the round that are the stages' `own`."""
+    """The part names (`part-<name>-<sha>.parquet`) of `table` in the round that are the stages' `own`."""
     if not own:
         return ()
-    return tuple(path.stem.removeprefix("part-") for path in store.files(table, round) if _own_part(path, own))
+    return tuple(part_name(rel) for rel in store.files(table, round) if _own_part(rel, own))
 
 
 def _read(store: RunStore, table: str, round: int, columns: list[str] | None, own: tuple[str, ...]) -> pa.Table:
@@ -341,7 +331,7 @@ def _read(store: RunStore, table: str, round: int, columns: list[str] | None, ow
     return store.read_columns(table, columns, round, exclude_parts=_own_parts(store, table, round, own))
 
 
-def _files(store: RunStore, table: str, round: int) -> list[Path]:
+def _files(store: RunStore, table: str, round: int) -> list[str]:
     """The part files of `table` that a stage of `round` reads: the round's; for prompts (not
     partitioned by round) those the round's samples came from (`RunStore.round_prompts`), or
     every part when some samples part of the round does not say (written by another tool)."""
@@ -351,17 +341,14 @@ def _files(store: RunStore, table: str, round: int) -> list[Path]:
     return store.files("prompts") if listed is None else listed
 
 
-def _prompts(store: RunStore, paths: list[Path]) -> pa.Table:
-    """The prompts parts at `paths` (those `_files` chose for the round; held ones from
-    memory), validated, as `store.read("prompts")` gives them."""
-    parts = []
-    for path in paths:
-        held = store.held_part(path)
-        parts.append(held.table if held is not None else schema.read_table_file(path, "prompts"))
+def _prompts(store: RunStore, rels: list[str]) -> pa.Table:
+    """The prompts parts `rels` (those `_files` chose for the round; held ones from memory),
+    validated, as `store.read("prompts")` gives them."""
+    parts = [store.read_part(rel, "prompts") for rel in rels]
     if not parts:
         return schema.empty("prompts")
     table = pa.concat_tables(parts, promote_options="permissive")
-    return schema.validate(table, "prompts", store.table_glob("prompts"))
+    return schema.validate(table, "prompts", store.where("prompts"))
 
 
 def _transform(module: ModuleType, tables: dict[str, pa.Table], cfg) -> StageOutput:

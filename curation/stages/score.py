@@ -34,9 +34,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation.rewards.pool import default_workers, run_inline, run_isolated
 from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
-from curation.schema import KEYS, SCHEMAS, SchemaError, empty, read_table_file, validate
+from curation.schema import KEYS, SCHEMAS, SchemaError, empty, validate
 from curation.stages.common import rejects_table, rows_of
 from curation.stages.runner import StageOutput, as_dict
+from curation.store.layout import part_name
 from curation.store.run_store import RunStore
 
 STAGE = "score"
@@ -299,7 +300,7 @@ def reused_tables(store: RunStore, round: int, inputs: dict[str, str]) -> dict[s
     if manifest is None:
         return {}
     samples_of = lambda fingerprints: {k: v for k, v in fingerprints.items() if k.startswith("samples/")}  # noqa: E731
-    path = store.partition_dir("scores", round) / f"part-{STAGE}.parquet"
-    if samples_of(manifest.get("inputs", {})) != samples_of(inputs) or not path.is_file():
+    own = [rel for rel in manifest.get("outputs", []) if rel.startswith("scores/") and part_name(rel) == STAGE]
+    if samples_of(manifest.get("inputs", {})) != samples_of(inputs) or len(own) != 1:
         return {}
-    return {"scores": read_table_file(path, "scores")}
+    return {"scores": store.read_part(own[0], "scores")}

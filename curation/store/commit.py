@@ -1,28 +1,29 @@
 """A stage's commit: its outputs for one round appear all at once, or not at all.
 
     with store.commit(stage, round, inputs, config) as commit:
-        commit.write("rejects", table)          # validated, staged under RUN/_tmp/<commit>/
+        commit.write("rejects", table)          # validated, written under its final name
         commit.record(rows_in=..., drops=...)   # counts for the manifest
-    # here: part files renamed into place, stale parts of the stage removed, manifest written
+    # here: the commit log entry is written (the commit point); the stage's earlier parts
+    # for the round leave the live files (kept for earlier versions of the run)
 
-A commit through a `RunStore(..., hold=True)` (the round loop's) leaves each part it wrote
-in `store.held` (its sha256 and table), so the next stage and the trainer read it from memory.
+Each part file is written under a name no other bytes can have (`part-<part>-<sha>.parquet`,
+curation/store/layout.py), straight to the run's storage: no temporary file and no rename,
+which object stores do not have. Nothing lists it until the commit log entry is written (with
+If-None-Match: curation/store/commit_log.py), so a reader sees the commit whole or not at all;
+a kill before that point leaves files that nobody lists, which the next writer sweeps.
 
-The manifest (`RUN/_manifests/<stage>-round=<n>.json`) is written last: it is the commit
-point. It records each output file's sha256 (hashed while it was written), size and mtime_ns
-(`output_files`), so the next stage fingerprints its inputs without reading them again
-(`curation.store.fingerprints.known_fingerprint`). A journal (`<stage>-round=<n>.pending`) lists
-what is being published, so a process killed half-way leaves no file that the next commit
-forgets (see curation/store/run_store.py for the run layout).
+The manifest in the entry records each output's sha256, size and rows, so the next stage
+fingerprints its inputs without reading them again. A commit through a `RunStore(...,
+hold=True)` (the round loop's) leaves each part it wrote in `store.held` (its sha256 and
+table), so the next stage and the trainer read it from memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import uuid
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -34,17 +35,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.errors import disk_write
 from curation.faults import fault_point
-from curation.store.fingerprints import (
-    canonical_json,
-    code_version,
-    config_hash,
-    file_stat,
-)
-from curation.store.layout import ROUND_TABLES, check_name, check_round
+from curation.store.commit_log import LoggedFile
+from curation.store.delta_mirror import mirror_commit
+from curation.store.fingerprints import canonical_json, code_version, config_hash
+from curation.store.layout import ROUND_TABLES, check_name, check_round, part_name, part_rel
 from curation.store.run_store import HeldPart, RunStore
-from curation.store.runlog import fsync_dir, read_json, to_json, write_atomic
+from curation.store.runlog import to_json
+from curation.store.tidy import check_inside
 from curation.store.verify import FORMAT_VERSION, SEAL_FIELD, seal_of
 
 _MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_version", "outputs",
@@ -53,161 +51,144 @@ _MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_v
 _COMMIT_ROUND: Any = object()  # default of Commit.write(round=...): the commit's round
 SKIPPED_WHEN_EMPTY = frozenset({"rejects"})
 """Tables of which an empty write leaves no part file (no rows dropped: nothing to keep, and a
-file fewer to write, sync and fingerprint)."""
+file fewer to write and fingerprint)."""
 
 
 @dataclass(frozen=True)
 class EncodedPart:
     """One part file's table, validated against its contract and encoded as Parquet (zstd)
-    in memory: what a commit writes, known (bytes, rows, sha256) before any file is."""
+    in memory: what a commit writes, known (bytes, rows, sha256) before anything is written."""
 
     table: str
-    final: Path
-    """Where the commit puts it: RUN/<table>/round=<n>/part-<part>.parquet."""
     rel: str
+    """Where the commit puts it, relative to the run: <table>/round=<n>/part-<part>-<sha>.parquet."""
     data: pa.Table
     payload: pa.Buffer
     sha256: str
 
 
-def part_file(store: RunStore, stage: str, table: str, part: str | None, round: int | None) -> tuple[Path, str]:
-    """(path, path relative to the run) of stage `stage`'s part `part` (default: the stage's
-    name) of `table` in `round` (None: prompts, not partitioned)."""
+def encode_part(stage: str, table: str, data: pa.Table, part: str | None = None,
+                round: int | None = None) -> EncodedPart | None:
+    """`data` validated as `table` and encoded for stage `stage`'s part `part` (default: the
+    stage's name) of `round` (None: prompts); None for an empty table of SKIPPED_WHEN_EMPTY."""
     if table in ROUND_TABLES and round is None:
         raise ValueError(f"the {table} table is partitioned by round; give a round")
-    final = store.partition_dir(table, round) / f"part-{check_name(part or stage, 'part')}.parquet"
-    return final, final.relative_to(store.root).as_posix()
-
-
-def encode_part(store: RunStore, stage: str, table: str, data: pa.Table, part: str | None = None,
-                round: int | None = None) -> EncodedPart | None:
-    """`data` validated as `table` and encoded for stage `stage`'s part file (see `part_file`),
-    without touching the disk; None for an empty table of SKIPPED_WHEN_EMPTY (no file)."""
-    final, rel = part_file(store, stage, table, part, round)
+    if table not in ROUND_TABLES and round is not None:
+        raise ValueError(f"the {table} table is not partitioned by round; give round=None")
+    part = check_name(part or stage, "part")
+    where = f"{table}/{'' if round is None else f'round={round}/'}part-{part}"
     data = data if isinstance(data, pa.Table) else pa.table(data)
-    data = schema.validate(data, table, source=f"{rel}, written by stage {stage!r}")
+    data = schema.validate(data, table, source=f"{where}, written by stage {stage!r}")
     if table in SKIPPED_WHEN_EMPTY and data.num_rows == 0:
         return None
     if round is not None and data.num_rows:
         bounds = pc.min_max(data["round"])
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
         if (lo, hi) != (round, round):
-            raise schema.SchemaError(f"{table} table ({rel}): column 'round' holds {lo}..{hi}, "
+            raise schema.SchemaError(f"{table} table ({where}): column 'round' holds {lo}..{hi}, "
                                      f"but it is written to round={round}")
-    # Encoded in memory, then hashed and written in one go (a Python file object in between
-    # would take pyarrow's many small writes one call at a time: ~2x the write).
     encoded = pa.BufferOutputStream()
     pq.write_table(data, encoded, compression="zstd")
     payload = encoded.getvalue()
-    return EncodedPart(table, final, rel, data, payload, hashlib.sha256(payload).hexdigest())
+    sha256 = hashlib.sha256(payload).hexdigest()
+    return EncodedPart(table, part_rel(table, round, part, sha256), data, payload, sha256)
 
 
 class Commit:
     """Writes one stage's outputs for one round; nothing is visible until the `with` block ends.
 
-    On success: every part file is renamed into place, the stage's earlier part files that
-    were not rewritten are deleted, the manifest is written last, and the temporary and
-    staging folders are removed. On an exception: nothing is published and it re-raises.
-    A pending journal (`_manifests/<stage>-round=<n>.pending`) lists what is being
-    published, so a process killed half-way leaves no file that the next commit forgets.
+    On success: the commit log entry lists the files written (the commit point), the stage's
+    earlier files for the round leave the live files (they stay on storage for earlier versions
+    of the run), the stage's staging folder is removed, and every touched table's Delta log gets
+    a version. On an exception:
+    the files written are deleted (best effort; nothing lists them) and it re-raises.
     """
 
     def __init__(self, store: RunStore, stage: str, round: int, inputs: Mapping[str, str], config: Mapping):
         self.store, self.stage, self.round = store, check_name(stage, "stage"), check_round(round)
         self.inputs = dict(inputs)
         self.config = json.loads(canonical_json(config))  # fails early if not JSON-serialisable
-        self._staged: dict[Path, Path] = {}  # final path -> temporary path
-        self._rows: dict[str, int] = {}
-        self._sha256: dict[str, str] = {}
+        self._files: dict[str, LoggedFile] = {}
+        self._written: list[str] = []  # files this commit wrote (not those it found live already)
         self._tables: dict[str, pa.Table] = {}  # the tables to hold in the store (RunStore.hold)
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
-        self._owners: dict[bool, dict[str, str]] | None = None  # round table or prompts -> {output: stage}
-        self._tmp: Path | None = None
-        self._own: set[str] | None = None  # what this stage's manifest and journal list (`_own_outputs`)
-        self._inside: set[Path] = set()  # table folders checked to resolve inside the run folder
-        self._root_resolved = store.root.resolve()
+        self._scratch: Path | None = None
+        self._open = False  # inside the `with` block: writes are taken
+        self._folders: set[str] = set()  # folders checked to lie inside a local run folder
 
     def __enter__(self) -> Commit:
-        prefix = f"{self.stage}-round={self.round}-"
-        tmp_root = self.store.root / "_tmp"
-        # Callers hold the run's lock: a temp folder of this stage and round is a killed commit's
-        # (its staged parts, a large round's slices), never one in progress.
-        try:
-            stale = [entry.path for entry in os.scandir(tmp_root) if entry.name.startswith(prefix)]
-        except FileNotFoundError:
-            stale = []
-        for path in stale:
-            shutil.rmtree(path, ignore_errors=True)
-        self._tmp = tmp_root / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._tmp.mkdir(parents=True)
+        self.store.open_for_writing()
+        self._open = True
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._open = False
         try:
             if exc_type is None:
                 self._publish()
+            else:
+                self.store.storage.delete_all(self._written)
         finally:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
         return False
 
     def write(self, table: str, data: pa.Table, part: str | None = None,
               round: int | None = _COMMIT_ROUND, hold: bool = True) -> None:
-        """Validate `data` as `table` and stage it as `part-<part>.parquet` (default part: the stage).
+        """Validate `data` as `table` and write it as part `part` (default: the stage's name).
 
         `data` is a pyarrow Table or anything `pa.table` accepts (a polars DataFrame, a dict).
         An empty table of `SKIPPED_WHEN_EMPTY` (rejects) is validated and writes no file.
         `hold=False`: the table is not kept in the store's `held` parts even when the store
         holds them (a stage writing a large round slice by slice, so memory holds one slice).
         """
-        if self._tmp is None:
+        if not self._open:
             raise RuntimeError("Commit.write must be called inside `with store.commit(...)`")
         if round is _COMMIT_ROUND:
             round = None if table == "prompts" else self.round
-        final, rel = part_file(self.store, self.stage, table, part, round)
-        self._check_target(final, rel)
-        encoded = encode_part(self.store, self.stage, table, data, part, round)
-        if encoded is not None:  # None: an empty rejects table, no file (an earlier attempt's is stale)
-            self._stage_file(encoded, hold)
-
-    def _check_target(self, final: Path, rel: str) -> None:
-        """A part file this commit may write: inside the run folder, once, not another stage's."""
-        self._check_inside(final.parent, rel)
-        if final in self._staged:
-            raise ValueError(f"{rel} is written twice in one commit of stage {self.stage!r}")
-        owner = self._owner(rel)
-        if owner is not None and owner != self.stage:
-            raise ValueError(f"{rel} belongs to stage {owner!r}; "
-                             f"stage {self.stage!r} must write another part name")
-
-    def _stage_file(self, encoded: EncodedPart, hold: bool) -> None:
-        tmp = self._tmp / f"{len(self._staged):06d}.parquet"  # flat: no folders to make and remove
-        with disk_write(encoded.final), open(tmp, "wb") as f:  # a full disk names the table folder
-            f.write(encoded.payload)
-            f.flush()
-            os.fsync(f.fileno())
-        self._staged[encoded.final] = tmp
-        self._rows[encoded.rel] = encoded.data.num_rows
-        self._sha256[encoded.rel] = encoded.sha256
+        encoded = encode_part(self.stage, table, data, part, round)
+        if encoded is None:
+            return
+        named = _unhashed(encoded.rel)
+        if any(_unhashed(rel) == named for rel in self._files):
+            raise ValueError(f"part {named} is written twice in one commit of stage {self.stage!r}")
+        owner = self._owner(named, round)
+        if owner is not None:
+            raise ValueError(f"part {named} belongs to stage {owner!r}; stage {self.stage!r} must write another "
+                             "part name")
+        if _unhashed(encoded.rel).rpartition("/")[0] not in self._folders:
+            check_inside(self.store, encoded.rel)
+            self._folders.add(_unhashed(encoded.rel).rpartition("/")[0])
+        if encoded.rel not in self.store.state.files:
+            self.store.storage.write(encoded.rel, encoded.payload)
+            self._written.append(encoded.rel)
+        elif not self.store.storage.exists(encoded.rel):  # live, but lost since: written again
+            self.store.storage.write(encoded.rel, encoded.payload)
+        self._files[encoded.rel] = LoggedFile(encoded.sha256, encoded.payload.size, encoded.data.num_rows)
         if hold and self.store.hold:
             self._tables[encoded.rel] = encoded.data
 
-    def _check_inside(self, folder: Path, rel: str) -> None:
-        """Refuse a table folder that resolves outside the run folder (a symlink), once per folder."""
-        if folder in self._inside:
-            return
-        inside = folder.resolve()
-        if not inside.is_relative_to(self._root_resolved):
-            raise ValueError(f"{rel}: the folder resolves to {inside}, outside the run folder {self.store.root} "
-                             "(a symlink?); refusing to write there")
-        self._inside.add(folder)
+    def _owner(self, named: str, round: int | None) -> str | None:
+        """The other stage whose newest commit lists a file of the part `named` (folder and
+        part name, e.g. `rejects/round=0/part-filter`): of the same round for a round table,
+        of any round for prompts. A stage's parts are told apart by their name (a stage that
+        reads a table it writes leaves its own parts out), so two stages never share one."""
+        for (stage, r), manifest in self.store.state.manifests.items():
+            if stage == self.stage or (round is not None and r != round):
+                continue
+            if any(_unhashed(rel) == named for rel in manifest.get("outputs", [])):
+                return stage
+        return None
 
     def scratch(self, name: str) -> Path:
-        """A path in this commit's temp folder (removed with it, whatever happens) for files a
-        stage needs while it writes, e.g. a large round split into slices."""
-        if self._tmp is None:
+        """A local path (removed with the commit, whatever happens) for files a stage needs
+        while it writes, e.g. a large round split into slices."""
+        if not self._open:
             raise RuntimeError("Commit.scratch must be called inside `with store.commit(...)`")
-        return self._tmp / check_name(name, "scratch")
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix=f"gf-{self.stage}-{self.round}-"))
+        return self._scratch / check_name(name, "scratch")
 
     def record(self, rows_in: int | None = None, rows_out: int | None = None,
                drops: Mapping[str, int] | None = None, **extra) -> None:
@@ -223,108 +204,41 @@ class Commit:
             self._record["drops"] = {str(k): int(v) for k, v in drops.items()}
         self._record.update(json.loads(to_json(extra)))  # fails here, not while publishing
 
-    def _manifests(self, round_table: bool) -> list[Path]:
-        """The manifests and pending journals that can list a file of this commit: those of
-        its round for a round table (a part file of round n is only ever written in round n),
-        every one for prompts (not partitioned by round)."""
-        if round_table:
-            return sorted(self.store.round_manifests(self.round) + self.store.round_manifests(self.round, ".pending"))
-        return [path for path in sorted((self.store.root / "_manifests").glob("*"))
-                if path.suffix in (".json", ".pending")]
-
-    def _owner(self, rel: str) -> str | None:
-        """The stage whose manifest (or pending journal) lists `rel`, if any; looked up only
-        when the file exists or a journal is pending (a new file has no owner)."""
-        round_table = Path(rel).parts[0] != "prompts"
-        if not (self.store.root / rel).exists() and not self._journals_pending():
-            return None
-        if rel in self._own_outputs():
-            return self.stage  # rewritten by its own stage: the usual case, no scan of the others
-        if self._owners is None or round_table not in self._owners:
-            self._owners = self._owners or {}
-            found: dict[str, str] = {}
-            for path in self._manifests(round_table):
-                manifest = read_json(path) or {}
-                for out in manifest.get("outputs", []):
-                    found[out] = manifest.get("stage")
-            self._owners[round_table] = found
-        return self._owners[round_table].get(rel)
-
-    def _journals_pending(self) -> bool:
-        """Whether a commit's journal other than this one's is pending (`RunStore.pending_journals`)."""
-        own = self.store.pending_path(self.stage, self.round)
-        return any(path != own and path.exists() for path in self.store.pending_journals())
-
-    def _own_outputs(self) -> set[str]:
-        """What this stage's manifest and journal for the round list."""
-        if self._own is None:
-            self._own = set()
-            for earlier in (self.store.load_manifest(self.stage, self.round),
-                            read_json(self.store.pending_path(self.stage, self.round))):
-                self._own.update((earlier or {}).get("outputs", []))
-        return self._own
-
-    def _listed_elsewhere(self, candidates: set[str]) -> set[str]:
-        """The `candidates` that another manifest lists too (a prompts part shared by rounds)."""
-        if not candidates:
-            return set()
-        mine = {self.store.manifest_path(self.stage, self.round), self.store.pending_path(self.stage, self.round)}
-        prompts = any(Path(rel).parts[0] == "prompts" for rel in candidates)
-        listed: set[str] = set()
-        for path in self._manifests(round_table=not prompts):
-            if path not in mine:
-                listed.update((read_json(path) or {}).get("outputs", []))
-        return candidates & listed
-
     def _publish(self) -> None:
-        store, root = self.store, self.store.root
-        manifest_path = store.manifest_path(self.stage, self.round)
-        journal_path = store.pending_path(self.stage, self.round)
-        before = set()
-        for earlier in (store.load_manifest(self.stage, self.round), read_json(journal_path)):
-            before.update((earlier or {}).get("outputs", []))
-        before = {rel for rel in before if _is_part_file(rel)}  # never delete anything else
-        outputs = sorted(self._rows)
-        journal = {"stage": self.stage, "round": self.round, "outputs": sorted(before | set(outputs))}
-        write_atomic(journal_path, to_json(journal), tmp_dir=self._tmp)
-        fault_point("commit.journal_written")
-        touched = set()
-        files = {}
-        for final, tmp in self._staged.items():
-            if not final.parent.is_dir():
-                final.parent.mkdir(parents=True)
-                touched.add(final.parent.parent)  # a new partition folder
-            os.replace(tmp, final)  # overwrites a stale part of an interrupted attempt
-            touched.add(final.parent)
-            rel = final.relative_to(root).as_posix()
-            files[rel] = {"sha256": self._sha256[rel], **file_stat(final)}  # a rename keeps size and mtime
-        stale = before - set(outputs)
-        for rel in stale - self._listed_elsewhere(stale):
-            store.held.pop(rel, None)
-            (root / rel).unlink(missing_ok=True)
-            if (root / rel).parent.is_dir():
-                touched.add((root / rel).parent)
-        for folder in touched:
-            fsync_dir(folder)
+        store = self.store
+        outputs = sorted(self._files)
         content = json.loads(to_json({
             "stage": self.stage, "round": self.round, "inputs": self.inputs, "config": self.config,
             "config_hash": config_hash(self.config), "code_version": code_version(), "format_version": FORMAT_VERSION,
-            "outputs": outputs, "output_rows": self._rows, "output_files": files,
+            "outputs": outputs, "output_rows": {rel: f.rows for rel, f in self._files.items()},
+            "output_files": {rel: {"sha256": f.sha256, "size": f.size} for rel, f in self._files.items()},
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
         }))
-        manifest = to_json({**content, SEAL_FIELD: seal_of(content)})  # a hand edit shows (store/verify.py)
+        manifest = {**content, SEAL_FIELD: seal_of(content)}  # a hand edit shows (store/verify.py)
         fault_point("commit.files_published")
-        write_atomic(manifest_path, manifest, tmp_dir=self._tmp)  # last: the commit point
-        journal_path.unlink()
-        for rel in outputs:
-            if rel in self._tables:
-                store.held[rel] = HeldPart(self._sha256[rel], self._tables[rel])
-            else:
-                store.held.pop(rel, None)
-        shutil.rmtree(root / "_staging" / f"{self.stage}-round={self.round}", ignore_errors=True)
+        with store.job.lock:  # a sibling store of this job (another thread) commits in turn
+            store.catch_up()
+            before = store.state.copy()
+            earlier = (store.load_manifest(self.stage, self.round) or {}).get("outputs", [])
+            tables = tuple(sorted({rel.split("/", 1)[0] for rel in (*outputs, *earlier)}))
+            gone = store.log.commit(self.stage, self.round, manifest, self._files, tables)  # the commit point
+            store.job.seq = store.log.state.seq
+            fault_point("commit.logged")
+            for rel in outputs:
+                if rel in self._tables:
+                    store.held[rel] = HeldPart(self._files[rel].sha256, self._tables[rel])
+                else:
+                    store.held.pop(rel, None)
+            mirror_commit(store, before, gone)
+        for rel in gone:  # kept on storage for earlier versions of the run (RunState.retired)
+            store.held.pop(rel, None)
+        staging = store.staging(self.stage, self.round)
+        staging.delete_all(e.rel for e in staging.list())
+        folder = staging.local_path()
+        if folder is not None:  # a local folder stays behind its files
+            shutil.rmtree(folder, ignore_errors=True)
 
 
-def _is_part_file(rel: str) -> bool:
-    parts = Path(rel).parts
-    return (len(parts) in (2, 3) and parts[0] in schema.SCHEMAS and ".." not in parts
-            and parts[-1].startswith("part-") and parts[-1].endswith(".parquet"))
+def _unhashed(rel: str) -> str:
+    """A part file's folder and part name, without its hash: `samples/round=0/part-generate`."""
+    return f"{rel.rpartition('/')[0]}/part-{part_name(rel)}"

@@ -23,7 +23,7 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -65,66 +65,90 @@ class Entry:
     manifest: Mapping[str, Any] = field(default_factory=dict)
     """The stage's manifest: inputs, config and its hash, outputs, rows, drops, code version."""
     add: Mapping[str, LoggedFile] = field(default_factory=dict)
-    """Files that join the run (path relative to the run)."""
-    remove: tuple[str, ...] = ()
-    """Files that leave it (a stage's earlier outputs for the round)."""
+    """The files this commit lists (path relative to the run): its manifest's outputs, or the
+    files an "import" entry takes in."""
+    tables: tuple[str, ...] = ()
+    """The tables whose live files this commit changed (their Delta logs follow it)."""
 
     def to_json(self) -> dict:
         return {"seq": self.seq, "kind": self.kind, "writer": self.writer, "at": self.at, "stage": self.stage,
                 "round": self.round, "manifest": dict(self.manifest),
-                "add": {rel: f.to_json() for rel, f in sorted(self.add.items())}, "remove": sorted(self.remove)}
+                "add": {rel: f.to_json() for rel, f in sorted(self.add.items())}, "tables": sorted(self.tables)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Entry:
         return cls(seq=int(data["seq"]), kind=str(data["kind"]), writer=str(data["writer"]), at=str(data["at"]),
                    stage=data.get("stage"), round=data.get("round"), manifest=data.get("manifest") or {},
                    add={rel: LoggedFile(**f) for rel, f in (data.get("add") or {}).items()},
-                   remove=tuple(data.get("remove") or ()))
+                   tables=tuple(data.get("tables") or ()))
 
 
 @dataclass
 class RunState:
-    """The run after entry `seq` (-1: no entry yet)."""
+    """The run after entry `seq` (-1: no entry yet). A file is live while the newest commit of
+    some (stage, round) lists it (a prompts part can be listed by several) or an "import" took
+    it in (tables written by other tools, old runs)."""
 
     seq: int = -1
     files: dict[str, LoggedFile] = field(default_factory=dict)
+    """The live files."""
+    refs: dict[str, int] = field(default_factory=dict)
+    """How many commits (and imports) list each live file."""
     manifests: dict[tuple[str, int], dict] = field(default_factory=dict)
     """(stage, round) -> the manifest of that stage's newest commit for the round."""
     commits: dict[tuple[str, int], int] = field(default_factory=dict)
     """(stage, round) -> the seq of that commit."""
     writer: str | None = None
     """The job that opened the run last."""
+    retired: dict[str, int] = field(default_factory=dict)
+    """Files that were live and are not any more -> the entry that retired them. They are kept
+    (earlier versions of the run read them: `export --as-of`, Delta time travel) until vacuumed."""
 
-    def apply(self, entry: Entry) -> None:
+    def apply(self, entry: Entry) -> list[str]:
+        """Bring the state to `entry`; the files no longer live after it."""
         if entry.seq != self.seq + 1:
             raise ValueError(f"commit log entry {entry.seq} applied after {self.seq}")
         self.seq = entry.seq
         if entry.kind == "open":
             self.writer = entry.writer
-            return
-        for rel in entry.remove:
-            self.files.pop(rel, None)
-        self.files.update(entry.add)
-        if entry.stage is not None and entry.round is not None:
-            self.manifests[(entry.stage, entry.round)] = dict(entry.manifest)
-            self.commits[(entry.stage, entry.round)] = entry.seq
+            return []
+        for rel, meta in entry.add.items():
+            self.refs[rel] = self.refs.get(rel, 0) + 1
+            self.files[rel] = meta
+            self.retired.pop(rel, None)
+        if entry.kind != "commit" or entry.stage is None or entry.round is None:
+            return []
+        key = (entry.stage, entry.round)
+        gone = []
+        for rel in (self.manifests.get(key) or {}).get("outputs", []):
+            self.refs[rel] = self.refs.get(rel, 1) - 1
+            if self.refs[rel] <= 0:
+                del self.refs[rel]
+                self.files.pop(rel, None)
+                self.retired[rel] = entry.seq
+                gone.append(rel)
+        self.manifests[key] = dict(entry.manifest)
+        self.commits[key] = entry.seq
+        return sorted(gone)
 
     def copy(self) -> RunState:
-        return RunState(self.seq, dict(self.files), dict(self.manifests), dict(self.commits), self.writer)
-
-    def rounds(self) -> list[int]:
-        return sorted({r for _, r in self.manifests})
+        return RunState(self.seq, dict(self.files), dict(self.refs), dict(self.manifests), dict(self.commits),
+                        self.writer, dict(self.retired))
 
     def to_json(self) -> dict:
         return {"seq": self.seq, "writer": self.writer,
-                "files": {rel: f.to_json() for rel, f in sorted(self.files.items())},
+                "files": {rel: {**f.to_json(), "refs": self.refs[rel]} for rel, f in sorted(self.files.items())},
                 "manifests": [{"stage": s, "round": r, "seq": self.commits[(s, r)], "manifest": m}
-                              for (s, r), m in sorted(self.manifests.items())]}
+                              for (s, r), m in sorted(self.manifests.items())],
+                "retired": dict(sorted(self.retired.items()))}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RunState:
         state = cls(seq=int(data["seq"]), writer=data.get("writer"),
-                    files={rel: LoggedFile(**f) for rel, f in data["files"].items()})
+                    retired={rel: int(seq) for rel, seq in (data.get("retired") or {}).items()})
+        for rel, f in data["files"].items():
+            state.refs[rel] = int(f.pop("refs"))
+            state.files[rel] = LoggedFile(**f)
         for item in data["manifests"]:
             key = (item["stage"], int(item["round"]))
             state.manifests[key] = item["manifest"]
@@ -203,6 +227,13 @@ class CommitLog:
         self.state = self._replay(self.state, None, entries, states)
         return self.state
 
+    def catch_up(self, seq: int) -> RunState:
+        """Read the entries up to `seq` that this object has not read (another store of this job
+        wrote them: `RunStore.sibling`), without listing the log."""
+        for n in range(self.state.seq + 1, seq + 1):
+            self.state.apply(self._read_entry(n))
+        return self.state
+
     def state_as_of(self, seq: int) -> RunState:
         """The run after entry `seq` (an earlier version of the run)."""
         entries, states = self._listing()
@@ -210,32 +241,49 @@ class CommitLog:
         return self._replay(base, seq, entries, states)
 
     def entries(self) -> list[Entry]:
-        """Every entry, oldest first (for `inspect` and `export --as-of`)."""
+        """Every entry, oldest first."""
         entries, _ = self._listing()
         return [self._read_entry(seq) for seq in entries]
 
-    def open(self) -> Entry:
+    def open(self) -> None:
         """Start writing: read the log, then append an "open" entry naming this job."""
         self.refresh()
         self.writer = self.writer or new_writer_id()
-        return self._append(Entry(self.state.seq + 1, "open", self.writer, _now()))
+        self._append(Entry(self.state.seq + 1, "open", self.writer, _now()))
 
-    def commit(self, stage: str, round: int, manifest: Mapping[str, Any], add: Mapping[str, LoggedFile],
-               remove: Sequence[str]) -> Entry:
-        """Append a stage's commit for `round` (after its files are written): the commit point."""
+    def commit(self, stage: str, round: int, manifest: Mapping[str, Any],
+               files: Mapping[str, LoggedFile], tables: tuple[str, ...] = ()) -> list[str]:
+        """Append a stage's commit for `round` (after its files are written): the commit point.
+        `manifest["outputs"]` lists its files, `files` their sha256, size and rows. Returns the
+        files no longer live (the stage's earlier outputs for the round), for the caller to delete."""
         if self.writer is None:
             raise RuntimeError("CommitLog.commit before open(): a writer opens the run first")
-        entry = Entry(self.state.seq + 1, "commit", self.writer, _now(), stage, round, dict(manifest),
-                      dict(add), tuple(remove))
-        return self._append(entry)
+        missing = [rel for rel in manifest.get("outputs", []) if rel not in files]
+        if missing:
+            raise ValueError(f"commit of {stage} round {round}: no file record for outputs {missing}")
+        return self._append(Entry(self.state.seq + 1, "commit", self.writer, _now(), stage, round, dict(manifest),
+                                  {rel: files[rel] for rel in manifest.get("outputs", [])}, tuple(tables)))
 
-    def _append(self, entry: Entry) -> Entry:
+    def last_commit(self) -> Entry | None:
+        """The newest "commit" entry (read again from the log), None when there is none."""
+        for seq in sorted(self.state.commits.values(), reverse=True)[:1]:
+            return self._read_entry(seq)
+        return None
+
+    def take_in(self, files: Mapping[str, LoggedFile]) -> None:
+        """Append an "import" entry: `files` (written by other tools, or by an older run format)
+        become live for good."""
+        if self.writer is None:
+            raise RuntimeError("CommitLog.take_in before open(): a writer opens the run first")
+        self._append(Entry(self.state.seq + 1, "import", self.writer, _now(), add=dict(files)))
+
+    def _append(self, entry: Entry) -> list[str]:
         if not self.storage.create(_entry_name(entry.seq), _dump(entry.to_json())):
             raise self._taken_over(entry.seq)
-        self.state.apply(entry)
+        gone = self.state.apply(entry)
         if entry.seq and entry.seq % self.state_every == 0:
             self.storage.create(_state_name(entry.seq), _dump(self.state.to_json()))
-        return entry
+        return gone
 
     def _taken_over(self, seq: int) -> RunTakenOver:
         try:

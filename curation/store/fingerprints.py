@@ -3,7 +3,7 @@
     fingerprint_file(path)     sha256 of a file's bytes (a table part, a prompts file)
     known_fingerprint(path)    the same, without reading the bytes again when a manifest recorded
                                them and the file's size and mtime_ns still match
-    part_fingerprints(store, paths)  the sha256 of a run's part files: held, recorded or hashed
+    part_fingerprints(store, rels)   the sha256 of a run's part files: held, or as the commit log recorded
     fingerprint_path(path)     sha256 of a file, or of a folder's relative paths and file hashes
     config_hash(config)        sha256 of a config's canonical JSON (sorted keys)
     code_version()             'groupforge <version> (<commit>[-dirty])', recorded in manifests
@@ -21,11 +21,8 @@ import json
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from curation.store.layout import ROUND_DIR
 
 if TYPE_CHECKING:
     from curation.store.run_store import RunStore
@@ -59,33 +56,14 @@ def _vouches(path: str | Path, recorded: Mapping[str, object]) -> bool:
             and (recorded.get("size"), recorded.get("mtime_ns")) == (stat["size"], stat["mtime_ns"]))
 
 
-def part_fingerprints(store: RunStore, paths: Sequence[Path], round: int | None = None) -> dict[Path, str]:
-    """{path: sha256} of part files of the run: a held part's own, else what its round's manifests
-    (prompts parts: `round`'s) record (`output_files`, while size and mtime_ns match), else
-    hashed (in parallel: hashlib lets go of the GIL)."""
-    found: dict[Path, str] = {}
-    recorded: dict[int | None, dict[str, dict]] = {}
-    todo = []
-    for path in paths:
-        held = store.held_part(path)
-        if held is not None:
-            found[path] = held.sha256
-            continue
-        m = ROUND_DIR.fullmatch(path.parent.name)
-        of = int(m[1]) if m else round
-        if of is not None and of not in recorded:
-            recorded[of] = store.recorded_files(of)
-        entry = recorded.get(of, {}).get(path.relative_to(store.root).as_posix())
-        if entry is not None and _vouches(path, entry):
-            found[path] = entry["sha256"]
-        else:
-            todo.append(path)
-    if len(todo) > 1:
-        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
-            found.update(zip(todo, pool.map(fingerprint_file, todo)))
-    elif todo:
-        found[todo[0]] = fingerprint_file(todo[0])
-    return {path: found[path] for path in paths}
+def part_fingerprints(store: RunStore, rels: Sequence[str]) -> dict[str, str]:
+    """{rel: sha256} of live part files of the run: a held part's own, else what its commit
+    recorded in the commit log (no file is read)."""
+    found = {}
+    for rel in rels:
+        held = store.held_part(rel)
+        found[rel] = held.sha256 if held is not None else store.file_record(rel).sha256
+    return found
 
 
 def fingerprint_path(path: str | Path) -> str:

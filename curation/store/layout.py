@@ -1,12 +1,10 @@
 """The run folder's names: its round tables, part and round folder names, and the small
-helpers every store module shares (listing part files, a part's contract columns, DuckDB)."""
+helpers every store module shares (a part file's name and path, a part's contract columns, DuckDB)."""
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 import duckdb
 import pyarrow as pa
@@ -32,13 +30,22 @@ def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.T
     return pa.Table.from_arrays(arrays, schema=wanted)
 
 
-def parquet_files(folder: Path) -> list[Path]:
-    """The *.parquet files of `folder`, by name ([] when there is no folder)."""
-    try:
-        return sorted(folder / entry.name for entry in os.scandir(folder)
-                      if entry.name.endswith(".parquet") and entry.is_file())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+PART_FILE = re.compile(r"part-(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)(?:-(?P<sha>[0-9a-f]{16}))?\.parquet")
+"""A part file's name: `part-<part>-<first 16 hex of its sha256>.parquet` (files an older
+groupforge or another tool wrote may lack the hash)."""
+
+
+def part_name(rel: str) -> str:
+    """The part of a part file (`samples/round=1/part-score-s0001-<sha>.parquet` -> 'score-s0001')."""
+    name = rel.rsplit("/", 1)[-1]
+    m = PART_FILE.fullmatch(name)
+    return m["name"] if m else name.removesuffix(".parquet")
+
+
+def part_rel(table: str, round: int | None, part: str, sha256: str) -> str:
+    """Where a part file goes, relative to the run (round None: prompts)."""
+    folder = table if round is None else f"{table}/round={check_round(round)}"
+    return f"{folder}/part-{check_name(part, 'part')}-{sha256[:16]}.parquet"
 
 
 def check_name(name: str, what: str) -> str:

@@ -1,33 +1,31 @@
-"""The run store: where a run's tables live, and how stages write them without ever
-leaving a partial or duplicated file behind.
+"""The run store: where a run's tables live, and how stages write them so that a reader sees
+each commit whole or not at all, on local disk and on object storage alike.
 
-Layout of a run directory RUN:
+Layout of a run RUN (a local folder or an object-store prefix, curation/store/storage.py):
 
-    RUN/prompts/part-<part>.parquet                  prompts (not partitioned by round)
-    RUN/<table>/round=<n>/part-<part>.parquet        samples | scores | groups | rejects | pairs
-    RUN/_manifests/<stage>-round=<n>.json            what a stage's last successful commit did
-    RUN/_manifests/<stage>-round=<n>.pending         outputs of a commit being published
+    RUN/_log/<seq>.json                              the commit log (curation/store/commit_log.py)
+    RUN/prompts/part-<part>-<sha>.parquet            prompts (not partitioned by round)
+    RUN/<table>/round=<n>/part-<part>-<sha>.parquet  samples | scores | groups | rejects | pairs
+    RUN/<table>/_delta_log/                          each table as a Delta Lake table (external readers)
     RUN/_staging/<stage>-round=<n>/                  resumable work-in-progress of a long stage
-    RUN/_tmp/<commit>/                               files written but not yet committed
-    RUN/.lock                                        the writer lock, and who holds it
 
-Several stages add rows to one table and round (`rejects` gets rows from generate, score
-and filter), so each stage writes its own part file, named after the stage by default.
+A part file is named after its part (by default the stage that writes it) and the first 16 hex
+digits of its sha256, so a name is never reused for other bytes: a commit writes its files
+under their final names (no rename: object stores have none), and the commit log entry that
+lists them, written last, makes them live. The store reads the live files the log lists and
+nothing else; a file no entry lists (a killed commit's) is swept by the next writer.
 
-A commit (curation/store/commit.py) writes into `_tmp` (same filesystem), then renames each
-file into place and writes the manifest last. Readers only glob the table folders, so they
-never see `_tmp`, `_staging` or `_manifests`; the `round=<n>` folder and the `round` column
-inside the file always agree, so DuckDB, Polars and pyarrow read the same rounds
-(docs/guide-data.md, "Read the tables yourself").
+Several stages add rows to one table and round (`rejects` gets rows from generate, score and
+filter), so each stage writes its own parts. The `round=<n>` folder and the `round` column
+inside the file always agree (docs/guide-data.md, "Read the tables yourself").
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,22 +35,29 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.store.commit_log import CommitLog, LoggedFile, RunState
 from curation.store.fingerprints import config_hash
 from curation.store.layout import (
-    NAME,
     ROUND_DIR,
     check_name,
     check_round,
-    connect,
     contract_columns,
-    parquet_files,
+    part_name,
 )
 from curation.store.lock import writer_lock
-from curation.store.runlog import read_json
+from curation.store.storage import LocalStorage, Storage, open_storage
 
 if TYPE_CHECKING:
     from curation.store.commit import Commit
 
+
+@dataclass
+class JobWrites:
+    """What the stores of one writing job share (`RunStore.sibling`): the lock that orders their
+    commits, and the newest commit log entry any of them wrote."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = -1
 
 
 @dataclass(frozen=True)
@@ -70,189 +75,246 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
-# ---- the store ----------------------------------------------------------------------
-
-
-def committed_outputs(root: Path) -> set[str]:
-    """Relative paths of the files the run's committed manifests list (RUN/_manifests/*.json)."""
-    outputs: set[str] = set()
-    for path in sorted((root / "_manifests").glob("*.json")):
-        try:
-            outputs.update((read_json(path) or {}).get("outputs", []))
-        except ValueError:
-            continue  # unreadable: verify names it; a reader sees that commit as absent
-    return outputs
+def _round_of(rel: str) -> int | None:
+    """The round of a part file from its `round=<n>` folder (None: prompts)."""
+    parts = rel.split("/")
+    m = ROUND_DIR.fullmatch(parts[1]) if len(parts) == 3 else None
+    return int(m[1]) if m else None
 
 
 class RunStore:
-    """One run directory (see the module docstring). Creates nothing until something is written."""
+    """One run (see the module docstring). Creates nothing until something is written.
 
-    def __init__(self, root: str | Path, hold: bool = False):
-        self.root = Path(root)
+    `root`: a local folder, an object-store URL (`s3://bucket/runs/x`), or a Storage."""
+
+    def __init__(self, root: str | Path | Storage, hold: bool = False):
+        self.storage = root if isinstance(root, Storage) else open_storage(root)
+        self.root: Path | None = self.storage.root if isinstance(self.storage, LocalStorage) else None
+        """The run folder on local disk (None on an object store)."""
+        self.location = self.storage.url
+        """The run as a path or URL, for messages."""
+        self.name = self.location.rstrip("/").rsplit("/", 1)[-1]
+        """The run's folder name (the default run_id of its samples)."""
         self.hold = hold
         """Keep the parts committed through this store in memory (`held`): the round loop."""
         self.held: dict[str, HeldPart] = {}
-        """The parts committed through this store (with `hold`), by path relative to the run.
-        Commits made through another RunStore object do not update it: a process writes a run
-        through one store (callers hold the run's lock, so no other process writes)."""
-        self._committed: frozenset[Path] | None = None  # set by snapshot(): only these files are read
-        self._journals: set[Path] | None = None  # `pending_journals`, listed on first use
+        """The parts committed through this store (with `hold`), by path relative to the run."""
+        self.log = CommitLog(self.storage)
+        self.job = JobWrites()
+        """Shared with this store's siblings: their commits take turns and see each other's."""
+        self._frozen = False  # a snapshot: the state is not read again
+        self._unlisted: RunState | None = None  # the state of a run without a commit log (`refresh`)
 
-    def held_part(self, path: Path) -> HeldPart | None:
-        """The part held for the file at `path` (None: read the file)."""
-        return self.held.get(path.relative_to(self.root).as_posix()) if self.held else None
+    @property
+    def state(self) -> RunState:
+        """What the commit log says the run holds, as this store last read it. A run written
+        without a log (by other tools, or an older groupforge) reads as its files and old
+        manifests say (`curation.store.migrate`) until a writer takes them into the log."""
+        if self._unlisted is not None:
+            return self._unlisted
+        if self.log.state.seq < 0 and not self._frozen:
+            self.refresh()
+        return self._unlisted or self.log.state
+
+    def refresh(self) -> RunState:
+        """Read the commits made since this store last looked (by another process)."""
+        if self._frozen:
+            return self.state
+        state = self.log.refresh()
+        self._unlisted = None
+        if not state.manifests and not state.files and self.log.writer is None:
+            # nothing committed yet (no log, or only jobs that opened it): what the files and any
+            # old manifests say; with a log, files named as groupforge names them are a killed
+            # commit's, not the run's
+            from curation.store.migrate import unlisted_state
+
+            self._unlisted = unlisted_state(self.storage, skip_ours=state.seq >= 0)
+            return self._unlisted
+        return state
+
+    @property
+    def logged(self) -> bool:
+        """Whether the run's commit log holds its tables (False: nothing committed through a log
+        yet; the run reads as its files and old manifests say until a writer takes them in)."""
+        return self.state is not self._unlisted
+
+    def held_part(self, rel: str) -> HeldPart | None:
+        """The part held for the file `rel` (None: read the file)."""
+        return self.held.get(rel) if self.held else None
 
     def release(self) -> None:
         """Drop the held parts (the round loop, once a round is done with them)."""
         self.held.clear()
 
     def __repr__(self) -> str:
-        return f"RunStore({str(self.root)!r}{', snapshot' if self._committed is not None else ''})"
+        return f"RunStore({self.location!r}{', snapshot' if self._frozen else ''})"
+
+    def sibling(self) -> RunStore:
+        """Another store of this writing job on the run, for a thread that commits beside this
+        store's user (the round loop's next-round generate): the same writer in the commit log,
+        commits in turn with this store's, no held parts. Call after the job opened the run."""
+        other = RunStore(self.storage)
+        other.log.writer, other.log.state, other.job = self.log.writer, self.log.state.copy(), self.job
+        return other
+
+    def catch_up(self) -> None:
+        """Read the commits this store's siblings made since it last looked."""
+        if self.job.seq > self.log.state.seq:
+            self.log.catch_up(self.job.seq)
 
     def snapshot(self) -> RunStore:
-        """A reader's view of the run as of now: the same store, reading only the part files
-        that committed manifests list. A commit publishes its files, then its manifest, so a
-        reader on a snapshot sees each commit (a stage's round) whole or not at all, while a
-        job commits beside it; a plain store (and a bare glob over the table folders) can see
-        a commit's first file before its last. Readers that run beside a job (`export`,
-        `inspect`, `report`, `duckdb_views`) use one; stages run under the writer lock and
-        need none. Take a new snapshot to see later commits."""
-        view = RunStore(self.root)
-        if (self.root / "_manifests").is_dir():  # else tables written by hand: nothing to hold them to
-            view._committed = frozenset(self.root / rel for rel in committed_outputs(self.root))
+        """A reader's view of the run as of now: the commits made so far, and no later one,
+        while a job may go on committing beside it. Take a new snapshot to see later commits."""
+        view = RunStore(self.storage)
+        view.log.state = self.refresh().copy()
+        if self._unlisted is not None:  # a run without commits: as its files say
+            view._unlisted = view.log.state
+        view._frozen = True
+        return view
+
+    def as_of_round(self, round: int) -> RunStore:
+        """A reader's view of the run as it was when `round` was done: the commits up to the
+        first entry of a later round (a later rerun of an earlier round is not in it). Its files
+        are all kept (replaced ones are retired, not deleted), so reads give the same bytes."""
+        self.refresh()
+        entries = self.log.entries()
+        rounds = [e.round for e in entries if e.kind == "commit" and e.round is not None]
+        if round not in rounds:
+            raise ValueError(f"{self.location}: no commit of round {round}; rounds committed: "
+                             f"{sorted(set(rounds)) or 'none'}")
+        later = next((e.seq for e in entries if e.kind == "commit" and e.round is not None and e.round > round),
+                     None)
+        seq = entries[-1].seq if later is None else later - 1
+        view = RunStore(self.storage)
+        view.log.state = self.log.state_as_of(seq)
+        view._frozen = True
         return view
 
     def duckdb_views(self, con: duckdb.DuckDBPyConnection, rounds: int | Sequence[int] | None = None,
                      prefix: str = "") -> duckdb.DuckDBPyConnection:
         """Create (or replace) a view per table (samples, scores, groups, rejects, pairs, prompts)
-        in `con` over this store's files (use it on a `snapshot()`): e.g.
+        in `con` over this store's live files (use it on a `snapshot()`): e.g.
         `RunStore("runs/x").snapshot().duckdb_views(duckdb.connect()).sql("SELECT ... FROM groups")`.
         `rounds`: only those rounds' files (prompts: every file); `prefix`: before each view's name."""
         for table in schema.SCHEMAS:
-            files = self.files(table, None if table == "prompts" else rounds)
-            if files:
-                listed = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
-                con.execute(f"CREATE OR REPLACE VIEW {prefix}{table} AS SELECT * FROM read_parquet([{listed}], "
-                            "hive_partitioning = false, union_by_name = true)")
-            else:
-                con.register(f"_empty_{table}", schema.empty(table))
-                con.execute(f"CREATE OR REPLACE VIEW {prefix}{table} AS SELECT * FROM _empty_{table}")
+            data = self.read(table, None if table == "prompts" else rounds)
+            con.register(f"_{prefix}{table}_arrow", data)
+            con.execute(f"CREATE OR REPLACE VIEW {prefix}{table} AS SELECT * FROM _{prefix}{table}_arrow")
         return con
 
     # -- layout
-    def table_dir(self, table: str) -> Path:
+    def table_dir(self, table: str) -> str:
+        """The table's folder, relative to the run."""
         if table not in schema.SCHEMAS:
             raise ValueError(f"unknown table {table!r}; known: {', '.join(schema.SCHEMAS)}")
-        return self.root / table
+        return table
 
-    def partition_dir(self, table: str, round: int | None) -> Path:
-        """`RUN/<table>/round=<n>`; `round=None` gives the table folder (prompts)."""
+    def partition_dir(self, table: str, round: int | None) -> str:
+        """`<table>/round=<n>` relative to the run; `round=None` gives the table folder (prompts)."""
         if round is None:
             return self.table_dir(table)
         if table == "prompts":
             raise ValueError("the prompts table is not partitioned by round")
-        return self.table_dir(table) / f"round={check_round(round)}"
+        return f"{self.table_dir(table)}/round={check_round(round)}"
 
-    def table_glob(self, table: str) -> str:
-        """The glob that reads the whole table, e.g. 'RUN/samples/**/*.parquet'."""
-        pattern = "*.parquet" if table == "prompts" else "**/*.parquet"
-        return str(self.table_dir(table) / pattern)
+    def where(self, rel: str = "") -> str:
+        """`rel` as a full path or URL, for messages."""
+        return self.storage.where(rel)
 
     def rounds(self, table: str) -> list[int]:
-        """The rounds that hold at least one part file, ascending."""
+        """The rounds that hold at least one live part file, ascending."""
         if table == "prompts":
             raise ValueError("the prompts table is not partitioned by round")
-        return sorted(self._round_files(table))
+        self.table_dir(table)
+        return sorted({r for rel in self.state.files if rel.startswith(table + "/")
+                       and (r := _round_of(rel)) is not None})
 
-    def files(self, table: str, rounds: int | Sequence[int] | None = None) -> list[Path]:
-        """The part files of `table` (all rounds, or the given ones), in round then name order
-        (on a snapshot, only those committed when it was taken)."""
-        found = self._files(table, rounds)
-        return found if self._committed is None else [f for f in found if f in self._committed]
-
-    def _files(self, table: str, rounds: int | Sequence[int] | None = None) -> list[Path]:
+    def files(self, table: str, rounds: int | Sequence[int] | None = None) -> list[str]:
+        """The live part files of `table` (all rounds, or the given ones), relative to the run, in
+        round then name order."""
+        self.table_dir(table)
         if table == "prompts":
             if rounds is not None:
                 raise ValueError("the prompts table is not partitioned by round")
-            return sorted(self.table_dir(table).glob("*.parquet"))
-        if rounds is None:
-            by_round = self._round_files(table)
-            return [f for r in sorted(by_round) for f in by_round[r]]
-        wanted = [rounds] if isinstance(rounds, int) else rounds
-        return [f for r in sorted(set(wanted)) for f in parquet_files(self.partition_dir(table, r))]
+            return sorted(rel for rel in self.state.files if rel.startswith("prompts/") and rel.count("/") == 1)
+        wanted = None if rounds is None else {check_round(r) for r in ([rounds] if isinstance(rounds, int)
+                                                                      else rounds)}
+        found = [(r, rel) for rel in self.state.files if rel.startswith(table + "/")
+                 and (r := _round_of(rel)) is not None and (wanted is None or r in wanted)]
+        return [rel for _, rel in sorted(found)]
 
-    def _round_files(self, table: str) -> dict[int, list[Path]]:
-        """{round: its part files, by name} of every round folder that holds one (one scan of
-        the table folder and of each round folder: the round loop asks every round)."""
-        found: dict[int, list[Path]] = {}
-        try:
-            entries = list(os.scandir(self.table_dir(table)))
-        except (FileNotFoundError, NotADirectoryError):
-            return found
-        for entry in entries:
-            m = ROUND_DIR.fullmatch(entry.name)
-            if m and entry.is_dir():
-                files = parquet_files(Path(entry.path))
-                if self._committed is not None:
-                    files = [f for f in files if f in self._committed]
-                if files:
-                    found[int(m[1])] = files
-        return found
+    def file_record(self, rel: str) -> LoggedFile:
+        """sha256, size and rows of a live file, as its commit recorded them."""
+        return self.state.files[rel]
 
-    def staging_dir(self, stage: str, round: int) -> Path:
-        path = self.root / "_staging" / f"{check_name(stage, 'stage')}-round={check_round(round)}"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-
-    def clean_tmp(self) -> None:
-        """Remove every uncommitted temporary file (left by killed processes). Call under the lock."""
-        shutil.rmtree(self.root / "_tmp", ignore_errors=True)
+    def staging(self, stage: str, round: int) -> Storage:
+        """Where a long stage keeps its resumable work-in-progress for `round` (removed by its commit)."""
+        return self.storage.child(f"_staging/{check_name(stage, 'stage')}-round={check_round(round)}")
 
     # -- reading
+    def source(self, rel: str) -> str | pa.BufferReader:
+        """What pyarrow reads the file `rel` from: its local path, or its bytes from the object store."""
+        if self.root is not None:
+            return str(self.root / rel)
+        return pa.BufferReader(self.storage.read(rel))
+
+    def read_part(self, rel: str, table: str, columns: Sequence[str] | None = None) -> pa.Table:
+        """One live part file (held: from memory), validated as `table`; `columns`: only those."""
+        held = self.held_part(rel)
+        if held is not None:
+            return held.table if columns is None else contract_columns(table, held.table, columns)
+        data = self._read_file(rel, table)
+        return data if columns is None else contract_columns(table, data, columns)
+
+    def _read_file(self, rel: str, table: str) -> pa.Table:
+        where = self.where(rel)
+        try:
+            data = pq.read_table(self.source(rel))
+        except FileNotFoundError:
+            raise schema.SchemaError(f"{table} table ({where}): file not found (listed by the commit log)") from None
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise schema.SchemaError(f"{table} table ({where}): not a readable Parquet file "
+                                     f"({_first_line(exc)})") from None
+        return schema.validate(data, table, where)
+
     def read(self, table: str, rounds: int | Sequence[int] | None = None, validate: bool = True,
              columns: Sequence[str] | None = None) -> pa.Table:
-        """All rounds (or the given ones) of `table` in one DuckDB query, as a pyarrow Table.
+        """All rounds (or the given ones) of `table`, as a pyarrow Table.
 
         Validated against `curation.schema` unless `validate=False`; an empty table with the
-        schema when nothing was written yet. The `round` column comes from the files
-        (hive_partitioning=false), and validation checks it against the `round=<n>` folders.
-
-        `columns`: only these contract columns, in this order (see `read_columns`).
+        schema when nothing was written yet. The `round` column is checked against each file's
+        `round=<n>` folder. `columns`: only these contract columns, in this order (`read_columns`).
         """
         if columns is not None:
             return self.read_columns(table, columns, rounds, validate)
         files = self.files(table, rounds)
         if not files:
             return schema.empty(table)
-        paths = [str(f) for f in files]
-        con = connect()
-        try:
-            sql = "SELECT * FROM read_parquet($files, hive_partitioning = false, union_by_name = true)"
-            result = con.sql(sql, params={"files": paths}).to_arrow_table()
-            if validate:
-                result = schema.validate(result, table, self.table_glob(table))
-                if table != "prompts":
-                    self._check_round_folders(con, table, paths)
-        except (duckdb.Error, schema.SchemaError) as exc:
-            self._raise_for_bad_file(table, files)
-            if isinstance(exc, schema.SchemaError):
-                raise
-            raise schema.SchemaError(f"{table} table ({self.table_glob(table)}): {_first_line(exc)}") from exc
-        finally:
-            con.close()
-        return result
+        parts = []
+        for rel in files:
+            held = self.held_part(rel)
+            part = held.table if held is not None else self._read_file(rel, table) if validate else \
+                pq.read_table(self.source(rel))
+            if validate and table != "prompts":
+                self._check_round(table, rel, part)
+            parts.append(part)
+        result = pa.concat_tables(parts, promote_options="permissive")
+        return schema.validate(result, table, self.where(table)) if validate else result
+
+    def _check_round(self, table: str, rel: str, part: pa.Table) -> None:
+        folder = _round_of(rel)
+        if not part.num_rows or folder is None:
+            return
+        lo, hi = pc.min_max(part.column("round")).as_py().values()
+        if (lo, hi) != (folder, folder):
+            raise schema.SchemaError(f"{table} table ({self.where(rel)}): column 'round' holds {lo}..{hi}, "
+                                     f"but the file is in folder round={folder}")
 
     def read_columns(self, table: str, columns: Sequence[str], rounds: int | Sequence[int] | None = None,
                      validate: bool = True, exclude_parts: Sequence[str] = ()) -> pa.Table:
         """`columns` of `table` (contract columns, e.g. the keys and reward of scores), the same
         rows and values as `read(...).select(columns)` without reading the other columns.
-        `exclude_parts`: part names (`part-<name>.parquet`) left unread, e.g. a stage's own output.
-
-        Each file is read on its own with pyarrow (a 64-char string column read through DuckDB
-        costs ~1.6x), and the files are concatenated in `files()` order, as DuckDB does. With
-        `validate`, every file's schema (its Parquet footer) is still checked against the whole
-        contract, the columns read are checked for nulls, and `round` against the folders.
-        """
+        `exclude_parts`: part names (`part-<name>-<sha>.parquet`) left unread, e.g. a stage's own output."""
         parts = list(self.iter_columns(table, columns, rounds, validate, exclude_parts))
         if parts:
             return pa.concat_tables(parts)
@@ -271,130 +333,82 @@ class RunStore:
                              f"known: {', '.join(contract.names)}")
         wanted = pa.schema([contract.field(c) for c in columns])
         check_round = validate and table != "prompts"
-        for path in self.files(table, rounds):
-            if path.stem.removeprefix("part-") in exclude_parts:
+        for rel in self.files(table, rounds):
+            if part_name(rel) in exclude_parts:
                 continue
-            held = self.held_part(path)
+            held = self.held_part(rel)
             if held is not None:  # validated when it was committed
                 yield contract_columns(table, held.table, columns)
                 continue
+            where = self.where(rel)
             try:
-                found = pq.read_schema(path)
+                file = pq.ParquetFile(self.source(rel))
+                found = file.schema_arrow
                 if validate:
-                    schema.validate(found.empty_table(), table, path)
+                    schema.validate(found.empty_table(), table, where)
                 present = [c for c in columns if c in found.names]
                 extra = ["round"] if check_round and "round" not in present else []
                 if batch_rows is None:
-                    pieces: Iterator[pa.Table] = iter([pq.read_table(path, columns=present + extra)])
+                    pieces: Iterator[pa.Table] = iter([file.read(columns=present + extra)])
                 else:
-                    batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=present + extra)
+                    batches = file.iter_batches(batch_size=batch_rows, columns=present + extra)
                     pieces = (pa.Table.from_batches([batch]) for batch in batches)
                 for part in pieces:
-                    if check_round and part.num_rows:
-                        folder = int(ROUND_DIR.fullmatch(path.parent.name)[1])
-                        lo, hi = pc.min_max(part.column("round")).as_py().values()
-                        if (lo, hi) != (folder, folder):
-                            raise schema.SchemaError(f"{table} table ({path}): column 'round' holds {lo}..{hi}, "
-                                                     f"but the file is in folder round={folder}")
+                    if check_round:
+                        self._check_round(table, rel, part)
                     part = contract_columns(table, part, columns)
                     if validate:
                         for field in wanted:
                             nulls = part.column(field.name).null_count
                             if not field.nullable and nulls:
-                                raise schema.SchemaError(f"{table} table ({self.table_glob(table)}): column "
+                                raise schema.SchemaError(f"{table} table ({where}): column "
                                                          f"{field.name!r} has {nulls} null value(s)")
                     yield part
-            except (pa.ArrowInvalid, OSError):
-                schema.read_table_file(path, table)  # raises SchemaError naming the file
-                raise
+            except FileNotFoundError:
+                raise schema.SchemaError(f"{table} table ({where}): file not found (listed by the commit log)"
+                                         ) from None
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise schema.SchemaError(f"{table} table ({where}): not a readable Parquet file "
+                                         f"({_first_line(exc)})") from None
 
-    def _check_round_folders(self, con: duckdb.DuckDBPyConnection, table: str, paths: list[str]) -> None:
-        sql = ("SELECT filename, min(round), max(round) FROM read_parquet($files, hive_partitioning = false,"
-               " filename = true) GROUP BY filename")
-        for filename, lo, hi in con.sql(sql, params={"files": paths}).fetchall():
-            folder = int(ROUND_DIR.fullmatch(Path(filename).parent.name)[1])
-            if (lo, hi) != (folder, folder):
-                raise schema.SchemaError(f"{table} table ({filename}): column 'round' holds {lo}..{hi}, "
-                                         f"but the file is in folder round={folder}")
-
-    @staticmethod
-    def _raise_for_bad_file(table: str, files: list[Path]) -> None:
-        """Name the file a multi-file read failed on: the first that fails on its own."""
-        for f in files:
-            schema.read_table_file(f, table)  # raises SchemaError naming the file
+    def row_count(self, rel: str) -> int:
+        """Rows of a live part file (from memory or its commit's record)."""
+        held = self.held_part(rel)
+        return held.table.num_rows if held is not None else self.state.files[rel].rows
 
     # -- manifests
-    def manifest_path(self, stage: str, round: int) -> Path:
-        return self.root / "_manifests" / f"{check_name(stage, 'stage')}-round={check_round(round)}.json"
-
-    def pending_path(self, stage: str, round: int) -> Path:
-        """The journal of a commit being published (not *.json: not a manifest)."""
-        return self.manifest_path(stage, round).with_suffix(".pending")
-
-    def pending_journals(self) -> set[Path]:
-        """The journals (`*.pending`) of commits a killed process left, listed once per store:
-        callers hold the run's lock, so no other process adds one (a caller checks that a listed
-        journal still exists: a commit deletes its own once it is done)."""
-        if self._journals is None:
-            try:
-                self._journals = {Path(entry.path) for entry in os.scandir(self.root / "_manifests")
-                                  if entry.name.endswith(".pending")}
-            except (FileNotFoundError, NotADirectoryError):
-                self._journals = set()
-        return self._journals
-
     def load_manifest(self, stage: str, round: int) -> dict | None:
-        return read_json(self.manifest_path(stage, round))
+        """The manifest of the stage's newest commit for `round` (None: never committed)."""
+        return self.state.manifests.get((check_name(stage, "stage"), check_round(round)))
 
-    def round_manifests(self, round: int, suffix: str = ".json") -> list[Path]:
-        """The manifests (`suffix` ".pending": the journals) of every stage of `round`, by name
-        (one scan of the folder: a run of many rounds holds thousands; the loop asks each stage)."""
-        tail = f"-round={check_round(round)}{suffix}"
-        try:
-            entries = os.scandir(self.root / "_manifests")
-            return sorted(Path(entry.path) for entry in entries if entry.name.endswith(tail))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+    def round_manifests(self, round: int) -> dict[str, dict]:
+        """{stage: manifest} of every stage that committed `round`, by stage name."""
+        return {stage: m for (stage, r), m in sorted(self.state.manifests.items()) if r == round}
 
-    def recorded_files(self, round: int) -> dict[str, dict]:
-        """{relative path: {sha256, size, mtime_ns}} of every file the round's manifests record
-        as written (`output_files`; manifests of older runs record none)."""
-        recorded: dict[str, dict] = {}
-        for path in self.round_manifests(round):
-            files = (read_json(path) or {}).get("output_files")
-            if isinstance(files, dict):
-                recorded.update(files)
-        return recorded
-
-    def round_prompts(self, round: int) -> list[Path] | None:
-        """The prompts parts the round's samples came from: those listed by the manifests that
-        list the round's samples parts (its generate and refill calls), sorted. A part
-        `part-<stage>.parquet` is looked up in that stage's manifest (a commit names its parts
-        after its stage), so the call reads the round's own manifests only.
-        None when a samples part of the round is listed by no manifest (or by one that lists
-        no prompts part): then only the whole prompts table is sure to hold its prompts."""
-        samples = {path.relative_to(self.root).as_posix() for path in self.files("samples", round)}
+    def round_prompts(self, round: int) -> list[str] | None:
+        """The prompts parts the round's samples came from: those listed by the commits that
+        list the round's samples parts (its generate and refill calls), sorted. None when a
+        samples part of the round is listed by no commit that lists a prompts part: then only
+        the whole prompts table is sure to hold its prompts."""
+        samples = set(self.files("samples", round))
         prompts: set[str] = set()
-        for rel in sorted(samples):
-            stage = Path(rel).stem.removeprefix("part-")
-            if not NAME.fullmatch(stage) or rel not in samples:
-                continue
-            outputs = set((self.load_manifest(stage, round) or {}).get("outputs", []))
+        for manifest in self.round_manifests(round).values():
+            outputs = set(manifest.get("outputs", []))
             mine = outputs & samples
             listed = {out for out in outputs if out.startswith("prompts/")}
             if mine and listed:
                 samples -= mine
                 prompts |= listed
-        return None if samples else [self.root / rel for rel in sorted(prompts)]
+        return None if samples else sorted(prompts)
 
     def is_up_to_date(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> bool:
-        """True when the stage's last commit had these inputs and config, and its outputs all exist."""
+        """True when the stage's newest commit for the round had these inputs and config, and its
+        outputs all exist."""
         manifest = self.load_manifest(stage, round)
-        if manifest is None or self.pending_path(stage, round).exists():
-            return False  # never committed, or a commit died while publishing
-        return (manifest.get("inputs") == dict(inputs)
+        return (manifest is not None and manifest.get("inputs") == dict(inputs)
                 and manifest.get("config_hash") == config_hash(config)
-                and all((self.root / rel).is_file() for rel in manifest.get("outputs", [])))
+                and all(self.held_part(rel) is not None or self.storage.exists(rel)
+                        for rel in manifest.get("outputs", [])))
 
     # -- writing
     def commit(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> Commit:
@@ -403,7 +417,31 @@ class RunStore:
 
         return Commit(self, stage, round, inputs, config)
 
+    @contextlib.contextmanager
     def lock(self, wait: bool = True, timeout: float | None = None,
-             on_wait: Callable[[str], None] | None = None) -> contextlib.AbstractContextManager[None]:
-        """The run's exclusive writer lock (`curation.store.lock.writer_lock`)."""
-        return writer_lock(self.root, wait=wait, timeout=timeout, on_wait=on_wait)
+             on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+        """Write the run: on local disk the writer lock (`curation.store.lock.writer_lock`: a
+        second job waits, or exits 3 with `wait=False`); everywhere an "open" entry in the commit
+        log, so that a job that opened the run earlier stops at its next commit (exit 3). Files
+        that no commit lists (a killed job's) are swept."""
+        lock = writer_lock(self.root, wait=wait, timeout=timeout, on_wait=on_wait) if self.root is not None \
+            else contextlib.nullcontext()
+        with lock:
+            self.open_for_writing()
+            yield
+
+    def open_for_writing(self) -> None:
+        """Start writing the run (once per store): an "open" entry in the commit log, then
+        `curation.store.tidy.tidy`. A commit does it when the caller did not take `lock()`. A
+        local run folder is checked first for links that lead out of it (and each commit checks
+        the folders it writes to: `curation.store.tidy.check_inside`), so no write lands outside it."""
+        if self.log.writer is None:
+            if self.root is not None:
+                from curation.store.verify import check_links
+
+                check_links(self.root)
+            self.log.open()
+            self._unlisted = None
+            from curation.store.tidy import tidy
+
+            tidy(self)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from curation.errors import disk_write
+from curation.store.storage import Storage, open_storage, process_alive
 
 SPEC_FILE = "spec.toml"
 PIPELINE_FILE = "pipeline.json"
@@ -61,18 +62,8 @@ def _remove_dead_temps(folder: Path, name: str) -> None:
         return
     for entry in entries:
         pid = entry.name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             Path(entry.path).unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return pid != 0
 
 
 def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], None], *,
@@ -108,27 +99,6 @@ def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], Non
     return path
 
 
-def append_line(path: Path, line: bytes, sync: bool = True) -> None:
-    """Append `line` and a newline to `path` (created 0644). A last line cut by a kill gets its
-    newline first, so the new line is not glued to it (the cut line stays unparsable, the new
-    one parses); a failed write (a full disk) is truncated away: no half line is left."""
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.lseek(fd, 0, os.SEEK_END)
-        cut = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
-        data = memoryview((b"\n" if cut else b"") + line + b"\n")
-        try:
-            while data:
-                data = data[os.write(fd, data):]
-            if sync:
-                os.fsync(fd)
-        except OSError:
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)
-
-
 def to_json(obj: object) -> str:
     """Indented JSON with sorted keys (Paths as strings): what every run file holds."""
     return json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n"
@@ -147,15 +117,22 @@ def write_json_atomic(path: str | Path, obj: object, **kwargs: Any) -> Path:
 def read_json(path: str | Path) -> dict | None:
     """A JSON object from `path`; None when the file does not exist; a ValueError naming the
     file when it is not valid JSON (a run file written by hand, or damaged)."""
-    path = Path(path)
     try:
-        value = json.loads(path.read_text())
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         return None
+    return parse_json(data, str(path))
+
+
+def parse_json(data: bytes, where: str) -> dict:
+    """The JSON object in `data` (the file or object `where`); a ValueError naming it when it is
+    not one."""
+    try:
+        value = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        raise ValueError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
+        raise ValueError(f"{where}: expected a JSON object, found {type(value).__name__}")
     return value
 
 
@@ -234,58 +211,80 @@ class MetricsLog:
     `"event": "round"` records come from the round loop, `"event": "step"` records from the
     trainer. A killed process can leave a cut last line, so unparsable lines are skipped
     and counted; a resumed run can write a round or step twice, so the last record of a
-    number wins."""
+    number wins. `run`: the run folder, URL or Storage (an object store rewrites the object
+    on each append: it has no append)."""
 
-    def __init__(self, run_dir: str | Path):
-        self.path = Path(run_dir) / METRICS_FILE
+    def __init__(self, run: str | Path | Storage):
+        self.storage = run if isinstance(run, Storage) else open_storage(run)
+        self.path: Path | str = self.storage.local_path(METRICS_FILE) or self.storage.where(METRICS_FILE)
+        """The file (a Path on local disk, a URL on an object store)."""
 
     def exists(self) -> bool:
-        return self.path.is_file()
+        return self.storage.exists(METRICS_FILE)
 
     def append(self, record: dict[str, Any] | RoundRecord, sync: bool = True) -> None:
         """Append one line; readers see it at once. `sync=False` leaves the fsync to a later
-        `sync()` (the trainer's step lines: one fsync per call and checkpoint, not per step)."""
+        `sync()` (the trainer's step lines: one fsync per call and checkpoint, not per step).
+        A last line cut by a kill gets its newline first, so the new line is not glued to it."""
         line = json.dumps(record.to_dict() if isinstance(record, RoundRecord) else record, sort_keys=True)
-        with disk_write(self.path):
-            append_line(self.path, line.encode("utf-8"), sync)
+        size = self.storage.size(METRICS_FILE) or 0
+        cut = size > 0 and not self._ends_with_newline()
+        self.storage.append(METRICS_FILE, ((b"\n" if cut else b"") + line.encode("utf-8") + b"\n"), sync)
+
+    def _ends_with_newline(self) -> bool:
+        local = self.storage.local_path(METRICS_FILE)
+        if local is not None:
+            with open(local, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                return f.read(1) == b"\n"
+        return (self.storage.read_if_exists(METRICS_FILE) or b"\n").endswith(b"\n")
 
     def sync(self) -> None:
-        """Make every line appended so far durable (fsync)."""
-        if self.exists():
-            with open(self.path, "rb") as f:
+        """Make every line appended so far durable (fsync; an object store's writes are)."""
+        local = self.storage.local_path(METRICS_FILE)
+        if local is not None and local.is_file():
+            with open(local, "rb") as f:
                 os.fsync(f.fileno())
 
-    def _lines(self) -> Iterator[str]:
+    def _text(self, start: int = 0) -> str:
         # errors="replace": a kill can cut a multi-byte character in half, too.
-        yield from self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        local = self.storage.local_path(METRICS_FILE)
+        if local is not None:
+            with open(local, "rb") as f:
+                f.seek(start)
+                return f.read().decode("utf-8", errors="replace")
+        return (self.storage.read_if_exists(METRICS_FILE) or b"")[start:].decode("utf-8", errors="replace")
+
+    def _lines(self) -> Iterator[str]:
+        yield from self._text().splitlines()
 
     def position(self) -> tuple[int, int]:
-        """(inode, size) of the file now ((0, 0) without one): where `records_since` starts."""
-        try:
-            stat = self.path.stat()
-        except FileNotFoundError:
+        """(a mark of the file's identity, its size) now ((0, 0) without one): where
+        `records_since` starts. Locally the mark is the inode (`drop_steps_after` replaces the
+        file: a new inode); on an object store it is 0."""
+        size = self.storage.size(METRICS_FILE)
+        if size is None:
             return (0, 0)
-        return (stat.st_ino, stat.st_size)
+        local = self.storage.local_path(METRICS_FILE)
+        return (local.stat().st_ino if local is not None else 0, size)
 
     def records_since(self, position: tuple[int, int]) -> list[dict]:
-        """The records appended after `position` (from `position()`), in file order, without
-        reading what came before. A file rewritten since (drop_steps_after replaces it: a new
-        inode) is read whole. Unparsable lines are skipped."""
-        inode, offset = position
-        if not self.exists():
+        """The records appended after `position` (from `position()`), in file order. A file
+        replaced since (another inode, or shorter than the mark) is read whole. Unparsable
+        lines are skipped."""
+        mark, offset = position
+        now_mark, size = self.position()
+        if size == 0:
             return []
-        with open(self.path, "rb") as f:
-            if os.fstat(f.fileno()).st_ino != inode:
-                offset = 0
-            f.seek(offset)
-            text = f.read().decode("utf-8", errors="replace")
-        return [record for record in map(_parse_line, text.splitlines()) if record is not None]
+        if now_mark != mark or size < offset:
+            offset = 0
+        return [record for record in map(_parse_line, self._text(offset).splitlines()) if record is not None]
 
     def read(self) -> tuple[list[dict], list[dict], int]:
         """(round records, step records, lines skipped): one record per number (the last
         written), sorted by number. A missing file raises ValueError naming it."""
         if not self.exists():
-            raise ValueError(f"{self.path}: no metrics file (is {self.path.parent} a groupforge run folder?)")
+            raise ValueError(f"{self.path}: no metrics file (is {self.storage.where()} a groupforge run folder?)")
         by_number: dict[str, dict[int, dict]] = {"round": {}, "step": {}}
         skipped = 0
         for line in self._lines():
@@ -326,7 +325,7 @@ class MetricsLog:
         lines = [line for line in self._lines() if line.strip()]
         kept = [line for line in lines if not _is_step_after(line, step)]
         if len(kept) < len(lines):
-            write_atomic(self.path, "".join(line + "\n" for line in kept))
+            self.storage.write(METRICS_FILE, "".join(line + "\n" for line in kept).encode("utf-8"))
 
 
 def _is_step_after(line: str, step: int) -> bool:
@@ -340,16 +339,20 @@ def _is_step_after(line: str, step: int) -> bool:
 # ---- the round loop's state -----------------------------------------------------------------
 
 
-def load_pipeline_state(run_dir: str | Path) -> dict[str, Any]:
+def load_pipeline_state(run: str | Path | Storage) -> dict[str, Any]:
     """RUN/pipeline.json: `target_rounds` (the last round to run) and `prompt_files` (train
     prompt files the run has seen); {} for a new run."""
-    return read_json(Path(run_dir) / PIPELINE_FILE) or {}
+    storage = run if isinstance(run, Storage) else open_storage(run)
+    data = storage.read_if_exists(PIPELINE_FILE)
+    return {} if data is None else parse_json(data, storage.where(PIPELINE_FILE))
 
 
-def save_pipeline_state(run_dir: str | Path, state: dict[str, Any]) -> None:
-    write_json_atomic(Path(run_dir) / PIPELINE_FILE, state)
+def save_pipeline_state(run: str | Path | Storage, state: dict[str, Any]) -> None:
+    storage = run if isinstance(run, Storage) else open_storage(run)
+    storage.write(PIPELINE_FILE, to_json(state).encode("utf-8"))
 
 
-def round_prompts_path(run_dir: str | Path, round: int) -> Path:
-    """Where the prompts chosen for `round` are kept (written once, reused on resume)."""
-    return Path(run_dir) / ROUNDS_DIR / f"round={round}" / "prompts.parquet"
+def round_prompts_rel(round: int, name: str = "prompts.parquet") -> str:
+    """Where the prompts chosen for `round` are kept, relative to the run (written once, reused
+    on resume); `name`: another prompt file of the round (a refill's)."""
+    return f"{ROUNDS_DIR}/round={round}/{name}"

@@ -1,10 +1,13 @@
 """Where a run's files live: a local folder or an object store, behind one small interface.
 
 `open_storage("runs/x")` is a local folder; `open_storage("s3://bucket/runs/x")` (also `gs://`,
-`az://`, `abfss://`, `memory://`) an object store reached with obstore. Everything above this
-module (the run store, commits, the run log, checkpoints) reads and writes whole objects by a
-path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a local run and an
-object-store run share one format and one code path.
+`az://`, `abfss://`, `memory://`) an object store reached with obstore. The run store above
+this module (its tables, commits, the commit log and the Delta logs) reads and writes whole
+objects by a path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a
+local run and an object-store run share one format and one code path. The run's other files
+go through it too: its logs as whole objects (curation/store/runlog.py), the folders that must
+be local files to be used (checkpoints, the report) through `RunLocation`
+(curation/store/location.py).
 
 Why obstore: one API over S3, GCS, Azure and local files with *conditional writes*
 (`create`: If-None-Match, the primitive that makes commits atomic without a rename and lets
@@ -117,6 +120,17 @@ class Storage:
         this call created it, False when it existed already (nothing written)."""
         raise NotImplementedError
 
+    def append(self, rel: str, data: Data, sync: bool = True) -> None:
+        """Add `data` at the end of the object (created when missing). A local file is appended
+        in place (`sync`: fsynced); an object store has no append, so the object is read and
+        written again whole (fine for the small logs this is for: a run's metrics)."""
+        self.write(rel, (self.read_if_exists(rel) or b"") + bytes(data))
+
+    def size(self, rel: str) -> int | None:
+        """The object's size in bytes (None: no object)."""
+        data = self.read_if_exists(rel)
+        return None if data is None else len(data)
+
     def list(self, prefix: str = "") -> list[Entry]:
         """Every object under `prefix` (a folder: '' for all, 'samples/' for one), sorted by path."""
         raise NotImplementedError
@@ -131,6 +145,15 @@ class Storage:
 
     def exists(self, rel: str) -> bool:
         raise NotImplementedError
+
+    def upload(self, rel: str, path: Path) -> None:
+        """Write the local file `path` as the object `rel`, whole (as `write`)."""
+        self.write(rel, Path(path).read_bytes())
+
+    def download(self, rel: str, path: Path) -> None:
+        """The object `rel` into the local file `path`, written beside it and renamed into place:
+        a kill leaves no part of a file under `path`."""
+        _write_local(Path(path), self.read(rel))
 
     def local_path(self, rel: str = "") -> Path | None:
         """The local file of `rel` (local storage), None on an object store: callers that need a
@@ -199,6 +222,31 @@ class LocalStorage(Storage):
         _fsync_dir(path.parent)
         return True
 
+    def append(self, rel: str, data: Data, sync: bool = True) -> None:
+        path = self.root / _check_rel(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with disk_write(path):
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                start = os.lseek(fd, 0, os.SEEK_END)
+                view = memoryview(bytes(data))
+                try:
+                    while view:
+                        view = view[os.write(fd, view):]
+                    if sync:
+                        os.fsync(fd)
+                except OSError:
+                    os.ftruncate(fd, start)  # no half record left behind (a full disk)
+                    raise
+            finally:
+                os.close(fd)
+
+    def size(self, rel: str) -> int | None:
+        try:
+            return (self.root / _check_rel(rel)).stat().st_size
+        except FileNotFoundError:
+            return None
+
     def list(self, prefix: str = "") -> list[Entry]:
         prefix = prefix.rstrip("/")
         start = self.root / _check_rel(prefix) if prefix else self.root
@@ -219,8 +267,33 @@ class LocalStorage(Storage):
     def delete(self, rel: str) -> None:
         (self.root / _check_rel(rel)).unlink(missing_ok=True)
 
+    def remove_dead_temps(self) -> int:
+        """Delete the temporary files of writes whose process is gone (a kill mid-write; their
+        names carry the writer's pid); how many. A live process's are kept."""
+        removed = 0
+        for folder, _, files in os.walk(self.root):
+            for name in files:
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                pid = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+                if pid.isdigit() and not process_alive(int(pid)):
+                    Path(folder, name).unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
     def exists(self, rel: str) -> bool:
         return (self.root / _check_rel(rel)).is_file()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host is running (a temporary file's writer, say)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -274,18 +347,29 @@ class ObjectStorage(Storage):
     def write(self, rel: str, data: Data) -> None:
         import obstore
 
-        self._call(rel, "writing", obstore.put, _check_rel(rel), bytes(data) if isinstance(data, bytearray) else data)
+        self._call(rel, "writing", obstore.put, _check_rel(rel), _payload(data))
 
     def create(self, rel: str, data: Data) -> bool:
         import obstore
         import obstore.exceptions as oe
 
         try:
-            self._call(rel, "writing", obstore.put, _check_rel(rel), bytes(data) if isinstance(data, bytearray)
-                       else data, mode="create")
+            self._call(rel, "writing", obstore.put, _check_rel(rel), _payload(data), mode="create")
         except (oe.AlreadyExistsError, oe.PreconditionError):
             return False
         return True
+
+    def upload(self, rel: str, path: Path) -> None:
+        import obstore
+
+        self._call(rel, "writing", obstore.put, _check_rel(rel), Path(path))  # multipart when large
+
+    def download(self, rel: str, path: Path) -> None:
+        import obstore
+
+        path = Path(path)
+        result = self._call(rel, "reading", obstore.get, _check_rel(rel))
+        _write_local(path, (bytes(chunk) for chunk in result.stream()))
 
     def list(self, prefix: str = "") -> list[Entry]:
         import obstore
@@ -309,13 +393,37 @@ class ObjectStorage(Storage):
             pass
 
     def exists(self, rel: str) -> bool:
+        return self.size(rel) is not None
+
+    def size(self, rel: str) -> int | None:
         import obstore
 
         try:
-            self._call(rel, "checking", obstore.head, _check_rel(rel))
+            return int(self._call(rel, "checking", obstore.head, _check_rel(rel))["size"])
         except FileNotFoundError:
-            return False
-        return True
+            return None
+
+
+def _payload(data: Data) -> bytes:
+    """`data` as bytes: obstore takes bytes, not every buffer (a pyarrow Buffer, a bytearray)."""
+    return data if isinstance(data, bytes) else bytes(memoryview(data))
+
+
+def _write_local(path: Path, data: Data | Iterable[Data]) -> None:
+    """`data` (bytes, or chunks of them) into the local file `path`: a temporary file beside it,
+    fsynced and renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        with disk_write(path), open(tmp, "wb") as f:
+            for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _reason(exc: BaseException) -> str:

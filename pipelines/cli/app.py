@@ -21,6 +21,7 @@ from rich.table import Table
 from curation.errors import JobError, NoSpaceError, is_no_space, no_space_error
 from curation.store.lock import RunLockedError
 from curation.store.run_store import RunStore
+from curation.store.storage import is_object_url
 from curation.store.verify import check_run
 
 EXIT_BAD_INPUT = 2
@@ -86,9 +87,10 @@ def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceba
         os.environ[DEBUG_ENV] = "1"
 
 
-def checked_run_folder(run: Path) -> Path:
-    """`run`, checked against its manifests (curation/store/verify.py) before a command reads it."""
-    if not run.is_dir():
+def checked_run_folder(run: str | Path) -> str | Path:
+    """`run` (a folder or an object-store URL), checked against its commit log
+    (curation/store/verify.py) before a command reads it."""
+    if not is_object_url(run) and not Path(run).is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():
         check_run(run)

@@ -46,6 +46,7 @@ def generate_command(
     """Sample G responses per prompt and write samples (with behavior_logprobs) to RUN/samples/round=<n>/."""
     from curation.generate.base import load_prompts
     from curation.generate.stage import generate, resolve_backend
+    from curation.generate.weights import check_model_folder
 
     if not (model / "config.json").is_file():
         raise fail(f"--model {model}: not a Hugging Face model folder (no config.json)", EXIT_BAD_INPUT)
@@ -53,6 +54,7 @@ def generate_command(
         sampling = build(SamplingConfig, overrides)
         settings = build(GeneratorConfig, overrides)
         load_prompts(prompts)  # fail on a bad prompts file before any lock, generator or progress bar
+        check_model_folder(model)  # and on a bad model folder (the lock writes the run's log)
         backend = resolve_backend(settings.backend, model)
         with writer_lock(out, no_wait):
             with progress_bar() as bar:
@@ -64,9 +66,13 @@ def generate_command(
                     generator_kwargs=settings.generator_kwargs(backend),
                 )
     if result.skipped:
+        from curation.store.commit_log import LOG_DIR
+        from curation.store.run_store import RunStore
+
         m = result.manifest
+        seq = RunStore(out).state.commits[("generate", round)]
         console.print(
-            f"round {round} is up to date (manifest {out}/_manifests/generate-round={round}.json, "
+            f"round {round} is up to date (commit log entry {out}/{LOG_DIR}/{seq:020d}.json, "
             f"{m.get('rows_out')} samples from {m.get('created_at')}); nothing to do. Use --force to regenerate."
         )
         return
@@ -158,6 +164,9 @@ def export_command(
     format: str = typer.Option("preference", "--format", help="preference | prompt_only | unpaired | sft"),
     style: str = typer.Option("standard", "--style", help="standard (text) | conversational (messages)"),
     round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
+    as_of: Optional[int] = typer.Option(None, "--as-of", metavar="ROUND",
+                                        help="The run as it was when this round was done (later commits left out): "
+                                             "the same bytes as an export taken then."),
     out: Optional[Path] = typer.Option(None, "--out",
                                        help="A path ending in .parquet (that file), or a folder (an existing one, "
                                             "or a new name without a suffix) that gets <format>-<style>.parquet. "
@@ -183,7 +192,7 @@ def export_command(
     except ValidationError as exc:
         raise fail("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors()), EXIT_BAD_INPUT) from None
     with exit_codes():
-        path, rows, card = run_export(run, cfg, out)
+        path, rows, card = run_export(run, cfg, out, as_of)
     console.print(f"wrote {rows} rows ({format}, {style}) to {escape(str(path))}")
     if card is not None:
         console.print(f"dataset card: {escape(str(card))}")

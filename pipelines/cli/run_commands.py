@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
+from curation.store.storage import is_object_url
 from curation.store.verify import check_run
 from pipelines.cli.app import (
     EXIT_BAD_INPUT,
@@ -137,8 +138,8 @@ def _round_row(rec: dict) -> list[str]:
             f"{rec.get('train_tokens_per_s', 0):,.0f}", f"{rec.get('wall_seconds', 0):.1f}"]
 
 
-def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int],
-             no_wait: bool, overrides: list[str] = (), report: bool = False) -> tuple[Path, list[dict]]:
+def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Optional[int],
+             no_wait: bool, overrides: list[str] = (), report: bool = False) -> tuple[str | Path, list[dict]]:
     """Run one spec (a file, with `overrides`, or a PipelineSpec) to its last round, printing a
     line per round (and with `report`, writing RUN/report/); returns (run folder, round records)."""
     from pipelines.loop.run import run_pipeline
@@ -171,7 +172,8 @@ def _run_one(spec: "Path | object", run_dir: Optional[Path], extra: Optional[int
 @app.command("run")
 def run_command(
     spec: Path = typer.Argument(..., help="Pipeline spec (TOML), e.g. pipelines/specs/toy-grpo.toml."),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run folder (default: runs/<run.name>)."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run folder, or an object-store URL "
+                                                                  "(s3://bucket/runs/x; default: runs/<run.name>)."),
     rounds: Optional[str] = typer.Option(None, "--rounds", help="+K: extend a finished run by K rounds."),
     overrides: list[str] = typer.Option([], "--set", metavar="SECTION.KEY=VALUE",
                                         help="Override a spec key (value as TOML), e.g. --set run.rounds=60; "
@@ -188,7 +190,7 @@ def run_command(
         start, final = evaluated[0], evaluated[-1]
         console.print(f"eval accuracy {100 * start:.1f}% -> {100 * final:.1f}% "
                       f"({100 * (final - start):+.1f} points) in {records[-1].get('elapsed_seconds', 0):.0f} s")
-    console.print(f"report: {folder / REPORT_DIR}")
+    console.print(f"report: {str(folder).rstrip('/')}/{REPORT_DIR}")
 
 
 @app.command("init")
@@ -222,24 +224,47 @@ def init_command(
 
 
 @app.command("verify")
-def verify_command(run: Path = typer.Argument(..., help="Run folder."),
+def verify_command(run: str = typer.Argument(..., help="Run folder or object-store URL."),
                    deep: bool = typer.Option(False, "--deep",
                                              help="Also hash every file against its manifest's sha256.")) -> None:
-    """Check that a run folder is what its manifests say: every listed file there with its size,
-    rows (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
-    Parquet file in a table folder. Exit 0 when it is, 2 with the first problem otherwise."""
-    if not run.is_dir():
+    """Check that a run folder is what its commit log says: every listed file there with its size
+    (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
+    Parquet file in a table folder; files of killed commits are counted. Exit 0 when it is, 2
+    with the first problem otherwise."""
+    if not is_object_url(run) and not Path(run).is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():
         found = check_run(run, deep=deep)
-    pending = (f"; {found.pending} commit(s) left pending by a kill (the next run finishes them)"
-               if found.pending else "")
+    pending = (f"; {found.orphans} file(s) of killed commits, listed by no commit (the next writer removes them)"
+               if found.orphans else "")
+    pending += f"; {found.retired} file(s) of earlier versions kept" if found.retired else ""
     console.print(f"{run}: {found.manifests} manifests, {found.files} files ({found.bytes / 2**20:,.1f} MiB) match"
                   f"{' byte for byte' if deep else ''}{pending}", soft_wrap=True)
 
 
+@app.command("migrate")
+def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
+                    no_wait: bool = typer.Option(False, "--no-wait", help="Exit 3 if another job holds the run.")
+                    ) -> None:
+    """Take a run folder written by an older groupforge (RUN/_manifests/) or by another tool (Parquet
+    files in the table folders) into a commit log and Delta tables. Any writing command does the same
+    on its own; this does only that. Exit 0 (also when there is nothing to do)."""
+    from curation.store.run_store import RunStore
+
+    if not run.is_dir():
+        raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
+    store = RunStore(run)
+    with exit_codes():
+        done = "already had a commit log" if store.logged else "migrated"
+        if done == "migrated":  # a run with a log is left as it is: nothing written
+            with store.lock(wait=not no_wait):
+                pass
+    state = store.state
+    console.print(f"{run}: {done}: {len(state.manifests)} manifests, {len(state.files)} files live")
+
+
 @app.command("report")
-def report_command(run: Path = typer.Argument(..., help="Run folder.")) -> None:
+def report_command(run: str = typer.Argument(..., help="Run folder or object-store URL.")) -> None:
     """Rebuild RUN/report/ (plots and summary.md) from RUN/metrics.jsonl."""
     from pipelines.reports.run_report import report_run
 

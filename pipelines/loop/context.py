@@ -19,12 +19,12 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from curation.faults import fault_point
 from curation.generate.base import Generator
 from curation.generate.stage import GenerateResult, make_generator, resolve_backend
+from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
 from curation.store.runlog import PHASES, MetricsLog
 from pipelines.loop.prompts import PromptBook
@@ -124,12 +124,13 @@ class RoundContext:
             self.pool = None
 
     @property
-    def run_dir(self) -> Path:
-        return self.store.root
+    def location(self) -> RunLocation:
+        """The run's storage and this machine's work folder for it."""
+        return RunLocation.of(self.store.storage)
 
     @property
     def metrics(self) -> MetricsLog:
-        return MetricsLog(self.store.root)
+        return MetricsLog(self.store.storage)
 
 
 def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
@@ -150,7 +151,8 @@ def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
             ctx.generator = make_generator(backend, spec.model.path, **kwargs)
     if ctx.generator.policy_version != policy_version:
         in_memory = ctx.weights is not None and ctx.weights[0] == policy_version
-        weights = ctx.weights[1] if in_memory else ckpt.engine_weights(ckpt.checkpoint_dir(ctx.run_dir, policy_version))
+        weights = ctx.weights[1] if in_memory else \
+            ckpt.engine_weights(ckpt.checkpoint_dir(ctx.location, policy_version))
         with ctx.clock("reload"):
             fault_point("loop.reload")
             ctx.generator.update_weights(weights, policy_version)

@@ -66,12 +66,12 @@ def rounds_to_process(run_dir: str | Path, round: int | None) -> list[int]:
     store = RunStore(run_dir)
     if round is not None:
         if round not in store.rounds("samples"):
-            raise ValueError(f"{store.root}: no samples in round {round} (rounds with samples: "
+            raise ValueError(f"{store.location}: no samples in round {round} (rounds with samples: "
                              f"{store.rounds('samples') or 'none'})")
         return [round]
     rounds = store.rounds("samples")
     if not rounds:
-        raise ValueError(f"{store.root}: no samples table yet; run `groupforge generate` first")
+        raise ValueError(f"{store.location}: no samples table yet; run `groupforge generate` first")
     return rounds
 
 

@@ -51,8 +51,9 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from curation.generate.base import load_prompts
+from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
-from curation.store.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state, write_atomic
+from curation.store.runlog import load_pipeline_state, round_prompts_rel, save_pipeline_state, write_atomic
 
 __all__ = ["PromptBook", "PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak"]
 
@@ -82,23 +83,25 @@ class _Context(Protocol):
     prompts: PromptBook
 
     @property
-    def run_dir(self) -> Path: ...
+    def location(self) -> RunLocation: ...
 
 
 def choose_prompts(ctx: _Context, round: int) -> Path:
     """The prompts of `round` (see the module docstring), written once to
-    RUN/_rounds/round=<n>/prompts.parquet; returns that file."""
-    path = round_prompts_path(ctx.run_dir, round)
-    if path.is_file():
-        return path
-    state = load_pipeline_state(ctx.run_dir)
+    RUN/_rounds/round=<n>/prompts.parquet; returns that file (in this machine's work folder:
+    curation/store/location.py)."""
+    location, rel = ctx.location, round_prompts_rel(round)
+    if location.storage.exists(rel):
+        return location.fetch(rel)
+    state = load_pipeline_state(location.storage)
     pool, keys = _ranking_keys(ctx, round, state)
     chosen = pool.table.take(pa.array(first_in_order(keys, ctx.spec.prompts.per_round), type=pa.int64()))
-    write_atomic(path, lambda f: pq.write_table(chosen, f))
+    write_atomic(location.work / rel, lambda f: pq.write_table(chosen, f))
+    location.upload(rel)
     files = sorted(set(state.get("prompt_files", [])) | {str(f) for f in ctx.spec.prompts.train})
     if files != state.get("prompt_files"):
-        save_pipeline_state(ctx.run_dir, {**state, "prompt_files": files})
-    return path
+        save_pipeline_state(location.storage, {**state, "prompt_files": files})
+    return location.work / rel
 
 
 def ranked_prompts(ctx: _Context, round: int, state: dict | None = None,
@@ -106,7 +109,7 @@ def ranked_prompts(ctx: _Context, round: int, state: dict | None = None,
     """The whole pool in the order `round` takes it (choose_prompts takes the first
     `per_round`; a round that needs more prompts can take the next ones), minus the prompt
     ids in `exclude`. `state` is RUN/pipeline.json (read when not given)."""
-    pool, keys = _ranking_keys(ctx, round, load_pipeline_state(ctx.run_dir) if state is None else state)
+    pool, keys = _ranking_keys(ctx, round, load_pipeline_state(ctx.location.storage) if state is None else state)
     order = np.lexsort(keys[::-1]).tolist()
     if exclude:
         order = [i for i in order if pool.ids[i] not in exclude]
@@ -209,7 +212,7 @@ class PromptBook:
 _PASS_RATE_SQL = """
 WITH per_round AS (
     SELECT prompt_id, round, min(reward) AS lo, max(reward) AS hi, sum(reward) AS total, count(reward) AS n
-    FROM read_parquet($f, hive_partitioning = false)
+    FROM scores
     WHERE reward IS NOT NULL
     GROUP BY prompt_id, round
 ), recent AS (
@@ -225,10 +228,11 @@ def pass_rates(store: RunStore, round: int, window: int) -> dict[str, tuple[floa
     """Per prompt_id sampled (and scored) before `round`: (recent pass rate, saturated) over
     its samples in the last `window` rounds it was sampled in. Recent pass rate: the mean
     reward; saturated: all those rewards are equal."""
-    files = [str(f) for f in store.files("scores", [r for r in store.rounds("scores") if r < round])]
-    if not files:
+    earlier = [r for r in store.rounds("scores") if r < round]
+    if not earlier:
         return {}
-    rows = duckdb.sql(_PASS_RATE_SQL, params={"f": files, "window": window}).fetchall()
+    scores = store.read_columns("scores", ["prompt_id", "round", "reward"], earlier)  # noqa: F841 (read by the SQL)
+    rows = duckdb.sql(_PASS_RATE_SQL, params={"window": window}).fetchall()
     return {prompt_id: (float(rate), bool(saturated)) for prompt_id, rate, saturated in rows}
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import pyarrow.parquet as pq
 
 from curation.stages.runner import StageReport
-from curation.store.runlog import round_prompts_path, write_atomic
+from curation.store.runlog import round_prompts_rel, write_atomic
 from pipelines.loop.context import RoundContext
 from pipelines.loop.prompts import ranked_prompts
 from pipelines.loop.steps import curate_round, kept_groups, sample
@@ -33,11 +33,15 @@ def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str,
     `refill-<k>`, so a killed round resumes with the same decisions. Returns the last
     curation's reports and the number of extra prompts."""
     settings = ctx.spec.run.refill
-    taken = set(pq.read_table(round_prompts_path(ctx.run_dir, round), columns=["prompt_id"]).column(0).to_pylist())
+    location = ctx.location
+    taken = set(pq.read_table(location.fetch(round_prompts_rel(round)), columns=["prompt_id"]).column(0).to_pylist())
     extra = 0
     for call in range(1, settings.max_calls + 1):
-        path = round_prompts_path(ctx.run_dir, round).with_name(f"refill-{call}.parquet")
-        if not path.is_file():
+        rel = round_prompts_rel(round, f"refill-{call}.parquet")
+        path = location.work / rel
+        if location.storage.exists(rel):
+            location.fetch(rel)
+        else:
             kept = kept_groups(ctx.store, round)
             budget = settings.max_extra_prompts - extra
             if kept >= settings.min_kept_groups or budget <= 0:
@@ -47,6 +51,7 @@ def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str,
             if not chosen.num_rows:
                 break  # every prompt of the pool is in the round already
             write_atomic(path, lambda f, table=chosen: pq.write_table(table, f))
+            location.upload(rel)
             ctx.log(f"round {round}: {kept} kept groups < {settings.min_kept_groups}: refill {call} samples "
                     f"{chosen.num_rows} more prompts")
         ids = pq.read_table(path, columns=["prompt_id"]).column(0).to_pylist()

@@ -29,8 +29,10 @@ and its use counts (`PromptBook`), and the tables the round committed: each stag
 before the next runs, and the run's store (`RunStore(..., hold=True)`) keeps the parts it
 committed so the next stage and the trainer read them from memory.
 
-The run folder's non-table files (spec.toml, pipeline.json, metrics.jsonl, _rounds/) are
-named, read and written by curation/store/runlog.py; a round's record is its `RoundRecord`. The
+The run is a local folder or an object-store prefix (`RunLocation`, curation/store/location.py):
+tables go through the run store, the other files (spec.toml, pipeline.json, metrics.jsonl,
+_rounds/, checkpoints/, report/) are named by curation/store/runlog.py and written through the
+run's storage or its work folder on this machine; a round's record is its `RoundRecord`. The
 loop is described in docs/ARCHITECTURE.md.
 """
 
@@ -46,6 +48,7 @@ from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import Generator, load_prompts
 from curation.rewards.registry import get_reward
+from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
 from curation.store.runlog import (
     SPEC_FILE,
@@ -53,8 +56,8 @@ from curation.store.runlog import (
     RoundRecord,
     load_pipeline_state,
     save_pipeline_state,
-    write_atomic,
 )
+from curation.store.storage import Storage
 from curation.store.verify import check_run
 from pipelines.loop.context import EvalSet, Phases, RoundContext, live_generator
 from pipelines.loop.prompts import choose_prompts
@@ -90,24 +93,25 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
         if run_dir.is_symlink() and not run_dir.resolve().is_relative_to(Path("runs").resolve()):
             raise ValueError(f"run folder {run_dir} (run.name {spec.run.name!r}) is a symlink to {run_dir.resolve()}, "
                              "outside runs/: refused; give --run-dir to write there on purpose")
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    store = RunStore(run_dir, hold=True)
+    location = RunLocation.of(run_dir)  # a folder, or an object-store URL (curation/store/location.py)
+    location.work.mkdir(parents=True, exist_ok=True)
+    # a resumed run is what its commit log says, before the lock writes the log's "open" entry
+    # (a damaged run gets nothing written) and before a round reads it
+    check_run(location.storage)
+    store = RunStore(location.storage, hold=True)
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
-        store.clean_tmp()
-        check_run(run_dir)  # a resumed run folder is what its manifests say, before a round reads it
         from training.checkpoint import check_checkpoint, latest_checkpoint  # torch: only once a run starts
 
-        newest = latest_checkpoint(run_dir)
+        newest = latest_checkpoint(location)
         if newest is not None:
             check_checkpoint(newest)  # and the checkpoint it resumes from is whole
-        target = _target_rounds(run_dir, spec, extra_rounds)
-        write_atomic(run_dir / SPEC_FILE, resolved_toml(spec))
-        metrics = MetricsLog(run_dir)
+        target = _target_rounds(location.storage, spec, extra_rounds)
+        location.storage.write(SPEC_FILE, resolved_toml(spec).encode("utf-8"))
+        metrics = MetricsLog(location.storage)
         rounds, steps, _ = metrics.read() if metrics.exists() else ([], [], 0)
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log,
                            records={record["round"]: record for record in rounds})
-        trackers = Trackers(spec.run.trackers, run_dir, spec_params(spec.model_dump(mode="json")), warn=log)
+        trackers = Trackers(spec.run.trackers, location.work, spec_params(spec.model_dump(mode="json")), warn=log)
         try:
             trackers.catch_up(rounds, steps)
             for round in range(target + 1):
@@ -124,7 +128,7 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
             if report or trackers.logged:
                 from pipelines.reports.run_report import report_run
 
-                trackers.finish(report_run(run_dir))
+                trackers.finish(report_run(location.storage))
         finally:
             trackers.close()
             ctx.finish_prefetch()
@@ -262,13 +266,13 @@ def _ray_session(spec: PipelineSpec) -> Iterator[None]:
             ray.shutdown()
 
 
-def _target_rounds(run_dir: Path, spec: PipelineSpec, extra_rounds: int | None) -> int:
+def _target_rounds(storage: Storage, spec: PipelineSpec, extra_rounds: int | None) -> int:
     """The last round this invocation runs to: the spec's rounds, or the previous target plus
     `extra_rounds` (`--rounds +K`); kept in RUN/pipeline.json."""
-    state = load_pipeline_state(run_dir)
+    state = load_pipeline_state(storage)
     target = max(int(state.get("target_rounds", 0)), spec.run.rounds)
     if extra_rounds:
-        done = max([record["round"] for record in MetricsLog(run_dir).rounds()], default=0)
+        done = max([record["round"] for record in MetricsLog(storage).rounds()], default=0)
         target = max(target, done) + extra_rounds
-    save_pipeline_state(run_dir, {**state, "target_rounds": target})
+    save_pipeline_state(storage, {**state, "target_rounds": target})
     return target

@@ -48,6 +48,7 @@ def sample(ctx: RoundContext, round: int, prompts_file: Path, policy_version: in
             future, ctx.prefetch = ctx.prefetch[1], None
             future.result()
             ctx.clock.model += time.perf_counter() - tic  # only the wait: the rest ran beside training
+        ctx.store.catch_up()  # the thread's commits
         return
     if ctx.store.load_manifest(stage, round) is not None:
         return
@@ -73,7 +74,7 @@ def prefetch(ctx: RoundContext, round: int, prompts_file: Path, policy_version: 
             f"{round - 1} trains")
     if ctx.pool is None:
         ctx.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupforge-prefetch")
-    ctx.prefetch = (round, ctx.pool.submit(_generate_call, ctx, RunStore(ctx.run_dir), round, prompts_file,
+    ctx.prefetch = (round, ctx.pool.submit(_generate_call, ctx, ctx.store.sibling(), round, prompts_file,
                                            generator, "generate"))
 
 
@@ -176,7 +177,7 @@ def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> Train
     store: held parts from memory); its new weights are kept for the engine."""
     with ctx.clock("train"):
         if ctx.spec.train.nproc > 1:
-            result = trainer_ranks(ctx).train(ctx.run_dir, cfg, steps=steps, model=ctx.spec.model.path,
+            result = trainer_ranks(ctx).train(ctx.location.url, cfg, steps=steps, model=ctx.spec.model.path,
                                               options=LoopOptions(save=save, return_state=True))
         else:
             result = train(ctx.store, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session,
@@ -208,7 +209,7 @@ def replay(ctx: RoundContext, round: int, start_version: int) -> None:
     cosine horizon. Which rows a step draws depends only on (seed, step, the step its rows
     were first trained on), so this recomputes the same weights and step records."""
     live = ctx.ranks if ctx.ranks is not None else ctx.session
-    have = live.step if live.live else latest_step(ctx.run_dir)
+    have = live.step if live.live else max(ckpt.checkpoint_steps(ctx.location), default=0)
     if start_version <= have:
         return
     for done in sorted(ctx.records):
@@ -220,7 +221,3 @@ def replay(ctx: RoundContext, round: int, start_version: int) -> None:
             _train(ctx, train_config(ctx.spec, done, decay_steps), record.policy_version, save=False)
             have = record.policy_version
 
-
-def latest_step(run_dir: Path) -> int:
-    found = ckpt.list_checkpoints(run_dir)
-    return found[-1][0] if found else 0

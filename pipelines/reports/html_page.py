@@ -28,6 +28,7 @@ from curation import schema
 from curation.store.layout import connect
 from curation.store.run_store import RunStore
 from curation.store.runlog import write_atomic
+from curation.store.storage import Storage
 
 GROUPS_PER_PAGE = 40
 MAX_PAGES = 25
@@ -35,7 +36,7 @@ DATA_DIR = "data"
 TEXT_LIMIT = 2000  # characters of a prompt or response kept in a page (the rest: "…")
 
 
-def write_html_report(run_dir: str | Path, out: Path, rounds: list[dict]) -> Path:
+def write_html_report(run_dir: str | Path | Storage, out: Path, rounds: list[dict]) -> Path:
     """Write index.html and its data files into `out` (the report folder); returns index.html."""
     store = RunStore(run_dir).snapshot()
     con = connect()
@@ -53,7 +54,7 @@ def write_html_report(run_dir: str | Path, out: Path, rounds: list[dict]) -> Pat
         pages[round] = _write_round_pages(con, round, store.read_columns("samples", ["prompt_id"], round), tmp)
         rejects += [{"round": round, "stage": stage, "reason": why, "rows": n} for stage, why, n in con.sql(
             "SELECT stage, reason, count(*) FROM r_rejects GROUP BY ALL ORDER BY stage, reason").fetchall()]
-    run = {"name": Path(run_dir).name, "rounds": [_round_fields(r) for r in rounds], "rejects": rejects,
+    run = {"name": store.name, "rounds": [_round_fields(r) for r in rounds], "rejects": rejects,
            "pages": {str(r): p for r, p in pages.items()}}
     (tmp / "run.js").write_text(_script(run))
     shutil.rmtree(data, ignore_errors=True)

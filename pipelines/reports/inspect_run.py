@@ -3,17 +3,13 @@ with `--stages`, the stage graph: each stage, the tables it reads and writes, it
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from curation.schema import SCHEMAS, empty, read_table_file, validate
+from curation.schema import SCHEMAS, empty
 from curation.stages.runner import CURATION_STAGES, stage_module
 from curation.store.run_store import RunStore
 
@@ -27,31 +23,18 @@ _SHOWN_COLUMNS = {
 }
 
 
-def _checked_files(store: RunStore, name: str) -> list[Path]:
-    """The table's part files, each footer validated against the contract (no data read)."""
-    files = store.files(name)
-    for path in files:
-        try:
-            footer = pq.read_schema(path)
-        except (pa.ArrowInvalid, OSError):
-            read_table_file(path, name)  # raises the one-line error (empty, not Parquet, ...)
-            raise
-        validate(footer.empty_table(), name, path)
-    return files
-
-
 def table_counts(run: str | Path) -> dict[str, dict[int | None, int]]:
-    """{table: {round: rows}} from the Parquet footers (prompts: {None: rows}); no data is read."""
+    """{table: {round: rows}} as the commits recorded them (prompts: {None: rows}); no data is read."""
     store = RunStore(run).snapshot()  # whole commits only, while a job may be writing
     counts: dict[str, dict[int | None, int]] = {}
     for name in SCHEMAS:
-        files = _checked_files(store, name)
+        files = store.files(name)
         if not files:
             continue
         per_round: dict[int | None, int] = {}
-        for path in files:
-            round = None if name == "prompts" else int(path.parent.name.removeprefix("round="))
-            per_round[round] = per_round.get(round, 0) + pq.ParquetFile(path).metadata.num_rows
+        for rel in files:
+            round = None if name == "prompts" else int(rel.split("/")[1].removeprefix("round="))
+            per_round[round] = per_round.get(round, 0) + store.row_count(rel)
         counts[name] = dict(sorted(per_round.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
     return counts
 
@@ -73,13 +56,12 @@ def inspect_run(run: Path, rows: int, console: Console) -> None:
         overview.add_row(name, *cells, str(sum(per.values())))
     console.print(overview)
 
-    manifests = sorted((store.root / "_manifests").glob("*.json"))
+    manifests = [m for _, m in sorted(store.state.manifests.items())]
     if manifests:
         table = Table(title="stage manifests")
         for column in ("stage", "round", "rows in", "rows out", "drops", "created"):
             table.add_column(column)
-        for path in manifests:
-            m = json.loads(path.read_text())
+        for m in manifests:
             drops = ", ".join(f"{k}={v}" for k, v in (m.get("drops") or {}).items()) or "-"
             table.add_row(m["stage"], str(m["round"]), str(m.get("rows_in")), str(m.get("rows_out")), drops,
                           str(m.get("created_at", ""))[:19])
@@ -87,8 +69,8 @@ def inspect_run(run: Path, rows: int, console: Console) -> None:
 
     for name, per in counts.items():
         total = sum(per.values())
-        first = next(p for p in store.files(name) if pq.ParquetFile(p).metadata.num_rows) if total else None
-        data = pq.ParquetFile(first).read_row_group(0).slice(0, rows) if first else empty(name)
+        first = next(rel for rel in store.files(name) if store.row_count(rel)) if total else None
+        data = store.read_part(first, name).slice(0, rows) if first else empty(name)
         columns = [c for c in _SHOWN_COLUMNS[name] if c in data.column_names]
         example = Table(title=f"{name}: first {min(rows, data.num_rows)} of {total} rows")
         for column in columns:
@@ -134,9 +116,7 @@ def stage_graph(run_dir: str | Path) -> list[StageRow]:
     rows = []
     for module in modules:
         name = module.STAGE
-        pattern = re.compile(rf"{re.escape(name)}-round=(\d+)\.json")
-        rounds = sorted(int(m[1]) for path in (store.root / "_manifests").glob(f"{name}-round=*.json")
-                        if (m := pattern.fullmatch(path.name)))
+        rounds = sorted(r for stage, r in store.state.manifests if stage == name)
         manifests = [store.load_manifest(name, round) or {} for round in rounds]
         stamps = [str(m["created_at"]) for m in manifests if m.get("created_at")]
         rows.append(StageRow(name, tuple(getattr(module, "READS", ())), tuple(getattr(module, "WRITES", ())), rounds,

@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from curation.faults import fault_point
+from curation.store.location import RunLocation
 from curation.store.runlog import METRICS_FILE, PHASES, REPORT_DIR, MetricsLog, write_atomic
+from curation.store.storage import Storage
 from pipelines.reports.markdown import markdown_table
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ def _seconds2(seconds: float | None) -> str | None:
     return None if seconds is None else f"{seconds:.2f}"
 
 
-def table_counts_markdown(run_dir: str | Path) -> str:
+def table_counts_markdown(run_dir: str | Path | Storage) -> str:
     """A markdown section with the rows of each table per round and the rejects by stage and
     reason, read from the run's Parquet tables ("" when the run has no tables)."""
     import duckdb
@@ -206,18 +208,13 @@ def table_counts_markdown(run_dir: str | Path) -> str:
     rounds = sorted({round for table in ROUND_TABLES for round in store.rounds(table)})
     if not rounds:
         return ""
-    source = "read_parquet($f, hive_partitioning = false, union_by_name = true)"
     rows, reasons = [], {}
     for round in rounds:
-        counts = []
-        for table in ROUND_TABLES:
-            files = [str(f) for f in store.files(table, round)]
-            counts.append(duckdb.sql(f"SELECT count(*) FROM {source}", params={"f": files}).fetchall()[0][0]
-                          if files else 0)
-        files = [str(f) for f in store.files("rejects", round)]
-        if files:
-            by_reason = f"SELECT stage, reason, count(*) FROM {source} GROUP BY ALL ORDER BY ALL"
-            for stage, reason, n in duckdb.sql(by_reason, params={"f": files}).fetchall():
+        counts = [sum(store.row_count(rel) for rel in store.files(table, round)) for table in ROUND_TABLES]
+        if store.files("rejects", round):
+            rejects = store.read_columns("rejects", ["stage", "reason"], round)  # noqa: F841 (read by the SQL)
+            by_reason = "SELECT stage, reason, count(*) FROM rejects GROUP BY ALL ORDER BY ALL"
+            for stage, reason, n in duckdb.sql(by_reason).fetchall():
                 reasons.setdefault(f"{stage}: {reason}", {})[round] = n
         rows.append([round] + counts)
     reason_names = sorted(reasons)
@@ -233,7 +230,7 @@ def table_counts_markdown(run_dir: str | Path) -> str:
 # Reports
 # ---------------------------------------------------------------------------------------------
 
-def _summary_markdown(run_dir: Path, rounds: list[dict], steps: list[dict], skipped: int,
+def _summary_markdown(name: str, rounds: list[dict], steps: list[dict], skipped: int,
                       objective: str | None) -> str:
     acc = _accuracy(rounds)
     totals = _run_totals(rounds, steps)
@@ -245,7 +242,7 @@ def _summary_markdown(run_dir: Path, rounds: list[dict], steps: list[dict], skip
         facts.append(f"{totals['samples']} samples generated")
     if totals["seconds"] is not None:
         facts.append(f"{totals['seconds']:.1f} s wall")
-    parts = [f"# Run report: {run_dir.name}", "", " · ".join(facts), "", _accuracy_line(acc), "", "## Rounds", ""]
+    parts = [f"# Run report: {name}", "", " · ".join(facts), "", _accuracy_line(acc), "", "## Rounds", ""]
 
     if rounds:
         headers = ["round", "eval acc (%)", "reward mean", "kept groups", "groups", "pairs", "samples",
@@ -289,25 +286,29 @@ def _summary_markdown(run_dir: Path, rounds: list[dict], steps: list[dict], skip
 
 def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Write progress.png, training.png, summary.md and index.html (pipelines/reports/html_page.py)
-    for a run into `out_dir` (default RUN/report/) and return that folder. A run without
-    metrics.jsonl raises ValueError."""
-    run_dir = Path(run_dir)
-    rounds, steps, skipped = MetricsLog(run_dir).read()
-    out = Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR
+    for a run (a folder or an object-store URL) into `out_dir` and return that folder. By
+    default it is RUN/report/: for a run on an object store, built in this machine's work
+    folder for the run and then uploaded. A run without metrics.jsonl raises ValueError."""
+    location = RunLocation.of(run_dir)
+    rounds, steps, skipped = MetricsLog(location.storage).read()
+    out = Path(out_dir) if out_dir is not None else location.work / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     objective = _objective(rounds, steps)
-    title = f"{run_dir.name} ({objective})" if objective else run_dir.name
+    title = f"{location.name} ({objective})" if objective else location.name
 
     from pipelines.reports import plots  # matplotlib only when a report is drawn
 
     plots.save_figure(plots.progress_figure(rounds, title), out / "progress.png")
     plots.save_figure(plots.training_figure(rounds, steps, title, objective), out / "training.png")
-    summary = _summary_markdown(run_dir, rounds, steps, skipped, objective) + table_counts_markdown(run_dir)
+    summary = _summary_markdown(location.name, rounds, steps, skipped, objective) \
+        + table_counts_markdown(location.storage)
     fault_point("report.before_write")
     write_atomic(out / "summary.md", summary)
     from pipelines.reports.html_page import write_html_report
 
-    write_html_report(run_dir, out, rounds)  # index.html: curves, times, rejects, a sample browser
+    write_html_report(location.storage, out, rounds)  # index.html: curves, times, rejects, a sample browser
+    if out_dir is None:
+        location.upload(REPORT_DIR)
     return out
 
 

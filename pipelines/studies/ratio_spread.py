@@ -259,13 +259,13 @@ def ratio_spread_for_run(run_dir: str | Path, rounds: Sequence[int] | None = Non
     """
     from curation.store.run_store import RunStore
     from curation.store.runlog import MetricsLog
-    from training.checkpoint import checkpoint_dir, list_checkpoints
+    from training.checkpoint import checkpoint_dir, checkpoint_steps
     from training.data import round_sampling  # the trainer's reading of the generate manifests
 
     run_dir = Path(run_dir)
     store = RunStore(run_dir).snapshot()
     records = {int(r["round"]): r for r in MetricsLog(run_dir).rounds()}
-    found = _trained_checkpoints(store, records, [step for step, _ in list_checkpoints(run_dir)])
+    found = _trained_checkpoints(store, records, checkpoint_steps(run_dir))
     measurable = [r for r, v in found.items() if not isinstance(v, str)]
     if rounds is None:
         chosen = _spread_rounds(measurable, DEFAULT_ROUNDS)

@@ -65,6 +65,7 @@ import pyarrow.parquet as pq
 from curation.errors import disk_write
 from curation.rewards.scratchpad import WELL_FORMED
 from curation.store.fingerprints import config_hash
+from curation.store.storage import process_alive
 from pipelines.toy.task import (
     TASK_DESCRIPTIONS,
     VARIANTS,
@@ -185,18 +186,8 @@ def _remove_abandoned_builds(out: Path) -> None:
     for kind in ("building", "old"):
         for path in out.parent.glob(f".{out.name}.{kind}-{socket.gethostname()}-*-*"):
             pid = path.name.removeprefix(f".{out.name}.{kind}-{socket.gethostname()}-").split("-")[0]
-            if pid.isdigit() and not _process_alive(int(pid)):
+            if pid.isdigit() and not process_alive(int(pid)):
                 shutil.rmtree(path, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _replace_dir(new: Path, out: Path) -> None:

@@ -81,7 +81,7 @@ def test_the_provenance_comes_from_the_manifests(run):
         for reason, n in (store.load_manifest(stage, 1) or {}).get("drops", {}).items():
             drops[reason] = drops.get(reason, 0) + n
     assert record["drops"] == drops
-    assert record["command"].endswith("export " + f"{run} --format unpaired --round 1")
+    assert "command" not in record  # an export of the same data gives the same bytes
     text = (run / "exports" / "README.md").read_text()
     section = text.split("## Provenance: unpaired-standard")[1]
     assert generate["generator"] in section and score["scorer"]["exact_match"] in section

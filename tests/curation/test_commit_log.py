@@ -22,9 +22,9 @@ def _file(n: int) -> LoggedFile:
     return LoggedFile(sha256=f"{n:064x}", size=100 + n, rows=n)
 
 
-def _commit(log: CommitLog, stage: str, round: int, add: list[str], remove: list[str] = ()):
-    return log.commit(stage, round, {"stage": stage, "round": round, "outputs": add},
-                      {rel: _file(i) for i, rel in enumerate(add)}, remove)
+def _commit(log: CommitLog, stage: str, round: int, outputs: list[str]) -> list[str]:
+    return log.commit(stage, round, {"stage": stage, "round": round, "outputs": outputs},
+                      {rel: _file(i) for i, rel in enumerate(outputs)})
 
 
 def test_commits_fold_into_live_files_and_manifests(storage):
@@ -33,21 +33,25 @@ def test_commits_fold_into_live_files_and_manifests(storage):
     _commit(log, "generate", 1, ["samples/round=1/part-generate-a.parquet"])
     _commit(log, "score", 1, ["scores/round=1/part-score-a.parquet"])
     _commit(log, "generate", 2, ["samples/round=2/part-generate-a.parquet"])
-    _commit(log, "generate", 1, ["samples/round=1/part-generate-b.parquet"],
-            remove=["samples/round=1/part-generate-a.parquet"])
+    prompts = "prompts/part-p.parquet"  # listed by two commits: live while one lists it
+    _commit(log, "refill-1", 1, [prompts])
+    assert _commit(log, "generate", 1, ["samples/round=1/part-generate-b.parquet", prompts]) == [
+        "samples/round=1/part-generate-a.parquet"]
+    assert _commit(log, "refill-1", 1, []) == []
     reader = CommitLog(storage)
     state = reader.refresh()
-    assert state.seq == 4 and state.rounds() == [1, 2]
-    assert sorted(state.files) == ["samples/round=1/part-generate-b.parquet", "samples/round=2/part-generate-a.parquet",
-                                   "scores/round=1/part-score-a.parquet"]
-    assert state.manifests[("generate", 1)]["outputs"] == ["samples/round=1/part-generate-b.parquet"]
-    assert state.commits[("generate", 1)] == 4
-    assert [e.kind for e in reader.entries()] == ["open", "commit", "commit", "commit", "commit"]
+    assert state.seq == 6
+    assert sorted(state.files) == ["prompts/part-p.parquet", "samples/round=1/part-generate-b.parquet",
+                                   "samples/round=2/part-generate-a.parquet", "scores/round=1/part-score-a.parquet"]
+    assert state.commits[("generate", 1)] == 5
+    assert [e.kind for e in reader.entries()] == ["open"] + ["commit"] * 6
     # an earlier version of the run, and the state file written after entry 3
     assert "samples/round=1/part-generate-a.parquet" in reader.state_as_of(3).files
     assert storage.exists("_log/00000000000000000003.state.json")
+    assert storage.exists("_log/00000000000000000006.state.json")
     fresh = CommitLog(storage)
-    assert fresh.state_as_of(4).files == state.files and fresh.refresh().manifests == state.manifests
+    assert fresh.state_as_of(6).files == state.files and fresh.refresh().manifests == state.manifests
+    assert fresh.state_as_of(6).refs == state.refs and state.refs["prompts/part-p.parquet"] == 1
 
 
 def test_the_older_of_two_writers_stops_at_its_next_commit(storage):
@@ -73,7 +77,7 @@ print("ready", flush=True)
 sys.stdin.readline()
 try:
     rel = "samples/round=1/part-generate-" + sys.argv[2] + ".parquet"
-    log.commit("generate", 1, {}, {rel: LoggedFile("0" * 64, 1, 1)}, ())
+    log.commit("generate", 1, {"outputs": [rel]}, {rel: LoggedFile("0" * 64, 1, 1)})
     print("won")
 except RunTakenOver:
     print("lost")

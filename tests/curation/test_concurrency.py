@@ -1,12 +1,13 @@
 """Readers beside a writer, and two writers, as real processes on real files.
 
-The writer is `groupforge generate`, held half way through its commit (its part files renamed
-into place, its manifest not yet written) by `GROUPFORGE_PAUSE=commit.files_published:1:DIR`
-(curation/faults.py): it writes DIR/paused and waits for DIR/resume. No sleep decides when a
-reader runs. While it waits: a bare glob over the table folder already sees the new rows (the
-state every reader would meet at that moment), while readers on a snapshot (`RunStore.snapshot`,
-`duckdb_views`, and `groupforge inspect` / `export` / `verify`, which use one) see the round not
-at all; a second writer is refused. Once resumed, the snapshot sees the round whole."""
+The writer is `groupforge generate`, held half way through its commit (its part files written
+under their final names, its commit log entry not yet) by
+`GROUPFORGE_PAUSE=commit.files_published:1:DIR` (curation/faults.py): it writes DIR/paused and
+waits for DIR/resume. No sleep decides when a reader runs. While it waits: a bare glob over the
+table folder already sees the new rows (the state every reader would meet at that moment), while
+readers of the commit log (`RunStore.snapshot`, `duckdb_views`, and `groupforge inspect` /
+`export` / `verify`) and of the Delta tables see the round not at all; a second writer is refused.
+Once resumed, both see the round whole."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import duckdb
 import pyarrow.parquet as pq
+from deltalake import DeltaTable
 
 from curation.faults import PAUSE_ENV
 from tests.helpers import REPO
@@ -70,7 +72,9 @@ def test_readers_see_a_commit_whole_or_not_at_all_and_a_second_writer_is_refused
         export = _cli("export", str(run), "--format", "prompt_only")
         assert export.returncode == 2 and "the prompts table is empty" in export.stderr, export.stderr[-2000:]
         verify = _cli("verify", str(run))
-        assert verify.returncode == 0 and "1 commit(s) left pending" in " ".join(verify.stdout.split()), verify.stdout
+        assert verify.returncode == 0 and "of killed commits, listed by no commit" in " ".join(verify.stdout.split()), \
+            verify.stdout
+        assert not (run / "samples" / "_delta_log").exists()  # nor does a Delta reader
         second = _cli(*command, "--no-wait")
         assert second.returncode == 3, second.stderr[-2000:]  # the writer lock: two writers never interleave
 
@@ -81,5 +85,6 @@ def test_readers_see_a_commit_whole_or_not_at_all_and_a_second_writer_is_refused
         if writer.poll() is None:
             writer.kill()
     assert _snapshot_counts(run) == (PROMPTS * G, PROMPTS)
+    assert DeltaTable(str(run / "samples")).to_pyarrow_table().num_rows == PROMPTS * G
     inspect = _cli("inspect", str(run))
     assert inspect.returncode == 0 and str(PROMPTS * G) in inspect.stdout and "no tables" not in inspect.stdout

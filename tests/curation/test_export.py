@@ -221,3 +221,29 @@ def test_the_card_lists_the_exports_among_other_files_of_the_folder(tmp_path):
     assert path == folder / "sft-standard.parquet" and rows == 2 and card == folder / "README.md"
     assert "config_name: sft-standard" in card.read_text() and "other" not in card.read_text()
     assert sorted(load_dataset(str(folder))["train"]["completion"]) == ["42", "42"]
+
+
+def _with_round_1(store: RunStore, soft_label: float) -> None:
+    pairs = {
+        "run_id": ["r"], "round": pa.array([1], pa.int32()), "prompt_id": ["p1"],
+        "chosen_idx": pa.array([0], pa.int32()), "rejected_idx": pa.array([1], pa.int32()),
+        "chosen_reward": [1.0], "rejected_reward": [0.0], "margin": [1.0], "soft_label": [soft_label], "weight": [1.0],
+    }
+    with store.commit("pair", 1, inputs={}, config={"soft_label": soft_label}) as c:
+        c.write("pairs", pairs)
+
+
+def test_as_of_a_round_gives_the_bytes_of_an_export_taken_then(tmp_path):
+    store = make_run(tmp_path / "run")
+    cfg = ExportConfig(format="preference")
+    then, _ = run(store.storage.url, cfg, tmp_path / "then.parquet")
+    _with_round_1(store, 0.9)
+    with store.commit("pair", 0, inputs={}, config={"again": True}) as c:  # round 0 redone, after round 1
+        c.write("pairs", store.read("pairs", 0).slice(0, 1))
+    _with_round_1(store, 0.7)
+    later, _ = run(store.storage.url, cfg, tmp_path / "later.parquet", as_of=0)
+    now, rows = run(store.storage.url, cfg, tmp_path / "now.parquet")
+    assert later.read_bytes() == then.read_bytes()
+    assert rows == 1 and now.read_bytes() != then.read_bytes()  # round 0 redone with one pair
+    with pytest.raises(ValueError, match=r"no commit of round 5; rounds committed: \[0, 1\]"):
+        run(store.storage.url, cfg, tmp_path / "x.parquet", as_of=5)

@@ -15,6 +15,7 @@ from curation.stages.common import group_ids
 from curation.stages.filter import FilterConfig
 from curation.stages.runner import run_stage
 from curation.store.fingerprints import fingerprint_file
+from curation.store.layout import part_name
 from curation.store.run_store import RunStore
 from tests.helpers import commit_inputs, group_rows, rejects_of, samples_and_scores
 
@@ -206,12 +207,14 @@ def test_run_commits_rejects_with_counts_and_is_idempotent(tmp_path):
     report = run_stage(filter_stage, store.root, 0)
     assert not report.skipped and report.rows_in == 7 and report.rows_out == 4
     assert report.drops == {"zero_variance": 2, "unscored": 1}
+    store.refresh()
     manifest = store.load_manifest("filter", 0)
     assert manifest["drops"] == report.drops and manifest["rows_in"] == 7
-    assert manifest["outputs"] == ["rejects/round=0/part-filter.parquet"]
+    [rel] = manifest["outputs"]
+    assert rel in store.files("rejects", 0) and part_name(rel) == "filter"
     assert reasons(store.read("rejects", 0)) == {("a", 0): "zero_variance", ("a", 1): "zero_variance",
                                                   ("b", 2): "unscored", ("c", 2): "invalid_reward"}
-    part = store.partition_dir("rejects", 0) / "part-filter.parquet"
+    part = store.root / rel
     before = (part.stat().st_mtime_ns, fingerprint_file(part))
     again = run_stage(filter_stage, store.root, 0)
     assert again.skipped and again.drops == report.drops
@@ -226,14 +229,17 @@ def test_a_new_round_leaves_the_old_one_untouched(tmp_path):
     store = RunStore(tmp_path / "run")
     commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 1], "b": [1, 0]})))
     run_stage(filter_stage, store.root, 0)
+    store.refresh()
     manifest = store.load_manifest("filter", 0)
-    part = store.partition_dir("rejects", 0) / "part-filter.parquet"
+    [part] = [store.root / rel for rel in manifest["outputs"]]
     stamp = part.stat().st_mtime_ns
     commit_inputs(store, 1, *samples_and_scores(group_rows({"a": [0, 0, 1]}), round=1))
     assert run_stage(filter_stage, store.root, 0).skipped
     report = run_stage(filter_stage, store.root, 1)
     assert not report.skipped and report.rows_in == 3 and report.drops == {}
+    store.refresh()
     assert store.load_manifest("filter", 0) == manifest and part.stat().st_mtime_ns == stamp
+    assert store.files("rejects", 0) == manifest["outputs"]
     assert store.read("rejects", 1).num_rows == 0
 
 
@@ -241,9 +247,11 @@ def test_run_reads_only_valid_samples(tmp_path):
     store = RunStore(tmp_path / "run")
     samples, scores = samples_and_scores(group_rows({"a": [1, 0]}))
     commit_inputs(store, 0, samples, scores)
-    bad = store.partition_dir("samples", 0) / "part-other.parquet"
-    pq.write_table(samples.drop(["finish_reason"]), bad)
-    with pytest.raises(SchemaError, match=r"part-other\.parquet.*finish_reason"):
+    with store.commit("other", 0, inputs={}, config={}) as commit:
+        commit.write("samples", samples.slice(0, 1))
+    bad = store.root / store.load_manifest("other", 0)["outputs"][0]
+    pq.write_table(samples.drop(["finish_reason"]), bad)  # a live part replaced after its commit
+    with pytest.raises(SchemaError, match=rf"{bad.name}.*finish_reason"):
         run_stage(filter_stage, store.root, 0)
 
 

@@ -28,6 +28,7 @@ from curation.stages.label import (
 )
 from curation.stages.runner import run_stage
 from curation.store.fingerprints import fingerprint_file
+from curation.store.layout import part_name
 from curation.store.run_store import RunStore
 from tests.helpers import commit_inputs, group_rows, rejects_of, rewards_table, samples_and_scores
 
@@ -175,6 +176,7 @@ def test_every_row_ends_in_exactly_one_of_groups_or_rejects(groups, cfg, estimat
         commit_inputs(store, 0, *samples_and_scores(rows), score_rejects=rejects_of(earlier))
         filtered = run_stage(filter_stage, store.root, 0, cfg)
         labelled = run_stage(label_stage, store.root, 0, LabelConfig(estimator=estimator))
+        store.refresh()  # the stages' commits
         groups_keys = [(g["prompt_id"], g["sample_idx"]) for g in store.read("groups", 0).to_pylist()]
         rejects = store.read("rejects", 0).to_pylist()
 
@@ -205,18 +207,22 @@ def test_run_is_idempotent_and_a_new_round_leaves_the_old_one_alone(tmp_path):
     run_stage(filter_stage, store.root, 0)
     report = run_stage(label_stage, store.root, 0)
     assert not report.skipped and report.rows_in == report.rows_out == 4
-    part = store.partition_dir("groups", 0) / "part-label.parquet"
-    stamp = (part.stat().st_mtime_ns, fingerprint_file(part))
+    store.refresh()
     manifest = store.load_manifest("label", 0)
-    assert manifest["rows_in"] == 4 and manifest["drops"] == {} and manifest["outputs"] == [
-        "groups/round=0/part-label.parquet"]
+    assert manifest["rows_in"] == 4 and manifest["drops"] == {} and manifest["outputs"] == store.files("groups", 0)
+    assert [part_name(rel) for rel in manifest["outputs"]] == ["label"]
+    part = store.root / manifest["outputs"][0]
+    stamp = (part.stat().st_mtime_ns, fingerprint_file(part))
     assert run_stage(label_stage, store.root, 0).skipped
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == stamp
 
+    store.refresh()
     commit_inputs(store, 1, *samples_and_scores(group_rows({"c": [0.2, 0.5, 0.9]}), round=1))
     run_stage(filter_stage, store.root, 1)
     assert not run_stage(label_stage, store.root, 1).skipped
-    assert run_stage(label_stage, store.root, 0).skipped and store.load_manifest("label", 0) == manifest
+    assert run_stage(label_stage, store.root, 0).skipped
+    store.refresh()
+    assert store.load_manifest("label", 0) == manifest and store.files("groups", 0) == manifest["outputs"]
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == stamp
     assert store.read("groups").num_rows == 7
 

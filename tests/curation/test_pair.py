@@ -21,6 +21,7 @@ from curation.stages.label import LabelConfig, label
 from curation.stages.pair import PairConfig
 from curation.stages.runner import run_stage
 from curation.store.fingerprints import fingerprint_file
+from curation.store.layout import part_name
 from curation.store.run_store import RunStore
 from tests.helpers import commit_inputs, group_rows, rewards_table, samples_and_scores
 
@@ -181,18 +182,23 @@ def test_run_is_idempotent_and_a_new_round_leaves_the_old_one_alone(tmp_path):
     run_stage(label_stage, store.root, 0)
     report = run_stage(pair_stage, store.root, 0)
     assert not report.skipped and report.rows_in == 7 and report.rows_out == 2
-    part = store.partition_dir("pairs", 0) / "part-pair.parquet"
-    stamp = (part.stat().st_mtime_ns, fingerprint_file(part))
+    store.refresh()
     manifest = store.load_manifest("pair", 0)
-    assert manifest["rows_out"] == 2 and manifest["outputs"] == ["pairs/round=0/part-pair.parquet"]
+    assert manifest["rows_out"] == 2 and manifest["outputs"] == store.files("pairs", 0)
+    assert [part_name(rel) for rel in manifest["outputs"]] == ["pair"]
+    part = store.root / manifest["outputs"][0]
+    stamp = (part.stat().st_mtime_ns, fingerprint_file(part))
     assert run_stage(pair_stage, store.root, 0).skipped
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == stamp
 
+    store.refresh()
     commit_inputs(store, 1, *samples_and_scores(group_rows({"c": [0, 1, 1]}), round=1))
     run_stage(filter_stage, store.root, 1)
     run_stage(label_stage, store.root, 1)
     assert run_stage(pair_stage, store.root, 1).rows_out == 1
-    assert run_stage(pair_stage, store.root, 0).skipped and store.load_manifest("pair", 0) == manifest
+    assert run_stage(pair_stage, store.root, 0).skipped
+    store.refresh()
+    assert store.load_manifest("pair", 0) == manifest and store.files("pairs", 0) == manifest["outputs"]
     assert (part.stat().st_mtime_ns, fingerprint_file(part)) == stamp
     assert [p["prompt_id"] for p in store.read("pairs").to_pylist()] == ["a", "b", "c"]
 

@@ -16,7 +16,7 @@ from curation.store.runlog import (
     RoundRecord,
     load_pipeline_state,
     read_json,
-    round_prompts_path,
+    round_prompts_rel,
     save_pipeline_state,
     to_json,
     write_atomic,
@@ -95,12 +95,12 @@ def test_read_json_errors_name_the_file(tmp_path):
         read_json(tmp_path / "binary.json")
 
 
-def test_pipeline_state_and_round_prompts_path(tmp_path):
+def test_pipeline_state_and_round_prompts_rel(tmp_path):
     assert load_pipeline_state(tmp_path) == {}
     save_pipeline_state(tmp_path, {"target_rounds": 3, "prompt_files": ["a.parquet"]})
     assert load_pipeline_state(tmp_path) == {"target_rounds": 3, "prompt_files": ["a.parquet"]}
     assert json.loads((tmp_path / "pipeline.json").read_text())["target_rounds"] == 3
-    assert round_prompts_path(tmp_path, 4) == tmp_path / "_rounds" / "round=4" / "prompts.parquet"
+    assert round_prompts_rel(4) == "_rounds/round=4/prompts.parquet"
 
 
 # ---- the metrics log -----------------------------------------------------------------------
@@ -212,3 +212,21 @@ def test_unsynced_step_lines_are_there_at_once_and_sync_makes_them_durable(tmp_p
     assert reader.stdout.strip() == "2"  # another process sees both lines before any fsync
     log.sync()
     assert [r["step"] for r in log.steps()] == [1, 2]
+
+
+def test_the_metrics_log_on_an_object_store_reads_as_a_local_one(tmp_path, s3_server):
+    """The same records, cut-line handling, `records_since` and `drop_steps_after` over S3."""
+    from curation.store.storage import open_storage
+
+    local = MetricsLog(tmp_path)
+    remote = MetricsLog(open_storage(f"s3://{s3_server.bucket()}/run"))
+    for log in (local, remote):
+        log.append({"event": "round", "round": 0})
+        mark = log.position()
+        log.append({"event": "step", "step": 1})
+        log.storage.append("metrics.jsonl", b'{"event": "step", "st')  # a line cut by a kill
+        log.append({"event": "step", "step": 2})
+        assert [r.get("step") for r in log.records_since(mark)] == [1, 2]
+        log.drop_steps_after(1)
+    assert remote.read() == local.read() == ([{"event": "round", "round": 0}], [{"event": "step", "step": 1}], 0)
+    assert remote.storage.read("metrics.jsonl") == local.storage.read("metrics.jsonl")

@@ -3,6 +3,7 @@ check, main input, column reads, hooks, declared outputs) on real run folders.""
 
 from __future__ import annotations
 
+import builtins
 import json
 import types
 
@@ -14,6 +15,8 @@ from pydantic import BaseModel
 from curation.schema import KEYS, SCHEMAS
 from curation.stages.common import rejects_table
 from curation.stages.runner import CURATION_STAGES, StageOutput, run_stage, stage_module
+from curation.store.fingerprints import fingerprint_file
+from curation.store.layout import part_name
 from curation.store.run_store import RunStore
 from tests.helpers import commit_inputs, group_rows, samples_and_scores
 
@@ -78,10 +81,12 @@ def test_run_stage_reads_transforms_commits_and_then_skips(tmp_path):
     assert (report.stage, report.skipped, report.rows_in, report.rows_out, report.drops) == ("fake", False, 5, 0,
                                                                                            {"fake": 5})
     assert stage.seen[0]["samples"].column_names == list(KEYS)  # only the declared columns
+    store.refresh()
     manifest = store.load_manifest("fake", 0)
     assert manifest["config"] == {"a": 1} and manifest["note"] == 1 and manifest["drops"] == {"fake": 5}
-    assert list(manifest["inputs"]) == ["samples/round=0/part-generate.parquet"]
-    assert manifest["outputs"] == ["rejects/round=0/part-fake.parquet"]
+    assert list(manifest["inputs"]) == store.files("samples", 0) == store.load_manifest("generate", 0)["outputs"]
+    assert [part_name(rel) for rel in manifest["outputs"]] == ["fake"]
+    assert manifest["outputs"] == [rel for rel in store.files("rejects", 0) if part_name(rel) == "fake"]
     again = run_stage(stage, store.root, 0, {"a": 1})
     assert (again.skipped, again.rows_in, again.rows_out, again.drops) == (True, 5, 0, {"fake": 5})
     assert len(stage.seen) == 1
@@ -95,15 +100,16 @@ def test_hooks_hashed_config_and_reused_tables(tmp_path):
     calls = []
 
     def reused_tables(store_, round, inputs):
-        calls.append((store_.root, round, sorted(inputs)))
+        calls.append((store_.location, round, sorted(inputs)))
         return {"earlier": earlier}
 
     stage = fake_stage(hashed_config=lambda cfg: {k: v for k, v in cfg.items() if k != "workers"},
                        reused_tables=reused_tables)
     run_stage(stage, store.root, 0, {"a": 1, "workers": 4})
+    store.refresh()
     assert store.load_manifest("fake", 0)["config"] == {"a": 1}
     assert stage.seen[-1]["earlier"] is earlier
-    assert calls == [(store.root, 0, ["samples/round=0/part-generate.parquet"])]
+    assert calls == [(str(store.root), 0, store.files("samples", 0))]
     assert run_stage(stage, store.root, 0, {"a": 1, "workers": 2}).skipped  # workers are not hashed
     run_stage(stage, store.root, 0, {"a": 1}, force=True)
     assert "earlier" not in stage.seen[-1] and len(calls) == 1  # force: nothing reused
@@ -118,24 +124,35 @@ def test_a_transform_must_return_the_tables_it_declares(tmp_path):
     assert store.load_manifest("fake", 0) is None
 
 
-def test_inputs_are_fingerprinted_from_the_manifests_without_reading_the_files(tmp_path, monkeypatch):
-    """The runner reuses the sha256 a commit recorded while writing a part; manifests of older
-    runs (no output_files) still work: their files are hashed."""
+def test_inputs_are_fingerprinted_from_the_log_without_reading_the_files(tmp_path, monkeypatch):
+    """The runner takes the sha256 each commit recorded in the commit log for a part; runs
+    of an older groupforge (no log, manifests without output_files) still work: their files
+    are hashed once, when the run is read (and recorded when a writer takes them in)."""
     from curation.stages.runner import input_fingerprints
-    from curation.store import fingerprints
 
     store = RunStore(tmp_path / "run")
     commit_inputs(store, 0, *samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0]})))
-    expected = {rel: fingerprints.fingerprint_file(store.root / rel) for rel in store.recorded_files(0)}
-    reads = []
-    monkeypatch.setattr(fingerprints, "fingerprint_file", lambda path: reads.append(path) or "x")
-    got = input_fingerprints(store, ("samples", "scores"), 0)
-    assert got == {rel: expected[rel] for rel in got} and len(got) == 2 and reads == []
-    for path in store.root.glob("_manifests/*.json"):  # as an older version wrote them
-        manifest = json.loads(path.read_text())
-        manifest.pop("output_files", None)
-        path.write_text(json.dumps(manifest))
-    assert input_fingerprints(store, ("samples", "scores"), 0) == dict.fromkeys(got, "x") and len(reads) == 2
+    rels = store.files("samples", 0) + store.files("scores", 0)
+    expected = {rel: fingerprint_file(store.root / rel) for rel in rels}
+    opened = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda file, *a, **k: opened.append(str(file)) or real_open(file, *a, **k))
+    monkeypatch.setattr(pq, "ParquetFile", lambda *a, **k: pytest.fail("read a part file"))
+    reader = RunStore(store.root)
+    assert input_fingerprints(reader, ("samples", "scores"), 0) == expected and len(expected) == 2
+    assert not [path for path in opened if path.endswith(".parquet")]
+    monkeypatch.undo()
+
+    old = tmp_path / "old"  # as an older groupforge wrote the run
+    for rel in rels:
+        (old / rel).parent.mkdir(parents=True, exist_ok=True)
+        (old / rel).write_bytes((store.root / rel).read_bytes())
+    (old / "_manifests").mkdir()
+    for stage in ("generate", "score"):
+        manifest = {k: v for k, v in store.load_manifest(stage, 0).items() if k not in ("output_files", "seal")}
+        manifest["outputs"] = [rel for rel in manifest["outputs"] if rel in rels]
+        (old / "_manifests" / f"{stage}-round=0.json").write_text(json.dumps(manifest))
+    assert input_fingerprints(RunStore(old), ("samples", "scores"), 0) == expected
 
 
 def test_a_store_that_holds_its_commits_feeds_the_next_stage_from_memory(tmp_path, monkeypatch):
@@ -153,12 +170,15 @@ def test_a_store_that_holds_its_commits_feeds_the_next_stage_from_memory(tmp_pat
             for table, data in tables.items():
                 commit.write(table, data, part=stage)
     # no rows dropped: no rejects part (filter reads the empty rejects table without a file)
-    assert sorted(store.held) == ["samples/round=0/part-generate.parquet", "scores/round=0/part-score.parquet"]
+    assert sorted(store.held) == store.files("samples", 0) + store.files("scores", 0)
     run_stage(filter_stage, store.root, 0, force=True)  # through a plain store: from the files
-    part = "rejects/round=0/part-filter.parquet"
+    plain = RunStore(store.root)
+    [part] = [rel for rel in plain.files("rejects", 0) if part_name(rel) == "filter"]
     from_files = pq.read_table(store.root / part)
-    expected_sha = part_fingerprints(RunStore(store.root), [store.root / part])[store.root / part]
-    for reader in ("read_table", "read_schema", "read_metadata"):
+    expected_sha = part_fingerprints(plain, [part])[part]
+    assert expected_sha == fingerprint_file(store.root / part)
+    store.refresh()
+    for reader in ("read_table", "read_schema", "read_metadata", "ParquetFile"):
         monkeypatch.setattr(pq, reader, lambda *a, **k: pytest.fail("read a file it holds"))
     monkeypatch.setattr(fingerprints, "fingerprint_file", lambda *a: pytest.fail("hashed a file it holds"))
     report = run_stage(filter_stage, store, 0, force=True)

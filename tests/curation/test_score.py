@@ -24,6 +24,7 @@ from curation.schema import SCHEMAS, SchemaError
 from curation.stages import score as score_stage
 from curation.stages.runner import run_stage
 from curation.stages.score import RewardSpec, ScoreConfig
+from curation.store.layout import part_name
 from curation.store.run_store import RunStore
 from tests.helpers import make_toy_run
 
@@ -269,6 +270,24 @@ def file_states(run_dir: Path) -> dict[str, tuple[int, int]]:
             for p in run_dir.rglob("*") if p.is_file() and not p.name.startswith(".")}
 
 
+def live(run_dir: Path, table: str, round: int, part: str) -> list[Path]:
+    """The live files of the stage's part `part` of `table` in `round` (read from the commit log)."""
+    return [run_dir / rel for rel in RunStore(run_dir).files(table, round) if part_name(rel) == part]
+
+
+def regenerate(run_dir: Path, samples: pa.Table, round: int = 0) -> None:
+    """Commit new samples for `round` as generate would (its other outputs as they are)."""
+    store = RunStore(run_dir)
+    manifest = store.load_manifest("generate", round)
+    with store.commit("generate", round, manifest["inputs"], {**manifest["config"], "regenerated": True}) as commit:
+        commit.write("samples", samples)
+        for rel in manifest["outputs"]:
+            table = rel.split("/", 1)[0]
+            if table != "samples":
+                commit.write(table, store.read_part(rel, table), part=part_name(rel),
+                             round=None if table == "prompts" else round)
+
+
 def test_run_scores_a_round_with_exact_match(run_dir):
     report = run_stage(score_stage, run_dir, 0)
     assert (report.skipped, report.rows_in, report.rows_out, report.drops) == (False, 48, 48, {})
@@ -283,13 +302,13 @@ def test_run_scores_a_round_with_exact_match(run_dir):
     for _, _, response, reference, exact, reward in got:
         assert exact == float(response.strip() == reference.strip()) == reward
     assert 0 < sum(row[4] for row in got) < 48  # the toy is partly right
-    manifest = RunStore(run_dir).load_manifest("score", 0)
+    store = RunStore(run_dir)
+    manifest = store.load_manifest("score", 0)
     assert manifest["rows_in"] == 48 and manifest["rows_out"] == 48 and manifest["drops"] == {}
-    assert sorted(manifest["inputs"]) == ["prompts/" + p.name for p in sorted((run_dir / "prompts").glob("*"))] + \
-        ["samples/round=0/part-generate.parquet"]
+    assert sorted(manifest["inputs"]) == store.files("prompts") + store.files("samples", 0)
     assert manifest["reward_columns"]["exact_match"]["computed"] == 48
-    assert not (run_dir / "rejects/round=0/part-score.parquet").exists()  # nothing dropped, no part
-    assert manifest["outputs"] == ["scores/round=0/part-score.parquet"]
+    assert live(run_dir, "rejects", 0, "score") == []  # nothing dropped, no part
+    assert manifest["outputs"] == store.files("scores", 0) and part_name(manifest["outputs"][0]) == "score"
 
 
 def test_rerun_is_a_no_op(run_dir):
@@ -317,20 +336,20 @@ def test_new_reward_new_kwargs_and_new_round_compute_only_what_is_missing(run_di
     manifest = RunStore(run_dir).load_manifest("score", 0)
     counts = {c: (v["computed"], v["reused"]) for c, v in manifest["reward_columns"].items()}
     assert counts == {"exact_match": (0, 48), "length": (48, 0)}
-    scores = pq.read_table(run_dir / "scores/round=0/part-score.parquet")
+    scores = pq.read_table(*live(run_dir, "scores", 0, "score"))
     assert scores.column("reward").to_pylist() == scores.column("exact_match").to_pylist()  # weight 0
 
     # a weight change recomputes `reward` only
     heavier = counting.model_copy(update={"weight": 0.5})
     run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=[exact, heavier]))
     assert len(calls()) == 48
-    scores = pq.read_table(run_dir / "scores/round=0/part-score.parquet")
+    scores = pq.read_table(*live(run_dir, "scores", 0, "score"))
     for em, n, total in zip(*(scores.column(c).to_pylist() for c in ("exact_match", "length", "reward"))):
         assert total == em + 0.5 * n
 
     # new kwargs change the fingerprint: that column is rescored, exact_match is not
     def scorer() -> dict:
-        return json.loads(pq.read_table(run_dir / "scores/round=0/part-score.parquet").column("scorer")[0].as_py())
+        return json.loads(pq.read_table(*live(run_dir, "scores", 0, "score")).column("scorer")[0].as_py())
 
     before = scorer()
     changed = heavier.model_copy(update={"kwargs": {"log": str(log), "unused": 1}})
@@ -345,8 +364,8 @@ def test_new_reward_new_kwargs_and_new_round_compute_only_what_is_missing(run_di
     assert report.rows_out == 48 and not report.skipped
     assert len(calls()) == 144 and {c.split("/")[0] for c in calls()[96:]} == {"1"}
     assert {k: v for k, v in file_states(run_dir).items() if "round=0" in k} == round0
-    total = duckdb.sql(f"SELECT round, count(*) FROM read_parquet('{run_dir}/scores/**/*.parquet', "
-                       "hive_partitioning=true) GROUP BY round ORDER BY round").fetchall()
+    scores = RunStore(run_dir).read("scores")  # noqa: F841 (read by the SQL)
+    total = duckdb.sql("SELECT round, count(*) FROM scores GROUP BY round ORDER BY round").fetchall()
     assert total == [(0, 48), (1, 48)]
 
 
@@ -355,15 +374,14 @@ def test_regenerated_samples_are_rescored(run_dir, user_module, tmp_path):
     specs = [RewardSpec(name=f"{user_module}:counting", column="length", kwargs={"log": str(log)}),
              RewardSpec(name="exact_match")]
     run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=specs, workers=1))
-    path = run_dir / "samples/round=0/part-generate.parquet"
-    samples = pq.read_table(path)
-    reference = pq.read_table(next((run_dir / "prompts").glob("*.parquet")))
+    samples = RunStore(run_dir).read("samples", 0)
+    reference = RunStore(run_dir).read("prompts")
     ref_of = dict(zip(reference.column("prompt_id").to_pylist(), reference.column("reference").to_pylist()))
     right = [ref_of[p] for p in samples.column("prompt_id").to_pylist()]  # every response now correct
-    pq.write_table(samples.set_column(samples.schema.get_field_index("response"), "response", pa.array(right)), path)
+    regenerate(run_dir, samples.set_column(samples.schema.get_field_index("response"), "response", pa.array(right)))
     run_stage(score_stage, run_dir, 0, ScoreConfig(rewards=specs, workers=1))
     assert len(log.read_text().splitlines()) == 96  # same keys, new samples file: all rescored
-    scores = pq.read_table(run_dir / "scores/round=0/part-score.parquet")
+    scores = pq.read_table(*live(run_dir, "scores", 0, "score"))
     assert scores.column("exact_match").to_pylist() == [1.0] * 48
 
 
@@ -379,24 +397,26 @@ def test_force_rescored_everything(run_dir, user_module, tmp_path):
 def test_run_writes_rejects_and_drop_counts(run_dir, user_module):
     config = ScoreConfig(rewards=[RewardSpec(name="exact_match"),
                                   RewardSpec(name=f"{user_module}:misbehaving", column="bad", timeout_s=1.0)])
-    samples_path = run_dir / "samples/round=0/part-generate.parquet"
-    samples = pq.read_table(samples_path)
+    samples = RunStore(run_dir).read("samples", 0)
     responses = samples.column("response").to_pylist()
     responses[:3] = ["NAN", "RAISE", "HANG"]
-    pq.write_table(samples.set_column(samples.schema.get_field_index("response"), "response", pa.array(responses)),
-                   samples_path)
+    regenerate(run_dir, samples.set_column(samples.schema.get_field_index("response"), "response",
+                                           pa.array(responses)))
     report = run_stage(score_stage, run_dir, 0, config)
     assert (report.rows_in, report.rows_out, report.drops) == (48, 45, {"invalid_reward": 3})
-    rejects = pq.read_table(run_dir / "rejects/round=0/part-score.parquet").to_pylist()
+    rejects = pq.read_table(*live(run_dir, "rejects", 0, "score")).to_pylist()
     assert [r["detail"] for r in rejects] == ["bad: nan", "bad: RuntimeError: reward exploded", "bad: timeout after 1s"]
     assert RunStore(run_dir).load_manifest("score", 0)["drops"] == {"invalid_reward": 3}
     # generate dropped nothing, so it wrote no rejects part; score's is the only one
-    assert sorted(p.name for p in (run_dir / "rejects/round=0").iterdir()) == ["part-score.parquet"]
-    # a rerun that drops nothing removes the part of the attempt before
-    pq.write_table(samples, samples_path)
+    rejects_folder = run_dir / "rejects/round=0"
+    assert [p for p in rejects_folder.iterdir()] == live(run_dir, "rejects", 0, "score")
+    # a rerun that drops nothing takes the part of the attempt before out of the live files (kept on disk)
+    regenerate(run_dir, samples)
     report = run_stage(score_stage, run_dir, 0, config)
     assert (report.rows_out, report.drops) == (48, {})
-    assert not (run_dir / "rejects/round=0").exists() or not any((run_dir / "rejects/round=0").iterdir())
+    store = RunStore(run_dir)
+    assert store.files("rejects", 0) == [] and sorted(p.name for p in rejects_folder.iterdir()) == sorted(
+        rel.rsplit("/", 1)[-1] for rel in store.state.retired if rel.startswith("rejects/round=0/"))
     assert RunStore(run_dir).read("rejects", 0).num_rows == 0
 
 

@@ -5,7 +5,6 @@ file per slice in one commit, counts summed, reruns up to date."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -17,10 +16,13 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
+from curation.schema import SCHEMAS
 from curation.stages.label import LabelConfig
 from curation.stages.runner import CURATION_STAGES, SLICE_ROWS_ENV, run_stage, slice_of, slice_rows
 from curation.store.fingerprints import fingerprint_file
+from curation.store.layout import part_name
 from curation.store.run_store import HeldPart, RunStore
+from curation.store.verify import check_run
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "curation.py"
 TABLES = {"scores": "reward", "rejects": "reason", "groups": "advantage", "pairs": "soft_label"}
@@ -43,8 +45,8 @@ def curate(run: Path, cfgs) -> dict[str, dict]:
 
 
 def rows(run: Path, table: str) -> list[tuple]:
-    """Every row of a table (independent reader: DuckDB over the Parquet files), sorted."""
-    files = sorted(str(p) for p in (run / table).rglob("*.parquet"))
+    """Every row of a table (independent reader: DuckDB over its live Parquet files), sorted."""
+    files = [str(run / rel) for rel in RunStore(run).files(table)]
     return sorted(duckdb.sql(f"SELECT * EXCLUDE (detail) FROM read_parquet({files})" if table == "rejects"
                              else f"SELECT * FROM read_parquet({files})").fetchall(), key=repr)
 
@@ -107,7 +109,8 @@ def test_a_sliced_round_reruns_up_to_date_and_back_to_whole(two_runs, monkeypatc
     with RunStore(run).lock():
         report = run_stage("label", run, 0, cfgs[2], force=True)
     assert not report.skipped
-    assert [p.name for p in (run / "groups" / "round=0").iterdir()] == ["part-label.parquet"]  # slices gone
+    [part] = RunStore(run).files("groups", 0)  # the slices retired: out of the live files
+    assert part_name(part) == "label" and len(list((run / "groups" / "round=0").iterdir())) > 1
     assert rows(run, "groups") == expected
 
 
@@ -131,9 +134,10 @@ def test_label_batch_estimator_reads_the_round_whole(two_runs, monkeypatch, tmp_
     monkeypatch.setenv(SLICE_ROWS_ENV, "700")
     with RunStore(run).lock():
         run_stage("label", run, 0, LabelConfig(estimator="batch"))
-    manifest = json.loads((run / "_manifests" / "label-round=0.json").read_text())
+    manifest = RunStore(run).load_manifest("label", 0)
     assert "slices" not in manifest
-    assert manifest["outputs"] == ["groups/round=0/part-label.parquet"]
+    assert [part_name(rel) for rel in manifest["outputs"]] == ["label"]
+    assert manifest["outputs"] == RunStore(run).files("groups", 0)
 
 
 def test_slice_rows_setting_and_the_slice_of_an_id(monkeypatch):
@@ -160,23 +164,33 @@ curate(Path({run!r}), bench_module(pytest.MonkeyPatch()).configs(drop_duplicates
 """
 
 
+UNCURATED = ("_log", "_delta_log", "scores", "rejects", "groups", "pairs")
+"""Left out of a copy of a curated run: the run as bench.make_run wrote it (round 0's samples
+and prompts, no commit log)."""
+
+
 @pytest.mark.parametrize("point", ["stage.before_commit:1", "commit.files_published:2"])
 def test_a_sliced_round_killed_mid_commit_resumes_to_the_same_rows(two_runs, tmp_path, point):
-    """SIGKILL with score's slices staged (nothing published), or with filter's slice parts in
-    place and no manifest; the rerun gives the whole-round rows and leaves no temp files."""
+    """SIGKILL with score's slice parts written and its commit not begun, or with filter's
+    slice parts written and no log entry; the rerun gives the whole-round rows and leaves no file of the
+    killed commit."""
     whole, *_ = two_runs
-    run = tmp_path / "run"
-    shutil.copytree(whole, run, ignore=shutil.ignore_patterns("_manifests", "scores", "rejects", "groups", "pairs"))
+    run = tmp_path / "run"  # round 0 as bench.make_run writes it (no commit log)
+    shutil.copytree(whole, run, ignore=shutil.ignore_patterns(*UNCURATED))
     script = KILLED_CURATE.format(root=str(Path(__file__).resolve().parents[2]), run=str(run))
     env = {**os.environ, SLICE_ROWS_ENV: "700", "GROUPFORGE_FAULT": point}
     killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert check_run(run).orphans == 5  # the killed stage's slice parts (score's, filter's), listed by no entry
     env.pop("GROUPFORGE_FAULT")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     for table in TABLES:
         assert rows(run, table) == rows(whole, table), table
-    assert not any((run / "_tmp").iterdir()) if (run / "_tmp").exists() else True
+    assert check_run(run).orphans == 0
+    store = RunStore(run)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*.parquet") if "_delta_log" not in p.parts) == \
+        sorted(rel for table in SCHEMAS for rel in store.files(table))
 
 
 def test_stages_fed_held_tables_slice_the_round_as_from_the_files(two_runs, monkeypatch, tmp_path):
@@ -184,14 +198,11 @@ def test_stages_fed_held_tables_slice_the_round_as_from_the_files(two_runs, monk
     count then comes from those tables' rows, not the files' footers: the same slices, rows and counts."""
     whole, _, _, manifests_sliced, cfgs = two_runs
     run = tmp_path / "held"
-    shutil.copytree(whole, run, ignore=shutil.ignore_patterns("scores", "rejects", "groups", "pairs"))
-    for path in (run / "_manifests").iterdir():
-        if not path.name.startswith("generate-"):
-            path.unlink()
+    shutil.copytree(whole, run, ignore=shutil.ignore_patterns(*UNCURATED))
     monkeypatch.setenv(SLICE_ROWS_ENV, "700")
     store = RunStore(run, hold=True)
-    store.held.update({path.relative_to(run).as_posix(): HeldPart(fingerprint_file(path), pq.read_table(path))
-                       for path in store.files("samples", 0)})
+    store.held.update({rel: HeldPart(fingerprint_file(run / rel), pq.read_table(run / rel))
+                       for rel in store.files("samples", 0)})
     assert store.held
     with store.lock():
         for name, cfg in zip(CURATION_STAGES, cfgs):

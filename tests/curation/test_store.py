@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,9 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.schema import SCHEMAS, SchemaError
+from curation.store.commit_log import LoggedFile
 from curation.store.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path
 from curation.store.lock import RunLockedError
 from curation.store.run_store import RunStore
+from curation.store.verify import check_run
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {"temperature": 1.0, "group_size": 2}
@@ -47,8 +51,25 @@ def rejects(round: int, stage: str, n: int = 1) -> pa.Table:
 
 
 def parquet_files(root: Path) -> list[str]:
-    """Every Parquet file in the table folders (what any reader could see), relative to root."""
-    return sorted(p.relative_to(root).as_posix() for t in SCHEMAS for p in (root / t).rglob("*.parquet"))
+    """Every Parquet file in the table folders (what a reader that globs them would see; the
+    Delta logs left out), relative to root."""
+    return sorted(p.relative_to(root).as_posix() for t in SCHEMAS for p in (root / t).rglob("*.parquet")
+                  if "_delta_log" not in p.parts)
+
+
+PART = re.compile(r"part-(?P<part>.+)-(?P<sha>[0-9a-f]{16})\.parquet")
+
+
+def unhashed(rels: list[str]) -> list[str]:
+    """Part file paths with their hash left out: 'samples/round=0/part-generate'."""
+    return sorted(f"{rel.rpartition('/')[0]}/part-{PART.fullmatch(rel.rpartition('/')[2])['part']}" for rel in rels)
+
+
+def delta_rows(root: Path, table: str) -> int:
+    """Rows of the table as a Delta Lake reader sees it."""
+    from deltalake import DeltaTable
+
+    return DeltaTable(str(root / table)).to_pyarrow_table().num_rows
 
 
 def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
@@ -63,28 +84,34 @@ def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
 def test_commit_writes_parts_and_manifest(tmp_path):
     store = RunStore(tmp_path / "run")
     assert not store.root.exists()  # nothing is created until written
-    (store.staging_dir("generate", 0) / "shard-0.jsonl").write_text("{}")
+    store.staging("generate", 0).write("shard-0.jsonl", b"{}")
     with store.commit("generate", 0, INPUTS, CONFIG) as c:
         c.write("samples", samples(0))
         c.write("rejects", rejects(0, "generate", n=3))
         c.record(rows_in=2, rows_out=4, drops={"too_long": 3}, seconds=1.5)
 
-    assert parquet_files(store.root) == ["rejects/round=0/part-generate.parquet",
-                                         "samples/round=0/part-generate.parquet"]
+    files = parquet_files(store.root)
+    assert unhashed(files) == ["rejects/round=0/part-generate", "samples/round=0/part-generate"]
     m = store.load_manifest("generate", 0)
     assert m["stage"] == "generate" and m["round"] == 0
     assert m["inputs"] == INPUTS and m["config"] == CONFIG and m["config_hash"] == config_hash(CONFIG)
-    assert m["outputs"] == ["rejects/round=0/part-generate.parquet", "samples/round=0/part-generate.parquet"]
-    assert m["output_rows"] == {"rejects/round=0/part-generate.parquet": 3,
-                                "samples/round=0/part-generate.parquet": 4}
+    assert m["outputs"] == files == store.files("rejects") + store.files("samples")
+    assert m["output_rows"] == dict(zip(files, (3, 4)))
+    for rel in files:  # named after the first 16 hex digits of their sha256
+        assert m["output_files"][rel]["sha256"][:16] == PART.fullmatch(rel.rsplit("/", 1)[1])["sha"]
     assert (m["rows_in"], m["rows_out"], m["drops"], m["seconds"]) == (2, 4, {"too_long": 3}, 1.5)
     assert m["code_version"] == code_version() and m["created_at"].endswith("+00:00")
-    assert [p.name for p in (store.root / "_manifests").iterdir()] == ["generate-round=0.json"]
-    # temporary and staging folders are gone; written files are zstd Parquet
-    assert list((store.root / "_tmp").iterdir()) == []
-    assert not (store.root / "_staging" / "generate-round=0").exists()
+    # the manifest is in the commit log's entry (after the writer's "open"); no other folder
+    log = sorted(p.name for p in (store.root / "_log").iterdir())
+    assert log == ["00000000000000000000.json", "00000000000000000001.json"]
+    entry = json.loads((store.root / "_log" / log[1]).read_text())
+    assert entry["kind"] == "commit" and entry["manifest"] == m and sorted(entry["add"]) == files
+    assert sorted(p.name for p in store.root.iterdir()) == ["_log", "_staging", "rejects", "samples"]
+    # the staging folder is emptied; written files are zstd Parquet; each table is a Delta table
+    assert store.staging("generate", 0).list() == []
     meta = pq.read_metadata(store.root / m["outputs"][1])
     assert meta.row_group(0).column(0).compression == "ZSTD"
+    assert (delta_rows(store.root, "samples"), delta_rows(store.root, "rejects")) == (4, 3)
 
 
 def test_read_across_rounds_has_the_right_round_values(tmp_path):
@@ -105,21 +132,24 @@ def test_read_across_rounds_has_the_right_round_values(tmp_path):
     assert set(store.read("samples", rounds=[10, 0])["round"].to_pylist()) == {0, 10}
     assert store.read("samples", rounds=[5]).num_rows == 0
 
-    glob = store.table_glob("samples")
-    assert glob == str(tmp_path / "samples" / "**" / "*.parquet")
+    # readers outside groupforge: the live files (hive paths), or the table as a Delta table
+    paths = [str(store.root / rel) for rel in store.files("samples")]
+    assert [p.rsplit("/", 2)[1] for p in paths] == ["round=0", "round=1", "round=10"]
     for hive in ("true", "false"):  # the path (BIGINT) or the file column (INTEGER) — same values
-        got = duckdb.sql(f"SELECT round, count(*) FROM read_parquet('{glob}', hive_partitioning={hive})"
+        got = duckdb.sql(f"SELECT round, count(*) FROM read_parquet({paths}, hive_partitioning={hive})"
                          " GROUP BY round ORDER BY round").fetchall()
         assert dict(got) == expected
-    assert duckdb.sql(f"SELECT DISTINCT typeof(round) FROM read_parquet('{glob}', hive_partitioning=true)"
+    assert duckdb.sql(f"SELECT DISTINCT typeof(round) FROM read_parquet({paths}, hive_partitioning=true)"
                       ).fetchall() == [("BIGINT",)]
-    for frame in (pl.scan_parquet(glob), pl.scan_parquet(glob, hive_partitioning=True)):
+    for frame in (pl.scan_parquet(paths), pl.scan_parquet(paths, hive_partitioning=True),
+                  pl.scan_delta(str(tmp_path / "samples"))):
         got = frame.group_by("round").len().collect()
         assert dict(zip(got["round"].to_list(), got["len"].to_list())) == expected
         assert frame.collect_schema()["round"] == pl.Int32
-    assert pl.scan_parquet(store.table_dir("samples")).select(pl.len()).collect().item() == 28
-    dataset = pyarrow.dataset.dataset(store.table_dir("samples"), partitioning="hive").to_table()
-    assert sorted(set(dataset["round"].to_pylist())) == [0, 1, 10] and dataset.num_rows == 28
+    assert pl.scan_delta(str(tmp_path / "samples")).filter(pl.col("round") == 1).select(pl.len()).collect().item() == 4
+    dataset = pyarrow.dataset.dataset(paths, partitioning="hive", partition_base_dir=str(tmp_path / "samples"))
+    assert sorted(set(dataset.to_table()["round"].to_pylist())) == [0, 1, 10] and dataset.count_rows() == 28
+    assert delta_rows(tmp_path, "samples") == 28
 
 
 def test_read_missing_table_is_empty_with_the_schema(tmp_path):
@@ -152,9 +182,10 @@ def test_prompts_are_not_partitioned(tmp_path):
         c.write("prompts", prompts)
         with pytest.raises(ValueError, match="not partitioned"):
             c.write("prompts", prompts, part="again", round=3)
-    assert parquet_files(tmp_path) == ["prompts/part-ingest.parquet"]
-    assert store.table_glob("prompts") == str(tmp_path / "prompts" / "*.parquet")
+    assert unhashed(parquet_files(tmp_path)) == ["prompts/part-ingest"]
+    assert store.files("prompts") == parquet_files(tmp_path)
     assert store.read("prompts")["prompt"].to_pylist() == ["1+1=", "2+2="]
+    assert delta_rows(tmp_path, "prompts") == 2
 
 
 def test_a_polars_frame_is_written_with_canonical_types(tmp_path):
@@ -162,7 +193,7 @@ def test_a_polars_frame_is_written_with_canonical_types(tmp_path):
     frame = pl.from_arrow(samples(0))  # large lists, string views
     with store.commit("generate", 0, INPUTS, CONFIG) as c:
         c.write("samples", frame)
-    written = pq.read_schema(tmp_path / "samples" / "round=0" / "part-generate.parquet")
+    written = pq.read_schema(tmp_path / store.files("samples")[0])
     assert written.equals(SCHEMAS["samples"])
     assert store.read("samples").equals(samples(0))
 
@@ -176,17 +207,19 @@ def test_exception_inside_commit_writes_nothing(tmp_path):
         with store.commit("generate", 0, INPUTS, CONFIG) as c:
             c.write("samples", samples(0))
             raise RuntimeError("boom")
-    assert parquet_files(tmp_path) == []
+    assert parquet_files(tmp_path) == []  # the files it wrote are deleted
     assert store.load_manifest("generate", 0) is None
-    assert list((tmp_path / "_tmp").iterdir()) == []
+    assert [e.kind for e in store.log.entries()] == ["open"]  # no commit entry
     assert store.read("samples").num_rows == 0
     with pytest.raises(RuntimeError, match="inside `with store.commit"):
         c.write("samples", samples(0))  # a finished commit takes no more writes
+    assert parquet_files(tmp_path) == []
 
 
 def test_invalid_data_is_rejected_before_anything_is_written(tmp_path):
     store = RunStore(tmp_path)
-    with pytest.raises(SchemaError, match=r"samples table \(samples/round=0/part-generate.parquet.*behavior_logprobs"):
+    with pytest.raises(SchemaError, match=r"samples table \(samples/round=0/part-generate, written by stage "
+                                          r"'generate'.*behavior_logprobs"):
         with store.commit("generate", 0, INPUTS, CONFIG) as c:
             c.write("samples", samples(0).drop_columns(["behavior_logprobs"]))
     with pytest.raises(SchemaError, match="column 'round' holds 3..3, but it is written to round=0"):
@@ -204,30 +237,46 @@ def test_recommit_replaces_the_stage_outputs_without_duplicates(tmp_path):
     assert store.read("samples").num_rows == 8
     with store.commit("generate", 0, INPUTS, CONFIG) as c:
         c.write("samples", samples(0, tag="new"))
-    assert parquet_files(tmp_path) == ["samples/round=0/part-generate.parquet"]
+    assert unhashed(store.files("samples")) == ["samples/round=0/part-generate"]
+    # the replaced parts leave the live files and stay on disk for earlier versions of the run
+    assert sorted(store.state.retired) == sorted(set(parquet_files(tmp_path)) - set(store.files("samples")))
+    assert len(store.state.retired) == 3
     got = store.read("samples")["response"].to_pylist()
     assert len(got) == 4 and all(s.startswith("new") for s in got)
-    with store.commit("generate", 0, INPUTS, CONFIG) as c:  # same part again: overwritten
+    new = store.files("samples")
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:  # same part again: replaced
         c.write("samples", samples(0, tag="newer"))
     assert store.read("samples").num_rows == 4
+    assert len(store.files("samples")) == 1 and store.files("samples") != new and new[0] in store.state.retired
+    newer = store.files("samples")
+    with store.commit("generate", 0, INPUTS, {"same": "bytes"}) as c:  # the same bytes: the file stays live
+        c.write("samples", samples(0, tag="newer"))
+    assert store.files("samples") == newer and store.read("samples").num_rows == 4
+    assert newer[0] not in store.state.retired
     assert store.read("rejects").num_rows == 0 and store.rounds("rejects") == []
+    assert (delta_rows(tmp_path, "samples"), delta_rows(tmp_path, "rejects")) == (4, 0)
 
 
-def test_an_interrupted_publish_is_finished_by_the_next_commit(tmp_path):
-    """The pending journal names files that a killed publish already renamed into place."""
+def test_the_files_of_an_interrupted_commit_are_swept_by_the_next_writer(tmp_path):
+    """A part file a killed commit wrote (named as groupforge names them, listed by no log
+    entry) is not read, and the next job that writes the run removes it."""
     store = RunStore(tmp_path)
-    stray = tmp_path / "samples" / "round=0" / "part-generate-shard7.parquet"
+    with store.commit("generate", 1, INPUTS, CONFIG) as c:
+        c.write("samples", samples(1))
+    sink = pa.BufferOutputStream()
+    pq.write_table(samples(0, tag="stray"), sink)
+    data = sink.getvalue().to_pybytes()
+    stray = tmp_path / "samples" / "round=0" / f"part-generate-shard7-{hashlib.sha256(data).hexdigest()[:16]}.parquet"
     stray.parent.mkdir(parents=True)
-    pq.write_table(samples(0, tag="stray"), stray)
-    journal = tmp_path / "_manifests" / "generate-round=0.pending"
-    journal.parent.mkdir()
-    journal.write_text(json.dumps({"stage": "generate", "round": 0,
-                                   "outputs": ["samples/round=0/part-generate-shard7.parquet"]}))
-    assert not store.is_up_to_date("generate", 0, INPUTS, CONFIG)
-    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+    stray.write_bytes(data)
+    later = RunStore(tmp_path)
+    assert later.read("samples", 0).num_rows == 0 and not later.is_up_to_date("generate", 0, INPUTS, CONFIG)
+    with later.commit("generate", 0, INPUTS, CONFIG) as c:
         c.write("samples", samples(0, tag="good"))
-    assert parquet_files(tmp_path) == ["samples/round=0/part-generate.parquet"]
-    assert not journal.exists() and store.is_up_to_date("generate", 0, INPUTS, CONFIG)
+    assert not stray.exists()
+    assert unhashed(parquet_files(tmp_path)) == ["samples/round=0/part-generate", "samples/round=1/part-generate"]
+    assert later.is_up_to_date("generate", 0, INPUTS, CONFIG)
+    assert set(later.read("samples", 0)["response"].to_pylist()) == {"good0-0", "good0-1", "good1-0", "good1-1"}
 
 
 KILLED_COMMIT = """
@@ -249,22 +298,29 @@ def test_a_killed_commit_leaves_no_partial_data(tmp_path, committed_before):
     if committed_before:
         with store.commit("generate", 0, {}, {"attempt": 1}) as c:
             c.write("samples", samples(0, tag="first"))
+    first = parquet_files(tmp_path)
     proc = run_python(KILLED_COMMIT.format(tests=str(Path(__file__).parent)), str(tmp_path))
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL, err
-    assert any((tmp_path / "_tmp").rglob("*.parquet"))  # it did write, but only to _tmp
-    if committed_before:
-        assert parquet_files(tmp_path) == ["samples/round=0/part-generate.parquet"]
-        assert set(store.read("samples")["response"].to_pylist()) == {"first0-0", "first0-1", "first1-0", "first1-1"}
-        assert store.load_manifest("generate", 0)["config"] == {"attempt": 1}
-        glob = store.table_glob("samples")  # raw readers see the first commit only
-        assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{glob}', hive_partitioning=true)").fetchall() == [(4,)]
+    killed = sorted(set(parquet_files(tmp_path)) - set(first))
+    assert unhashed(killed) == ["rejects/round=0/part-generate", "samples/round=0/part-generate"]  # it did write
+    assert check_run(tmp_path).orphans == 2
+    for reader in (store, RunStore(tmp_path), RunStore(tmp_path).snapshot()):  # no reader sees its files
+        if committed_before:
+            assert set(reader.read("samples")["response"].to_pylist()) == {"first0-0", "first0-1", "first1-0",
+                                                                           "first1-1"}
+            assert reader.load_manifest("generate", 0)["config"] == {"attempt": 1}
+        else:
+            assert reader.load_manifest("generate", 0) is None
+        assert reader.read("samples").num_rows == (4 if committed_before else 0)
+        assert reader.read("rejects").num_rows == 0 and reader.files("samples") == first
+    if committed_before:  # nor does a Delta reader
+        assert delta_rows(tmp_path, "samples") == 4
     else:
-        assert parquet_files(tmp_path) == [] and store.read("samples").num_rows == 0
-        assert store.load_manifest("generate", 0) is None
-    with store.lock():
-        store.clean_tmp()
-    assert not (tmp_path / "_tmp").exists()
+        assert not (tmp_path / "samples" / "_delta_log").exists()
+    with RunStore(tmp_path).lock():  # the next writer sweeps its files
+        pass
+    assert parquet_files(tmp_path) == first and check_run(tmp_path).orphans == 0
 
 
 # ---- reading bad folders -------------------------------------------------------------
@@ -272,20 +328,26 @@ def test_a_killed_commit_leaves_no_partial_data(tmp_path, committed_before):
 
 def test_a_corrupt_part_file_is_named(tmp_path):
     store = RunStore(tmp_path)
-    with store.commit("generate", 0, INPUTS, CONFIG) as c:
-        c.write("samples", samples(0))
-    bad = tmp_path / "samples" / "round=1" / "part-generate.parquet"
-    bad.parent.mkdir()
-    bad.write_bytes(b"PAR1 this is not parquet")
+    for round in (0, 1):
+        with store.commit("generate", round, INPUTS, CONFIG) as c:
+            c.write("samples", samples(round))
+    bad = tmp_path / store.files("samples", 1)[0]
+    bad.write_bytes(b"PAR1 this is not parquet")  # a live file damaged after its commit
     with pytest.raises(SchemaError, match=rf"samples table \({bad}\): not a readable Parquet file"):
         store.read("samples")
     assert store.read("samples", rounds=0).num_rows == 4
+    bad.unlink()
+    with pytest.raises(SchemaError, match=rf"samples table \({bad}\): file not found \(listed by the commit log\)"):
+        store.read("samples")
 
 
 def test_a_part_file_with_a_wrong_column_is_named(tmp_path):
+    """Tables written by another tool (a run without a commit log) are checked as they are read."""
+    good = tmp_path / "samples" / "round=0" / "part-manual.parquet"
+    good.parent.mkdir(parents=True)
+    pq.write_table(samples(0), good)
     store = RunStore(tmp_path)
-    with store.commit("generate", 0, INPUTS, CONFIG) as c:
-        c.write("samples", samples(0))
+    assert store.read("samples").num_rows == 4
     for round, table in ((1, samples(1).set_column(8, "behavior_logprobs", pa.array(["oops"] * 4))),
                          (2, samples(2).drop_columns(["response"]))):
         bad = tmp_path / "samples" / f"round={round}" / "part-manual.parquet"
@@ -293,8 +355,9 @@ def test_a_part_file_with_a_wrong_column_is_named(tmp_path):
         pq.write_table(table, bad)
         with pytest.raises(SchemaError, match=rf"samples table \({bad}\): (column 'behavior_logprobs' has "
                                               r"type string|missing column 'response')"):
-            store.read("samples")
+            RunStore(tmp_path).read("samples")
         bad.unlink()
+    assert not (tmp_path / "_log").exists()  # reading wrote nothing
 
 
 def test_a_file_in_the_wrong_round_folder_is_refused(tmp_path):
@@ -321,8 +384,13 @@ def test_is_up_to_date(tmp_path):
     assert not store.is_up_to_date("generate", 0, {**INPUTS, "checkpoint": "a" * 64}, CONFIG)
     assert not store.is_up_to_date("generate", 0, INPUTS, {**CONFIG, "temperature": 0.7})
     assert not store.is_up_to_date("generate", 1, INPUTS, CONFIG)
-    (tmp_path / "samples" / "round=0" / "part-generate.parquet").unlink()
+    lost = tmp_path / store.files("samples", 0)[0]
+    lost.unlink()  # an output lost since its commit: the stage runs again and writes it
     assert not store.is_up_to_date("generate", 0, INPUTS, CONFIG)
+    with store.commit("generate", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0))
+    assert lost.exists() and store.is_up_to_date("generate", 0, INPUTS, CONFIG)
+    assert store.read("samples").num_rows == 4
 
 
 def test_fingerprints_and_config_hash(tmp_path):
@@ -407,7 +475,11 @@ def test_shared_prompts_part_survives_a_rerun_of_another_round(tmp_path):
     for round, part, table in ((0, "A", prompts_a), (1, "A", prompts_a), (0, "B", prompts_b)):
         with store.commit("generate", round, inputs={"p": part}, config={}) as c:
             c.write("prompts", table, part=part, round=None)
-    assert sorted(p.name for p in store.table_dir("prompts").glob("*.parquet")) == ["part-A.parquet", "part-B.parquet"]
+    assert unhashed(parquet_files(store.root)) == ["prompts/part-A", "prompts/part-B"]
+    assert store.files("prompts") == parquet_files(store.root)
+    assert store.read("prompts")["prompt_id"].to_pylist() == ["a", "b"]
+    assert store.load_manifest("generate", 1)["outputs"] == [store.files("prompts")[0]]
+    assert delta_rows(store.root, "prompts") == 2
 
 
 # ---- reading some columns ------------------------------------------------------------
@@ -439,8 +511,9 @@ def test_read_columns_checks_every_file_as_a_full_read_does(tmp_path):
     store = RunStore(tmp_path)
     with store.commit("generate", 0, INPUTS, CONFIG) as c:
         c.write("samples", samples(0))
-    folder = tmp_path / "samples" / "round=0"
-    bad = folder / "part-manual.parquet"
+    with store.commit("manual", 0, INPUTS, CONFIG) as c:
+        c.write("samples", samples(0))
+    bad = tmp_path / store.load_manifest("manual", 0)["outputs"][0]  # a live file, replaced after its commit
     bad.write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(SchemaError, match=rf"samples table \({bad}\): not a readable Parquet file"):
         store.read_columns("samples", ["prompt_id"], 0)
@@ -461,7 +534,7 @@ def test_read_columns_checks_every_file_as_a_full_read_does(tmp_path):
 # ---- recorded fingerprints -----------------------------------------------------------
 
 
-def test_a_commit_records_each_output_hash_size_and_mtime(tmp_path):
+def test_a_commit_records_each_output_hash_size_and_rows(tmp_path):
     store = RunStore(tmp_path)
     with store.commit("generate", 0, INPUTS, CONFIG) as c:
         c.write("samples", samples(0))
@@ -469,10 +542,14 @@ def test_a_commit_records_each_output_hash_size_and_mtime(tmp_path):
     manifest = store.load_manifest("generate", 0)
     assert sorted(manifest["output_files"]) == manifest["outputs"]
     for rel, entry in manifest["output_files"].items():
-        stat = (tmp_path / rel).stat()
-        assert entry == {"sha256": fingerprint_file(tmp_path / rel), "size": stat.st_size,
-                         "mtime_ns": stat.st_mtime_ns}
-    assert store.recorded_files(0) == manifest["output_files"] and store.recorded_files(1) == {}
+        expected = LoggedFile(fingerprint_file(tmp_path / rel), (tmp_path / rel).stat().st_size,
+                              pq.read_metadata(tmp_path / rel).num_rows)
+        assert entry == {"sha256": expected.sha256, "size": expected.size}
+        assert manifest["output_rows"][rel] == expected.rows
+        assert store.file_record(rel) == RunStore(tmp_path).file_record(rel) == expected
+        assert store.row_count(rel) == expected.rows
+    with pytest.raises(KeyError):
+        store.file_record("samples/round=1/part-generate-0000000000000000.parquet")
 
 
 def test_known_fingerprint_trusts_a_record_only_while_size_and_mtime_match(tmp_path):
@@ -509,21 +586,24 @@ def test_a_rounds_prompts_are_the_parts_committed_with_its_samples(tmp_path):
     with store.commit("refill-1", 1, INPUTS, CONFIG) as c:
         c.write("samples", samples(1, n_prompts=3).slice(4), part="refill-1")  # prompt p2
         c.write("prompts", prompts(["p2"]), part="refill-1-C", round=None)
-    assert store.round_prompts(0) == [tmp_path / "prompts/part-A.parquet"]
-    assert store.round_prompts(1) == [tmp_path / "prompts/part-B.parquet", tmp_path / "prompts/part-refill-1-C.parquet"]
+    a, b, c = store.files("prompts")
+    assert unhashed([a, b, c]) == ["prompts/part-A", "prompts/part-B", "prompts/part-refill-1-C"]
+    assert store.round_prompts(0) == [a]
+    assert store.round_prompts(1) == [b, c]
 
     report = run_stage(score_stage, tmp_path, 1)
     assert report.rows_out == 6
+    store.refresh()  # the commits of the stage's own store
     inputs = store.load_manifest("score", 1)["inputs"]
-    assert sorted(rel for rel in inputs if rel.startswith("prompts/")) == [
-        "prompts/part-B.parquet", "prompts/part-refill-1-C.parquet"]
+    assert sorted(rel for rel in inputs if rel.startswith("prompts/")) == [b, c]
 
-    pq.write_table(samples(0, n_prompts=3).slice(4), tmp_path / "samples/round=0/part-other.parquet")
-    assert store.round_prompts(0) is None  # a part no manifest lists: the whole table
+    with store.commit("other", 0, INPUTS, CONFIG) as commit:  # samples listed with no prompts part
+        commit.write("samples", samples(0, n_prompts=3).slice(4))
+    assert store.round_prompts(0) is None  # then the whole table
     run_stage(score_stage, tmp_path, 0)
+    store.refresh()
     inputs = store.load_manifest("score", 0)["inputs"]
-    assert sorted(rel for rel in inputs if rel.startswith("prompts/")) == [
-        "prompts/part-A.parquet", "prompts/part-B.parquet", "prompts/part-refill-1-C.parquet"]
+    assert sorted(rel for rel in inputs if rel.startswith("prompts/")) == [a, b, c]
 
 
 def test_a_prompts_part_claimed_by_another_stage_is_refused(tmp_path):
@@ -543,7 +623,16 @@ def test_a_table_folder_linked_outside_the_run_is_refused(tmp_path):
     outside.mkdir()
     store.root.mkdir()
     (store.root / "samples").symlink_to(outside, target_is_directory=True)
-    with pytest.raises(ValueError, match="outside the run folder .* refusing to write there"):
+    with pytest.raises(ValueError, match=f"a symlink to {outside}, outside the run folder {store.root}"):
         with store.commit("generate", 0, {}, {}) as commit:
             commit.write("samples", samples(0))
     assert list(outside.rglob("*")) == [] and store.load_manifest("generate", 0) is None
+    (store.root / "samples").unlink()
+    with store.commit("generate", 0, {}, {}) as commit:  # a link made after the run's first commit
+        commit.write("samples", samples(0))
+    shutil.rmtree(store.root / "samples" / "round=0")
+    (store.root / "samples" / "round=0").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(ValueError, match="outside the run folder"):
+        with store.commit("generate", 0, {}, {"again": True}) as commit:
+            commit.write("samples", samples(0, tag="again"))
+    assert list(outside.rglob("*")) == [] and "again" not in store.load_manifest("generate", 0)["config"]

@@ -4,8 +4,9 @@ by readers of its own (DuckDB and pyarrow over the files, transformers for check
 the store's code:
 
 - each (round, prompt_id, sample_idx) once in samples; groups + rejects cover samples exactly
-- every manifest's files exist with the sha256, size and rows it lists; no part file is
-  left that no manifest lists; no commit journal is left pending
+- every file a commit log entry lists exists with the sha256, size and rows the entry records;
+  no part file is left that no entry lists (a killed commit's files are swept by the rerun);
+  each table's Delta log (read by delta-rs) lists exactly the live files of the commit log
 - every checkpoint loads with transformers (and in two cases the newest with vLLM, which answers
   greedily as transformers does); metrics.jsonl has each round and each step once
 - the final weights equal those of a run nobody killed (the toy run is deterministic)
@@ -30,10 +31,13 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 import torch
+from deltalake import DeltaTable
 from safetensors.torch import load_file
 
 from curation.faults import FAULT_ENV, POINTS
-from tests.helpers import FAULTS_SPEC, REPO, check_tables
+from curation.store.location import CACHE_ENV
+from curation.store.storage import TEMP_PREFIX
+from tests.helpers import FAULTS_SPEC, REPO, check_tables, logged_files, parquet_sql
 
 # The round loop test's spec, with the transformers generator (fast to start, deterministic)
 # and two chunks a round (so a kill can land between them).
@@ -44,10 +48,10 @@ CASES = [
     ("generate.chunk_staged", 1, "run"),       # round 1: the first of two chunks staged
     ("generate.chunk_staged", 2, "run"),       # round 1: both chunks staged, not committed
     ("generate.chunk_staged", 3, "run"),       # round 2: the first chunk staged
-    ("commit.journal_written", 1, "run"),      # round 1's generate commit: journal, no file moved
-    ("commit.journal_written", 3, "run"),      # round 1's filter commit
-    ("commit.journal_written", 8, "run"),      # round 2's label commit
-    ("commit.files_published", 2, "run"),      # round 1's score: files in place, no manifest
+    ("commit.logged", 1, "run"),               # round 1's generate commit: log entry, no Delta version
+    ("commit.logged", 3, "run"),               # round 1's filter commit
+    ("commit.logged", 8, "run"),               # round 2's label commit
+    ("commit.files_published", 2, "run"),      # round 1's score: part files written, no log entry
     ("commit.files_published", 5, "run"),      # round 2's generate
     ("commit.files_published", 7, "run"),      # round 2's filter
     ("stage.before_commit", 1, "run"),         # round 1's score computed, nothing written
@@ -74,8 +78,8 @@ FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.ste
 
 # Kills at a point another case already covers in the other round or stage: `make test` leaves them out
 # (its time budget), `make test-exhaustive` runs them.
-EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.journal_written", 1),
-              ("commit.journal_written", 3), ("commit.files_published", 5), ("commit.files_published", 7),
+EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.logged", 1),
+              ("commit.logged", 3), ("commit.files_published", 5), ("commit.files_published", 7),
               ("stage.before_commit", 1), ("stage.before_commit", 3), ("train.step_logged", 1),
               ("train.step_logged", 4), ("checkpoint.weights_written", 1), ("loop.after_curate", 1),
               ("loop.reload", 2), ("loop.eval", 1)}
@@ -90,10 +94,14 @@ def _marks(case: tuple) -> tuple:
 ENGINE_CHECKED = {("checkpoint.weights_written", 2), ("loop.reload", 1)}  # vLLM loads the newest checkpoint
 
 
-def _cli(args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own; `fault`: GROUPFORGE_FAULT; `cache`: its node-local cache
+    for object-store runs (GROUPFORGE_CACHE: a fresh folder is a fresh machine)."""
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     if fault:
         env[FAULT_ENV] = fault
+    if cache is not None:
+        env[CACHE_ENV] = str(cache)
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
 
@@ -151,21 +159,26 @@ def check_engine_loads(folder: Path) -> None:
 def check_invariants(run_dir: Path) -> None:
     check_tables(run_dir)
     listed = set()
-    for path in sorted((run_dir / "_manifests").glob("*.json")):
-        manifest = json.loads(path.read_text())
-        for rel, meta in manifest.get("output_files", {}).items():
+    for path in sorted((run_dir / "_log").glob("*.json")):
+        entry = json.loads(path.read_text())
+        for rel, meta in ({} if path.name.endswith(".state.json") else entry.get("add", {})).items():
             file = run_dir / rel
             assert file.is_file(), f"{path.name} lists {rel}, which is missing"
             assert file.stat().st_size == meta["size"], f"{rel}: size differs from {path.name}"
             assert hashlib.sha256(file.read_bytes()).hexdigest() == meta["sha256"], f"{rel}: sha256 differs"
-            if rel in manifest.get("output_rows", {}):
-                assert pq.read_metadata(file).num_rows == manifest["output_rows"][rel], f"{rel}: rows differ"
+            assert pq.read_metadata(file).num_rows == meta["rows"], f"{rel}: rows differ"
             listed.add(rel)
-    assert not list((run_dir / "_manifests").glob("*.pending")), "a commit journal is left pending"
     for table in ("samples", "scores", "groups", "rejects", "pairs", "prompts"):
-        for file in (run_dir / table).rglob("*.parquet") if (run_dir / table).is_dir() else []:
+        folder = run_dir / table
+        files = [f for f in folder.rglob("*.parquet") if "_delta_log" not in f.parts] if folder.is_dir() else []
+        for file in files:
             rel = file.relative_to(run_dir).as_posix()
-            assert rel in listed, f"{rel} is in a table folder but no manifest lists it"
+            assert rel in listed, f"{rel} is in a table folder but no log entry lists it"
+        if files:
+            live = {f.relative_to(folder).as_posix() for f in logged_files(run_dir, table)}
+            uris = {Path(uri.removeprefix("file://")).relative_to(folder.resolve()).as_posix()
+                    for uri in DeltaTable(str(folder)).file_uris()}
+            assert uris == live, f"{table}: the Delta log and the commit log differ"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = [r["round"] for r in records if r["event"] == "round"]
     steps = [r["step"] for r in records if r["event"] == "step"]
@@ -174,7 +187,7 @@ def check_invariants(run_dir: Path) -> None:
 
     for folder in sorted((run_dir / "checkpoints").glob("step-*")):
         AutoModelForCausalLM.from_pretrained(folder)  # loads, weights and config complete
-    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{run_dir}/samples/**/*.parquet')").fetchall()[0][0] > 0
+    assert duckdb.sql(f"SELECT count(*) FROM {parquet_sql(run_dir, 'samples')}").fetchall()[0][0] > 0
 
 
 @pytest.mark.parametrize("point,count,command", [
@@ -210,9 +223,52 @@ def test_the_readme_lists_every_point():
     text = (REPO / "docs" / "reliability.md").read_text()
     table = text[text.index("## Faults tried"):].split("\n## ", 1)[0]
     rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `")}
-    assert list(rows) == list(POINTS) and {case[0] for case in CASES} == set(POINTS)
+    assert list(rows) == list(POINTS) and {case[0] for case in CASES} | {p for p, _ in S3_KILLS} == set(POINTS)
     for point, count, _ in CASES:  # each kill tried is in its point's row
         assert f"{count}" in rows[point].split("|")[2], (point, count)
+    for point, count in S3_KILLS:
+        assert f"S3: {count}" in rows[point].split("|")[2], (point, count)
+
+
+# ---- a run on object storage ------------------------------------------------------------------
+
+S3_KILLS = [  # one after another on one run, each process on a fresh machine (an empty cache)
+    ("commit.files_published", 2),      # round 1's score commit: part files on S3, no log entry
+    ("commit.logged", 1),               # the rerun's first commit (round 1's score): log entry, no Delta version
+    ("location.file_uploaded", 3),      # round 1's checkpoint half uploaded (no trainer_state.json)
+    ("train.step_logged", 2),           # a step line in S3's metrics.jsonl, no checkpoint after it
+    ("checkpoint.weights_written", 1),  # a checkpoint in the cache only, nothing uploaded
+    ("loop.reload", 1),                 # the engine loading weights fetched from S3
+]
+
+
+def test_a_run_on_s3_resumes_after_kills_on_fresh_machines(spec, reference, s3_server, tmp_path):
+    """The toy loop with --run-dir s3://... on moto's S3 server, SIGKILLed at each of S3_KILLS
+    in turn, each rerun with an empty node cache (it resumes from the bucket alone); then the
+    bucket, read by boto3, DuckDB, pyarrow, delta-rs and Polars (not by groupforge), holds a
+    whole run with the weights of the run nobody killed, and no local run folder was made."""
+    import polars as pl
+
+    bucket = s3_server.bucket()
+    url = f"s3://{bucket}/runs/faults"
+    command = ["run", str(spec), "--run-dir", url]
+    for i, (point, count) in enumerate(S3_KILLS):
+        crash = _cli(command, fault=f"{point}:{count}", cache=tmp_path / f"node-{i}")
+        assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+    done = _cli(command, cache=tmp_path / "node-last")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (REPO / "runs" / "faults").exists() and not (tmp_path / "runs").exists()
+
+    mirror = tmp_path / "mirror"
+    keys = s3_server.download(bucket, "runs/faults", mirror)
+    assert "metrics.jsonl" in keys and any(k.startswith("samples/_delta_log/") for k in keys)
+    check_invariants(mirror)
+    got, want = _final_weights(mirror), _final_weights(reference)
+    assert all(torch.equal(got[k], want[k]) for k in want), "the final weights differ from the local reference"
+    rows = duckdb.sql(f"SELECT count(*) FROM {parquet_sql(mirror, 'samples')}").fetchall()[0][0]
+    assert pl.scan_delta(f"{url}/samples").select(pl.len()).collect().item() == rows  # over the endpoint
+    assert DeltaTable(f"{url}/groups").to_pyarrow_table().num_rows == \
+        duckdb.sql(f"SELECT count(*) FROM {parquet_sql(mirror, 'groups')}").fetchall()[0][0]
 
 
 # ---- a full disk ------------------------------------------------------------------------------
@@ -258,7 +314,7 @@ def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(fraction, spec, ref
         assert "no space left on device in " + str(run_dir) in errors[0], errors[0]
         assert "rerun the same command" in errors[0]
         left = [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or ".tmp-step-" in p.name
-                or (p.is_file() and "_tmp" in p.relative_to(run_dir).parts)]
+                or p.name.startswith(TEMP_PREFIX)]
         assert not left, f"temporary files left on the full disk: {left}"
     resize(4 * _usage(reference))
     again = _cli(_commands(spec, run_dir)["run"])

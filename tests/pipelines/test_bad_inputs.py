@@ -86,7 +86,7 @@ def test_a_bad_model_folder_gets_one_line_naming_it(name, damage, file, fragment
     line = _one_error_line(cli("generate", "--model", str(model), "--prompts", str(toy_dir / "eval.parquet"),
                                 "--out", str(out), "--backend", backend, "--max-tokens", "4"))
     assert str(model) in line and file in line and fragment in line, line
-    assert not list(out.rglob("*.parquet")) if out.exists() else True  # nothing written
+    assert not (out / "_log").exists() and not list(out.rglob("*.parquet")) if out.exists() else True  # nothing written
 
 
 def test_a_tied_embedding_model_samples_the_same_on_both_backends(toy_dir, tmp_path):
@@ -210,50 +210,89 @@ def test_a_bad_checkpoint_stops_the_resumed_run_with_its_name(name, damage, frag
     assert not changed and not tables, f"the failed resume wrote {sorted(changed | tables)}"
 
 
+def _live_part(run: Path, table: str, round: int) -> Path:
+    """The one live part file of `table` for `round`, as the run's commit log lists it."""
+    from curation.store.run_store import RunStore
+
+    (rel,) = RunStore(run).files(table, round)
+    return run / rel
+
+
+def _log_entry(run: Path, stage: str, round: int) -> Path:
+    """The commit log entry of the stage's newest commit for `round`."""
+    from curation.store.commit_log import LOG_DIR
+    from curation.store.run_store import RunStore
+
+    return run / LOG_DIR / f"{RunStore(run).state.commits[(stage, round)]:020d}.json"
+
+
+def _edit_entry(path: Path, edit) -> None:
+    entry = json.loads(path.read_text())
+    edit(entry)
+    path.write_text(json.dumps(entry))
+
+
+def _reseal(manifest: dict) -> None:
+    from curation.store.verify import seal_of
+
+    manifest.pop("seal")
+    manifest["seal"] = seal_of(manifest)
+
+
 def _truncate_part(run: Path) -> Path:
-    part = run / "samples" / "round=1" / "part-generate.parquet"
+    part = _live_part(run, "samples", 1)
     _cut(part)
     return part
 
 
 def _edit_manifest(run: Path) -> Path:
-    path = run / "_manifests" / "score-round=1.json"
-    manifest = json.loads(path.read_text())
-    manifest["rows_out"] += 1
-    path.write_text(json.dumps(manifest))
+    """A log entry's manifest changed by hand: its seal no longer matches."""
+    path = _log_entry(run, "score", 1)
+    _edit_entry(path, lambda entry: entry["manifest"].update(rows_out=entry["manifest"]["rows_out"] + 1))
+    return path
+
+
+def _not_json(run: Path) -> Path:
+    path = _log_entry(run, "filter", 1)
+    path.write_text(path.read_text()[:40])  # cut short by a copy
     return path
 
 
 def _foreign_part(run: Path) -> Path:
-    part = run / "samples" / "round=2" / "part-mine.parquet"
-    shutil.copy(run / "samples" / "round=2" / "part-generate.parquet", part)
+    part = run / "samples" / "round=2" / "part-x.parquet"
+    shutil.copy(_live_part(run, "samples", 2), part)
     return part
 
 
 def _newer_format(run: Path) -> Path:
-    path = run / "_manifests" / "label-round=2.json"
-    manifest = json.loads(path.read_text())
-    manifest["format_version"] = 99
-    path.write_text(json.dumps(manifest))
+    """A manifest a newer groupforge wrote: sealed as it should be, of run format 3."""
+    def newer(entry: dict) -> None:
+        entry["manifest"]["format_version"] = 3
+        _reseal(entry["manifest"])
+
+    path = _log_entry(run, "label", 2)
+    _edit_entry(path, newer)
     return path
 
 
 def _renamed_column(run: Path) -> Path:
-    """A part file rewritten with a column renamed, and its manifest entry updated to match (so only
-    the table contract can tell)."""
-    from curation.store.verify import seal_of
+    """A live part file rewritten with a column renamed, and its log entry updated to match
+    (sha256, size and seal), so only the table contract can tell."""
+    import hashlib
 
-    part = run / "groups" / "round=1" / "part-label.parquet"
+    part = _live_part(run, "groups", 1)
     table = pq.read_table(part)
     pq.write_table(table.rename_columns(["advantage_x" if c == "advantage" else c for c in table.column_names]),
                    part)
-    path = run / "_manifests" / "label-round=1.json"
-    manifest = json.loads(path.read_text())
     rel = part.relative_to(run).as_posix()
-    manifest["output_files"][rel]["size"] = part.stat().st_size
-    manifest.pop("seal")
-    manifest["seal"] = seal_of(manifest)
-    path.write_text(json.dumps(manifest))
+    record = {"sha256": hashlib.sha256(part.read_bytes()).hexdigest(), "size": part.stat().st_size}
+
+    def match(entry: dict) -> None:
+        entry["add"][rel].update(record)
+        entry["manifest"]["output_files"][rel] = record
+        _reseal(entry["manifest"])
+
+    _edit_entry(_log_entry(run, "label", 1), match)
     return part
 
 
@@ -272,17 +311,19 @@ def _linked_round(run: Path) -> Path:
 
 
 RUN_CASES = [
-    ("truncated-part", _truncate_part, "bytes, but manifest generate-round=1.json recorded"),
+    ("truncated-part", _truncate_part, "bytes, but its commit recorded"),
     ("edited-manifest", _edit_manifest, "edited after its commit"),
-    ("foreign-part", _foreign_part, "no manifest lists (a foreign file"),
-    ("newer-format", _newer_format, "written by a newer groupforge (run-folder format 99"),
+    ("log-entry-not-json", _not_json, "not a commit log entry"),
+    ("foreign-part", _foreign_part, "that the run's commit log does not list (a foreign file"),
+    ("newer-format", _newer_format, "written by a newer groupforge (run format 3;"),
     ("renamed-column", _renamed_column, "missing column 'advantage'"),
     ("exports-symlinked-out", _linked_exports, "outside the run folder"),
     ("round-symlinked-out", _linked_round, "outside the run folder"),
 ]
 
 
-EVERY_COMMAND = {"truncated-part", "foreign-part"}  # the others go through inspect and run (the same check)
+# the others go through inspect and run (the same check)
+EVERY_COMMAND = {"truncated-part", "foreign-part", "log-entry-not-json"}
 
 
 DAMAGED = [(*case, command) for case in RUN_CASES
@@ -307,7 +348,7 @@ def test_verify_deep_finds_a_changed_byte_that_keeps_the_size(copy):
     _, run = copy
     done = groupforge_in_process("verify", str(run))
     assert done.returncode == 0 and "match" in done.stdout, done.stderr
-    part = run / "scores" / "round=1" / "part-score.parquet"
+    part = _live_part(run, "scores", 1)
     data = bytearray(part.read_bytes())
     data[8] ^= 0xFF  # in the first column chunk's data, not the footer
     part.write_bytes(bytes(data))

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from curation.generate.base import prompt_id_of
-from curation.store.runlog import load_pipeline_state, round_prompts_path, save_pipeline_state
+from curation.store.runlog import load_pipeline_state, round_prompts_rel, save_pipeline_state
 from pipelines.loop.prompts import choose_prompts, prompt_keys, tiebreak
 from tests.helpers import PROMPTS, by_tiebreak, chosen, context, prompt_file, sampled, sha64, splitmix64
 
@@ -55,13 +55,13 @@ def test_prompts_of_a_newly_added_file_first(tmp_path):
     new = prompt_file(tmp_path / "new.parquet", PROMPTS[10:13])
     ctx = context(tmp_path / "run", [old], per_round=4)
     choose_prompts(ctx, 1)
-    assert load_pipeline_state(ctx.run_dir)["prompt_files"] == [str(old)]
+    assert load_pipeline_state(ctx.location.storage)["prompt_files"] == [str(old)]
 
     ctx = context(tmp_path / "run", [old, new], per_round=4)  # a scheduled refresh adds a file
     round2 = chosen(choose_prompts(ctx, 2))
     # Every prompt is unused (no samples yet): the new file's 3 come first, then the seeded order.
     assert round2 == by_tiebreak(PROMPTS[10:13], 0, 2) + by_tiebreak(PROMPTS[:10], 0, 2)[:1]
-    assert load_pipeline_state(ctx.run_dir)["prompt_files"] == sorted([str(old), str(new)])
+    assert load_pipeline_state(ctx.location.storage)["prompt_files"] == sorted([str(old), str(new)])
 
 
 def test_on_a_new_run_no_file_counts_as_new(tmp_path):
@@ -73,7 +73,7 @@ def test_the_choice_is_written_once_and_reused(tmp_path):
     train = prompt_file(tmp_path / "train.parquet", PROMPTS)
     run_dir = tmp_path / "run"
     path = choose_prompts(context(run_dir, [train], per_round=5), 1)
-    assert path == round_prompts_path(run_dir, 1) == run_dir / "_rounds" / "round=1" / "prompts.parquet"
+    assert path == run_dir / round_prompts_rel(1) == run_dir / "_rounds" / "round=1" / "prompts.parquet"
     assert sorted(p.name for p in path.parent.iterdir()) == ["prompts.parquet"]  # no temporary file left
     first, written = chosen(path), path.stat().st_mtime_ns
     state = load_pipeline_state(run_dir)

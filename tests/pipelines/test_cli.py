@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from curation.store.commit_log import LOG_DIR
 from curation.store.run_store import RunStore
 from tests.helpers import ENV, GROUPFORGE, error_line, groupforge, groupforge_in_process, make_toy_run
 
@@ -46,7 +47,7 @@ def test_generate_rejects_wrong_prompt_tables(tmp_path, toy_dir, kind):
     assert proc.returncode == 2, proc.stderr
     line = error_line(proc)
     assert phrase in line and str(path) in line
-    assert not list((tmp_path / "run").rglob("*.parquet"))
+    assert not list((tmp_path / "run").rglob("*.parquet")) and not (tmp_path / "run" / "_log").exists()
 
 
 def test_inspect_rejects_wrong_run_tables(tmp_path):
@@ -83,7 +84,7 @@ def test_inspect_rejects_wrong_run_tables(tmp_path):
 
 def test_generate_killed_midway_then_resumed_then_noop(tmp_path, toy_dir):
     """kill -9 during generate: no partial table; the rerun completes (reusing finished
-    chunks); a third run is a no-op that the manifest explains."""
+    chunks); a third run is a no-op that names the commit log entry it found up to date."""
     prompts = tmp_path / "prompts.parquet"
     pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 96), prompts)
     run = tmp_path / "run"
@@ -114,10 +115,13 @@ def test_generate_killed_midway_then_resumed_then_noop(tmp_path, toy_dir):
     assert not staging.exists()
 
     mtimes = {p: p.stat().st_mtime_ns for p in run.rglob("*.parquet")}
+    entry = run / LOG_DIR / f"{store.state.commits[('generate', 0)]:020d}.json"
     again = groupforge(*args)
     assert again.returncode == 0 and "up to date" in again.stdout
+    assert str(entry) in "".join(again.stdout.split())  # the message names the commit (a long line may wrap)
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*.parquet")} == mtimes
-    assert json.loads((run / "_manifests" / "generate-round=0.json").read_text()) == manifest
+    assert json.loads(entry.read_text())["manifest"] == manifest
+    assert RunStore(run).state.commits[("generate", 0)] == store.state.commits[("generate", 0)]  # no new commit
 
     shown = groupforge("inspect", run)
     assert shown.returncode == 0, shown.stderr

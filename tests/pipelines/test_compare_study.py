@@ -32,7 +32,7 @@ from pipelines.studies.study_stats import (
     t_975,
 )
 from pipelines.studies.study_text import edge_note, lead_sentence, ranking_sentence, spread_sentence, tie_note
-from tests.helpers import REPO
+from tests.helpers import REPO, parquet_sql
 
 # ---------------------------------------------------------------------------------------------
 # The validation split
@@ -417,7 +417,7 @@ def test_compare_runs_a_tiny_study_and_a_rerun_skips_every_run(toy_dir, tmp_path
             assert 'eval = "runs/toy/eval.parquet"' in spec and f"seed = {seed}" in spec
             assert f'train = ["{out / "data" / "train.parquet"}"]' in spec
             sampled = {row[0] for row in duckdb.sql(
-                f"SELECT DISTINCT prompt_id FROM read_parquet('{run}/samples/*/*.parquet')").fetchall()}
+                f"SELECT DISTINCT prompt_id FROM {parquet_sql(run, 'samples')}").fetchall()}
             assert sampled and not sampled & validation
     final_rows = {r["objective"]: r for r in _md_rows(markdown, "final eval acc (%)")}
     assert set(final_rows) == {"toy-grpo", "toy-sft"}

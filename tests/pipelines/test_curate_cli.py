@@ -8,7 +8,7 @@ import pytest
 
 from curation.store.run_store import RunStore
 from pipelines.loop.curate import CurationSpec, curate, load_curation_spec
-from tests.helpers import REPO, error_line, groupforge, hand_made_run, make_toy_run
+from tests.helpers import REPO, error_line, groupforge, hand_made_run, make_toy_run, parquet_sql
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def test_curate_defaults_cover_every_sample_then_rerun_is_noop(toy_run):
     proc = groupforge("curate", toy_run)
     assert proc.returncode == 0, proc.stderr
     assert "zero_variance" in proc.stdout or "duplicate" in proc.stdout  # the summary names drop reasons
-    glob = lambda t: f"read_parquet('{toy_run}/{t}/**/*.parquet', union_by_name=true)"  # noqa: E731
+    glob = lambda t: parquet_sql(toy_run, t)  # noqa: E731
     covered = duckdb.sql(f"""
         WITH ends AS (
             SELECT round, prompt_id, sample_idx FROM {glob('groups')}

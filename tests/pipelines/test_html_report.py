@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ENV, GROUPFORGE, REPO
+from tests.helpers import ENV, GROUPFORGE, REPO, parquet_sql
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -46,8 +46,7 @@ def test_the_pages_hold_the_tables_rows(report):
     assert page["round"] == 2 and len(page["groups"]) == 8  # 48 groups: 40 on page 0, 8 on page 1
     import duckdb
 
-    samples = report.parent / "samples" / "round=2"
-    count = duckdb.sql(f"SELECT count(*) FROM read_parquet('{samples}/*.parquet')").fetchall()[0][0]
+    count = duckdb.sql(f"SELECT count(*) FROM {parquet_sql(report.parent, 'samples', [2])}").fetchall()[0][0]
     shown = sum(len(g["responses"]) for p in (0, 1) for g in data(report / "data" / f"round-2-{p}.js")["groups"])
     assert shown == count == 48 * 8
     statuses = {r["status"] for p in (0, 1) for g in data(report / "data" / f"round-2-{p}.js")["groups"]

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from curation.generate.base import prompt_id_of
 from curation.schema import SCHEMAS
+from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
 from pipelines.loop.prompts import PromptBook, PromptChoice, choose_prompts, pass_rates, prompt_choice, ranked_prompts
 from pipelines.loop.run import RoundContext
@@ -32,8 +33,8 @@ class Context:
     prompts: PromptBook = field(default_factory=PromptBook)
 
     @property
-    def run_dir(self) -> Path:
-        return self.store.root
+    def location(self) -> RunLocation:
+        return RunLocation.of(self.store.storage)
 
 
 def context(run_dir: Path, train: list[Path], per_round: int, seed: int = 0, **choice) -> Context:

@@ -4,8 +4,8 @@ after kill -9), the per-phase seconds of every round, and output that never cuts
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,7 +20,7 @@ from pipelines.loop.refill import refill_size
 from pipelines.loop.run import run_pipeline
 from pipelines.reports.run_report import report_run
 from pipelines.spec import load_spec
-from tests.helpers import OPTIONS_SPEC, REPO
+from tests.helpers import OPTIONS_SPEC, REPO, logged_files, parquet_sql
 from training import checkpoint as ckpt
 
 
@@ -49,7 +49,7 @@ def test_eval_every_checkpoint_every_replay_and_the_breakdown(tmp_path, toy_dir)
 
     with pytest.raises(Stop):
         run_pipeline(spec, run_dir, log=lambda msg: None, on_round=stop_after_round_3)
-    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [4]
+    assert ckpt.checkpoint_steps(run_dir) == [4]
     before = _steps(run_dir)
     assert sorted(before) == [1, 2, 3, 4, 5, 6]
 
@@ -65,7 +65,7 @@ def test_eval_every_checkpoint_every_replay_and_the_breakdown(tmp_path, toy_dir)
     assert [r["round"] for r in records] == [0, 1, 2, 3, 4, 5]
     assert [r["eval_accuracy"] is not None for r in records] == [True, False, True, False, True, True]
     assert [r["policy_version"] for r in records] == [0, 2, 4, 6, 8, 10]
-    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [4, 8, 10]
+    assert ckpt.checkpoint_steps(run_dir) == [4, 8, 10]
 
     # every record says where its time went: the phases sum to the wall seconds
     for r in records:
@@ -145,16 +145,17 @@ def test_refill_samples_more_prompts_and_resumes_after_kill(tmp_path, toy_dir):
     extra = sum(pq.read_metadata(run_dir / "_rounds" / "round=1" / name).num_rows for name in refills)
     assert refills and len(refills) <= 2 and 0 < extra <= 12 and record["refill_prompts"] == extra
     assert record["samples"] == (16 + extra) * 4
-    parts = sorted(p.name for p in (run_dir / "samples" / "round=1").glob("*.parquet"))
-    assert parts == ["part-generate.parquet"] + [f"part-{name.removesuffix('.parquet')}.parquet" for name in refills]
-    glob = lambda t: f"'{run_dir}/{t}/round=1/*.parquet'"  # noqa: E731
+    parts = sorted(re.fullmatch(r"part-(.+)-[0-9a-f]{16}\.parquet", p.name)[1]
+                   for p in logged_files(run_dir, "samples", [1]))
+    assert parts == ["generate"] + [name.removesuffix(".parquet") for name in refills]
+    glob = lambda t: parquet_sql(run_dir, t, [1])  # noqa: E731
     counts = duckdb.sql(f"SELECT count(*), count(DISTINCT prompt_id), count(DISTINCT (prompt_id, sample_idx)) "
-                        f"FROM read_parquet({glob('samples')})").fetchall()[0]
+                        f"FROM {glob('samples')}").fetchall()[0]
     assert counts == (record["samples"], 16 + extra, record["samples"])  # no prompt sampled twice, no row twice
-    labelled = duckdb.sql(f"SELECT count(*) FROM read_parquet({glob('groups')})").fetchall()[0][0]
-    rejected = duckdb.sql(f"SELECT count(*) FROM read_parquet({glob('rejects')}) WHERE stage = 'filter'").fetchall()
+    labelled = duckdb.sql(f"SELECT count(*) FROM {glob('groups')}").fetchall()[0][0]
+    rejected = duckdb.sql(f"SELECT count(*) FROM {glob('rejects')} WHERE stage = 'filter'").fetchall()
     assert labelled + rejected[0][0] == record["samples"]  # the refilled samples were curated too
-    assert record["kept_groups"] == duckdb.sql(f"SELECT count(DISTINCT prompt_id) FROM read_parquet({glob('groups')}) "
+    assert record["kept_groups"] == duckdb.sql(f"SELECT count(DISTINCT prompt_id) FROM {glob('groups')} "
                                                "WHERE group_kept").fetchall()[0][0]
 
     # Narrow stdout: plain text, every number whole; one breakdown line per round.
@@ -162,7 +163,7 @@ def test_refill_samples_more_prompts_and_resumes_after_kill(tmp_path, toy_dir):
         assert f"{r['gen_tokens_per_s']:,.0f}" in done.stdout and f"{r['train_tokens_per_s']:,.0f}" in done.stdout
     assert "…" not in done.stdout
     assert done.stdout.count("model work") == 1  # the round finished by this process
-    assert json.loads((run_dir / "_manifests" / "refill-1-round=1.json").read_text())["rows_in"] > 0
+    assert RunStore(run_dir).load_manifest("refill-1", 1)["rows_in"] > 0
 
 
 def test_refill_size_divides_the_missing_groups_by_the_kept_rate():

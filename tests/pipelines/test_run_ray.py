@@ -21,7 +21,7 @@ import pytest
 
 from curation.faults import FAULT_ENV
 from curation.store.run_store import RunStore
-from tests.helpers import E2E_SPEC, REPO, check_tables, round_records
+from tests.helpers import E2E_SPEC, REPO, check_tables, parquet_sql, round_records
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
     assert [r["samples"] for r in records[1:]] == [24 * 4] * 3
     # round n was sampled with the weights round n-1 started from
     versions = duckdb.sql(f"SELECT round, min(policy_version), max(policy_version) FROM "
-                          f"read_parquet('{run_dir}/samples/**/*.parquet') GROUP BY round ORDER BY round").fetchall()
+                          f"{parquet_sql(run_dir, 'samples')} GROUP BY round ORDER BY round").fetchall()
     assert versions == [(1, 0, 0), (2, 0, 0), (3, 2, 2)]
     assert RunStore(run_dir).rounds("samples") == [1, 2, 3]
     check_tables(run_dir)

@@ -67,7 +67,7 @@ def test_save_then_load_is_exact(trained, toy_dir, tmp_path):
     folder = ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {"base_model": str(toy_dir / "model"), "note": 1},
                                   tokenizer_from=toy_dir / "model")
     assert folder == ckpt.checkpoint_dir(tmp_path, 2) == tmp_path / "checkpoints" / "step-2"
-    assert ckpt.list_checkpoints(tmp_path) == [(2, folder)] and ckpt.latest_checkpoint(tmp_path) == folder
+    assert ckpt.checkpoint_steps(tmp_path) == [2] and ckpt.latest_checkpoint(tmp_path) == folder
     state = ckpt.load_trainer_state(folder)
     assert state["step"] == 2 and state["note"] == 1 and state["base_model"] == str(toy_dir / "model")
     group = state["optimizer_param_groups"][0]
@@ -117,7 +117,7 @@ def test_a_killed_save_leaves_only_a_tmp_folder_which_the_next_save_removes(trai
     (killed / "model.safetensors").write_bytes(b"partial")
     half = ckpt.checkpoint_dir(tmp_path, 9)  # a step folder without trainer_state.json
     half.mkdir()
-    assert ckpt.list_checkpoints(tmp_path) == [] and ckpt.latest_checkpoint(tmp_path) is None
+    assert ckpt.checkpoint_steps(tmp_path) == [] and ckpt.latest_checkpoint(tmp_path) is None
     ckpt.save_checkpoint(tmp_path, 3, model, optimizer, {})
     assert not killed.exists() and not list(root.glob(".tmp-*"))
     assert ckpt.latest_checkpoint(tmp_path) == ckpt.checkpoint_dir(tmp_path, 3)
@@ -131,12 +131,12 @@ def test_keep_last(trained, tmp_path):
     model, optimizer = trained
     for step in (1, 2, 3, 4):
         ckpt.save_checkpoint(tmp_path, step, model, optimizer, {}, keep_last=2)
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]
+    assert ckpt.checkpoint_steps(tmp_path) == [3, 4]
     ckpt.save_checkpoint(tmp_path, 5, model, optimizer, {})  # None: keep all
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4, 5]
+    assert ckpt.checkpoint_steps(tmp_path) == [3, 4, 5]
     # The newest keep_last are kept, and the one just saved is never pruned (a rerun of an old step).
     ckpt.save_checkpoint(tmp_path, 2, model, optimizer, {}, keep_last=1)
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 5]
+    assert ckpt.checkpoint_steps(tmp_path) == [2, 5]
 
 
 def test_unreadable_trainer_state_names_the_checkpoint(tmp_path):
@@ -151,7 +151,7 @@ def test_unreadable_trainer_state_names_the_checkpoint(tmp_path):
 
 def test_incomplete_checkpoints_are_ignored_and_old_ones_pruned(run_copy, toy_dir):
     train(run_copy, TrainConfig(batch_size=8, lr=1e-4, save_every=1, keep_last=2), steps=3, model=toy_dir / "model")
-    assert [s for s, _ in ckpt.list_checkpoints(run_copy)] == [2, 3]
+    assert ckpt.checkpoint_steps(run_copy) == [2, 3]
     half = ckpt.checkpoint_dir(run_copy, 9)  # a folder without trainer_state.json: a kill mid-save
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"partial")

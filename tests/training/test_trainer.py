@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from curation.faults import FAULT_ENV
-from tests.helpers import REPO, step_records
+from tests.helpers import REPO, logged_files, step_records
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.schedule import group_units, lr_at, step_rows
@@ -72,7 +72,7 @@ def test_held_tables_train_exactly_as_the_files(curated_run, toy_dir, tmp_path):
         shutil.copytree(curated_run, run)
         store = RunStore(run, hold=True)
         store.held.update({path.relative_to(run).as_posix(): HeldPart(fingerprint_file(path), pq.read_table(path))
-                           for table in ("samples", "groups") for path in (run / table).glob("round=*/*.parquet")})
+                           for table in ("samples", "groups") for path in logged_files(run, table)})
         cfg = TrainConfig(objective="grpo", batch_size=32, token_budget=256, lr=1e-4, share_prompts=True)
         train(store if name == "held" else run, cfg, steps=2, model=toy_dir / "model")
         records.append([{k: v for k, v in r.items() if k not in ("seconds", "tokens_per_s")}
