@@ -19,6 +19,7 @@ from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
 from curation.stages.score import ScoreConfig
+from curation.store.storage import is_object_url, open_storage
 from pipelines.loop.prompts import PromptChoice
 from training.config import TrainConfig
 
@@ -150,7 +151,8 @@ class RunSection(SpecSection):
 
 
 class ModelSection(SpecSection):
-    path: str = Field(..., description="Starting model: a Hugging Face folder with safetensors weights.")
+    path: str = Field(..., description="Starting model: a Hugging Face folder with safetensors weights, local or "
+                                       "on an object store (s3://, gs://, az://: each machine keeps its own copy).")
     trust_remote_code: bool = Field(False, description="Run the model folder's own Python code (config.json "
                                     "auto_map) in the engines and the trainer. Off: such a folder is refused.")
 
@@ -244,13 +246,23 @@ def load_spec(path: str | Path, check_files: bool = True, overrides: list[str] =
         raise ValueError(f"config {path}: {key} is still a TODO: {value.removeprefix('TODO:').strip()}{more}")
     spec = validate_model(PipelineSpec, raw, path)
     if check_files:
-        model = Path(spec.model.path)
-        if not (model / "config.json").is_file():
+        model = spec.model.path
+        if not _has_model_config(model):
             raise ValueError(f"config {path}: model.path {model}: not a Hugging Face model folder (no config.json)")
         for key, file in [("prompts.train", f) for f in spec.prompts.train] + [("prompts.eval", spec.prompts.eval)]:
             if not Path(file).is_file():
                 raise ValueError(f"config {path}: {key}: file {file} not found")
     return spec
+
+
+def _has_model_config(model: str) -> bool:
+    """Whether the model folder (a local path, or an object-store URL) holds a config.json."""
+    if not is_object_url(model):
+        return (Path(model) / "config.json").is_file()
+    try:
+        return open_storage(model).size("config.json") is not None
+    except ValueError as exc:  # a malformed URL
+        raise ValueError(f"model.path {model}: {exc}") from None
 
 
 def resolved_toml(spec: PipelineSpec) -> str:

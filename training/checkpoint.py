@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from curation.errors import disk_write
 from curation.faults import fault_point
-from curation.store.location import RunLocation
+from curation.store.location import RunLocation, local_folder
 from curation.store.runlog import (
     CHECKPOINTS_DIR,
     OPTIMIZER_FILE,
@@ -134,9 +134,10 @@ def _write_checkpoint_files(tmp: Path, model: torch.nn.Module, optimizer: torch.
         lora.save_merged(model, tmp / lora.MERGED_DIR)
         folders.append(tmp / lora.MERGED_DIR)
     if tokenizer_from is not None:
+        source_folder = local_folder(tokenizer_from)
         for folder in folders:
             for name in _TOKENIZER_FILES:
-                source = Path(tokenizer_from) / name
+                source = source_folder / name
                 if source.is_file() and not (folder / name).exists():
                     shutil.copy2(source, folder / name)
     fault_point("checkpoint.weights_written")
@@ -211,7 +212,7 @@ def check_checkpoint(folder: str | Path) -> None:
     if lora.is_adapter_folder(folder):
         lora.check_adapter_folder(folder)
         if state.get("base_model"):
-            check_model_folder(state["base_model"])
+            check_model_folder(local_folder(state["base_model"]))
     else:
         check_model_folder(folder)
     optimizer_file(folder)
@@ -255,14 +256,15 @@ def load_optimizer(optimizer: torch.optim.Optimizer, folder: str | Path) -> None
 
 def load_model(folder: str | Path, device: torch.device | str = "cpu", trainable: bool = False,
                dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
-    """A causal LM from a safetensors folder (a checkpoint or a base model; the folder's own
-    code only with `trust_remote_code`), fp32 master weights (`dtype`: float64 for numerics
-    checks); frozen (eval, no grad) unless `trainable`."""
+    """A causal LM from a safetensors folder (a checkpoint or a base model; an object-store URL
+    is read from this machine's copy, `local_folder`; the folder's own code only with
+    `trust_remote_code`), fp32 master weights (`dtype`: float64 for numerics checks); frozen
+    (eval, no grad) unless `trainable`."""
     from transformers import AutoModelForCausalLM
 
     from curation.generate.weights import check_model_folder
 
-    folder = Path(folder)
+    folder = local_folder(folder)
     check_model_folder(folder, trust_remote_code=trust_remote_code)
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=trust_remote_code,

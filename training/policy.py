@@ -45,7 +45,7 @@ def optimizer_factory(cfg: TrainConfig) -> OptimizerFactory:
     return make
 
 
-def load_policy(latest: Path | None, base_model: Path, cfg: TrainConfig, device: torch.device,
+def load_policy(latest: Path | None, base_model: str, cfg: TrainConfig, device: torch.device,
                 dtype: torch.dtype) -> torch.nn.Module:
     """The trainable policy: the newest checkpoint, else the base model; with [train] lora, the
     base model with the checkpoint's adapter (or fresh adapters)."""
@@ -69,7 +69,7 @@ def load_policy(latest: Path | None, base_model: Path, cfg: TrainConfig, device:
     return policy
 
 
-def reference_source(cfg: TrainConfig, base_model: Path, sharded: bool) -> str | None:
+def reference_source(cfg: TrainConfig, base_model: str, sharded: bool) -> str | None:
     """Where the reference comes from: [train] ref_model, else the base model folder; a LoRA
     policy's own base (ADAPTERS_OFF) when ref_model is unset; None when the objective uses none."""
     if cfg.lora is not None and sharded:

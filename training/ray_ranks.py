@@ -14,8 +14,11 @@ group: the others are killed too (they would wait in a collective) and the call 
 `RankDied`; a rerun resumes from the newest checkpoint, replaying the rounds after it.
 
 Ray is imported only here and in curation/ray_cluster.py (the connection and the room check,
-shared with the engines). The run folder must be one path every rank can reach (on several
-machines: shared storage).
+shared with the engines). The ranks need no shared disk when the run and the model are on an
+object store: every rank opens the run by its URL, reads the tables from it and keeps the
+checkpoint it resumes from and the model in its node's cache (curation/store/location.py);
+rank 0 alone writes checkpoints, to the store. A run in a local folder must be a path every
+rank can reach (on several machines: a shared file system).
 """
 
 from __future__ import annotations

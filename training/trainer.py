@@ -52,6 +52,7 @@ from curation.faults import fault_point
 from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
 from curation.store.runlog import MetricsLog
+from curation.store.storage import is_object_url, open_storage
 from training import checkpoint as ckpt
 from training import distributed
 from training.batching import pair_batches, policy_batches, prompt_groups
@@ -118,7 +119,7 @@ class TrainSession:
     optimizer: torch.optim.Optimizer | None = None
     reference: torch.nn.Module | None = None
     reference_from: str | None = None
-    base_model: Path | None = None
+    base_model: str | None = None
     segment: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -200,7 +201,8 @@ class _Start:
     state: dict[str, Any]
     live: bool
     step: int
-    base_model: Path
+    base_model: str
+    """The start model as given (a folder, or an object-store URL), as trainer_state.json keeps it."""
 
 
 def _resume(location: RunLocation, model: str | Path | None, session: TrainSession | None,
@@ -212,11 +214,23 @@ def _resume(location: RunLocation, model: str | Path | None, session: TrainSessi
         state = ckpt.load_trainer_state(latest) if latest else {}
     live = (session is not None and session.live and session.run == location.key
             and session.step >= int(state.get("step", 0)))
-    if not live and latest is None and (model is None or not (Path(model) / "config.json").is_file()):
+    if not live and latest is None and (model is None or not _has_config(str(model))):
         raise ValueError(f"{location.url}: no checkpoint to resume and no base model folder (got {model!r}; "
                          "it needs a config.json)")
     return _Start(latest, state, live, step=session.step if live else int(state.get("step", 0)),
-                  base_model=session.base_model if live else Path(state.get("base_model") or model or ""))
+                  base_model=session.base_model if live else _model_ref(state.get("base_model") or model or ""))
+
+
+def _model_ref(model: str | Path) -> str:
+    """A model folder's path in its normal form (a URL as it is): what trainer_state.json keeps."""
+    return str(model) if is_object_url(model) else str(Path(model))
+
+
+def _has_config(model: str) -> bool:
+    """Whether the model folder or object-store prefix `model` holds a config.json."""
+    if is_object_url(model):
+        return open_storage(model).size("config.json") is not None
+    return (Path(model) / "config.json").is_file()
 
 
 def _segment(data: TrainingData, start: _Start, session: TrainSession | None) -> dict[str, Any]:

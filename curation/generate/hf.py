@@ -41,11 +41,13 @@ class HFGenerator:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model_path = Path(model)
+        from curation.store.location import local_folder
+
+        self.model_path = local_folder(model)  # an object-store URL: this machine's copy
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+            self.model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
         ).to(self.device)
         self.model.eval()
         self.batch_size = batch_size

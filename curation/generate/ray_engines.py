@@ -11,10 +11,12 @@
   so with backend "vllm" the samples do not depend on N (hf's depend on their batch: see
   `curation.generate.hf`). A prompt meets the same engine every round (its prefix cache).
 - The actors live as long as this object: the round loop keeps it across rounds, so no
-  engine starts twice. `update_weights` puts a state dict into Ray's object store once and
-  every engine loads it from there (a checkpoint folder path is read by each engine itself:
-  across machines it needs storage they share); each engine answers with the fingerprint of
-  what it loaded, and a mismatch is an error.
+  engine starts twice. `update_weights` puts a state dict into Ray's object store once (a
+  checkpoint folder is read here, by this process, first) and every engine loads it from
+  there; each engine answers with the fingerprint of what it loaded, and a mismatch is an error.
+- No engine reads a path of this machine: the model goes to the engines as the spec names it,
+  and a model on an object store (`s3://...`) is fetched by each node into its own cache
+  (`curation.store.location.local_folder`), so the nodes need no shared disk.
 - Ray: `ray_address` None starts a private local instance (`ray.init(address="local")`: a
   stray cluster is never joined), "auto" joins the cluster `ray start` runs on this machine
   (or RAY_ADDRESS), anything else is the address of a cluster. When this process has called
@@ -34,6 +36,7 @@ from typing import Sequence
 
 from curation.errors import JobError
 from curation.generate.base import Completion, SamplingConfig, tokenize_prompt
+from curation.generate.weights import load_state_dict
 from curation.ray_cluster import actor_env, check_room, connect_ray
 
 MAX_RESTARTS = 2
@@ -103,16 +106,19 @@ class RayGenerator:
 
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
+        from curation.store.location import local_folder
+
         self._owns_ray = connect_ray(ray_address)
-        self.model_path = Path(model)
+        self.model = str(model)
+        """The model as the engines get it: a path on every node, or an object-store URL."""
         self.backend = backend
         self.engines = engines
-        self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(local_folder(model), trust_remote_code=trust_remote_code)
         self._kwargs = {**engine_kwargs, "policy_version": policy_version, "trust_remote_code": trust_remote_code}
         self._options = {"num_cpus": engine_cpus, "num_gpus": engine_gpus, "scheduling_strategy": "SPREAD",
                          "max_restarts": 0, "runtime_env": {"env_vars": actor_env()}}
         self._threads = max(1, int(engine_cpus)) if engine_gpus == 0 else None
-        self._weights = None  # what every engine holds beyond the base model: an ObjectRef or a folder
+        self._weights = None  # what every engine holds beyond the base model: an ObjectRef
         # One call at a time (the loop samples the next round in a thread while it trains): an
         # actor runs its calls in order anyway, and a replaced engine gets the weights its
         # shard was meant for.
@@ -157,10 +163,9 @@ class RayGenerator:
     def update_weights(self, weights: "dict | str | Path", policy_version: int) -> None:
         import ray
 
-        if isinstance(weights, (str, Path)):
-            held = str(Path(weights).resolve())
-        else:  # one copy in the object store, read by every engine
-            held = ray.put({name: tensor.detach().to("cpu") for name, tensor in weights.items()})
+        if isinstance(weights, (str, Path)):  # a folder of this machine: the engines may be elsewhere
+            weights = load_state_dict(weights)
+        held = ray.put({name: tensor.detach().to("cpu") for name, tensor in weights.items()})
         with self._busy:
             shas = self._call("update_weights", {e: (held, policy_version) for e in range(self.engines)})
             if len(set(shas.values())) != 1:
@@ -188,7 +193,7 @@ class RayGenerator:
 
     def _start(self):
         actor = _remote_engine().options(**self._options)
-        return actor.remote(self.backend, str(self.model_path), self._kwargs, self._threads)
+        return actor.remote(self.backend, self.model, self._kwargs, self._threads)
 
     def _describe_all(self) -> list[dict]:
         import ray

@@ -86,9 +86,11 @@ def resolve_backend(backend: str, model: str | Path) -> str:
         return backend
     import torch
 
+    from curation.store.location import local_folder
+
     if torch.cuda.is_available():
         return "vllm"
-    return "vllm" if count_parameters(model) >= AUTO_HF_MAX_PARAMS else "hf"
+    return "vllm" if count_parameters(local_folder(model)) >= AUTO_HF_MAX_PARAMS else "hf"
 
 
 RAY_KEYS = ("engines", "ray_address", "engine_cpus", "engine_gpus")
@@ -99,8 +101,11 @@ def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
     """Start a generator of `backend` ('vllm', 'hf', or 'auto': `resolve_backend`) on a model
     folder; `kwargs` go to its class (`GeneratorConfig.generator_kwargs(backend)` gives them
     from a spec's settings). With `engines` > 1 or a `ray_address` it is a
-    `curation.generate.ray_engines.RayGenerator` over that many engines of `backend`."""
-    check_model_folder(model, trust_remote_code=kwargs.get("trust_remote_code", False))
+    `curation.generate.ray_engines.RayGenerator` over that many engines of `backend`. `model`
+    may be an object-store URL: each engine reads its node's copy (`local_folder`)."""
+    from curation.store.location import local_folder
+
+    check_model_folder(local_folder(model), trust_remote_code=kwargs.get("trust_remote_code", False))
     backend = resolve_backend(backend, model)
     ray_settings = {key: kwargs.pop(key) for key in RAY_KEYS if key in kwargs}
     if ray_settings.get("engines", 1) > 1 or ray_settings.get("ray_address") is not None:

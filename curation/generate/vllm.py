@@ -50,9 +50,11 @@ class VLLMGenerator:
         _set_cpu_defaults()
         import vllm  # heavy import: only when this generator is used
 
-        self.model_path = Path(model)
+        from curation.store.location import local_folder
+
+        self.model_path = local_folder(model)  # an object-store URL: this machine's copy
         kwargs = dict(
-            model=str(model),
+            model=str(self.model_path),
             dtype=dtype,
             seed=seed,
             enforce_eager=True,

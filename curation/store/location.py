@@ -11,6 +11,10 @@ model folder is what transformers and vLLM load) into the work folder, then `upl
 process that needs them and does not have them (another node, a rerun on a fresh machine)
 `fetch`es them. For a local run both are the same folder and both calls do nothing, so local
 and object-store runs take one code path.
+
+A model given as an object-store URL (`[model] path = "s3://bucket/models/m"`) is fetched the
+same way into this machine's cache (`local_folder`): each node of a cluster keeps its own copy,
+so engines and trainer ranks never read another node's disk.
 """
 
 from __future__ import annotations
@@ -22,18 +26,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from curation.faults import fault_point
-from curation.store.storage import Storage, open_storage
+from curation.store.storage import Storage, is_object_url, open_storage
 
 CACHE_ENV = "GROUPFORGE_CACHE"
 """The folder for node-local copies of object-store runs (default ~/.cache/groupforge)."""
 
 
-def node_cache(url: str) -> Path:
-    """The work folder of the object-store run `url` on this machine:
-    $GROUPFORGE_CACHE/runs/<last path segment>-<sha256 of the URL, 12 hex digits>."""
+def node_cache(url: str, kind: str = "runs") -> Path:
+    """This machine's folder for the object-store folder `url` (a run, or a model):
+    $GROUPFORGE_CACHE/<kind>/<sha256 of the URL, 12 hex digits>/<last path segment>. The folder
+    keeps the URL's last segment as its name, which is what a model's fingerprint shows."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "groupforge")
-    tail = url.rstrip("/").rsplit("/", 1)[-1] or "run"
-    return root / "runs" / f"{tail}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+    tail = url.rstrip("/").rsplit("/", 1)[-1] or kind
+    return root / kind / hashlib.sha256(url.encode()).hexdigest()[:12] / tail
+
+
+def local_folder(folder: str | os.PathLike) -> Path:
+    """A model (or other read-only) folder as a local path: a local path as it is; an
+    object-store URL as this machine's copy (`node_cache(url, "models")`), downloading the
+    files it lacks, config.json last (a copy with a config.json is whole)."""
+    if not is_object_url(folder):
+        return Path(folder)
+    storage = open_storage(str(folder))
+    return RunLocation(storage, node_cache(storage.url, "models")).fetch("", last="config.json")
 
 
 @dataclass(frozen=True)
@@ -87,13 +102,16 @@ class RunLocation:
             fault_point("location.file_uploaded")
 
     def fetch(self, rel: str, last: str | None = None) -> Path:
-        """`work/rel`, holding the storage's file or folder `rel`: objects missing locally, or
-        of another size, are downloaded (`last` after the others, as `upload` wrote them).
+        """`work/rel`, holding the storage's file or folder `rel` ("": everything): objects
+        missing locally, or of another size, are downloaded (`last` after the others, as
+        `upload` wrote them).
         For a local run, the path itself."""
-        local = self.work / rel
+        local = self.work / rel if rel else self.work
         if self.is_local:
             return local
-        entries = self.storage.list(rel + "/")
+        entries = self.storage.list(rel + "/" if rel else "")
+        if not entries and not rel:
+            raise FileNotFoundError(f"{self.storage.url}: no such folder (no objects under it)")
         if not entries:  # a single file
             size = self.storage.size(rel)
             if size is None:

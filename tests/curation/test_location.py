@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from curation.store.location import CACHE_ENV, RunLocation, node_cache
+from curation.store.location import CACHE_ENV, RunLocation, local_folder, node_cache
 from curation.store.storage import open_storage
 
 
@@ -54,3 +54,24 @@ def test_an_object_store_run_works_in_the_node_cache(s3_server, tmp_path, monkey
         b.fetch("nothing")
     b.remove("checkpoints/step-2")
     assert not got.exists() and open_storage(url).list("checkpoints/") == []
+
+
+def test_a_model_on_s3_is_read_from_this_machines_copy(s3_server, toy_dir, tmp_path, monkeypatch):
+    """local_folder: a local path as it is; a URL as a copy in node_cache(url, "models") named
+    like the model (the engines' fingerprints show that name), fetched once per machine."""
+    assert local_folder(toy_dir / "model") == toy_dir / "model"
+    bucket = s3_server.bucket()
+    for path in (toy_dir / "model").iterdir():
+        s3_server.client().upload_file(str(path), bucket, f"models/toy/{path.name}")
+    url = f"s3://{bucket}/models/toy"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "node-a"))
+    copy = local_folder(url)
+    assert copy == node_cache(url, "models") and copy.name == "toy" and copy.is_relative_to(tmp_path / "node-a")
+    assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in (toy_dir / "model").iterdir())
+    assert (copy / "model.safetensors").read_bytes() == (toy_dir / "model" / "model.safetensors").read_bytes()
+    stamp = (copy / "model.safetensors").stat().st_mtime_ns
+    assert local_folder(url) == copy and (copy / "model.safetensors").stat().st_mtime_ns == stamp  # kept
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "node-b"))  # another machine fetches its own
+    assert local_folder(url).is_relative_to(tmp_path / "node-b")
+    with pytest.raises(FileNotFoundError, match=f"s3://{bucket}/models/none"):
+        local_folder(f"s3://{bucket}/models/none")
