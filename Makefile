@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	$(PY) -m pip install -q torch==2.13.0
 	PYTHONWARNINGS="ignore:Editable installation" \
-		$(PY) -m pip install -q -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers]"
+		$(PY) -m pip install -q -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers,dagster]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, torch, duckdb, polars; print('groupforge env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
