@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 from curation.faults import fault_point
 from curation.generate.base import Generator
+from curation.generate.prompt_files import expand_prompt_files
 from curation.generate.stage import GenerateResult, make_generator, resolve_backend
 from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
@@ -105,6 +106,9 @@ class RoundContext:
     eval_set: EvalSet | None = None
     prompts: PromptBook = field(default_factory=PromptBook)
     """The prompt pool and how many earlier rounds sampled each prompt (prompt choice)."""
+    prompt_files: list[str] | None = None
+    """The train prompt files the spec's `[prompts] train` entries name (globs and folders
+    listed when the context is made: once per invocation, so a refresh sees new partitions)."""
     clock: Phases = field(default_factory=Phases)
     """The current round's stopwatch."""
     prefetch: tuple[int, Future[GenerateResult]] | None = None
@@ -113,6 +117,10 @@ class RoundContext:
     """The thread of `prefetch` (started on first use)."""
     ranks: "TrainerRanks | None" = None
     """The trainer ranks (Ray actors) of `[train] nproc` > 1, started on first use."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_files is None:
+            self.prompt_files = expand_prompt_files(self.spec.prompts.train)
 
     def finish_prefetch(self) -> None:
         """Wait for a generate call still running in the background (it commits atomically or
