@@ -1,7 +1,7 @@
 """Specs: TOML files validated by pydantic models, with errors that name the key and the file.
 
 A pipeline spec (`PipelineSpec`) describes a whole run: [run] [model] [prompts] [generator]
-[score] [filter] [label] [pair] [train] [eval]; every section maps 1:1 to a pydantic model
+[score] [filter] [label] [pair] [train] [eval] [export]; every section maps 1:1 to a pydantic model
 and an unknown or invalid key is an error naming the key and the file. The shipped specs
 are in pipelines/specs/.
 """
@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from curation.generate.base import GeneratorConfig, SamplingConfig, SamplingSettings
 from curation.generate.prompt_files import check_prompt_file, expand_prompt_files
+from curation.stages.export import ExportConfig
 from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
@@ -187,7 +188,8 @@ class EvalSection(SpecSection):
 
 
 class PipelineSpec(SpecSection):
-    """A whole run: [run] [model] [prompts] [generator] [score] [filter] [label] [pair] [train] [eval]."""
+    """A whole run: [run] [model] [prompts] [generator] [score] [filter] [label] [pair] [train] [eval]
+    [export]."""
 
     run: RunSection
     model: ModelSection
@@ -199,6 +201,8 @@ class PipelineSpec(SpecSection):
     pair: PairConfig = Field(default_factory=PairConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalSection = Field(default_factory=EvalSection)
+    export: ExportConfig = Field(default_factory=ExportConfig, description="[export] append_to: the Delta table "
+                                 "that `groupforge run` appends its finished rounds' export to at its end.")
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineSpec":

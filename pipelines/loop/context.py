@@ -27,7 +27,7 @@ from curation.generate.prompt_files import expand_prompt_files
 from curation.generate.stage import GenerateResult, make_generator, resolve_backend
 from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
-from curation.store.runlog import PHASES, MetricsLog
+from curation.store.runlog import PHASES, MetricsLog, RoundRecord
 from pipelines.loop.prompts import PromptBook
 from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
@@ -85,6 +85,20 @@ class EvalSet:
     """reference and metadata, for the metric."""
 
 
+@dataclass(frozen=True)
+class RoundStart:
+    """What a round starts from (pipelines/loop/run.py `begin_round`)."""
+
+    round: int
+    previous: RoundRecord
+    """The previous round's record (a start from the base model when the run has none)."""
+
+    @property
+    def policy_version(self) -> int:
+        """The policy the round samples with and trains from: the previous round's."""
+        return self.previous.policy_version
+
+
 @dataclass
 class RoundContext:
     """What one round needs: the run, its spec, the live generator (started lazily) and what
@@ -111,6 +125,8 @@ class RoundContext:
     listed when the context is made: once per invocation, so a refresh sees new partitions)."""
     clock: Phases = field(default_factory=Phases)
     """The current round's stopwatch."""
+    current: RoundStart | None = None
+    """The round under way (set by `begin_round`, cleared when its record is saved)."""
     prefetch: tuple[int, Future[GenerateResult]] | None = None
     """(round, its generate call running in a thread) under `[run] overlap = 1`."""
     pool: ThreadPoolExecutor | None = field(default=None, repr=False)
