@@ -34,7 +34,8 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from curation.store.storage import JobError, Storage, is_object_url, open_storage
+from curation.errors import JobError
+from curation.store.storage import Storage, is_object_url, open_storage
 
 PROMPT_SUFFIXES = (".parquet", ".jsonl")
 """The files a folder or a glob contributes."""
@@ -46,10 +47,10 @@ _WILDCARDS = "*?["
 def expand_prompt_files(entries: Sequence[str | Path], key: str = "prompts.train") -> list[str]:
     """The prompt files that `entries` name now, in entry order (see the module docstring);
     `key` names the entries in errors."""
-    files: list[str] = []
+    files: dict[str, None] = {}  # ordered, each file once
     for entry in entries:
-        files.extend(f for f in expand_entry(str(entry), key) if f not in files)
-    return files
+        files.update(dict.fromkeys(expand_entry(str(entry), key)))
+    return list(files)
 
 
 def expand_entry(entry: str, key: str = "prompts.train") -> list[str]:

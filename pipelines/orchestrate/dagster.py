@@ -7,8 +7,8 @@
     defs = groupforge_definitions("specs/prod.toml", run_dir="s3://bucket/runs/prod")
 
 A round of `groupforge run` (pipelines/loop/run.py) is these steps, each an asset keyed
-`<run.name>/<step>` that declares the tables it reads and writes (asset metadata) and depends on
-the step before it:
+`<run.name>/<step>` (`-` and `.` in the name become `_`) that declares the tables it reads and
+writes (asset metadata) and depends on the step before it:
 
     prompts -> generate -> score -> filter -> label [-> pair] [-> refill] -> train [-> export]
 
@@ -74,7 +74,7 @@ class Step:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     run: Callable[[RoundContext, int], dict]
-    """(context, round >= 1) -> the materialization's metadata."""
+    """(context, round) -> the materialization's metadata (round 0 reaches train and export only)."""
     description: str
 
 
