@@ -8,7 +8,8 @@
 
 A round of `groupforge run` (pipelines/loop/run.py) is these steps, each an asset keyed
 `<run.name>/<step>` (`-` and `.` in the name become `_`) that declares the tables it reads and
-writes (asset metadata) and depends on the step before it:
+writes (asset metadata) and depends on the step before it and on the steps that wrote what it
+reads:
 
     prompts -> generate -> score -> filter -> label [-> pair] [-> refill] -> train [-> export]
 
@@ -90,10 +91,12 @@ def groupforge_definitions(spec_path: str | Path, run_dir: str | None = None,
     prefix = spec.run.name.replace("-", "_").replace(".", "_")
     rounds = dg.DynamicPartitionsDefinition(name=f"{prefix}_rounds")
     retry = retry_policy or dg.RetryPolicy(max_retries=2, delay=30)
-    assets, previous = [], None
+    assets, writers = [], {}  # writers: table -> the asset that wrote it last in the round
     for step in round_steps(spec):
-        assets.append(_step_asset(step, prefix, rounds, retry, previous))
-        previous = assets[-1].key
+        upstream = [assets[-1].key] if assets else []  # the step before: the loop's order
+        upstream += [writers[table] for table in step.reads if table in writers]
+        assets.append(_step_asset(step, prefix, rounds, retry, list(dict.fromkeys(upstream))))
+        writers.update(dict.fromkeys(step.writes, assets[-1].key))
     job = dg.define_asset_job(f"{prefix}_round", selection=dg.AssetSelection.assets(*assets))
     run = str(run_dir) if run_dir is not None else str(Path("runs") / spec.run.name)
     return dg.Definitions(assets=assets, jobs=[job],
@@ -176,8 +179,8 @@ def _export(ctx: RoundContext, round: int) -> dict:
 # -- Dagster wiring ------------------------------------------------------------------------
 
 def _step_asset(step: Step, prefix: str, rounds: dg.PartitionsDefinition, retry: dg.RetryPolicy,
-                previous: dg.AssetKey | None) -> dg.AssetsDefinition:
-    @dg.asset(name=step.name, key_prefix=[prefix], deps=[previous] if previous else [], partitions_def=rounds,
+                upstream: list[dg.AssetKey]) -> dg.AssetsDefinition:
+    @dg.asset(name=step.name, key_prefix=[prefix], deps=upstream, partitions_def=rounds,
               retry_policy=retry, required_resource_keys={RESOURCE}, description=step.description,
               metadata={"reads": list(step.reads), "writes": list(step.writes)}, group_name=prefix)
     def materialize_step(context: dg.AssetExecutionContext) -> dg.MaterializeResult:

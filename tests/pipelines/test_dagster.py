@@ -60,6 +60,9 @@ def test_rounds_as_partitions_with_a_retry_on_s3(bucket_run, s3_server, tmp_path
     assert list(assets) == STEPS
     assert assets["score"].metadata_by_key[assets["score"].key]["reads"] == ["samples", "prompts"]
     assert assets["pair"].metadata_by_key[assets["pair"].key]["writes"] == ["pairs"]
+    upstream = {name: {k.path[-1] for k in a.asset_deps[a.key]} for name, a in assets.items()}
+    assert upstream["filter"] == {"score", "generate"} and upstream["train"] == {"pair", "generate", "label"}
+    assert upstream["prompts"] == set() and upstream["export"] == {"train", "pair", "generate"}
     instance = dg.DagsterInstance.ephemeral()
     instance.add_dynamic_partitions("dagster_rounds", ["0", "1", "2", "3"])
 
