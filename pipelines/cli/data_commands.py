@@ -160,7 +160,7 @@ for _name, (_stages, _doc) in _CURATE_COMMANDS.items():
 
 @app.command("export")
 def export_command(
-    run: Path = typer.Argument(..., help="Run folder."),
+    run: str = typer.Argument(..., help="Run folder or object-store URL."),
     format: str = typer.Option("preference", "--format", help="preference | prompt_only | unpaired | sft"),
     style: str = typer.Option("standard", "--style", help="standard (text) | conversational (messages)"),
     round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
@@ -172,6 +172,10 @@ def export_command(
                                             "or a new name without a suffix) that gets <format>-<style>.parquet. "
                                             "The dataset card README.md goes in the file's folder. "
                                             "Default: RUN/exports/<format>-<style>.parquet."),
+    append_to: Optional[str] = typer.Option(None, "--append-to", metavar="TABLE",
+                                            help="Instead of a file: append the run's finished rounds that are not "
+                                                 "in this Delta table yet (a folder or s3://, gs://, az:// URL) as "
+                                                 "one new version, with its provenance."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="REPO",
                                               help="Also push the export and its card to this Hugging Face dataset "
                                                    "repo (private unless --public), with datasets' push_to_hub."),
@@ -179,18 +183,27 @@ def export_command(
 ) -> None:
     """Write a TRL-format dataset (Parquet, loadable with datasets.load_dataset) and the dataset card of its
     folder (README.md: features, splits, row counts, provenance from the run's manifests), so that
-    datasets.load_dataset(folder) reads it too. A README.md that groupforge did not write is left as it is."""
+    datasets.load_dataset(folder) reads it too. A README.md that groupforge did not write is left as it is.
+    With --append-to, append the new rounds to a versioned Delta table instead."""
     from pydantic import ValidationError
 
     from curation.card import foreign_card
     from curation.stages.export import ExportConfig
     from curation.stages.export import run_with_card as run_export
+    from curation.store.storage import is_object_url
 
     checked_run_folder(run)
     try:
-        cfg = ExportConfig(format=format, style=style, rounds=round or None)
+        cfg = ExportConfig(format=format, style=style, rounds=round or None, append_to=append_to)
     except ValidationError as exc:
         raise fail("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors()), EXIT_BAD_INPUT) from None
+    if append_to is not None:
+        _append(run, cfg, [flag for flag, value in (("--out", out), ("--as-of", as_of),
+                                                     ("--push-to-hub", push_to_hub)) if value is not None])
+        return
+    if is_object_url(run) and out is None:
+        raise fail(f"{run}: a run on an object store is exported with --out (a local file or folder) or "
+                   "--append-to (a Delta table)", EXIT_BAD_INPUT)
     with exit_codes():
         path, rows, card = run_export(run, cfg, out, as_of)
     console.print(f"wrote {rows} rows ({format}, {style}) to {escape(str(path))}")
@@ -205,3 +218,18 @@ def export_command(
         with exit_codes():
             url = push(path, push_to_hub, private=not public)
         console.print(f"pushed to {url}")
+
+
+def _append(run: str, cfg, others: list[str]) -> None:
+    """`export --append-to`: one new version of the Delta table, or nothing new."""
+    from curation.stages.dataset import append_export
+
+    if others:
+        raise fail(f"--append-to writes a Delta table: {', '.join(others)} cannot go with it", EXIT_BAD_INPUT)
+    with exit_codes():
+        done = append_export(run, cfg)
+    if done.version is None:
+        console.print(f"{escape(done.table)}: nothing to append (every finished round of {escape(run)} is in it)")
+    else:
+        console.print(f"appended rounds {done.rounds} ({done.rows} rows, {cfg.format}) to {escape(done.table)} "
+                      f"as version {done.version}")
