@@ -97,7 +97,7 @@ def checked_run_folder(run: str | Path) -> str | Path:
     return run
 
 
-def writer_lock(run: Path, no_wait: bool):
+def writer_lock(run: str | Path, no_wait: bool):
     """The run's writer lock, waiting (and saying so) unless --no-wait."""
     return RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}"))
 

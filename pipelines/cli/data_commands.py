@@ -85,7 +85,7 @@ def generate_command(
 
 @app.command("inspect")
 def inspect_command(
-    run: Path = typer.Argument(..., help="Run folder."),
+    run: str = typer.Argument(..., help="Run folder or object-store URL."),
     rows: int = typer.Option(3, "--rows", help="Example rows to show per table."),
     stages: bool = typer.Option(False, "--stages", help="Print the stage graph instead: each stage, the tables "
                                                           "it reads and writes, its last run, rows in and out."),
@@ -101,7 +101,7 @@ def inspect_command(
             inspect_run(run, rows, console)
 
 
-def _curate(stages: tuple[str, ...], run: Path, only_round: Optional[int], config: Optional[Path], force: bool,
+def _curate(stages: tuple[str, ...], run: str, only_round: Optional[int], config: Optional[Path], force: bool,
             no_wait: bool) -> None:
     """Run curation stages over rounds under the run's lock, then print one summary table."""
     from curation.stages.runner import run_stage
@@ -146,7 +146,7 @@ _CURATE_COMMANDS = {
 
 
 def _curate_command(stages: tuple[str, ...], doc: str):
-    def command(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
+    def command(run: str = typer.Argument(..., help="Run folder or object-store URL."), round: Optional[int] = _ROUND,
                 config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = NO_WAIT) -> None:
         _curate(stages, run, round, config, force, no_wait)
 
