@@ -21,7 +21,7 @@ from rich.table import Table
 from curation.errors import JobError, NoSpaceError, is_no_space, no_space_error
 from curation.store.lock import RunLockedError
 from curation.store.run_store import RunStore
-from curation.store.storage import is_object_url
+from curation.store.storage import check_location, is_object_url
 from curation.store.verify import check_run
 
 EXIT_BAD_INPUT = 2
@@ -90,6 +90,8 @@ def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceba
 def checked_run_folder(run: str | Path) -> str | Path:
     """`run` (a folder or an object-store URL), checked against its commit log
     (curation/store/verify.py) before a command reads it."""
+    with exit_codes():
+        check_location(str(run))  # a mistyped URL is named as one, not as a missing folder
     if not is_object_url(run) and not Path(run).is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():

@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from curation.store.storage import is_object_url
+from curation.store.storage import check_location, is_object_url
 from curation.store.verify import check_run
 from pipelines.cli.app import (
     EXIT_BAD_INPUT,
@@ -231,6 +231,8 @@ def verify_command(run: str = typer.Argument(..., help="Run folder or object-sto
     (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
     Parquet file in a table folder; files of killed commits are counted. Exit 0 when it is, 2
     with the first problem otherwise."""
+    with exit_codes():
+        check_location(run)
     if not is_object_url(run) and not Path(run).is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():
