@@ -142,11 +142,12 @@ def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Option
              no_wait: bool, overrides: list[str] = (), report: bool = False) -> tuple[str | Path, list[dict]]:
     """Run one spec (a file, with `overrides`, or a PipelineSpec) to its last round, printing a
     line per round (and with `report`, writing RUN/report/); returns (run folder, round records)."""
-    from pipelines.loop.run import run_pipeline
     from pipelines.spec import load_spec
 
     with exit_codes():
         parsed = load_spec(spec, overrides=overrides) if isinstance(spec, Path) else spec
+        if run_dir is not None:
+            check_location(str(run_dir))  # a mistyped URL: refused before the loop (and torch) is loaded
     folder = run_dir or Path("runs") / parsed.run.name
     console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
 
@@ -161,6 +162,8 @@ def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Option
         breakdown = breakdown_line(rec)
         if breakdown:
             console.print(f"             {breakdown}", highlight=False, soft_wrap=True)
+
+    from pipelines.loop.run import run_pipeline
 
     with exit_codes():
         records = run_pipeline(parsed, run_dir=folder, extra_rounds=extra, wait=not no_wait,
