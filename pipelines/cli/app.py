@@ -87,9 +87,21 @@ def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceba
         os.environ[DEBUG_ENV] = "1"
 
 
+def local_run_folder(run: str | Path) -> None:
+    """Refuse an object-store URL given to a command that takes a local run folder (a `Path`
+    argument, which typer has made of `s3://b/x` the path `s3:/b/x`), saying so (exit 2)."""
+    text = str(run)
+    scheme, colon, rest = text.partition(":/")
+    if isinstance(run, Path) and colon and not rest.startswith("/") and is_object_url(f"{scheme}://{rest}"):
+        raise fail(f"{scheme}://{rest}: this command takes a local run folder, not an object-store URL; a run on "
+                   "an object store is written by `groupforge run --run-dir` and read by `verify` and `report`",
+                   EXIT_BAD_INPUT)
+
+
 def checked_run_folder(run: str | Path) -> str | Path:
     """`run` (a folder or an object-store URL), checked against its commit log
     (curation/store/verify.py) before a command reads it."""
+    local_run_folder(run)
     with exit_codes():
         check_location(str(run))  # a mistyped URL is named as one, not as a missing folder
     if not is_object_url(run) and not Path(run).is_dir():

@@ -28,6 +28,7 @@ from pipelines.cli.app import (
     err_console,
     exit_codes,
     fail,
+    local_run_folder,
     progress_bar,
     show_table,
     writer_lock,
@@ -256,6 +257,7 @@ def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
     on its own; this does only that. Exit 0 (also when there is nothing to do)."""
     from curation.store.run_store import RunStore
 
+    local_run_folder(run)
     if not run.is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     store = RunStore(run)

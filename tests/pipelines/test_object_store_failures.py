@@ -81,16 +81,20 @@ def test_a_bad_location_or_store_is_one_line_and_nothing_is_written(spec, s3_ser
          "listing refused: invalid credentials (SignatureDoesNotMatch"),
         ("s3://bucket/runs/x", unreachable, 1, f"cannot reach the object store at http://127.0.0.1:{closed}"),
     ]
+    commands = [["run", spec, "--run-dir", url] for url, _, _, _ in cases]
+    local_only = "this command takes a local run folder, not an object-store URL"  # typer would make it s3:/b/x
+    cases += [("s3://bucket/runs/x", None, 2, local_only), ("s3://bucket/runs/y", None, 2, local_only)]
+    commands += [["inspect", "s3://bucket/runs/x"], ["migrate", "s3://bucket/runs/y"]]
     cwd, cache = tmp_path / "cwd", tmp_path / "cache"
     cwd.mkdir()
-    done = cli_all([(["run", spec, "--run-dir", url], {**(env or {}), "GROUPFORGE_CACHE": str(cache)})
-                    for url, env, _, _ in cases], cwd=cwd)
+    done = cli_all([(command, {**(env or {}), "GROUPFORGE_CACHE": str(cache)})
+                    for command, (_, env, _, _) in zip(commands, cases)], cwd=cwd)
     for (url, _, code, problem), proc in zip(cases, done):
         assert proc.returncode == code, (url, proc.returncode, proc.stderr[-2000:])
         line = error_line(proc)  # the only line on stderr: no traceback
         assert line.startswith(f"error: {url}") and problem in line, (url, line)
-    gave_up = re.search(r"gave up after ([0-9.]+) s", error_line(done[-1]))
-    assert gave_up and float(gave_up[1]) < 10, error_line(done[-1])  # bounded retries
+    gave_up = re.search(r"gave up after ([0-9.]+) s", error_line(done[len(commands) - 3]))
+    assert gave_up and float(gave_up[1]) < 10, error_line(done[len(commands) - 3])  # bounded retries
     assert not list(cwd.iterdir()) and not cache.exists()  # no folder "s3:" or "gs", no cache
     assert missing not in [b["Name"] for b in s3_server.client().list_buckets()["Buckets"]]  # never created
     assert _keys(auth, bucket) == []
