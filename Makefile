@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	$(PY) -m pip install -q --upgrade "pip>=24" "uv==0.13.9"
 	$(PY) -m pip install -q torch==2.13.0
 	PYTHONWARNINGS="ignore:Editable installation" \
-		$(UV) pip install -q --python $(PY) -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers]"
+		$(UV) pip install -q --python $(PY) -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers,dagster]"
 	$(UV) pip uninstall -q --python $(PY) torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, torch, duckdb, polars; print('groupforge env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \

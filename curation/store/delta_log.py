@@ -71,7 +71,8 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _schema_string(schema: pa.Schema) -> str:
+def schema_string(schema: pa.Schema) -> str:
+    """`schema` in the Delta log's JSON form (metaData.schemaString)."""
     from deltalake import Schema
 
     return Schema.from_arrow(schema).to_json()
@@ -103,7 +104,7 @@ def commit(table: Storage, schema: pa.Schema, add: Sequence[DeltaFile] = (), rem
     if version == 0:
         actions.append({"protocol": {"minReaderVersion": 1, "minWriterVersion": 2}})
         actions.append({"metaData": {"id": str(uuid.uuid4()), "format": {"provider": "parquet", "options": {}},
-                                     "schemaString": _schema_string(schema), "partitionColumns": [],
+                                     "schemaString": schema_string(schema), "partitionColumns": [],
                                      "configuration": {}, "createdTime": now}})
     actions.extend(_remove(f, now) for f in remove)
     actions.extend(_add(f, now) for f in add)

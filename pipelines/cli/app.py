@@ -93,9 +93,8 @@ def local_run_folder(run: str | Path) -> None:
     text = str(run)
     scheme, colon, rest = text.partition(":/")
     if isinstance(run, Path) and colon and not rest.startswith("/") and is_object_url(f"{scheme}://{rest}"):
-        raise fail(f"{scheme}://{rest}: this command takes a local run folder, not an object-store URL; a run on "
-                   "an object store is written by `groupforge run --run-dir` and read by `verify` and `report`",
-                   EXIT_BAD_INPUT)
+        raise fail(f"{scheme}://{rest}: this command takes a local run folder, not an object-store URL (`run "
+                   "--run-dir`, `curate`, `inspect`, `export`, `verify` and `report` take one)", EXIT_BAD_INPUT)
 
 
 def checked_run_folder(run: str | Path) -> str | Path:
@@ -111,7 +110,7 @@ def checked_run_folder(run: str | Path) -> str | Path:
     return run
 
 
-def writer_lock(run: Path, no_wait: bool):
+def writer_lock(run: str | Path, no_wait: bool):
     """The run's writer lock, waiting (and saying so) unless --no-wait."""
     return RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}"))
 

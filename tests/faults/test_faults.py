@@ -11,8 +11,8 @@ the store's code:
   greedily as transformers does); metrics.jsonl has each round and each step once
 - the final weights equal those of a run nobody killed (the toy run is deterministic)
 
-Six points run without `-m slow`; 12 in `make test` (which runs the slow tests too: every point
-once); all 26 in `make test-exhaustive` (the 14 more repeat a covered point in another round or
+Six points run without `-m slow`; 13 in `make test` (which runs the slow tests too: every point
+once); all 27 in `make test-exhaustive` (the 14 more repeat a covered point in another round or
 stage). The
 docs/reliability.md's "Faults tried" table lists the points and outcomes.
 """
@@ -69,6 +69,7 @@ CASES = [
     ("loop.eval", 2, "run"),                   # round 1's
     ("export.before_rename", 1, "export"),
     ("report.before_write", 1, "report"),
+    ("dataset.file_written", 1, "append"),     # export --append-to: the data file written, no Delta version
 ]
 FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.step_logged", 3),
         ("checkpoint.weights_written", 2), ("loop.reload", 1), ("export.before_rename", 1)}
@@ -107,7 +108,8 @@ def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -
 def _commands(spec: Path, run_dir: Path) -> dict[str, list[str]]:
     return {"run": ["run", str(spec), "--run-dir", str(run_dir)],
             "export": ["export", str(run_dir), "--format", "prompt_only"],
-            "report": ["report", str(run_dir)]}
+            "report": ["report", str(run_dir)],
+            "append": ["export", str(run_dir), "--format", "unpaired", "--append-to", str(run_dir.parent / "dataset")]}
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +183,10 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
         assert pq.read_table(out).num_rows > 0 and not list(out.parent.glob("*.tmp*"))
     if command == "report":
         assert (run_dir / "report" / "summary.md").is_file()
+    if command == "append":  # one version with both rounds once; the killed append's file listed by none
+        dataset = DeltaTable(str(run_dir.parent / "dataset"))
+        assert dataset.version() == 0 and sorted(set(dataset.to_pyarrow_table()["round"].to_pylist())) == [1, 2]
+        assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris()) + 1
 
 
 def test_the_readme_lists_every_point():

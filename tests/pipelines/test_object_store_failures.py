@@ -84,7 +84,8 @@ def test_a_bad_location_or_store_is_one_line_and_nothing_is_written(spec, s3_ser
     commands = [["run", spec, "--run-dir", url] for url, _, _, _ in cases]
     local_only = "this command takes a local run folder, not an object-store URL"  # typer would make it s3:/b/x
     cases += [("s3://bucket/runs/x", None, 2, local_only), ("s3://bucket/runs/y", None, 2, local_only)]
-    commands += [["inspect", "s3://bucket/runs/x"], ["migrate", "s3://bucket/runs/y"]]
+    commands += [["generate", "--model", spec.parent, "--prompts", spec, "--out", "s3://bucket/runs/x"],
+                 ["migrate", "s3://bucket/runs/y"]]
     cwd, cache = tmp_path / "cwd", tmp_path / "cache"
     cwd.mkdir()
     done = cli_all([(command, {**(env or {}), "GROUPFORGE_CACHE": str(cache)})
