@@ -45,7 +45,7 @@ from curation.store.layout import (
     part_name,
 )
 from curation.store.lock import writer_lock
-from curation.store.storage import LocalStorage, ObjectStorage, Storage, open_storage
+from curation.store.storage import LocalStorage, ObjectStorage, Storage, check_location, open_storage
 
 if TYPE_CHECKING:
     from curation.store.commit import Commit
@@ -88,6 +88,8 @@ class RunStore:
     `root`: a local folder, an object-store URL (`s3://bucket/runs/x`), or a Storage."""
 
     def __init__(self, root: str | Path | Storage, hold: bool = False):
+        if not isinstance(root, Storage):
+            check_location(str(root), run=True)
         self.storage = root if isinstance(root, Storage) else open_storage(root)
         self.root: Path | None = self.storage.root if isinstance(self.storage, LocalStorage) else None
         """The run folder on local disk (None on an object store)."""

@@ -79,13 +79,14 @@ def open_storage(location: str | os.PathLike, options: Mapping[str, Any] | None 
     return LocalStorage(Path(text))
 
 
-def check_location(text: str) -> None:
+def check_location(text: str, run: bool = False) -> None:
     """Refuse, with a ValueError naming `text`, a location that is neither a local path nor a
     well-formed object-store URL:
 
         foo://x/y            an unknown scheme
         s3://  s3:///run     no bucket
-        s3://bucket          a whole bucket: a run (or model) is a folder inside one
+        s3://bucket          with `run`: a whole bucket (a run is a folder inside one, so that its
+                             files do not mix with the bucket's others)
         s3:/bucket/run       an object-store scheme with its '//' missing (a local folder `s3:`
         s3:bucket/run        is never made by mistake; write ./s3:/... to mean one)
         gs//bucket/run       an object-store scheme with its ':' missing
@@ -100,9 +101,9 @@ def check_location(text: str) -> None:
         bucket, _, key = rest.partition("/")
         if not bucket:
             raise ValueError(f"{text}: no bucket in the URL; write {scheme}://<bucket>/<folder>")
-        if not key.strip("/"):
-            raise ValueError(f"{text}: names a whole bucket; give a folder inside it "
-                             f"({scheme}://{bucket}/runs/<name>), so the run's files do not mix with the bucket's")
+        if run and not key.strip("/"):
+            raise ValueError(f"{text}: names a whole bucket; a run is a folder inside one "
+                             f"({scheme}://{bucket}/runs/<name>), so its files do not mix with the bucket's others")
         return
     head = text.split("/", 1)[0]
     named, colon, _ = head.partition(":")

@@ -102,7 +102,7 @@ def checked_run_folder(run: str | Path) -> str | Path:
     (curation/store/verify.py) before a command reads it."""
     local_run_folder(run)
     with exit_codes():
-        check_location(str(run))  # a mistyped URL is named as one, not as a missing folder
+        check_location(str(run), run=True)  # a mistyped URL is named as one, not as a missing folder
     if not is_object_url(run) and not Path(run).is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():

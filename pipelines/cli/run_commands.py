@@ -148,7 +148,7 @@ def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Option
     with exit_codes():
         parsed = load_spec(spec, overrides=overrides) if isinstance(spec, Path) else spec
         if run_dir is not None:
-            check_location(str(run_dir))  # a mistyped URL: refused before the loop (and torch) is loaded
+            check_location(str(run_dir), run=True)  # a mistyped URL: refused before the loop (and torch) loads
     folder = run_dir or Path("runs") / parsed.run.name
     console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
 
@@ -236,7 +236,7 @@ def verify_command(run: str = typer.Argument(..., help="Run folder or object-sto
     Parquet file in a table folder; files of killed commits are counted. Exit 0 when it is, 2
     with the first problem otherwise."""
     with exit_codes():
-        check_location(run)
+        check_location(run, run=True)
     if not is_object_url(run) and not Path(run).is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():

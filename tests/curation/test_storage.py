@@ -102,8 +102,6 @@ def test_urls_and_schemes():
 @pytest.mark.parametrize("location,problem", [
     ("s3://", "no bucket in the URL"),
     ("s3:///runs/x", "no bucket in the URL"),
-    ("s3://bucket", "names a whole bucket"),
-    ("gs://bucket/", "names a whole bucket"),
     ("s3:/bucket/run", "'//' missing after 's3:'"),
     ("S3:bucket/run", "'//' missing after 'S3:'"),
     ("gs//bucket/run", "':' missing after 'gs'"),
@@ -117,6 +115,13 @@ def test_a_malformed_location_is_refused_naming_it(location, problem, tmp_path, 
         open_storage(location)
     assert str(caught.value).startswith(f"{location}: ") and problem in str(caught.value)
     assert not list(tmp_path.iterdir())  # no local folder "s3:" or "gs"
+
+
+def test_a_run_is_a_folder_inside_a_bucket():
+    for location in ("s3://bucket", "gs://bucket/"):
+        with pytest.raises(ValueError, match=f"^{location}: names a whole bucket; a run is a folder inside one"):
+            check_location(location, run=True)
+        assert isinstance(open_storage(location), ObjectStorage)  # a bucket's top level holds prompt files, say
 
 
 def test_local_paths_that_look_like_urls_when_meant():
