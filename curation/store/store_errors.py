@@ -43,8 +43,9 @@ BAD_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidT
                         "AuthenticationFailed", "InvalidAuthenticationInfo")
 UNREACHABLE_SIGNS = ("error sending request", "tcp connect error", "Connection refused", "dns error",
                      "timed out", "operation timed out", "connection closed", "Connection reset")
-METADATA_HOST = "169.254.169.254"
-"""The cloud instance-metadata service: obstore asks it for credentials when none are set."""
+METADATA_SIGNS = ("169.254.169.254", "/latest/api/token", "/latest/meta-data/")
+"""The cloud instance-metadata service (its address, its paths): obstore asks it for credentials
+when none are set."""
 
 
 class StorageError(JobError):
@@ -97,7 +98,7 @@ def store_error(root: str, where: str, action: str, exc: BaseException) -> Stora
     if code in BAD_CREDENTIAL_CODES or status == "401":
         return StoreAccessError(f"{where}: {action} refused: invalid credentials ({said}): check "
                                 f"{CREDENTIAL_VARS[family]}, then rerun the same command")
-    if METADATA_HOST in first or "credential" in first.lower():
+    if any(sign in first for sign in METADATA_SIGNS) or "credential" in first.lower():
         return StoreAccessError(f"{where}: {action} failed: no credentials found (set {CREDENTIAL_VARS[family]}; "
                                 f"without them the instance-metadata service was asked): {_short(first)}")
     if status == "403" or type(exc).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
@@ -139,8 +140,8 @@ def _why_unreachable(text: str) -> str:
 
 def _retried(first: str) -> str:
     """"gave up after 20.1 s and 9 retries" from obstore's first line."""
-    elapsed = _match(r" in ([0-9.]+)(?:s|ms)\b", first)
-    unit = "ms" if elapsed and re.search(rf" in {re.escape(elapsed)}ms", first) else "s"
+    took = re.search(r" in ([0-9.]+)(ms|s)\b", first)
+    seconds = float(took[1]) / (1000 if took[2] == "ms" else 1) if took else None
     retries = _match(r"after (\d+) retries", first)
-    took = f"{float(elapsed) / (1000 if unit == 'ms' else 1):.1f} s" if elapsed else "a while"
-    return f"gave up after {took}" + (f" and {retries} retries" if retries else "") + f" ({RETRY_ENV} sets how long)"
+    return (f"gave up after {seconds:.1f} s" if seconds is not None else "gave up") + \
+        (f" and {retries} retries" if retries else "") + f" ({RETRY_ENV} sets how long)"

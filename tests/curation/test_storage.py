@@ -17,7 +17,7 @@ from curation.store.storage import (
     is_object_url,
     open_storage,
 )
-from curation.store.store_errors import RETRY_ENV, BucketNotFoundError, retry_config
+from curation.store.store_errors import RETRY_ENV, BucketNotFoundError, StoreAccessError, retry_config
 from tests.helpers import REPO
 
 
@@ -137,6 +137,18 @@ def test_a_missing_bucket_is_one_clear_error(s3_server):
                                                       r"'no-such-bucket-\w+' does not exist at http://127.0.0.1:"):
             call()
     assert issubclass(BucketNotFoundError, ValueError) and issubclass(BucketNotFoundError, StorageError)  # exit 2
+
+
+def test_no_credentials_is_one_clear_error(s3_server, monkeypatch):
+    """Without keys obstore asks the instance-metadata service (here pointed at a closed port):
+    the line says no credentials were found, not that the store is unreachable."""
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv(RETRY_ENV, "1")
+    with pytest.raises(StoreAccessError, match=r"^s3://bucket/run/_log: listing failed: no credentials found "
+                                               r"\(set AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY"):
+        open_storage("s3://bucket/run").list("_log")
 
 
 def test_listing_after_a_name(storage):
