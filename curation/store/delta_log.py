@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from curation.store.lock import RunLockedError
 from curation.store.storage import Storage
 
 LOG_DIR = "_delta_log"
@@ -37,8 +38,9 @@ replays at most this many JSON files (bench/table_format.py: opening a table aft
 costs ~4x a plain Parquet read with a checkpoint every 10, ~14-22x with one every 100)."""
 
 
-class DeltaConflict(RuntimeError):
-    """Another writer wrote the version this commit meant to write."""
+class DeltaConflict(RunLockedError):
+    """Another writer wrote the version this commit meant to write: another job is writing the
+    run (exit 3, as for a run taken over)."""
 
 
 @dataclass(frozen=True)

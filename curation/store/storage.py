@@ -30,24 +30,24 @@ NoSpaceError naming the object (curation.errors).
 from __future__ import annotations
 
 import os
+import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from curation.errors import JobError, disk_write
+from curation.errors import disk_write
+from curation.store.store_errors import StorageError, retry_config, store_error
+
+__all__ = ["Entry", "LocalStorage", "ObjectStorage", "Storage", "StorageError", "check_location", "is_object_url",
+           "open_storage"]
 
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "memory")
 TEMP_PREFIX = ".gf-tmp-"
 """Local temporary files start with this; listings leave them out."""
 
 Data = bytes | bytearray | memoryview
-
-
-class StorageError(JobError):
-    """An object store refused or failed a request (missing bucket, no credentials, network);
-    the message names the URL and the store's reason."""
 
 
 @dataclass(frozen=True)
@@ -68,16 +68,51 @@ def is_object_url(location: str | os.PathLike) -> bool:
 
 def open_storage(location: str | os.PathLike, options: Mapping[str, Any] | None = None) -> Storage:
     """The storage at `location`: a local folder (a path or `file://...`) or an object-store URL.
-    `options`: obstore settings for an object store (endpoint, region, allow_http, ...)."""
+    `options`: obstore settings for an object store (endpoint, region, allow_http, ...).
+    A malformed location is a ValueError naming it (`check_location`)."""
     text = str(location)
+    check_location(text)
     if text.startswith("file://"):
         return LocalStorage(Path(text.removeprefix("file://")))
     if is_object_url(text):
         return ObjectStorage(text, options or {})
-    if "://" in text:
-        raise ValueError(f"{text}: unknown storage scheme {text.partition('://')[0]!r}; use a local path or one of "
-                         + ", ".join(f"{s}://" for s in OBJECT_SCHEMES))
     return LocalStorage(Path(text))
+
+
+def check_location(text: str, run: bool = False) -> None:
+    """Refuse, with a ValueError naming `text`, a location that is neither a local path nor a
+    well-formed object-store URL:
+
+        foo://x/y            an unknown scheme
+        s3://  s3:///run     no bucket
+        s3://bucket          with `run`: a whole bucket (a run is a folder inside one, so that its
+                             files do not mix with the bucket's others)
+        s3:/bucket/run       an object-store scheme with its '//' missing (a local folder `s3:`
+        s3:bucket/run        is never made by mistake; write ./s3:/... to mean one)
+        gs//bucket/run       an object-store scheme with its ':' missing
+    """
+    scheme, sep, rest = text.partition("://")
+    if sep:
+        if scheme.lower() not in (*OBJECT_SCHEMES, "file"):
+            raise ValueError(f"{text}: unknown storage scheme {scheme!r}; use a local path or one of "
+                             + ", ".join(f"{s}://" for s in OBJECT_SCHEMES))
+        if scheme.lower() in ("file", "memory"):
+            return
+        bucket, _, key = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"{text}: no bucket in the URL; write {scheme}://<bucket>/<folder>")
+        if run and not key.strip("/"):
+            raise ValueError(f"{text}: names a whole bucket; a run is a folder inside one "
+                             f"({scheme}://{bucket}/runs/<name>), so its files do not mix with the bucket's others")
+        return
+    head = text.split("/", 1)[0]
+    named, colon, _ = head.partition(":")
+    if colon and named.lower() in (*OBJECT_SCHEMES, "file"):
+        raise ValueError(f"{text}: not a valid URL ('//' missing after '{named}:'?); write "
+                         f"{named}://<bucket>/<folder>, or ./{text} for a local folder")
+    if head.lower() in OBJECT_SCHEMES and text[len(head):].startswith("//"):
+        raise ValueError(f"{text}: not a valid URL (':' missing after '{head}'?); write {head}://<bucket>/<folder>, "
+                         f"or ./{text} for a local folder")
 
 
 def _check_rel(rel: str) -> str:
@@ -131,8 +166,10 @@ class Storage:
         data = self.read_if_exists(rel)
         return None if data is None else len(data)
 
-    def list(self, prefix: str = "") -> list[Entry]:
-        """Every object under `prefix` (a folder: '' for all, 'samples/' for one), sorted by path."""
+    def list(self, prefix: str = "", after: str | None = None) -> list[Entry]:
+        """Every object under `prefix` (a folder: '' for all, 'samples/' for one), sorted by path;
+        `after`: only those whose path sorts after it (on an object store the listing starts
+        there: cheap however many objects come before)."""
         raise NotImplementedError
 
     def delete(self, rel: str) -> None:
@@ -247,7 +284,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return None
 
-    def list(self, prefix: str = "") -> list[Entry]:
+    def list(self, prefix: str = "", after: str | None = None) -> list[Entry]:
         prefix = prefix.rstrip("/")
         start = self.root / _check_rel(prefix) if prefix else self.root
         found: list[Entry] = []
@@ -262,7 +299,7 @@ class LocalStorage(Storage):
                     found.append(Entry(rel, os.stat(os.path.join(folder, name)).st_size))
                 except FileNotFoundError:
                     continue  # removed while listing
-        return sorted(found, key=lambda e: e.rel)
+        return sorted((e for e in found if after is None or e.rel > after), key=lambda e: e.rel)
 
     def delete(self, rel: str) -> None:
         (self.root / _check_rel(rel)).unlink(missing_ok=True)
@@ -305,17 +342,23 @@ def _fsync_dir(path: Path) -> None:
 
 
 class ObjectStorage(Storage):
-    """An object store bucket and prefix, through obstore."""
+    """An object store bucket and prefix, through obstore. Every failed request is one
+    StorageError line (curation/store/store_errors.py); with `fence_writes`, every write first
+    checks that this job still writes the run."""
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None, *, _store: Any = None):
         from obstore.store import from_url
 
         self.url = url.rstrip("/")
         self.options = dict(options or {})
+        if not self.url.lower().startswith("memory:"):
+            self.options.setdefault("retry_config", retry_config())
+        self._fence: Callable[[], None] | None = None
+        self._fence_lock = threading.Lock()
         try:
             self._store = _store if _store is not None else from_url(self.url, **self.options)
-        except Exception as exc:  # obstore's config errors: unknown option, bad URL
-            raise StorageError(f"{self.url}: cannot open the object store: {_reason(exc)}") from None
+        except Exception as exc:  # obstore's config errors: unknown option, bad URL (no request made yet)
+            raise ValueError(f"{self.url}: cannot open the object store: {_reason(exc)}") from None
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"
@@ -323,20 +366,32 @@ class ObjectStorage(Storage):
     def child(self, rel: str) -> ObjectStorage:
         return ObjectStorage(f"{self.url}/{_check_rel(rel).rstrip('/')}", self.options)
 
+    def fence_writes(self, check: Callable[[], None]) -> None:
+        """Call `check` before each write, create and delete from now on: the commit log's test
+        that no newer job has opened the run (`CommitLog.check_writer`), which raises to stop
+        this job before it writes over the newer one's files. One at a time (a thread of the
+        job may write beside it)."""
+        self._fence = check
+
+    def _fenced(self) -> None:
+        if self._fence is not None:
+            with self._fence_lock:
+                self._fence()
+
     def _call(self, rel: str, action: str, fn, *args, **kwargs):
         import obstore.exceptions as oe
 
         try:
             return fn(self._store, *args, **kwargs)
         except (oe.NotFoundError, FileNotFoundError) as exc:
-            if action == "writing":  # a write finds no bucket, not no object
-                raise StorageError(f"{self.where(rel)}: writing failed: the bucket (or container) does not "
-                                   f"exist: {_reason(exc)}") from None
+            error = store_error(self.url, self.where(rel), action, exc)
+            if isinstance(error, ValueError) or action == "writing":  # a write finds no bucket, not no object
+                raise error from None
             raise FileNotFoundError(f"{self.where(rel)}: no such object") from None
         except (oe.AlreadyExistsError, oe.PreconditionError):
             raise
         except Exception as exc:
-            raise StorageError(f"{self.where(rel)}: {action} failed: {_reason(exc)}") from None
+            raise store_error(self.url, self.where(rel), action, exc) from None
 
     def read(self, rel: str) -> bytes:
         import obstore
@@ -347,12 +402,14 @@ class ObjectStorage(Storage):
     def write(self, rel: str, data: Data) -> None:
         import obstore
 
+        self._fenced()
         self._call(rel, "writing", obstore.put, _check_rel(rel), _payload(data))
 
     def create(self, rel: str, data: Data) -> bool:
         import obstore
         import obstore.exceptions as oe
 
+        self._fenced()
         try:
             self._call(rel, "writing", obstore.put, _check_rel(rel), _payload(data), mode="create")
         except (oe.AlreadyExistsError, oe.PreconditionError):
@@ -362,6 +419,7 @@ class ObjectStorage(Storage):
     def upload(self, rel: str, path: Path) -> None:
         import obstore
 
+        self._fenced()
         self._call(rel, "writing", obstore.put, _check_rel(rel), Path(path))  # multipart when large
 
     def download(self, rel: str, path: Path) -> None:
@@ -371,22 +429,24 @@ class ObjectStorage(Storage):
         result = self._call(rel, "reading", obstore.get, _check_rel(rel))
         _write_local(path, (bytes(chunk) for chunk in result.stream()))
 
-    def list(self, prefix: str = "") -> list[Entry]:
+    def list(self, prefix: str = "", after: str | None = None) -> list[Entry]:
         import obstore
 
         prefix = _check_rel(prefix.rstrip("/")) if prefix.rstrip("/") else ""
-        stream = self._call(prefix, "listing", obstore.list, prefix or None)
+        stream = self._call(prefix, "listing", obstore.list, prefix or None,
+                            offset=_check_rel(after) if after else None)
         found: list[Entry] = []
         try:
             for chunk in stream:
                 found.extend(Entry(meta["path"], int(meta["size"])) for meta in chunk)
-        except Exception as exc:
-            raise StorageError(f"{self.where(prefix)}: listing failed: {_reason(exc)}") from None
+        except Exception as exc:  # the requests are made while iterating
+            raise store_error(self.url, self.where(prefix), "listing", exc) from None
         return sorted(found, key=lambda e: e.rel)
 
     def delete(self, rel: str) -> None:
         import obstore
 
+        self._fenced()
         try:
             self._call(rel, "deleting", obstore.delete, _check_rel(rel))
         except FileNotFoundError:

@@ -24,6 +24,7 @@ from pipelines.cli.app import (
     err_console,
     exit_codes,
     fail,
+    local_run_folder,
     progress_bar,
     show_table,
     writer_lock,
@@ -48,6 +49,7 @@ def generate_command(
     from curation.generate.stage import generate, resolve_backend
     from curation.generate.weights import check_model_folder
 
+    local_run_folder(out)
     if not (model / "config.json").is_file():
         raise fail(f"--model {model}: not a Hugging Face model folder (no config.json)", EXIT_BAD_INPUT)
     with exit_codes():

@@ -133,10 +133,10 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
             raise ValueError(f"run folder {run_dir} (run.name {spec.run.name!r}) is a symlink to {run_dir.resolve()}, "
                              "outside runs/: refused; give --run-dir to write there on purpose")
     location = RunLocation.of(run_dir)  # a folder, or an object-store URL (curation/store/location.py)
-    location.work.mkdir(parents=True, exist_ok=True)
     # a resumed run is what its commit log says, before the lock writes the log's "open" entry
-    # (a damaged run gets nothing written) and before a round reads it
+    # (a damaged run, a missing bucket, refused credentials: nothing written) and before a round reads it
     check_run(location.storage)
+    location.work.mkdir(parents=True, exist_ok=True)
     store = RunStore(location.storage, hold=True)
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
         from training.checkpoint import check_checkpoint, latest_checkpoint  # torch: only once a run starts

@@ -19,8 +19,6 @@ lists the points and outcomes.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -37,7 +35,7 @@ from safetensors.torch import load_file
 from curation.faults import FAULT_ENV, POINTS
 from curation.store.location import CACHE_ENV
 from curation.store.storage import TEMP_PREFIX
-from tests.helpers import FAULTS_SPEC, REPO, check_tables, logged_files, parquet_sql
+from tests.helpers import FAULTS_SPEC, REPO, check_invariants, parquet_sql
 
 # The round loop test's spec, with the transformers generator (fast to start, deterministic)
 # and two chunks a round (so a kill can land between them).
@@ -157,40 +155,6 @@ def check_engine_loads(folder: Path) -> None:
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = done.stdout.strip().splitlines()  # vLLM logs to stdout too
     assert done.returncode == 0 and lines and lines[-1].startswith("ok ["), done.stderr[-3000:]
-
-
-def check_invariants(run_dir: Path) -> None:
-    check_tables(run_dir)
-    listed = set()
-    for path in sorted((run_dir / "_log").glob("*.json")):
-        entry = json.loads(path.read_text())
-        for rel, meta in ({} if path.name.endswith(".state.json") else entry.get("add", {})).items():
-            file = run_dir / rel
-            assert file.is_file(), f"{path.name} lists {rel}, which is missing"
-            assert file.stat().st_size == meta["size"], f"{rel}: size differs from {path.name}"
-            assert hashlib.sha256(file.read_bytes()).hexdigest() == meta["sha256"], f"{rel}: sha256 differs"
-            assert pq.read_metadata(file).num_rows == meta["rows"], f"{rel}: rows differ"
-            listed.add(rel)
-    for table in ("samples", "scores", "groups", "rejects", "pairs", "prompts"):
-        folder = run_dir / table
-        files = [f for f in folder.rglob("*.parquet") if "_delta_log" not in f.parts] if folder.is_dir() else []
-        for file in files:
-            rel = file.relative_to(run_dir).as_posix()
-            assert rel in listed, f"{rel} is in a table folder but no log entry lists it"
-        if files:
-            live = {f.relative_to(folder).as_posix() for f in logged_files(run_dir, table)}
-            uris = {Path(uri.removeprefix("file://")).relative_to(folder.resolve()).as_posix()
-                    for uri in DeltaTable(str(folder)).file_uris()}
-            assert uris == live, f"{table}: the Delta log and the commit log differ"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rounds = [r["round"] for r in records if r["event"] == "round"]
-    steps = [r["step"] for r in records if r["event"] == "step"]
-    assert rounds == sorted(set(rounds)) and steps == sorted(set(steps)), "a round or step is logged twice"
-    from transformers import AutoModelForCausalLM
-
-    for folder in sorted((run_dir / "checkpoints").glob("step-*")):
-        AutoModelForCausalLM.from_pretrained(folder)  # loads, weights and config complete
-    assert duckdb.sql(f"SELECT count(*) FROM {parquet_sql(run_dir, 'samples')}").fetchall()[0][0] > 0
 
 
 @pytest.mark.parametrize("point,count,command", [
