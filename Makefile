@@ -49,7 +49,8 @@ PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: install lint
 	$(PY) -m pytest -q --durations=30 -m "not exhaustive" $(PARALLEL)
 
-# Everything, the exhaustive cases too (14 more fault kills, the toy variants' builds, both engines on every bad model folder; ~10 min more).
+# Everything, the exhaustive cases too (15 more fault kills, a full disk late in the run, trainer ranks by c10d
+# rendezvous and FSDP2 in float32, the toy variants' builds, both engines on every bad model folder; ~12 min more).
 test-exhaustive: install lint
 	$(PY) -m pytest -q --durations=30 $(PARALLEL)
 

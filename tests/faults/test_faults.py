@@ -269,7 +269,8 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.parametrize("fraction", [pytest.param(0.02, id="early"),
-                                      pytest.param(0.93, id="late", marks=pytest.mark.slow)])
+                                      pytest.param(0.93, id="late", marks=(pytest.mark.slow,
+                                                                           pytest.mark.exhaustive))])
 def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(fraction, spec, reference, small_disk):
     """The run folder sits on a tmpfs that holds `fraction` of what the finished run needs: the run
     stops with exit 4 and one line naming a folder of the run, a rerun while still full does the
