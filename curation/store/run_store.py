@@ -45,7 +45,8 @@ from curation.store.layout import (
     part_name,
 )
 from curation.store.lock import writer_lock
-from curation.store.storage import LocalStorage, ObjectStorage, Storage, check_location, open_storage
+from curation.store.object_storage import ObjectStorage
+from curation.store.storage import LocalStorage, Storage, check_location, open_storage
 
 if TYPE_CHECKING:
     from curation.store.commit import Commit
