@@ -1,4 +1,5 @@
-"""The round loop on 2 vLLM engines over Ray with `[run] overlap = 1`: the engines are started
+"""The round loop on 2 engines over Ray (the transformers engine: the vLLM engines on Ray are
+tested in tests/curation/test_generate_ray.py) with `[run] overlap = 1`: the engines are started
 once per invocation and sample round n+1 while round n trains; kill -9 of the driver in the
 middle of a round, rerun: every round has exactly prompts x G samples once, each with the
 policy_version of the round before (one round off-policy), and the Ray processes the killed
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 RAY = """
 [generator]
-backend = "vllm"
+backend = "hf"
 group_size = 4
 max_tokens = 6
 engines = 2
@@ -81,7 +82,7 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
         assert crash.returncode == -9, crash.stderr[-3000:]
         assert [r["round"] for r in round_records(run_dir)] == [0, 1]
         log = crash.stdout + crash.stderr  # progress lines go to stderr
-        assert log.count("starting the vllm engine") == 1
+        assert log.count("starting the hf engine") == 1
         assert "round 2: generate 24 prompts x 4 with policy_version 0, while round 1 trains" in log
         deadline = time.monotonic() + 30
         while _ray_processes(ray_tmp) and time.monotonic() < deadline:
@@ -89,7 +90,7 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
         assert _ray_processes(ray_tmp) == []  # engines, raylet and GCS died with the driver
         done = _cli(cmd, env)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert (done.stdout + done.stderr).count("starting the vllm engine") == 1
+        assert (done.stdout + done.stderr).count("starting the hf engine") == 1
     records = round_records(run_dir)
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     assert [r["policy_version"] for r in records] == [0, 2, 4, 6]
