@@ -46,8 +46,8 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    objective: Literal["grpo", "gspo", "gspo_token", "pairwise", "sft"] = Field(
-        "grpo", description="Loss: grpo, gspo, gspo_token (policy gradient on groups), pairwise (pairs), sft.")
+    objective: Literal["grpo", "gspo", "gspo_token", "cispo", "pairwise", "sft"] = Field(
+        "grpo", description="Loss: grpo, gspo, gspo_token, cispo (policy gradient on groups), pairwise (pairs), sft.")
 
     # -- data
     rounds: list[int] | None = Field(None, description="Rounds to train on (default: every labelled round).")
@@ -66,7 +66,7 @@ class TrainConfig(BaseModel):
     token_budget: int = Field(16384, ge=1, description="Padded tokens per micro-batch (memory knob; "
                                                         "does not change the gradient).")
     share_prompts: bool = Field(
-        False, description="grpo, gspo, gspo_token, sft: compute each prompt once for all of its responses in a "
+        False, description="grpo, gspo, gspo_token, cispo, sft: compute each prompt once for all of its responses in a "
                            "micro-batch (they attend to it through a custom attention mask, at their own "
                            "positions: the same log-probs), and draw each step's rows group by group (whole "
                            "groups of the same prompt, in a seeded order) so that a step holds whole groups. "
@@ -84,7 +84,7 @@ class TrainConfig(BaseModel):
         "off", description="Decoupled mode's weight w = old/behavior per token, or per sequence (exp of the mean "
                            "or sum of the token log-ratios), truncated at correction_cap (TIS) or masked outside "
                            "[correction_floor, correction_cap] (MIS/IcePop); needs old_logprobs = 'recompute'. "
-                           "grpo, gspo, gspo_token.")
+                           "grpo, gspo, gspo_token, cispo.")
     correction_cap: float = Field(2.0, gt=0, description="Truncate the correction weight here, or mask above it.")
     correction_floor: float = Field(0.0, ge=0, description="Mask modes: mask a correction weight below this.")
     correction_sequence: Literal["mean", "sum"] = Field(
@@ -97,17 +97,25 @@ class TrainConfig(BaseModel):
                           "engine sampled from and logged behavior_logprobs under); false: the full softmax.")
 
     # -- objective (training.objectives.ObjectiveConfig)
-    eps_low: float | None = Field(None, ge=0, description="Lower clip range (default grpo 0.2, gspo 3e-4).")
-    eps_high: float | None = Field(None, ge=0, description="Upper clip range (default grpo 0.2, gspo 4e-4).")
-    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (off when unset).")
+    eps_low: float | None = Field(
+        None, ge=0, description="Lower clip range: the ratio's bound 1 - eps_low (default grpo 0.2, gspo 3e-4, "
+                                "cispo 1: no lower bound on its weight).")
+    eps_high: float | None = Field(
+        None, ge=0, description="Upper clip range: the ratio's bound 1 + eps_high (default grpo 0.2, gspo 4e-4, "
+                                "cispo 3; DAPO's clip-higher: 0.28 with eps_low 0.2).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c > 1 (off when unset; not cispo).")
     beta: float | None = Field(
         None, ge=0, description="KL weight (policy losses, default 0) or preference temperature (pairwise, 0.1).")
-    kl: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator against the reference model.")
+    kl: Literal["k1", "k2", "k3", "k3_clamped"] = Field(
+        "k3", description="KL estimator against the reference model, from d = logp - ref_logp: k1 = d, k2 = d^2 / 2, "
+                          "k3 = exp(-d) + d - 1, k3_clamped = min(k3, 10) (verl's low_var_kl).")
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "seq-mean-token-mean", description="Token aggregation of grpo/sft (and of gspo's KL term).")
+        "seq-mean-token-mean", description="Token aggregation of grpo/cispo/sft (and of gspo's KL term): "
+                                           "token-mean is DAPO's and CISPO's token-level loss, "
+                                           "seq-mean-token-sum-norm Dr. GRPO's.")
     norm_len: int | None = Field(
         None, ge=1, description="seq-mean-token-sum-norm divides by batch * norm_len (default: the longest "
-                                "response in the training rows; a constant, as Dr. GRPO asks).")
+                                "response in the training rows; Dr. GRPO's constant is the sampling max_tokens).")
     gamma: float = Field(0.0, description="Pairwise margin (SimPO's gamma).")
     length_normalize: bool = Field(False, description="Pairwise: mean instead of sum of token log-probs.")
     reference: bool = Field(
@@ -163,7 +171,11 @@ class TrainConfig(BaseModel):
         if self.objective == "pairwise" and self.beta is not None and self.beta <= 0:
             raise ValueError("pairwise needs beta > 0: h = beta * (log-ratio difference) would be constant")
         if self.share_prompts and self.objective == "pairwise":
-            raise ValueError("share_prompts is for the policy objectives (grpo, gspo, gspo_token, sft), not pairwise")
+            raise ValueError("share_prompts is for the policy objectives (grpo, gspo, gspo_token, cispo, sft), "
+                             "not pairwise")
+        if self.objective == "cispo" and self.dual_clip is not None:
+            raise ValueError(f"dual_clip = {self.dual_clip} does not apply to cispo: its clipped ratio is a detached "
+                             "weight, never a clipped loss (bound the weight with eps_high instead)")
         if self.grad_noise and self.strategy == "fsdp2":
             raise ValueError("grad_noise is not supported with strategy = 'fsdp2' (each micro-batch's gradient is "
                              "reduce-scattered into shards during backward): use strategy 'single' or 'ddp'")
@@ -172,8 +184,9 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"rollout_correction = {self.rollout_correction!r} needs old_logprobs = 'recompute' "
                                  "(decoupled mode: the PPO ratio is current/old and the weight old/behavior); with "
                                  "old_logprobs = 'generator' (bypass) old is behavior and the weight is 1")
-            if self.objective not in ("grpo", "gspo", "gspo_token"):
-                raise ValueError(f"rollout_correction applies to grpo, gspo and gspo_token, not {self.objective!r}")
+            if self.objective not in ("grpo", "gspo", "gspo_token", "cispo"):
+                raise ValueError("rollout_correction applies to grpo, gspo, gspo_token and cispo, "
+                                 f"not {self.objective!r}")
             if self.correction_floor >= self.correction_cap:
                 raise ValueError(f"correction_floor ({self.correction_floor}) must be below correction_cap "
                                  f"({self.correction_cap})")

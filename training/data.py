@@ -1,6 +1,7 @@
 """The rows an objective trains on, read from a run's tables.
 
-    grpo, gspo, gspo_token   samples JOIN groups  WHERE group_kept            one row per sample
+    grpo, gspo, gspo_token,  samples JOIN groups  WHERE group_kept            one row per sample
+    cispo
     sft                      samples JOIN groups  WHERE advantage > 0          (or reward >= sft_min_reward)
     pairwise                 pairs JOIN samples (chosen) JOIN samples (rejected)   one row per pair
 
@@ -30,7 +31,7 @@ from curation.store.fingerprints import part_fingerprints
 from curation.store.layout import contract_columns
 from curation.store.run_store import RunStore
 
-POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token")
+POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token", "cispo")
 OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")
 
 class NoTrainingData(ValueError):

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from training.objectives import ObjectiveConfig
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3_clamped")
 
 
 def check_config(cfg: ObjectiveConfig, pairwise: bool) -> None:

@@ -6,10 +6,11 @@ Policy losses share one signature (verl's core_algos style)::
                                           ref_logp=None, norm=None)
 
 logp, old_logp (behavior), ref_logp and mask are (B, T), mask 1 on response tokens and 0 on
-padding; advantages are (B,) or (B, T). grpo, gspo and gspo_token also take
+padding; advantages are (B,) or (B, T). grpo, gspo, gspo_token and cispo also take
 `is_weight=` (B, T), the rollout correction weights of training.correction: constants that
 multiply each token's (gspo: each sequence's, the mean over its tokens) policy term.
-The pair loss (training/pair_loss.py) has its own signature, see get_pair_loss. A loss is a scalar tensor; metrics
+cispo lives in training/cispo_loss.py. The pair loss (training/pair_loss.py) has its own
+signature, see get_pair_loss. A loss is a scalar tensor; metrics
 are floats computed under no_grad that describe this batch alone (they ignore `norm`), so
 the trainer can average them.
 
@@ -23,7 +24,7 @@ Padding may hold any finite logp (or anything at all in old_logp / ref_logp): it
 before any exp.
 
 Each loss is registered with its paper's defaults (`loss_defaults(name)`: GSPO's clip ranges
-3e-4 / 4e-4, the pairwise temperature beta = 0.1), which `TrainConfig` uses for the
+3e-4 / 4e-4, CISPO's weight bounds 0 / 4, the pairwise temperature beta = 0.1), which `TrainConfig` uses for the
 settings it leaves unset. The input checks every call gets live in `training.loss_checks`.
 """
 
@@ -52,7 +53,7 @@ class ObjectiveConfig:
     beta: float = 0.0
     """KL weight (policy losses) or the preference temperature (pairwise)."""
     kl: str = "k3"
-    """KL estimator against the reference model: k1, k2 or k3."""
+    """KL estimator against the reference model: k1, k2, k3 or k3_clamped (see kl_penalty)."""
     agg: str = "seq-mean-token-mean"
     """token-mean | seq-mean-token-mean | seq-mean-token-sum-norm."""
     norm_len: int | None = None
@@ -135,6 +136,10 @@ def agg_loss(values: Tensor, mask: Tensor, mode: str, norm_len: int | None = Non
     |y_i| = max(sum_t m_it, 1). N_tok, N_seq: norm.num_tokens / norm.num_seqs (the whole
     step), or this batch's mask.sum() / B when norm is None. norm_len None means T; pass a
     constant for split invariance (micro-batches differ in padded T).
+
+    token-mean is DAPO's token-level loss (Yu et al. 2025, eq. 8: 1 / sum_i |o_i| over a group;
+    here over the step, as verl); seq-mean-token-sum-norm with norm_len = the sampling max_tokens is Dr.
+    GRPO's constant normaliser (Liu et al. 2025: no 1/|o_i|, one divisor for every response).
     """
     masked = values * mask
     if mode == "token-mean":
@@ -151,14 +156,24 @@ def agg_loss(values: Tensor, mask: Tensor, mode: str, norm_len: int | None = Non
 
 def kl_penalty(log_ratio: Tensor, kind: str) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) on samples of pi (Schulman 2020), from
-    d = logp - ref_logp:  k1 = d,  k2 = d^2 / 2,  k3 = exp(-d) + d - 1 (unbiased, >= 0;
-    DeepSeekMath's choice)."""
+    d = logp - ref_logp:
+
+        k1 = d                        unbiased, signed
+        k2 = d^2 / 2                  biased, >= 0; its gradient is the KL's
+        k3 = exp(-d) + d - 1          unbiased, >= 0 (DeepSeekMath's choice)
+        k3_clamped = min(k3(max(d, -20)), 10)
+
+    k3_clamped is verl's "low_var_kl": k3 while k3 <= 10, the constant 10 (no gradient) beyond,
+    so one token the reference finds very unlikely cannot dominate (the clamp of d keeps exp finite)."""
     if kind == "k1":
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind == "k3":
         return torch.exp(-log_ratio) + log_ratio - 1
+    if kind == "k3_clamped":
+        d = log_ratio.clamp(-20.0, 20.0)
+        return (torch.exp(-d) + d - 1).clamp(max=10.0)
     raise ValueError(f"unknown kl estimator {kind!r}; known: {', '.join(KL_ESTIMATORS)}")
 
 
@@ -204,7 +219,7 @@ def _ratio_metrics(ratio: Tensor, adv: Tensor, valid: Tensor, dual: Tensor,
     return metrics
 
 
-def _finish(loss: Tensor, metrics: dict[str, Tensor], logp: Tensor, old_logp: Tensor | None,
+def finish_loss(loss: Tensor, metrics: dict[str, Tensor], logp: Tensor, old_logp: Tensor | None,
             ref_logp: Tensor | None, mask: Tensor, cfg: ObjectiveConfig,
             norm: Normalizer | None) -> tuple[Tensor, Metrics]:
     """Add beta * agg(KL to the reference) and turn the metrics into floats.
@@ -226,7 +241,7 @@ def _finish(loss: Tensor, metrics: dict[str, Tensor], logp: Tensor, old_logp: Te
     return loss, {k: float(v) for k, v in metrics.items()}
 
 
-def _require(loss: str, **tensors: Tensor | None) -> None:
+def require_inputs(loss: str, **tensors: Tensor | None) -> None:
     missing = [name for name, t in tensors.items() if t is None]
     if missing:
         raise ValueError(f"{loss} needs {' and '.join(missing)} (got None)")
@@ -246,7 +261,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
 
     w_it: the rollout correction weight (`is_weight`, constant; 1 without it).
     """
-    _require("grpo", old_logp=old_logp, advantages=advantages)
+    require_inputs("grpo", old_logp=old_logp, advantages=advantages)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     ratio = torch.exp(log_ratio(logp, old_logp, mask))
     pg, dual = clipped_pg(ratio, adv, cfg)
@@ -255,7 +270,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     metrics = _ratio_metrics(ratio, adv, mask > 0, dual, cfg)
     metrics["pg_loss"] = agg_loss(pg.detach(), mask, cfg.agg, cfg.norm_len)
     loss = agg_loss(pg, mask, cfg.agg, cfg.norm_len, norm)
-    return _finish(loss, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
+    return finish_loss(loss, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
 
 
 @register_policy_loss("gspo", LossDefaults(eps_low=3e-4, eps_high=4e-4))
@@ -275,7 +290,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     ranges, eps_low = 3e-4 and eps_high = 4e-4, are its registered defaults (a sequence ratio is
     a geometric mean of token ratios, so it moves ~1000x less; ObjectiveConfig's own are GRPO's).
     """
-    _require("gspo", old_logp=old_logp, advantages=advantages)
+    require_inputs("gspo", old_logp=old_logp, advantages=advantages)
     if advantages.dim() != 1:
         raise ValueError(f"gspo needs per-sequence advantages of shape (B,), got "
                          f"{tuple(advantages.shape)}; use gspo_token for per-token advantages")
@@ -288,7 +303,7 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     metrics = _ratio_metrics(ratio, advantages, has_tokens, dual, cfg)
     metrics["pg_loss"] = pg.detach().sum() / logp.shape[0]
     num_seqs = logp.shape[0] if norm is None else max(norm.num_seqs, 1)
-    return _finish(pg.sum() / num_seqs, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
+    return finish_loss(pg.sum() / num_seqs, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
 
 
 @register_policy_loss("gspo_token", LossDefaults(eps_low=3e-4, eps_high=4e-4))
@@ -306,7 +321,7 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     and gradient. Clip fractions and ratio statistics count tokens. `is_weight` (rollout
     correction) multiplies l_it, as in grpo.
     """
-    _require("gspo_token", old_logp=old_logp, advantages=advantages)
+    require_inputs("gspo_token", old_logp=old_logp, advantages=advantages)
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     seq_ratio = torch.exp(seq_log_ratio(logp, old_logp, mask)).detach()
     ratio = seq_ratio[:, None] * torch.exp(logp - logp.detach())
@@ -316,7 +331,7 @@ def gspo_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Te
     metrics = _ratio_metrics(ratio, adv, mask > 0, dual, cfg)
     metrics["pg_loss"] = agg_loss(pg.detach(), mask, "seq-mean-token-mean")
     loss = agg_loss(pg, mask, "seq-mean-token-mean", norm=norm)
-    return _finish(loss, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
+    return finish_loss(loss, metrics, logp, old_logp, ref_logp, mask, cfg, norm)
 
 
 @register_policy_loss("sft")
@@ -329,7 +344,7 @@ def sft_loss(logp: Tensor, old_logp: Tensor | None, advantages: Tensor | None, m
     """
     nll = agg_loss(-logp, mask, cfg.agg, cfg.norm_len, norm)
     metrics = {"nll": (-logp.detach() * mask).sum() / mask.sum().clamp(min=1)}
-    return _finish(nll, metrics, logp, None, ref_logp, mask, cfg, norm)
+    return finish_loss(nll, metrics, logp, None, ref_logp, mask, cfg, norm)
 
 
 # ---- lookup, with the checks every call gets ----------------------------------------------
@@ -340,12 +355,12 @@ def _lookup(registry: dict[str, Callable], name: str, kind: str) -> Callable:
     return registry[name]
 
 
-CORRECTED_LOSSES = ("grpo", "gspo", "gspo_token")
+CORRECTED_LOSSES = ("grpo", "gspo", "gspo_token", "cispo")
 """The policy losses that take rollout correction weights (`is_weight`)."""
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
-    """The policy loss `name` (grpo, gspo, gspo_token, sft). Each call first checks cfg and
+    """The policy loss `name` (grpo, gspo, gspo_token, cispo, sft). Each call first checks cfg and
     the shapes: logp (B, T); mask, old_logp, ref_logp like logp; advantages (B,) or (B, T)."""
     fn = _lookup(POLICY_LOSSES, name, "policy loss")
 
@@ -387,6 +402,6 @@ def get_pair_loss(name: str) -> PairLoss:
     return checked
 
 
-# The pair loss lives in its own module and registers itself in PAIR_LOSSES on import; this
-# import runs it (last, so that the names it takes from here exist whichever module loads first).
-from training import pair_loss  # noqa: E402, F401
+# CISPO and the pair loss live in their own modules and register themselves on import; this
+# import runs them (last, so that the names they take from here exist whichever module loads first).
+from training import cispo_loss, pair_loss  # noqa: E402, F401

@@ -21,6 +21,15 @@ r: a sample's reward; mean, std: over its group's kept samples; G: their number.
              REINFORCE++-baseline (Hu et al. 2025): centred within the group, then scaled by
              the std of c over every row of a kept group of the same (run_id, round)
 
+grpo, dr_grpo and batch are one formula, A = (r - mean) / scale, with three scales: the
+group's std + eps, none (1), the round's std of r - mean + eps. `[label] scale_rewards =
+"group" | "none" | "batch"` (TRL's name for that choice, `SCALE_REWARDS`) selects among them
+with the default estimator; the estimator names stay as shorthands, so `estimator = "dr_grpo"`
+and `scale_rewards = "none"` are the same labels. TRL's "batch" divides by the std of the raw
+rewards over the batch, which also counts the spread between prompts' mean rewards and the
+groups of equal rewards; groupforge's is the std of the centred rewards over the kept groups
+(REINFORCE++-baseline), so it does not depend on the mix of prompt difficulties or on the filter.
+
 An estimator sees every row and may return anything for the rows of a group that is not
 kept (rewards all equal, or a group of one): the label stage sets their advantage to 0. It
 runs under numpy's errstate(divide="ignore", invalid="ignore") for the same reason. One
@@ -42,12 +51,12 @@ Every sample of the round ends in exactly one of groups (here) or rejects (earli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from curation import schema
 from curation.schema import KEYS
@@ -124,13 +133,14 @@ def advantage_names() -> tuple[str, ...]:
 
 @register_advantage("grpo")
 def grpo_advantage(rows: GroupedRewards, eps: float) -> np.ndarray:
-    """A = (r - mean) / (std + eps)."""
+    """A = (r - mean) / (std + eps): scale_rewards = "group"."""
     return (rows.reward - rows.mean) / (rows.std + eps)
 
 
 @register_advantage("dr_grpo")
 def dr_grpo_advantage(rows: GroupedRewards, eps: float) -> np.ndarray:
-    """A = r - mean."""
+    """A = r - mean: scale_rewards = "none" (Dr. GRPO removes the std division, which
+    up-weights groups whose rewards barely differ: too easy or too hard prompts)."""
     return rows.reward - rows.mean
 
 
@@ -143,12 +153,21 @@ def rloo_advantage(rows: GroupedRewards, eps: float) -> np.ndarray:
 @register_advantage("batch", whole_round=True)
 def batch_advantage(rows: GroupedRewards, eps: float) -> np.ndarray:
     """A = c / (std_batch(c) + eps), c = r - mean, std_batch the sample std (ddof=1) of c over
-    the rows of kept groups with the row's batch id. A batch is one group whose Welford update
+    the rows of kept groups with the row's batch id: scale_rewards = "batch". A batch is one group whose Welford update
     is sequential over all its rows: a Polars window query."""
     centred = rows.reward - rows.mean
     frame = pl.DataFrame([pl.Series("batch", rows.batch), pl.Series("centred", centred), pl.Series("kept", rows.kept)])
     std = frame.select(pl.when(pl.col("kept")).then(pl.col("centred")).std(ddof=1).over("batch"))
     return centred / (std.to_series().to_numpy() + eps)
+
+
+SCALE_REWARDS = {"group": "grpo", "none": "dr_grpo", "batch": "batch"}
+"""scale_rewards -> the estimator that divides r - mean by that scale."""
+
+
+def estimator_name(cfg: "LabelConfig") -> str:
+    """The estimator the label stage runs: cfg.estimator, or the one scale_rewards names."""
+    return cfg.estimator if cfg.scale_rewards is None else SCALE_REWARDS[cfg.scale_rewards]
 
 
 # -- the stage ---------------------------------------------------------------------------------
@@ -164,12 +183,30 @@ class LabelConfig(BaseModel):
                             "register_advantage (curation/stages/label.py).")
     eps: float = Field(
         1e-4, ge=0, description="Added to the std before dividing (grpo, batch); TRL's default.")
+    # Left out of the dump while unset, so that a config without it keeps its hash (manifests).
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(
+        None, exclude_if=lambda value: value is None,
+        description="TRL's name for what divides r - mean: group (the group's std: estimator grpo), none (Dr. "
+                    "GRPO: dr_grpo), batch (the std of r - mean over the round's kept groups: batch). Unset: the "
+                    "estimator's own. With estimator grpo it selects; with dr_grpo or batch it must agree.")
 
     @field_validator("estimator")
     @classmethod
     def _registered(cls, name: str) -> str:
         get_advantage(name)  # a one-line error naming the registered estimators
         return name
+
+    @model_validator(mode="after")
+    def _scale_agrees(self) -> "LabelConfig":
+        scale = self.scale_rewards
+        if scale is None or self.estimator in ("grpo", SCALE_REWARDS[scale]):
+            return self
+        if self.estimator in SCALE_REWARDS.values():
+            own = next(name for name, est in SCALE_REWARDS.items() if est == self.estimator)
+            raise ValueError(f"estimator {self.estimator!r} is grpo with scale_rewards = {own!r}, not {scale!r}: "
+                             f"set estimator = 'grpo' and scale_rewards = {scale!r}")
+        raise ValueError(f"scale_rewards applies to the grpo estimator (r - mean over a scale), not "
+                         f"{self.estimator!r}: leave it unset")
 
 
 CONFIG = LabelConfig
@@ -178,7 +215,7 @@ CONFIG = LabelConfig
 def sliceable(cfg: LabelConfig) -> bool:
     """An estimator registered with whole_round (batch: a std over every kept group of the
     round) needs the round at once."""
-    return not get_advantage(cfg.estimator).whole_round
+    return not get_advantage(estimator_name(cfg)).whole_round
 
 
 def columns(cfg: LabelConfig) -> dict[str, list[str]]:
@@ -219,7 +256,7 @@ def label(table: pa.Table, cfg: LabelConfig, gid: np.ndarray | None = None) -> p
     common.group_ids).
 
     numpy over per-group statistics (common.group_moments: the same bits as Polars' window
-    functions, without a query's fixed ~0.4 ms), then the registered estimator `cfg.estimator`.
+    functions, without a query's fixed ~0.4 ms), then the registered estimator `estimator_name(cfg)`.
     """
     if table.column("reward").null_count:
         raise ValueError(f"label needs a reward for every row; {table.column('reward').null_count} are null")
@@ -230,7 +267,7 @@ def label(table: pa.Table, cfg: LabelConfig, gid: np.ndarray | None = None) -> p
     n_groups = int(gid.max()) + 1 if len(gid) else 0
     stats = group_moments(gid, reward, n_groups)
     kept = (stats.hi > stats.lo)[gid]  # max > min: exact, free of rounding (NaN for no rows: False)
-    estimator = get_advantage(cfg.estimator)
+    estimator = get_advantage(estimator_name(cfg))
     with np.errstate(divide="ignore", invalid="ignore"):
         std = np.sqrt(stats.var)[gid]
         rows = GroupedRewards(reward=reward, mean=stats.mean[gid], std=std, size=stats.count[gid].astype(np.float64),

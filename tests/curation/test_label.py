@@ -18,15 +18,17 @@ from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
 from curation.stages.filter import FilterConfig
 from curation.stages.label import (
+    SCALE_REWARDS,
     GroupedRewards,
     LabelConfig,
     advantage_names,
+    estimator_name,
     get_advantage,
     kept_with_rewards,
     label,
     register_advantage,
 )
-from curation.stages.runner import run_stage
+from curation.stages.runner import as_dict, run_stage
 from curation.store.fingerprints import fingerprint_file
 from curation.store.layout import part_name
 from curation.store.run_store import RunStore
@@ -93,6 +95,38 @@ def test_batch_golden():
     # zero-variance groups are not part of std_batch: dropping them changes no advantage
     only_kept = label(rewards_table({"a": GOLDEN["a"], "b": GOLDEN["b"]}), LabelConfig(estimator="batch"))
     assert_close(by_group(only_kept, "advantage"), {"a": expected["a"], "b": expected["b"]})
+
+
+@pytest.mark.parametrize("scale", ["group", "none", "batch"])
+def test_scale_rewards_golden(scale):
+    """TRL's scale_rewards with the grpo estimator: r - mean over the group's std, nothing, or
+    the std of r - mean over the round's kept groups; the same labels as grpo, dr_grpo, batch."""
+    std_batch = math.sqrt((4 * 0.25 + (1 / 9 + 1 / 900 + 121 / 900)) / 6)
+    by_scale = {"group": {"a": STD_A + EPS, "b": STD_B + EPS}, "none": {"a": 1.0, "b": 1.0},
+                "batch": {"a": std_batch + EPS, "b": std_batch + EPS}}[scale]
+    expected = {k: [c / by_scale.get(k, 1.0) for c in v] for k, v in CENTRED.items()}
+    scaled = label(rewards_table(GOLDEN), LabelConfig(scale_rewards=scale))
+    assert_close(by_group(scaled, "advantage"), expected)
+    shorthand = label(rewards_table(GOLDEN), LabelConfig(estimator=SCALE_REWARDS[scale]))
+    assert scaled.equals(shorthand)
+    assert label(rewards_table(GOLDEN), LabelConfig(estimator=SCALE_REWARDS[scale], scale_rewards=scale)).equals(scaled)
+    # batch needs the whole round, whichever way it is named
+    assert label_stage.sliceable(LabelConfig(scale_rewards=scale)) == (scale != "batch")
+
+
+def test_scale_rewards_names_one_estimator_and_leaves_old_configs_hashes_alone():
+    assert estimator_name(LabelConfig()) == "grpo" and estimator_name(LabelConfig(estimator="rloo")) == "rloo"
+    assert estimator_name(LabelConfig(scale_rewards="none")) == "dr_grpo"
+    # unset, it is not in the dump that a stage's config hash is taken of
+    assert as_dict(LabelConfig()) == {"estimator": "grpo", "eps": 1e-4}
+    assert as_dict(LabelConfig(scale_rewards="batch"))["scale_rewards"] == "batch"
+    with pytest.raises(ValidationError, match=r"estimator 'dr_grpo' is grpo with scale_rewards = 'none', not "
+                                              r"'group': set estimator = 'grpo' and scale_rewards = 'group'"):
+        LabelConfig(estimator="dr_grpo", scale_rewards="group")
+    with pytest.raises(ValidationError, match=r"scale_rewards applies to the grpo estimator .*not 'rloo'"):
+        LabelConfig(estimator="rloo", scale_rewards="none")
+    with pytest.raises(ValidationError, match=r"Input should be 'group', 'batch' or 'none'"):
+        LabelConfig(scale_rewards="std")
 
 
 def test_batch_statistics_are_per_round():

@@ -42,6 +42,7 @@ def test_pairwise_needs_a_positive_beta_only_when_one_is_given():
     ("grpo", (0.2, 0.2), 0.0),
     ("gspo", (3e-4, 4e-4), 0.0),
     ("gspo_token", (3e-4, 4e-4), 0.0),
+    ("cispo", (1.0, 3.0), 0.0),
     ("sft", (0.2, 0.2), 0.0),
     ("pairwise", (0.2, 0.2), 0.1),
 ])
@@ -62,6 +63,29 @@ def test_given_settings_win_over_the_defaults():
     assert (ocfg.eps_low, ocfg.eps_high, ocfg.beta, ocfg.kl, ocfg.agg, ocfg.norm_len, ocfg.dual_clip) == \
         (0.0, 1e-3, 0.02, "k1", "token-mean", 64, 3.0)
     assert (ocfg.gamma, ocfg.length_normalize) == (0.5, True)
+
+
+def test_the_field_variants_are_settings():
+    """DAPO: clip-higher and token-mean; Dr. GRPO: the constant normaliser; CISPO; the clamped k3."""
+    dapo = TrainConfig(objective="grpo", eps_high=0.28, agg="token-mean").objective_config()
+    assert (dapo.eps_low, dapo.eps_high, dapo.agg) == (0.2, 0.28, "token-mean")
+    dr_grpo = TrainConfig(agg="seq-mean-token-sum-norm", norm_len=4096).objective_config(longest_response=7)
+    assert (dr_grpo.agg, dr_grpo.norm_len) == ("seq-mean-token-sum-norm", 4096)
+    cispo = TrainConfig(objective="cispo", eps_high=0.28, agg="token-mean", beta=0.01, kl="k3_clamped")
+    assert cispo.objective_config().kl == "k3_clamped" and cispo.objective_config().eps_low == 1.0
+    assert TrainConfig(objective="cispo", old_logprobs="recompute", rollout_correction="token_truncate")
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"objective": "cispo", "dual_clip": 3.0}, r"dual_clip = 3.0 does not apply to cispo"),
+    ({"kl": "low_var_kl"}, r"kl\n  Input should be 'k1', 'k2', 'k3' or 'k3_clamped'"),
+    ({"objective": "dapo"}, r"objective\n  Input should be 'grpo', 'gspo', 'gspo_token', 'cispo', 'pairwise' or 'sft'"),
+    ({"objective": "sft", "old_logprobs": "recompute", "rollout_correction": "token_mask"},
+     r"rollout_correction applies to grpo, gspo, gspo_token and cispo, not 'sft'"),
+])
+def test_bad_loss_settings_are_one_clear_error(settings, match):
+    with pytest.raises(ValidationError, match=match):
+        TrainConfig(**settings)
 
 
 def test_uses_reference():

@@ -84,7 +84,7 @@ def test_grpo_golden_with_weights():
 def test_the_weights_are_constants():
     logp, old, _, adv, token_adv, mask = random_batch(0)
     w = torch.rand_like(old).requires_grad_()
-    for name, a in (("grpo", adv), ("gspo", adv), ("gspo_token", token_adv)):
+    for name, a in (("grpo", adv), ("gspo", adv), ("gspo_token", token_adv), ("cispo", token_adv)):
         loss, _ = get_policy_loss(name)(logp, old, a, mask, ObjectiveConfig(), is_weight=w)
         loss.backward()
         assert w.grad is None, name  # no gradient reaches the weights ...
@@ -98,7 +98,7 @@ def test_the_weights_are_constants():
 
 def test_ones_change_nothing_and_sft_takes_no_weights():
     logp, old, _, adv, _, mask = random_batch(1)
-    for name in ("grpo", "gspo", "gspo_token"):
+    for name in ("grpo", "gspo", "gspo_token", "cispo"):
         a = adv
         plain, _ = get_policy_loss(name)(logp, old, a, mask, ObjectiveConfig())
         ones, _ = get_policy_loss(name)(logp, old, a, mask, ObjectiveConfig(), is_weight=torch.ones_like(old))
@@ -123,9 +123,12 @@ def loop_weighted(name, L, OLD, A, M, W, cfg):
         row = []
         for t in range(T):
             r = math.exp(L[i][t] - OLD[i][t]) if M[i][t] else 1.0
-            row.append(W[i][t] * loop_clip_pg(r if name == "grpo" else s_i, A[i][t], cfg))
+            if name == "cispo":  # -w sg(clip(r)) A logp
+                row.append(-W[i][t] * min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high) * A[i][t] * L[i][t])
+            else:
+                row.append(W[i][t] * loop_clip_pg(r if name == "grpo" else s_i, A[i][t], cfg))
         pg.append(row)
-    return loop_agg(pg, M, cfg.agg if name == "grpo" else "seq-mean-token-mean", cfg.norm_len)
+    return loop_agg(pg, M, "seq-mean-token-mean" if name == "gspo_token" else cfg.agg, cfg.norm_len)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -136,7 +139,7 @@ def test_weighted_losses_match_loops(seed, mode):
     w, _ = correction_weights(old, behavior, mask, CorrectionConfig(mode, cap=1.5, floor=0.6))
     cfg = ObjectiveConfig(agg="token-mean", eps_high=0.28)
     L, OLD, M, W = (x.tolist() for x in (logp.detach(), old, mask, w))
-    for name, a in (("grpo", token_adv), ("gspo", adv), ("gspo_token", token_adv)):
+    for name, a in (("grpo", token_adv), ("gspo", adv), ("gspo_token", token_adv), ("cispo", token_adv)):
         loss, _ = get_policy_loss(name)(logp, old, a, mask, cfg, is_weight=w)
         assert loss.item() == pytest.approx(loop_weighted(name, L, OLD, a.tolist(), M, W, cfg), abs=1e-9), name
 

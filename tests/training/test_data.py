@@ -64,7 +64,7 @@ def test_training_data_joins_samples_and_labels(curated_run):
         load_training_data(curated_run, "sft", sft_min_reward=2.0)
 
 
-@pytest.mark.parametrize("objective", ["grpo", "gspo", "gspo_token"])
+@pytest.mark.parametrize("objective", ["grpo", "gspo", "gspo_token", "cispo"])
 def test_policy_rows_are_the_kept_groups_in_key_order(curated_run, objective):
     data = load_training_data(curated_run, objective)
     expected = _sql(f"""

@@ -1,5 +1,6 @@
-"""training/objectives.py: golden values worked by hand, equality with loop implementations
-of the papers' formulas, GSPO/GSPO-token and on-policy invariances, micro-batch split
+"""training/objectives.py and training/cispo_loss.py: golden values worked by hand, equality
+with loop implementations of the papers' formulas (GRPO, GSPO, CISPO, DAPO's and Dr. GRPO's
+objectives), GSPO/GSPO-token, CISPO/GRPO and on-policy invariances, micro-batch split
 invariance, and the errors bad inputs get."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from training.objectives import (
     agg_loss,
     get_pair_loss,
     get_policy_loss,
+    kl_penalty,
     loss_defaults,
 )
 
@@ -106,7 +108,12 @@ def test_grpo_golden_dual_clip():
     assert torch.allclose(grad, t([[0.0, -1.1 / 5, -0.5 / 5], [0.0, 0.0, 0.0]]))
 
 
-@pytest.mark.parametrize("kl", ["k1", "k2", "k3"])
+def kl_by_hand(kind: str, d: float) -> float:
+    k3 = math.exp(-d) + d - 1
+    return {"k1": d, "k2": 0.5 * d * d, "k3": k3, "k3_clamped": min(k3, 10.0)}[kind]
+
+
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3", "k3_clamped"])
 def test_grpo_golden_kl(kl):
     logp, old = log_ratios(RATIOS)
     d = [[0.1, -0.2, 0.3], [0.5, 0.0, 9.0]]  # logp - ref; the 9.0 is padding
@@ -114,12 +121,65 @@ def test_grpo_golden_kl(kl):
     cfg = ObjectiveConfig(agg="token-mean", beta=0.5, kl=kl)
     loss, m = get_policy_loss("grpo")(logp, old, ADV, MASK, cfg, ref_logp=ref)
     ds = [0.1, -0.2, 0.3, 0.5, 0.0]
-    per_token = {"k1": lambda x: x, "k2": lambda x: 0.5 * x * x,
-                 "k3": lambda x: math.exp(-x) + x - 1}[kl]
-    kl_mean = sum(per_token(x) for x in ds) / 5  # k1: 0.7/5 = 0.14; k2: 0.5*0.39/5 = 0.039
+    kl_mean = sum(kl_by_hand(kl, x) for x in ds) / 5  # k1: 0.7/5 = 0.14; k2: 0.5*0.39/5 = 0.039
     pg = (-1.2 - 1.1 - 0.5 + 0.8 + 3.0) / 5
     assert m["kl"] == approx(kl_mean)
     assert loss.item() == approx(pg + 0.5 * kl_mean)
+
+
+def test_kl_estimators_golden_values_and_gradients():
+    d = t([0.5, -0.5, -2.0, -3.0, 25.0, -25.0]).requires_grad_()
+    # k3(-3) = e^3 - 4 = 16.09 and k3(+-25) > 10 are clamped to 10; k3(-2) = e^2 - 3 = 4.39 is not
+    expected = {
+        "k1": [0.5, -0.5, -2.0, -3.0, 25.0, -25.0],
+        "k2": [0.125, 0.125, 2.0, 4.5, 312.5, 312.5],
+        "k3": [math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, math.exp(2) - 3, math.exp(3) - 4,
+               math.exp(-25) + 24, math.exp(25) - 26],
+        "k3_clamped": [math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, math.exp(2) - 3, 10.0, 10.0, 10.0],
+    }
+    # d/dd: k1 1, k2 d, k3 1 - exp(-d); k3_clamped as k3 below the clamp and 0 above it
+    grads = {
+        "k1": [1.0] * 6,
+        "k2": [0.5, -0.5, -2.0, -3.0, 25.0, -25.0],
+        "k3": [1 - math.exp(-x) for x in (0.5, -0.5, -2.0, -3.0, 25.0, -25.0)],
+        "k3_clamped": [1 - math.exp(-0.5), 1 - math.exp(0.5), 1 - math.exp(2), 0.0, 0.0, 0.0],
+    }
+    for kind in expected:
+        value = kl_penalty(d, kind)
+        assert value.tolist() == pytest.approx(expected[kind], rel=1e-12), kind
+        assert value.tolist() == pytest.approx([kl_by_hand(kind, x) for x in d.tolist()], rel=1e-12), kind
+        (grad,) = torch.autograd.grad(value.sum(), d)
+        assert grad.tolist() == pytest.approx(grads[kind], rel=1e-12), kind
+    # k3's exp(25) is finite; at d = -1000 only the clamp of d keeps the gradient finite
+    far = t([-1000.0]).requires_grad_()
+    (grad,) = torch.autograd.grad(kl_penalty(far, "k3_clamped").sum(), far)
+    assert kl_penalty(far, "k3_clamped").item() == 10.0 and grad.item() == 0.0
+
+
+def test_cispo_golden():
+    logp, old = log_ratios(RATIOS)
+    cfg = ObjectiveConfig(agg="token-mean", eps_low=0.2, eps_high=0.2)
+    loss, m = get_policy_loss("cispo")(logp, old, ADV, MASK, cfg)
+    # w = sg(clip(r, .8, 1.2)): row 0 (A=+1) r 1.5, 1.1, 0.5 -> 1.2, 1.1, 0.8; row 1 (A=-1) 0.5, 3.0 -> 0.8, 1.2
+    # l = -w A logp, logp = -1 + log r
+    lp = [[-1 + math.log(r) for r in row] for row in RATIOS]
+    by_hand = -(1.2 * lp[0][0] + 1.1 * lp[0][1] + 0.8 * lp[0][2]) + (0.8 * lp[1][0] + 1.2 * lp[1][1])
+    assert loss.item() == approx(by_hand / 5)
+    assert m["pg_loss"] == approx(-(1.2 + 1.1 + 0.8 - 0.8 - 1.2) / 5)  # -w A
+    assert m["clip_frac_low"] == approx(2 / 5) and m["clip_frac_high"] == approx(2 / 5)
+    assert (m["ratio_min"], m["ratio_max"]) == (approx(0.5), approx(3.0))
+    # d l / d logp = -w A, on every token: grpo gave the clipped tokens (r 1.5 with A > 0,
+    # r 0.5 with A < 0) no gradient
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, t([[-1.2 / 5, -1.1 / 5, -0.8 / 5], [0.8 / 5, 1.2 / 5, 0.0]]))
+
+    # The registered defaults, bounds 0 and 4: only r = 6 is clipped, to 4.
+    logp, old = log_ratios([[6.0, 1.1, 0.5], [0.5, 3.0, 2.0]])
+    loss, m = get_policy_loss("cispo")(logp, old, ADV, MASK, ObjectiveConfig(agg="token-mean", eps_low=1.0,
+                                                                             eps_high=3.0))
+    assert m["clip_frac_high"] == approx(1 / 5) and m["clip_frac_low"] == 0.0
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, t([[-4.0 / 5, -1.1 / 5, -0.5 / 5], [0.5 / 5, 3.0 / 5, 0.0]]))
 
 
 # GSPO: mean log-ratio per sequence 0.2 (row 0) and -0.3 (row 1; the 5.0 is padding).
@@ -232,7 +292,7 @@ def loop_kl_term(logp, ref, m, cfg):
         row = []
         for t in range(len(logp[0])):
             d = logp[i][t] - ref[i][t]
-            row.append({"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[cfg.kl])
+            row.append(kl_by_hand(cfg.kl, d))
         kl.append(row)
     return cfg.beta * loop_agg(kl, m, cfg.agg, cfg.norm_len)
 
@@ -264,6 +324,18 @@ def loop_gspo_token(logp, old, ref, a, m, cfg):  # a: (B, T); the value of s_it 
     return loop_agg(pg, m, "seq-mean-token-mean", None) + loop_kl_term(logp, ref, m, cfg)
 
 
+def loop_cispo(logp, old, ref, a, m, cfg):  # a: (B,) or (B, T); the value -w A logp
+    pg = []
+    for i in range(len(logp)):
+        row = []
+        for t in range(len(logp[0])):
+            a_it = a[i][t] if isinstance(a[i], list) else a[i]
+            r = math.exp(logp[i][t] - old[i][t])
+            row.append(-min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high) * a_it * logp[i][t])
+        pg.append(row)
+    return loop_agg(pg, m, cfg.agg, cfg.norm_len) + loop_kl_term(logp, ref, m, cfg)
+
+
 def loop_sft(logp, m, ref, cfg):
     nll = [[-x for x in row] for row in logp]
     return loop_agg(nll, m, cfg.agg, cfg.norm_len) + loop_kl_term(logp, ref, m, cfg)
@@ -275,6 +347,7 @@ POLICY_CFGS = [
     ObjectiveConfig(agg="seq-mean-token-sum-norm", beta=0.1, kl="k3"),
     ObjectiveConfig(agg="seq-mean-token-sum-norm", norm_len=10, beta=0.2, kl="k1"),
     ObjectiveConfig(agg="token-mean", eps_low=0.1, eps_high=0.1, beta=0.3, kl="k2", dual_clip=1.5),
+    ObjectiveConfig(agg="token-mean", eps_high=0.28, beta=0.3, kl="k3_clamped"),
 ]
 
 
@@ -287,12 +360,15 @@ def test_policy_losses_match_loops(seed, cfg):
         "grpo": (adv, loop_grpo(L, OLD, R, A, M, cfg)),
         "gspo": (adv, loop_gspo(L, OLD, R, A, M, cfg)),
         "gspo_token": (token_adv, loop_gspo_token(L, OLD, R, TA, M, cfg)),
+        "cispo": (adv, loop_cispo(L, OLD, R, A, M, cfg)),
     }
     for name, (a, expected) in cases.items():
         loss, _ = get_policy_loss(name)(logp, old, a, mask, cfg, ref_logp=ref)
         assert loss.item() == pytest.approx(expected, abs=1e-6), name
     token_grpo, _ = get_policy_loss("grpo")(logp, old, token_adv, mask, cfg, ref_logp=ref)
     assert token_grpo.item() == pytest.approx(loop_grpo(L, OLD, R, TA, M, cfg), abs=1e-6)
+    token_cispo, _ = get_policy_loss("cispo")(logp, old, token_adv, mask, cfg, ref_logp=ref)
+    assert token_cispo.item() == pytest.approx(loop_cispo(L, OLD, R, TA, M, cfg), abs=1e-6)
     sft, _ = get_policy_loss("sft")(logp, None, None, mask, cfg, ref_logp=ref)
     assert sft.item() == pytest.approx(loop_sft(L, M, R, cfg), abs=1e-6)
 
@@ -377,7 +453,92 @@ def test_on_policy_ratios_are_one_and_gspo_matches_grpo_gradient():
         assert torch.allclose(grads[name], expected, atol=1e-12), name
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "sft"])
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_cispo_on_policy_has_grpos_gradient(mode):
+    """r = 1: w = 1, so CISPO's gradient -A grad logp is REINFORCE's, and grpo's."""
+    logp, _, ref, adv, token_adv, mask = random_batch(4, B=6)
+    old = logp.detach()
+    for a in (adv, token_adv):
+        cfg = ObjectiveConfig(agg=mode, norm_len=9, beta=0.1)
+        cispo, m = get_policy_loss("cispo")(logp, old, a, mask, cfg, ref_logp=ref)
+        grpo, _ = get_policy_loss("grpo")(logp, old, a, mask, cfg, ref_logp=ref)
+        assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_frac_low"] == m["clip_frac_high"] == 0.0
+        (g_cispo,) = torch.autograd.grad(cispo, logp)
+        (g_grpo,) = torch.autograd.grad(grpo, logp)
+        assert torch.allclose(g_cispo, g_grpo, atol=1e-12)
+
+
+def test_cispo_gradient_is_reinforce_weighted_by_the_clipped_ratio():
+    """Off policy: CISPO's gradient is -clip(r) A / N_tok on every token. Inside the clip range
+    that is grpo's -r A / N_tok; outside it CISPO still trains the token (with weight the bound)
+    where grpo gives no gradient on the side its advantage pushes."""
+    logp, old, _, _, token_adv, mask = random_batch(11, B=8, T=9, noise=0.5)
+    cfg = ObjectiveConfig(agg="token-mean", eps_low=0.2, eps_high=0.28)
+    cispo, _ = get_policy_loss("cispo")(logp, old, token_adv, mask, cfg)
+    grpo, _ = get_policy_loss("grpo")(logp, old, token_adv, mask, cfg)
+    (g_cispo,) = torch.autograd.grad(cispo, logp)
+    (g_grpo,) = torch.autograd.grad(grpo, logp)
+    r = torch.exp(logp.detach() - old)
+    n = mask.sum()
+    assert torch.allclose(g_cispo, -r.clamp(0.8, 1.28) * token_adv * mask / n, atol=1e-12)
+    inside = (r >= 0.8) & (r <= 1.28) & (mask > 0)
+    assert torch.allclose(g_cispo[inside], g_grpo[inside], atol=1e-12)
+    grpo_clipped = (((r > 1.28) & (token_adv > 0)) | ((r < 0.8) & (token_adv < 0))) & (mask > 0)
+    assert grpo_clipped.sum() > 0
+    assert (g_grpo[grpo_clipped] == 0).all() and (g_cispo[grpo_clipped] != 0).all()
+
+
+def test_dapo_objective_is_grpo_with_token_mean_and_clip_higher():
+    """DAPO (Yu et al. 2025, eq. 8) on one group: J = 1/sum_i |o_i| sum_i sum_t min(r A, clip(r,
+    1 - eps_low, 1 + eps_high) A), eps_low 0.2, eps_high 0.28: grpo with agg = token-mean."""
+    logp, old, _, adv, _, mask = random_batch(12, B=6, T=8, noise=0.2)
+    L, OLD, A, M = (x.tolist() for x in (logp.detach(), old, adv, mask))
+    objective, tokens = 0.0, 0.0
+    for i in range(6):
+        for j in range(8):
+            if M[i][j]:
+                r = math.exp(L[i][j] - OLD[i][j])
+                objective += min(r * A[i], min(max(r, 0.8), 1.28) * A[i])
+                tokens += 1
+    cfg = ObjectiveConfig(agg="token-mean", eps_low=0.2, eps_high=0.28)
+    loss, _ = get_policy_loss("grpo")(logp, old, adv, mask, cfg)
+    assert loss.item() == pytest.approx(-objective / tokens, abs=1e-12)
+    # Clip-higher: r = 1.25 with A > 0 is clipped at 1.2 by eps_high 0.2, not by 0.28.
+    logp, old = log_ratios([[1.25]])
+    one = torch.ones(1, 1, dtype=F64)
+    for eps_high, grad in ((0.2, 0.0), (0.28, -1.25)):
+        loss, _ = get_policy_loss("grpo")(logp, old, t([1.0]), one, ObjectiveConfig(eps_high=eps_high))
+        assert torch.autograd.grad(loss, logp)[0].item() == pytest.approx(grad, abs=1e-12)
+
+
+def test_dr_grpo_objective_is_grpo_with_a_constant_length_normaliser():
+    """Dr. GRPO (Liu et al. 2025): A_i = r_i - mean(r), and 1/|o_i| replaced by one constant,
+    the generation budget MAX: J = 1/G sum_i 1/MAX sum_t min(r A_i, clip(r) A_i). That is grpo
+    with agg = seq-mean-token-sum-norm and norm_len = MAX, and on policy every token of the group
+    gets -A_i / (G MAX), whatever its response's length."""
+    logp, old, _, _, _, mask = random_batch(13, B=4, T=6, noise=0.2)
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    adv = t([r - sum(rewards) / 4 for r in rewards])  # the label stage's dr_grpo
+    MAX = 16
+    L, OLD, A, M = (x.tolist() for x in (logp.detach(), old, adv, mask))
+    objective = 0.0
+    for i in range(4):
+        row = 0.0
+        for j in range(6):
+            if M[i][j]:
+                r = math.exp(L[i][j] - OLD[i][j])
+                row += min(r * A[i], min(max(r, 0.8), 1.2) * A[i])
+        objective += row / MAX
+    cfg = ObjectiveConfig(agg="seq-mean-token-sum-norm", norm_len=MAX)
+    loss, _ = get_policy_loss("grpo")(logp, old, adv, mask, cfg)
+    assert loss.item() == pytest.approx(-objective / 4, abs=1e-12)
+    on_policy, _ = get_policy_loss("grpo")(logp, logp.detach(), adv, mask, cfg)
+    (grad,) = torch.autograd.grad(on_policy, logp)
+    assert torch.allclose(grad, -adv[:, None] * mask / (4 * MAX), atol=1e-12)
+    assert len(set(mask.sum(-1).tolist())) > 1  # responses of different lengths
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "cispo", "sft"])
 def test_padding_is_inert(name):
     """Padding may hold -inf in old/ref logps (a generator's fill value) and a row may have no
     response token at all: neither changes the loss beyond counting the row in N_seq."""
@@ -429,11 +590,11 @@ def test_agg_loss_split_invariance(mode):
     assert_same_value_and_grad(full, split, logp)
 
 
-@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "sft"])
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "cispo", "sft"])
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_policy_loss_split_invariance(name, mode):
     logp, old, ref, adv, token_adv, mask = random_batch(6, B=8, T=9)
-    a = token_adv if name in ("grpo", "gspo_token") else adv
+    a = token_adv if name in ("grpo", "gspo_token", "cispo") else adv
     cfg = ObjectiveConfig(agg=mode, norm_len=9, beta=0.1, dual_clip=2.0)
     step = Normalizer(num_seqs=8, num_tokens=float(mask.sum()))
     loss_fn = get_policy_loss(name)
@@ -478,7 +639,7 @@ def test_pairwise_split_invariance():
 # ---- bad inputs ---------------------------------------------------------------------------
 
 def test_registries():
-    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo_token", "sft"}
+    assert set(POLICY_LOSSES) == {"grpo", "gspo", "gspo_token", "cispo", "sft"}
     assert set(PAIR_LOSSES) == {"pairwise"}
 
 
@@ -487,13 +648,16 @@ def test_each_loss_is_registered_with_its_papers_defaults():
     assert loss_defaults("grpo") == loss_defaults("sft") == LossDefaults(eps_low=0.2, eps_high=0.2, beta=0.0)
     # GSPO's sequence ratio is a geometric mean of token ratios: its clip ranges are ~1000x smaller.
     assert loss_defaults("gspo") == loss_defaults("gspo_token") == LossDefaults(eps_low=3e-4, eps_high=4e-4)
+    # CISPO: no lower bound on the weight (1 - 1 = 0), upper bound 1 + 3 = 4
+    assert loss_defaults("cispo") == LossDefaults(eps_low=1.0, eps_high=3.0, beta=0.0)
     assert loss_defaults("pairwise").beta == 0.1  # pairwise needs beta > 0, so its default must be
-    with pytest.raises(ValueError, match=r"unknown loss 'ppo'; known: grpo, gspo, gspo_token, pairwise, sft"):
+    with pytest.raises(ValueError, match=r"unknown loss 'ppo'; known: cispo, grpo, gspo, gspo_token, pairwise, sft"):
         loss_defaults("ppo")
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: get_policy_loss("ppo"), r"unknown policy loss 'ppo'; known: grpo, gspo, gspo_token, sft"),
+    (lambda: get_policy_loss("ppo"), r"unknown policy loss 'ppo'; known: cispo, grpo, gspo, gspo_token, sft"),
+    (lambda: kl_penalty(MASK, "low_var_kl"), r"unknown kl estimator 'low_var_kl'; known: k1, k2, k3, k3_clamped"),
     (lambda: get_pair_loss("dpo"), r"unknown pair loss 'dpo'; known: pairwise"),
     (lambda: agg_loss(MASK, MASK, "mean"), r"unknown agg mode 'mean'"),
 ])
@@ -504,7 +668,7 @@ def test_unknown_names(call, match):
 
 @pytest.mark.parametrize("cfg, match", [
     (ObjectiveConfig(agg="sum"), r"unknown agg mode 'sum' \(known: token-mean"),
-    (ObjectiveConfig(kl="k4"), r"unknown kl estimator 'k4' \(known: k1, k2, k3\)"),
+    (ObjectiveConfig(kl="k4"), r"unknown kl estimator 'k4' \(known: k1, k2, k3, k3_clamped\)"),
     (ObjectiveConfig(eps_low=-0.1), r"eps_low and eps_high must be >= 0"),
     (ObjectiveConfig(dual_clip=1.0), r"dual_clip must be > 1"),
     (ObjectiveConfig(norm_len=0), r"norm_len must be > 0"),
@@ -529,6 +693,10 @@ def test_bad_policy_shapes():
         grpo(logp[0], old[0], ADV, MASK[0], cfg)
     with pytest.raises(ValueError, match=r"grpo needs old_logp \(got None\)"):
         grpo(logp, None, ADV, MASK, cfg)
+    with pytest.raises(ValueError, match=r"cispo needs old_logp \(got None\)"):
+        get_policy_loss("cispo")(logp, None, ADV, MASK, cfg)
+    with pytest.raises(ValueError, match=r"policy loss 'sft' takes no rollout correction weights"):
+        get_policy_loss("sft")(logp, old, ADV, MASK, cfg, is_weight=torch.ones_like(logp))
     with pytest.raises(ValueError, match=r"gspo needs per-sequence advantages of shape \(B,\)"):
         get_policy_loss("gspo")(logp, old, ADV[:, None].expand(2, 3), MASK, cfg)
 

@@ -126,6 +126,7 @@ def test_grpo_steps_write_metrics_and_a_loadable_checkpoint(run_copy, toy_dir):
     ("pairwise", {"reference": True}),
     ("pairwise", {"length_normalize": True, "gamma": 0.1, "beta": 2.0}),
     ("sft", {"agg": "seq-mean-token-sum-norm"}),
+    ("cispo", {"agg": "token-mean", "beta": 0.05, "kl": "k3_clamped"}),
 ])
 def test_every_objective_trains(run_copy, toy_dir, objective, extra):
     cfg = TrainConfig(objective=objective, batch_size=16, token_budget=200, lr=1e-4, **extra)
