@@ -584,7 +584,8 @@ def table(record: CheckRecord) -> str:
     keys = ("samples_per_s", "response_tokens_per_s", "model_params", "steps_per_s", "tokens_per_s",
             "max_abs_gap", "mean_abs_gap", "stale_mean_abs_gap", "backend", "max_weight_diff_vs_single")
     lines = [f"gpu_check: {record.mode} on {record.device}, {record.total_s:.0f} s of a {record.budget_s:g} s budget "
-             f"(set-up {record.setup_s:.0f} s), engine {record.engine}", f"{'section':<14} {'status':<8} {'s':>7}  figures"]
+             f"(set-up {record.setup_s:.0f} s), engine {record.engine}",
+             f"{'section':<14} {'status':<8} {'s':>7}  figures"]
     for s in record.sections:
         shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in (s.figures or {}).items() if k in keys)
