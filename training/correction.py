@@ -25,7 +25,7 @@ Two modes, set by `old_logprobs`:
                                                              sequence leaves the loss)
 
 The weights are constants (computed without gradient) that multiply the policy term of each
-token (grpo, gspo_token) or sequence (gspo: the mean of its tokens' weights, w_i itself at
+token (grpo, gspo_token, cispo) or sequence (gspo: the mean of its tokens' weights, w_i itself at
 sequence level) before aggregation; a masked token still counts in the loss's denominator.
 
 Not the pairwise loss: it has no importance ratio (its gradient does not involve the

@@ -1,6 +1,6 @@
 """One optimizer step's gradient: the step's context, the micro-steps, gradient accumulation.
 
-A micro-batch's forward and loss is `policy_micro_step` (grpo, gspo, gspo_token, sft) or
+A micro-batch's forward and loss is `policy_micro_step` (grpo, gspo, gspo_token, cispo, sft) or
 `pair_micro_step` (pairwise), chosen once per run; both read a frozen `StepContext` (the
 models, the loss and its ObjectiveConfig, temperature, pad id, device, autocast), and
 `accumulate_gradients` runs one of them over a step's micro-batches, each loss normalised by
@@ -84,7 +84,7 @@ class MicroStep(NamedTuple):
 
 
 def policy_micro_step(ctx: StepContext, mb: MicroBatch, norm: Normalizer) -> MicroStep:
-    """grpo, gspo, gspo_token, sft: loss(logp, old_logp, advantages, mask) on b sequences;
+    """grpo, gspo, gspo_token, cispo, sft: loss(logp, old_logp, advantages, mask) on b sequences;
     in decoupled mode (the batch has behavior_logp) also the mismatch metrics, and with a
     rollout correction its weights (`is_weight`) and their metrics. zero_adv_frac: the share of
     the b sequences with |advantage| < ZERO_ADVANTAGE, which give no policy gradient (sft: of

@@ -316,7 +316,7 @@ def report_compare(runs: dict[str, str | Path], out_dir: str | Path) -> Path:
     """Write compare.png and compare.md for runs given as {label: run folder}; returns out_dir.
 
     Panels that need ratio or clip statistics show only the runs that log them (grpo, gspo,
-    gspo_token; not sft or pairwise). A run without metrics.jsonl raises ValueError.
+    gspo_token, cispo; not sft or pairwise). A run without metrics.jsonl raises ValueError.
     """
     if not runs:
         raise ValueError("report_compare: no runs given")

@@ -305,7 +305,7 @@ def ratio_spread_for_run(run_dir: str | Path, rounds: Sequence[int] | None = Non
 
 # -- pooled over rounds, for the study's report ------------------------------------------
 
-RATIO_OBJECTIVES = ("grpo", "gspo", "gspo_token")
+RATIO_OBJECTIVES = ("grpo", "gspo", "gspo_token", "cispo")
 """Objectives whose loss weighs samples by importance ratios: the study measures their spread."""
 
 
