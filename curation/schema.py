@@ -13,6 +13,8 @@ Columns (every one, with its meaning: docs/ARCHITECTURE.md, "Tables"):
 - groups: keys + reward, advantage, group_mean, group_std, group_kept
 - rejects: keys + stage, reason, detail (sample_idx is null when a whole prompt is dropped)
 - pairs: preference pairs inside a group with soft labels and weights
+- prompt_stats: the round loop's per-prompt history (`[prompts] curriculum`): one row per
+  prompt a round sampled, its counts as of that round (pipelines/loop/curriculum.py)
 
 Tables may carry extra columns (a scores table has one per reward function); the listed
 ones must be there with the listed types. Types that only differ in width of the offsets
@@ -110,6 +112,20 @@ PAIRS = pa.schema(
     ]
 )
 
+PROMPT_STATS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("round", pa.int32(), nullable=False),  # the round that sampled it: its last round
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("rounds_seen", pa.int32(), nullable=False),  # rounds that sampled it, this one included
+        pa.field("samples", pa.int64(), nullable=False),  # its scored samples (reward not null), all rounds
+        pa.field("passes", pa.int64(), nullable=False),  # of those, reward >= the pass reward
+        pa.field("recent_samples", pa.int64(), nullable=False),  # ... in its last `window` rounds
+        pa.field("recent_passes", pa.int64(), nullable=False),
+        pa.field("pass_rate", pa.float64()),  # recent_passes / recent_samples (null: none scored)
+    ]
+)
+
 SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
     "samples": SAMPLES,
@@ -117,6 +133,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "groups": GROUPS,
     "rejects": REJECTS,
     "pairs": PAIRS,
+    "prompt_stats": PROMPT_STATS,
 }
 
 # Columns a table may leave out entirely (they are added as nulls).

@@ -136,6 +136,10 @@ class RunSection(SpecSection):
         1, ge=1, description="Write a checkpoint every K rounds and in the last one; in between the trainer keeps "
                              "its weights in memory and hands them to the engine, and a killed run replays the "
                              "rounds trained since its newest checkpoint.")
+    keep_best: bool = Field(
+        False, description="Keep the checkpoint of the best eval accuracy (rounds >= 1; the earliest among ties): "
+                           "every evaluated round writes a checkpoint, RUN/checkpoints/best.json names the best "
+                           "(round, policy_version, eval_accuracy, folder) and train.keep_last never removes it.")
     refill: RefillSettings | None = Field(None, description="Sample more prompts when filtering leaves too few "
                                                             "kept groups (off when unset).")
     pairs: Literal["auto", "every_round"] = Field(
@@ -168,6 +172,11 @@ class PromptsSection(SpecSection):
     eval_limit: int | None = Field(None, ge=1, description="Evaluate on the first N eval prompts (default: all).")
     choice: PromptChoice = Field(default_factory=PromptChoice, description="How a round's prompts are chosen "
                                  "([prompts.choice]: strategy least_used or informative; pipelines/loop/prompts.py).")
+    curriculum: bool = Field(
+        False, description="A pass-rate curriculum over each prompt's history in the run (kept as the run's "
+                           "prompt_stats table): solved prompts rest for a while, never-solved ones are taken less "
+                           "often, none is dropped for good ([prompts.choice] solved, rest_rounds, unsolved_visits, "
+                           "unsolved_weight, pass_reward; pipelines/loop/curriculum.py).")
 
 
 class GeneratorSection(GeneratorConfig, SamplingSettings):

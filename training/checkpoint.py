@@ -37,6 +37,7 @@ from curation.store.runlog import (
     OPTIMIZER_FILE,
     TRAINER_STATE_FILE,
     fsync_dir,
+    load_best,
     read_json,
     write_json_atomic,
 )
@@ -86,6 +87,13 @@ def checkpoint_dir(run: Run, step: int) -> Path:
     """The local folder of checkpoint `step` (for a run on an object store: its copy in this
     machine's cache, downloaded when missing)."""
     return RunLocation.of(run).fetch(checkpoint_rel(step), last=TRAINER_STATE_FILE)
+
+
+def best_checkpoint(run: Run) -> Path | None:
+    """The local folder of the checkpoint RUN/checkpoints/best.json names (`[run] keep_best`;
+    None: the run keeps none)."""
+    best = load_best(RunLocation.of(run).storage)
+    return None if best is None else checkpoint_dir(run, best.policy_version)
 
 
 def latest_checkpoint(run: Run) -> Path | None:
@@ -158,10 +166,10 @@ def save_checkpoint(run: Run, step: int, model: torch.nn.Module, optimizer: torc
                     state: dict[str, Any], tokenizer_from: str | Path | None = None,
                     keep_last: int | None = None, merged: bool = False) -> Path:
     """Write checkpoint `step` atomically and return its local folder; then keep only the
-    newest `keep_last` checkpoints (None: keep all). A LoRA model (training/lora.py) saves its
-    adapter in peft's format, and with `merged` also merged/, the full model. For a run on an
-    object store the folder is written in this machine's cache, then uploaded with
-    trainer_state.json last."""
+    newest `keep_last` checkpoints (None: keep all) and the one RUN/checkpoints/best.json
+    names. A LoRA model (training/lora.py) saves its adapter in peft's format, and with
+    `merged` also merged/, the full model. For a run on an object store the folder is written
+    in this machine's cache, then uploaded with trainer_state.json last."""
     location = RunLocation.of(run)
     root = location.work / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -181,8 +189,9 @@ def save_checkpoint(run: Run, step: int, model: torch.nn.Module, optimizer: torc
     fsync_dir(root)
     location.upload(checkpoint_rel(step), last=TRAINER_STATE_FILE)
     if keep_last is not None:
+        best = load_best(location.storage)  # `[run] keep_best`: never removed while it is the best
         for old_step in checkpoint_steps(location)[:-keep_last]:
-            if old_step != step:
+            if old_step != step and (best is None or best.policy_version != old_step):
                 location.remove(checkpoint_rel(old_step))
     return final
 

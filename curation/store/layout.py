@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from curation import schema
 
-ROUND_TABLES = ("samples", "scores", "groups", "rejects", "pairs")
+ROUND_TABLES = ("samples", "scores", "groups", "rejects", "pairs", "prompt_stats")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # stage and part names
 ROUND_DIR = re.compile(r"round=(\d+)")  # a round folder's name (RunStore.partition_dir)
 

@@ -5,7 +5,8 @@ Layout of a run RUN (a local folder or an object-store prefix, curation/store/st
 
     RUN/_log/<seq>.json                              the commit log (curation/store/commit_log.py)
     RUN/prompts/part-<part>-<sha>.parquet            prompts (not partitioned by round)
-    RUN/<table>/round=<n>/part-<part>-<sha>.parquet  samples | scores | groups | rejects | pairs
+    RUN/<table>/round=<n>/part-<part>-<sha>.parquet  samples | scores | groups | rejects | pairs |
+                                                     prompt_stats
     RUN/<table>/_delta_log/                          each table as a Delta Lake table (external readers)
     RUN/_staging/<stage>-round=<n>/                  resumable work-in-progress of a long stage
 

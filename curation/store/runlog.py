@@ -5,6 +5,7 @@ metrics log with its typed round record, and the round loop's state.
     RUN/pipeline.json                     the round loop's state: target_rounds, prompt_files
     RUN/metrics.jsonl                     one JSON object per line: "round" and "step" records
     RUN/checkpoints/step-<k>/             HF folder + optimizer/state.safetensors + trainer_state.json
+    RUN/checkpoints/best.json             `[run] keep_best`: the checkpoint of the best eval accuracy
     RUN/_rounds/round=<n>/prompts.parquet the prompts chosen for round n (written once)
     RUN/_train/                           the trainer's caches (recomputed old log-probs)
     RUN/report/                           plots and summary.md
@@ -33,6 +34,7 @@ PIPELINE_FILE = "pipeline.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_STATE_FILE = "trainer_state.json"
+BEST_FILE = f"{CHECKPOINTS_DIR}/best.json"
 OPTIMIZER_FILE = "optimizer/state.safetensors"  # in a subfolder: vLLM loads every *.safetensors of the folder
 ROUNDS_DIR = "_rounds"
 TRAIN_CACHE_DIR = "_train"
@@ -356,3 +358,34 @@ def round_prompts_rel(round: int, name: str = "prompts.parquet") -> str:
     """Where the prompts chosen for `round` are kept, relative to the run (written once, reused
     on resume); `name`: another prompt file of the round (a refill's)."""
     return f"{ROUNDS_DIR}/round={round}/{name}"
+
+
+# ---- the best checkpoint ([run] keep_best) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BestCheckpoint:
+    """RUN/checkpoints/best.json: the checkpoint of the best eval accuracy so far (`[run] keep_best`)."""
+
+    round: int
+    """The round whose evaluation it won (the earliest among equal accuracies)."""
+    policy_version: int
+    eval_accuracy: float
+    checkpoint: str
+    """Its folder, relative to the run: checkpoints/step-<policy_version>."""
+
+
+def load_best(run: str | Path | Storage) -> BestCheckpoint | None:
+    """The run's best checkpoint record (None: the run keeps none)."""
+    storage = run if isinstance(run, Storage) else open_storage(run)
+    data = storage.read_if_exists(BEST_FILE)
+    if data is None:
+        return None
+    record = parse_json(data, storage.where(BEST_FILE))
+    return BestCheckpoint(**{f.name: record[f.name] for f in dataclasses.fields(BestCheckpoint)})
+
+
+def save_best(run: str | Path | Storage, best: BestCheckpoint) -> None:
+    """Write RUN/checkpoints/best.json (one atomic write: the old record or the new one)."""
+    storage = run if isinstance(run, Storage) else open_storage(run)
+    storage.write(BEST_FILE, to_json(dataclasses.asdict(best)).encode("utf-8"))

@@ -185,7 +185,7 @@ def run_command(
     no_wait: bool = NO_WAIT,
 ) -> None:
     """Run the round loop (generate -> curate -> train -> evaluate); rerun to resume after a kill."""
-    from curation.store.runlog import REPORT_DIR
+    from curation.store.runlog import REPORT_DIR, load_best
 
     folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait, overrides, report=True)
     show_table(f"{folder}", _ROUND_COLUMNS, [_round_row(rec) for rec in records])
@@ -194,6 +194,10 @@ def run_command(
         start, final = evaluated[0], evaluated[-1]
         console.print(f"eval accuracy {100 * start:.1f}% -> {100 * final:.1f}% "
                       f"({100 * (final - start):+.1f} points) in {records[-1].get('elapsed_seconds', 0):.0f} s")
+    best = load_best(str(folder))
+    if best is not None:
+        console.print(f"best checkpoint: round {best.round}, eval accuracy {100 * best.eval_accuracy:.1f}% "
+                      f"(policy_version {best.policy_version}): {str(folder).rstrip('/')}/{best.checkpoint}")
     console.print(f"report: {str(folder).rstrip('/')}/{REPORT_DIR}")
 
 

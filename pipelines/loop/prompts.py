@@ -18,6 +18,12 @@ adds a file trains on it next); h is a seeded 64-bit hash of the prompt for the 
                   prompts worth training on and `floor` for saturated ones; a pure function of
                   (seed, round, the earlier rounds' scores)
 
+With `[prompts] curriculum = true` (pipelines/loop/curriculum.py) both strategies put rested
+prompts (solved: recent pass rate >= `solved`, within `rest_rounds` rounds of their last
+round) after all others, and weigh unsolved ones (no pass after `unsolved_visits` rounds)
+`unsolved_weight`: least_used sorts by (rested, times used / weight, not new, h),
+informative by (rested, not new, -ln(u) / (weight x unsolved weight), h).
+
 A prompt is saturated when every reward of its samples in the last `window` rounds it was
 sampled in (the scores tables of earlier rounds) is the same: recent pass rate p = 0 or 1
 for a 0/1 reward, a group that filter drops as zero_variance and that costs sampling but
@@ -42,7 +48,7 @@ and never rewrites an earlier round's; a book is for one run and one set of trai
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -56,6 +62,7 @@ from curation.generate.base import load_prompts
 from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
 from curation.store.runlog import load_pipeline_state, round_prompts_rel, save_pipeline_state, write_atomic
+from pipelines.loop.curriculum import PromptHistory, curriculum_rules, default_rest_rounds
 
 __all__ = ["PromptBook", "PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak"]
 
@@ -75,6 +82,22 @@ class PromptChoice(BaseModel):
     floor: float = Field(
         0.1, gt=0, le=1, description="informative: weight of a saturated prompt (all recent rewards equal: pass "
                                      "rate 0 or 1) against 1 for the others; > 0, so none is dropped for good.")
+    solved: float = Field(
+        0.9, gt=0, le=1, description="[prompts] curriculum: a prompt whose pass rate over the last `window` rounds "
+                                     "it was sampled in is at least this rests for `rest_rounds` rounds.")
+    rest_rounds: int | None = Field(
+        None, ge=1, description="[prompts] curriculum: rounds a solved prompt rests after its last round (it goes "
+                                "after every other prompt meanwhile); default: the rounds the pool takes to go "
+                                "round twice, 2 x ceil(pool / per_round).")
+    unsolved_visits: int = Field(
+        2, ge=1, description="[prompts] curriculum: a prompt with no pass after this many rounds counts as "
+                             "unsolved and weighs `unsolved_weight`.")
+    unsolved_weight: float = Field(
+        0.25, gt=0, le=1, description="[prompts] curriculum: weight of an unsolved prompt (least_used: each of its "
+                                      "uses counts 1 / weight times; informative: its draw weight times this).")
+    pass_reward: float = Field(
+        1.0, description="[prompts] curriculum: a sample passes when its reward is at least this (1.0: a 0/1 "
+                         "reward's pass).")
 
 
 class _Context(Protocol):
@@ -127,13 +150,30 @@ def _ranking_keys(ctx: _Context, round: int, state: dict) -> tuple[_Pool, list[n
     seen = set(state.get("prompt_files", []))
     pool = ctx.prompts.pool(ctx.prompt_files, seen if seen else None)
     h = tiebreak(spec.run.seed, round, pool.keys)
+    rules = _curriculum(ctx, round, pool, choice)
     if choice.strategy == "least_used":
-        # (times used, not new) as one key: not_new is 0 or 1.
-        return pool, [ctx.prompts.times_used(ctx.store, round) * 2 + pool.not_new, h]
+        used = ctx.prompts.times_used(ctx.store, round)
+        if rules is None:  # (times used, not new) as one key: not_new is 0 or 1.
+            return pool, [used * 2 + pool.not_new, h]
+        rested, weight = rules
+        return pool, [rested, used / weight, pool.not_new, h]
     rates = pass_rates(ctx.store, round, choice.window)
     weight = pool.per_prompt({prompt_id: choice.floor for prompt_id, (_, flat) in rates.items() if flat}, 1.0)
     u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53  # h's top 53 bits, in (0, 1)
-    return pool, [pool.not_new, -np.log(u) / weight, h]
+    if rules is None:
+        return pool, [pool.not_new, -np.log(u) / weight, h]
+    rested, unsolved = rules
+    return pool, [rested, pool.not_new, -np.log(u) / (weight * unsolved), h]
+
+
+def _curriculum(ctx: _Context, round: int, pool: _Pool, choice: PromptChoice) -> tuple[np.ndarray, np.ndarray] | None:
+    """(rested, weight) per pool prompt under `[prompts] curriculum` (pipelines/loop/curriculum.py);
+    None when it is off."""
+    if not getattr(ctx.spec.prompts, "curriculum", False):
+        return None
+    stats = ctx.prompts.history.through(ctx.store, round, choice.window, choice.pass_reward)
+    rest = choice.rest_rounds or default_rest_rounds(len(pool.ids), ctx.spec.prompts.per_round)
+    return curriculum_rules(stats, pool.ids, round, choice, rest)
 
 
 def first_in_order(keys: list[np.ndarray], count: int) -> np.ndarray:
@@ -185,6 +225,8 @@ class PromptBook:
     """Per pool position: the rounds before `_counted` that sampled it."""
     _counted: int = 1
     """The first round not counted in `_used` yet."""
+    history: PromptHistory = field(default_factory=PromptHistory)
+    """Each sampled prompt's pass-rate history (`[prompts] curriculum`: pipelines/loop/curriculum.py)."""
 
     def pool(self, files: list[str], seen: set[str] | None) -> _Pool:
         """The pool of `files` (the run's train files) with which of them are new to the run

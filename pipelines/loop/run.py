@@ -8,9 +8,11 @@
                -> score -> filter -> label (-> pair, when the objective trains on pairs or with
                   `[run] pairs = "every_round"`; `groupforge pair RUN` makes them afterwards)
                -> refill: too few kept groups -> sample more prompts, curate again ([run] refill)
+               -> `[prompts] curriculum`: commit the round's rows of the prompt_stats table
                -> train `steps_per_round` optimizer steps on round n (+ `replay_rounds` earlier ones)
                -> checkpoint (every `checkpoint_every` rounds and the last) -> evaluate (every
-                  `[eval] every` rounds, round 0 and the last)
+                  `[eval] every` rounds, round 0 and the last; `[run] keep_best`: each of them
+                  checkpoints and RUN/checkpoints/best.json names the best)
                -> append a record to RUN/metrics.jsonl, with the seconds of each phase
 
 Every stage is resumable, so killing the process at any point and rerunning the same
@@ -61,10 +63,13 @@ from curation.store.runlog import (
 from curation.store.storage import Storage
 from curation.store.verify import check_run
 from pipelines.loop.context import EvalSet, Phases, RoundContext, RoundStart, live_generator
+from pipelines.loop.curriculum import record_history
 from pipelines.loop.prompts import choose_prompts
 from pipelines.loop.refill import refill
 from pipelines.loop.steps import (
     curate_round,
+    evaluates,
+    keep_best,
     loop_stages,
     prefetch,
     replay,
@@ -194,9 +199,11 @@ def begin_round(ctx: RoundContext, round: int) -> RoundStart:
 
 
 def finish_round(ctx: RoundContext, round: int) -> RoundRecord:
-    """The end of round `round` >= 1, whose tables are curated: train, evaluate (when the round
-    does), and the round's record from its tables and manifests."""
+    """The end of round `round` >= 1, whose tables are curated: its prompt_stats rows (`[prompts]
+    curriculum`), train, evaluate (when the round does; `[run] keep_best`), and the round's
+    record from its tables and manifests."""
     spec, start = ctx.spec, begin_round(ctx, round)
+    record_history(ctx, round)  # [prompts] curriculum: the round's prompt_stats rows
     since = ctx.metrics.position()
     steps, decay_steps = train_round(ctx, round, start.policy_version)
     rates = [s["tokens_per_s"] for s in ctx.metrics.records_since(since)
@@ -204,6 +211,8 @@ def finish_round(ctx: RoundContext, round: int) -> RoundRecord:
 
     # -- evaluate the new policy -------------------------------------------------------------
     accuracy = evaluate(ctx, steps) if evaluates(ctx, round) else None
+    if spec.run.keep_best and accuracy is not None:
+        keep_best(ctx, round, steps, accuracy)
     stats = round_stats(ctx.store, round, paired="pair" in loop_stages(spec))
     ctx.store.release()
     manifests = sampling_manifests(ctx.store, round)
@@ -249,11 +258,6 @@ def evaluate_start(ctx: RoundContext) -> RoundRecord:
     return RoundRecord(round=0, eval_accuracy=accuracy, objective=ctx.spec.train.objective,
                        wall_seconds=wall, elapsed_seconds=wall, phase_seconds=phases,
                        model_seconds=round(ctx.clock.model, 4))
-
-
-def evaluates(ctx: RoundContext, round: int) -> bool:
-    """Whether `round` evaluates: round 0, the last round, and every `[eval] every`-th."""
-    return round == 0 or round >= ctx.target_rounds or round % ctx.spec.eval.every == 0
 
 
 def evaluate(ctx: RoundContext, policy_version: int) -> float:

@@ -7,6 +7,8 @@
                         before the next runs (the next reads it from the store's held parts)
     round_stats         reward mean, samples, groups, kept groups, pairs: from those tables
     train_round         the round's optimizer steps; checkpoint every `checkpoint_every` rounds
+    evaluates           whether a round evaluates (`[eval] every`, round 0, the last)
+    keep_best           `[run] keep_best`: RUN/checkpoints/best.json names the best evaluated checkpoint
     replay              after a restart, train again the rounds no checkpoint holds
 """
 
@@ -26,7 +28,7 @@ from curation.generate.base import Generator
 from curation.generate.stage import GenerateResult, generate
 from curation.stages.runner import StageReport, run_stage
 from curation.store.run_store import RunStore
-from curation.store.runlog import RoundRecord
+from curation.store.runlog import BestCheckpoint, RoundRecord, save_best
 from pipelines.loop.context import RoundContext, live_generator
 from pipelines.loop.curate import STAGES
 from pipelines.spec import PipelineSpec
@@ -141,12 +143,14 @@ def _kept(groups: pa.Table) -> int:
 def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int, int]:
     """Train round `round`'s steps from `start_version`: `steps_per_round`, or with
     `[train] passes` the steps that draw its rows that many times. Checkpoints every
-    `checkpoint_every` rounds and in the last. Returns (policy_version after, cosine horizon)."""
+    `checkpoint_every` rounds and in the last (with `[run] keep_best`, in every round that
+    evaluates). Returns (policy_version after, cosine horizon)."""
     spec = ctx.spec
     decay_steps = cosine_horizon(spec, ctx.target_rounds)
     cfg = train_config(spec, round, decay_steps)
     steps = spec.run.steps_per_round
-    save = round % spec.run.checkpoint_every == 0 or round >= ctx.target_rounds
+    save = round % spec.run.checkpoint_every == 0 or round >= ctx.target_rounds or \
+        (spec.run.keep_best and evaluates(ctx, round))
     if cfg.passes is not None:
         rows = count_training_rows(ctx.store, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
         steps = steps_for_passes(rows, cfg.batch_size, cfg.passes)
@@ -156,6 +160,30 @@ def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int,
     except NoTrainingData as exc:
         ctx.log(f"round {round}: no training ({exc})")
         return start_version, decay_steps
+
+
+def evaluates(ctx: RoundContext, round: int) -> bool:
+    """Whether `round` evaluates: round 0, the last round, and every `[eval] every`-th."""
+    return round == 0 or round >= ctx.target_rounds or round % ctx.spec.eval.every == 0
+
+
+def keep_best(ctx: RoundContext, round: int, policy_version: int, accuracy: float) -> BestCheckpoint | None:
+    """`[run] keep_best`: name round `round`'s checkpoint in RUN/checkpoints/best.json when its eval
+    accuracy beats every earlier round's (rounds >= 1; the earliest wins a tie). The round
+    checkpointed its weights (train_round), unless it trained none (no checkpoint to keep).
+    Returns the new record, or None when the best stays."""
+    earlier = [record["eval_accuracy"] for done, record in ctx.records.items()
+               if 1 <= done < round and record.get("eval_accuracy") is not None]
+    if earlier and accuracy <= max(earlier):
+        return None
+    if policy_version not in ckpt.checkpoint_steps(ctx.location):
+        ctx.log(f"round {round}: keep_best: no checkpoint of policy_version {policy_version} (nothing trained yet)")
+        return None
+    best = BestCheckpoint(round=round, policy_version=policy_version, eval_accuracy=accuracy,
+                          checkpoint=ckpt.checkpoint_rel(policy_version))
+    save_best(ctx.location.storage, best)
+    ctx.log(f"round {round}: best eval accuracy so far ({100 * accuracy:.1f}%): kept {best.checkpoint}")
+    return best
 
 
 def cosine_horizon(spec: PipelineSpec, target_rounds: int) -> int:

@@ -20,6 +20,7 @@ _SHOWN_COLUMNS = {
     "groups": ["round", "prompt_id", "sample_idx", "reward", "advantage", "group_kept"],
     "rejects": ["round", "prompt_id", "sample_idx", "stage", "reason", "detail"],
     "pairs": ["round", "prompt_id", "chosen_idx", "rejected_idx", "margin", "soft_label"],
+    "prompt_stats": ["round", "prompt_id", "rounds_seen", "samples", "passes", "pass_rate"],
 }
 
 

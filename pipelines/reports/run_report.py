@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 from curation.faults import fault_point
 from curation.store.location import RunLocation
-from curation.store.runlog import METRICS_FILE, PHASES, REPORT_DIR, MetricsLog, write_atomic
+from curation.store.runlog import METRICS_FILE, PHASES, REPORT_DIR, BestCheckpoint, MetricsLog, load_best, write_atomic
 from curation.store.storage import Storage
 from pipelines.reports.markdown import markdown_table
 
@@ -197,20 +197,21 @@ def _seconds2(seconds: float | None) -> str | None:
 
 
 def table_counts_markdown(run_dir: str | Path | Storage) -> str:
-    """A markdown section with the rows of each table per round and the rejects by stage and
-    reason, read from the run's Parquet tables ("" when the run has no tables)."""
+    """A markdown section with the rows of each table that holds any per round and the rejects by
+    stage and reason, read from the run's Parquet tables ("" when the run has no tables)."""
     import duckdb
 
     from curation.store.layout import ROUND_TABLES
     from curation.store.run_store import RunStore
 
     store = RunStore(run_dir).snapshot()  # whole commits only, while a job may be writing
-    rounds = sorted({round for table in ROUND_TABLES for round in store.rounds(table)})
+    tables = [table for table in ROUND_TABLES if store.files(table)]
+    rounds = sorted({round for table in tables for round in store.rounds(table)})
     if not rounds:
         return ""
     rows, reasons = [], {}
     for round in rounds:
-        counts = [sum(store.row_count(rel) for rel in store.files(table, round)) for table in ROUND_TABLES]
+        counts = [sum(store.row_count(rel) for rel in store.files(table, round)) for table in tables]
         if store.files("rejects", round):
             rejects = store.read_columns("rejects", ["stage", "reason"], round)  # noqa: F841 (read by the SQL)
             by_reason = "SELECT stage, reason, count(*) FROM rejects GROUP BY ALL ORDER BY ALL"
@@ -222,7 +223,7 @@ def table_counts_markdown(run_dir: str | Path | Storage) -> str:
     text = ["", "## Tables", "",
             "Rows per table and round, read from the run's Parquet files, and the rejected rows by "
             "stage and reason (a whole-prompt reject counts once).", "",
-            markdown_table(["round", *ROUND_TABLES, *reason_names], rows)]
+            markdown_table(["round", *tables, *reason_names], rows)]
     return "\n".join(text) + "\n"
 
 
@@ -230,8 +231,16 @@ def table_counts_markdown(run_dir: str | Path | Storage) -> str:
 # Reports
 # ---------------------------------------------------------------------------------------------
 
+def best_line(best: BestCheckpoint | None) -> str | None:
+    """The kept checkpoint of `[run] keep_best` in one line (None: the run keeps none)."""
+    if best is None:
+        return None
+    return (f"**Best checkpoint** (`[run] keep_best`): round {best.round}, eval accuracy "
+            f"{_pct(best.eval_accuracy)}%, policy_version {best.policy_version}: `{best.checkpoint}`.")
+
+
 def _summary_markdown(name: str, rounds: list[dict], steps: list[dict], skipped: int,
-                      objective: str | None) -> str:
+                      objective: str | None, best: BestCheckpoint | None = None) -> str:
     acc = _accuracy(rounds)
     totals = _run_totals(rounds, steps)
     facts = [f"objective **{objective or 'unknown'}**"]
@@ -242,7 +251,9 @@ def _summary_markdown(name: str, rounds: list[dict], steps: list[dict], skipped:
         facts.append(f"{totals['samples']} samples generated")
     if totals["seconds"] is not None:
         facts.append(f"{totals['seconds']:.1f} s wall")
-    parts = [f"# Run report: {name}", "", " · ".join(facts), "", _accuracy_line(acc), "", "## Rounds", ""]
+    kept = best_line(best)
+    parts = [f"# Run report: {name}", "", " · ".join(facts), "", _accuracy_line(acc), "",
+             *([kept, ""] if kept else []), "## Rounds", ""]
 
     if rounds:
         headers = ["round", "eval acc (%)", "reward mean", "kept groups", "groups", "pairs", "samples",
@@ -300,7 +311,7 @@ def report_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     plots.save_figure(plots.progress_figure(rounds, title), out / "progress.png")
     plots.save_figure(plots.training_figure(rounds, steps, title, objective), out / "training.png")
-    summary = _summary_markdown(location.name, rounds, steps, skipped, objective) \
+    summary = _summary_markdown(location.name, rounds, steps, skipped, objective, load_best(location.storage)) \
         + table_counts_markdown(location.storage)
     fault_point("report.before_write")
     write_atomic(out / "summary.md", summary)
