@@ -745,3 +745,20 @@ def loop_seq_ratio(logp, old, m, i):
         log_sum += m[i][t] * (logp[i][t] - old[i][t])
         length += m[i][t]
     return math.exp(log_sum / length)
+
+
+PROMPT_STATS_SQL = """
+WITH per_round AS (
+    SELECT prompt_id, round, count(reward) AS n, count_if(reward >= 1.0) AS p FROM scores GROUP BY ALL
+)
+SELECT prompt_id, round,
+       count(*) OVER upto AS rounds_seen, sum(n) OVER upto AS samples, sum(p) OVER upto AS passes,
+       sum(n) OVER recent AS recent_samples, sum(p) OVER recent AS recent_passes
+FROM per_round
+WINDOW upto AS (PARTITION BY prompt_id ORDER BY round ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW),
+       recent AS (PARTITION BY prompt_id ORDER BY round ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)
+ORDER BY round, prompt_id
+"""
+"""prompt_stats computed independently of pipelines/loop/curriculum.py from a `scores` table in
+scope: each (prompt, round that sampled it), its counts as of that round, the recent ones over
+its last 2 rounds (window = 2)."""

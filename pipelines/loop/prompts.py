@@ -169,7 +169,7 @@ def _ranking_keys(ctx: _Context, round: int, state: dict) -> tuple[_Pool, list[n
 def _curriculum(ctx: _Context, round: int, pool: _Pool, choice: PromptChoice) -> tuple[np.ndarray, np.ndarray] | None:
     """(rested, weight) per pool prompt under `[prompts] curriculum` (pipelines/loop/curriculum.py);
     None when it is off."""
-    if not getattr(ctx.spec.prompts, "curriculum", False):
+    if not ctx.spec.prompts.curriculum:
         return None
     stats = ctx.prompts.history.through(ctx.store, round, choice.window, choice.pass_reward)
     rest = choice.rest_rounds or default_rest_rounds(len(pool.ids), ctx.spec.prompts.per_round)

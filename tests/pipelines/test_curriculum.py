@@ -18,7 +18,7 @@ from pipelines.loop.curriculum import STAGE, PromptHistory, PromptStat, curricul
 from pipelines.loop.prompts import PromptChoice, choose_prompts, ranked_prompts
 from pipelines.loop.run import RoundContext
 from pipelines.spec import PipelineSpec
-from tests.helpers import PROMPTS, chosen, prompt_file, sampled
+from tests.helpers import PROMPT_STATS_SQL, PROMPTS, chosen, prompt_file, sampled
 
 
 def scored(store: RunStore, round: int, rewards: dict[str, list[float | None]]) -> None:
@@ -44,22 +44,6 @@ def context(run_dir: Path, train: Path, per_round: int, curriculum: bool = True,
     return RoundContext(spec=spec, store=RunStore(run_dir))
 
 
-INDEPENDENT_SQL = """
-WITH per_round AS (
-    SELECT prompt_id, round, count(reward) AS n, count_if(reward >= 1.0) AS p FROM scores GROUP BY ALL
-)
-SELECT prompt_id, round,
-       count(*) OVER upto AS rounds_seen, sum(n) OVER upto AS samples, sum(p) OVER upto AS passes,
-       sum(n) OVER recent AS recent_samples, sum(p) OVER recent AS recent_passes
-FROM per_round
-WINDOW upto AS (PARTITION BY prompt_id ORDER BY round ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW),
-       recent AS (PARTITION BY prompt_id ORDER BY round ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)
-ORDER BY round, prompt_id
-"""
-"""Each (prompt, round that sampled it): its counts as of that round, the recent ones over its
-last 2 rounds (window = 2)."""
-
-
 def test_prompt_stats_rows_match_an_independent_count_of_the_scores(tmp_path):
     ctx = context(tmp_path / "run", prompt_file(tmp_path / "p.parquet", PROMPTS[:6]), per_round=4, window=2)
     a, b, c, d = PROMPTS[:4]
@@ -77,7 +61,7 @@ def test_prompt_stats_rows_match_an_independent_count_of_the_scores(tmp_path):
 
     table = ctx.store.read(STAGE)
     scores = ctx.store.read("scores")  # noqa: F841 (read by the SQL)
-    expected = duckdb.sql(INDEPENDENT_SQL).fetchall()
+    expected = duckdb.sql(PROMPT_STATS_SQL).fetchall()
     got = table.select(["prompt_id", "round", "rounds_seen", "samples", "passes", "recent_samples",
                         "recent_passes"]).to_pylist()
     assert [tuple(row.values()) for row in got] == expected

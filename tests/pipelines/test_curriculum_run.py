@@ -20,8 +20,7 @@ from curation.rewards.registry import get_reward
 from curation.store.run_store import RunStore
 from pipelines.loop.run import eval_set, run_pipeline
 from pipelines.spec import load_spec
-from tests.helpers import FAULTS_SPEC, REPO, check_tables, round_records
-from tests.pipelines.test_curriculum import INDEPENDENT_SQL
+from tests.helpers import FAULTS_SPEC, PROMPT_STATS_SQL, REPO, check_tables, round_records
 
 REST_ROUNDS, SOLVED = 2, 0.5  # the toy with 6 tokens passes at most half of a prompt's 4 samples here
 SPEC = (FAULTS_SPEC.replace("rounds = 2", "rounds = 4")
@@ -68,7 +67,7 @@ def test_a_killed_curriculum_run_chooses_as_an_unkilled_one_and_keeps_its_best(t
         scores = RunStore(run).read("scores")  # noqa: F841 (read by the SQL)
         got = stats[run].select(["prompt_id", "round", "rounds_seen", "samples", "passes", "recent_samples",
                                  "recent_passes"]).to_pylist()
-        assert [tuple(row.values()) for row in got] == duckdb.sql(INDEPENDENT_SQL).fetchall()
+        assert [tuple(row.values()) for row in got] == duckdb.sql(PROMPT_STATS_SQL).fetchall()
 
     # The rule held: a chosen prompt rested only when the prompts not resting ran short.
     history = stats[whole]  # noqa: F841 (read by the SQL)
