@@ -107,8 +107,9 @@ def groupforge_definitions(spec_path: str | Path, run_dir: str | None = None,
 def round_steps(spec: PipelineSpec) -> list[Step]:
     """The steps of a round of `spec`, in order, with the tables each reads and writes."""
     stages = loop_stages(spec)
-    steps = [Step("prompts", ("prompts.train files", "samples"), ("_rounds/round=<n>/prompts.parquet",
-                                                                  "pipeline.json"),
+    history = ("prompt_stats",) if spec.prompts.curriculum else ()  # [prompts] curriculum's table
+    steps = [Step("prompts", ("prompts.train files", "samples", *history), ("_rounds/round=<n>/prompts.parquet",
+                                                                              "pipeline.json"),
                   _choose, "The round's prompts: least used first, then prompts of new files (written once)."),
              Step("generate", generate_stage.READS, generate_stage.WRITES, _generate,
                   "G responses per prompt with the newest policy.")]
@@ -121,7 +122,7 @@ def round_steps(spec: PipelineSpec) -> list[Step]:
         steps.append(Step("refill", ("groups",), tuple(dict.fromkeys(written)), _refill(stages),
                           "More prompts while too few groups are kept ([run] refill), curated again."))
     trained_on = ("samples", "pairs") if spec.train.objective == "pairwise" else ("samples", "groups")
-    steps.append(Step("train", trained_on, ("checkpoints", "metrics.jsonl"), _train,
+    steps.append(Step("train", trained_on, ("checkpoints", "metrics.jsonl", *history), _train,
                       "Train the round's steps, evaluate, append the round's record (round 0: evaluate the "
                       "start model)."))
     if spec.export.append_to is not None:
