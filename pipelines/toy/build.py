@@ -66,6 +66,7 @@ from curation.errors import disk_write
 from curation.rewards.scratchpad import WELL_FORMED
 from curation.store.fingerprints import config_hash
 from curation.store.storage import process_alive
+from pipelines.toy.families import FAMILIES
 from pipelines.toy.task import (
     TASK_DESCRIPTIONS,
     VARIANTS,
@@ -205,7 +206,7 @@ def _replace_dir(new: Path, out: Path) -> None:
 def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> dict:
     import torch
 
-    from pipelines.toy.model import TASK_CHARACTERS, greedy_responses, make_model, make_tokenizer, pass_at_k, warm_start
+    from pipelines.toy.model import greedy_responses, make_model, make_tokenizer, pass_at_k, warm_start
 
     started = time.perf_counter()
     train, eval_ = make_problems(config, seed)
@@ -217,7 +218,7 @@ def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> d
 
     with _torch_threads(config.num_threads):
         torch.manual_seed(seed)
-        tokenizer = make_tokenizer(config.max_position_embeddings, TASK_CHARACTERS[config.task])
+        tokenizer = make_tokenizer(config.max_position_embeddings, FAMILIES[config.task].characters)
         model = make_model(config, tokenizer)
         warm = warm_start(model, tokenizer, supervised, eval_, config, seed, progress)
         model_dir = folder / MODEL_DIR

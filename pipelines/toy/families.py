@@ -1,0 +1,136 @@
+"""The toy's task families, one table entry each: the operands a problem is made of, its prompt,
+its reference, the response the warm start learns and the answer a response gives.
+
+A problem is a tuple of integer operands, each from an inclusive range (most ranges are
+ToyConfig's `operand_min..operand_max`); a family's problems are all such tuples, which
+pipelines/toy/task.py shuffles and splits into eval and train prompts. The reward of every
+family is exact match of the response's answer with the reference:
+
+    addition    37+48=          ->  85
+    scratchpad  347+586=        ->  7+6+0=13 4+8+1=13 3+5+1=09 #### 933   (answer after ####)
+    multiply    347*6=          ->  2082
+    reverse     rev(38271)=     ->  17283
+    sort        sort(38271)=    ->  12378
+    max         max(374,829)=   ->  829
+
+Light on purpose (no numpy, no pydantic): ToyConfig's flags and the tokenizer read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from curation.rewards.scratchpad import final_answer, scratchpad_solution
+
+CHARACTERS = "0123456789+-*="
+"""The character vocabulary after the tokenizer's special tokens (ids 4..): addition's, and the
+start of every family's (`Family.characters`), so that these characters keep their ids."""
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A task family: every callable but `operands` and `answer` takes the operands as ints."""
+
+    operands: Callable[[int, int], tuple[Range, ...]]
+    """The inclusive range of each operand, given ToyConfig's (operand_min, operand_max)."""
+    prompt: Callable[..., str]
+    reference: Callable[..., str]
+    example: tuple[int, ...]
+    """Operands shown in the docs and the --task help."""
+    description: str
+    """What toy.json records as the task."""
+    response: Callable[..., str] | None = None
+    """The response the warm start learns; None: the reference."""
+    answer: Callable[[str], str | None] = str.strip
+    """The answer a response gives; the reward is its exact match with the reference."""
+    characters: str = CHARACTERS
+    """The tokenizer's characters: CHARACTERS, then any more the family's prompts and responses use."""
+    defaults: dict = field(default_factory=dict)
+    """ToyConfig field defaults where they differ from the addition toy's."""
+
+
+# The families beside addition and the scratchpad: each a different skill with a short answer
+# (3-5 tokens), sized so that 8,192 train + 400 eval prompts fit in its problems, and
+# warm-started to the same greedy accuracy (0.30) as addition.
+_SHORT_ANSWER = {"n_train": 8192}
+
+FAMILIES: dict[str, Family] = {
+    "addition": Family(
+        operands=lambda lo, hi: ((lo, hi), (lo, hi)),
+        prompt=lambda a, b: f"{a}+{b}=",
+        reference=lambda a, b: str(a + b),
+        example=(37, 48),
+        description="two-digit addition; reward = exact match of response.strip() with reference",
+    ),
+    "scratchpad": Family(
+        operands=lambda lo, hi: ((lo, hi), (lo, hi)),
+        prompt=lambda a, b: f"{a}+{b}=",
+        reference=lambda a, b: str(a + b),
+        example=(347, 586),
+        description="addition with a column-by-column scratchpad; reward = final_answer (the text after the last "
+        "'####' equals reference), partial credit = scratchpad_steps",
+        response=scratchpad_solution,
+        answer=final_answer,
+        characters=CHARACTERS + " #",
+        # 3-digit operands (36-37 tokens per response), a train set the size of a warm start
+        # rather than all 809,600 prompts, a quarter of the addition model's weights and one
+        # thread: ~4x longer sequences make tokens the cost of the build and of every RL round
+        defaults={
+            "operand_min": 100,
+            "operand_max": 999,
+            "n_train": 20000,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "intermediate_size": 256,
+            "target_accuracy": 0.25,  # accuracy climbs in jumps here (0.12 -> 0.29 -> 0.41 in 10 steps)
+            "num_threads": 1,
+        },
+    ),
+    "multiply": Family(
+        operands=lambda lo, hi: ((lo, hi), (1, 9)),
+        prompt=lambda a, d: f"{a}*{d}=",
+        reference=lambda a, d: str(a * d),
+        example=(347, 6),
+        description="a 2-3 digit number times a digit; reward = exact match of response.strip() with reference",
+        defaults={"operand_min": 10, "operand_max": 999, **_SHORT_ANSWER},
+    ),
+    "reverse": Family(
+        operands=lambda lo, hi: ((lo, hi),),
+        prompt=lambda n: f"rev({n})=",
+        reference=lambda n: str(n)[::-1],
+        example=(38271,),
+        description="the digits of a five-digit number in reverse order; reward = exact match of response.strip() "
+        "with reference",
+        characters=CHARACTERS + "rev()",
+        defaults={"operand_min": 10000, "operand_max": 99999, **_SHORT_ANSWER},
+    ),
+    "sort": Family(
+        operands=lambda lo, hi: ((lo, hi),),
+        prompt=lambda n: f"sort({n})=",
+        reference=lambda n: "".join(sorted(str(n))),
+        example=(38271,),
+        description="the digits of a five-digit number in ascending order; reward = exact match of response.strip() "
+        "with reference",
+        characters=CHARACTERS + "sort()",
+        defaults={"operand_min": 10000, "operand_max": 99999, **_SHORT_ANSWER},
+    ),
+    "max": Family(
+        operands=lambda lo, hi: ((lo, hi),) * 2,
+        prompt=lambda a, b: f"max({a},{b})=",
+        reference=lambda a, b: str(max(a, b)),
+        example=(374, 829),
+        description="the larger of two three-digit numbers; reward = exact match of response.strip() with reference",
+        characters=CHARACTERS + "max(),",
+        defaults={"operand_min": 100, "operand_max": 999, **_SHORT_ANSWER},
+    ),
+}
+"""The toy's task families by name (`ToyConfig.task`); addition first, the default."""
+
+
+def example(name: str) -> tuple[str, str]:
+    """(prompt, supervised response) of a family's example operands."""
+    family = FAMILIES[name]
+    return family.prompt(*family.example), (family.response or family.reference)(*family.example)
