@@ -6,14 +6,14 @@ ToyConfig's `operand_min..operand_max`); a family's problems are all such tuples
 pipelines/toy/task.py shuffles and splits into eval and train prompts. The reward of every
 family is exact match of the response's answer with the reference:
 
-    addition    37+48=          ->  85
-    scratchpad  347+586=        ->  7+6+0=13 4+8+1=13 3+5+1=09 #### 933   (answer after ####)
-    multiply    347*6=          ->  2082
-    reverse     rev(38271)=     ->  17283
-    sort        sort(38271)=    ->  12378
-    max         max(374,829)=   ->  829
+    addition    37+48=                ->  85
+    scratchpad  347+586=              ->  7+6+0=13 4+8+1=13 3+5+1=09 #### 933   (answer after ####)
+    multiply    347*6=                ->  2082
+    reverse     rev(83071536)=        ->  63517038
+    sort        sort(83071536)=       ->  01335678
+    max         max(374018,372955)=   ->  374018
 
-Light on purpose (no numpy, no pydantic): ToyConfig's flags and the tokenizer read it.
+Light on purpose (no torch): ToyConfig's flags and the tokenizer read it.
 """
 
 from __future__ import annotations
@@ -53,9 +53,12 @@ class Family:
 
 
 # The families beside addition and the scratchpad: each a different skill with a short answer
-# (3-5 tokens), sized so that 8,192 train + 400 eval prompts fit in its problems, and
-# warm-started to the same greedy accuracy (0.30) as addition.
+# (4-8 tokens) on addition's model (529k parameters) and target (greedy accuracy 0.30), with
+# 8,192 train prompts. Operand sizes: where a warm start needs 40-250 steps to the target
+# (longer operands put it off; three 2-digit operands summed never got past 0.14 in 1,200).
 _SHORT_ANSWER = {"n_train": 8192}
+# reverse and sort go from 0.3 to 0.4-0.5 in 5 steps: checked every 2 they stop nearer the target
+_LEARNED_IN_A_JUMP = {"eval_every": 2}
 
 FAMILIES: dict[str, Family] = {
     "addition": Family(
@@ -101,30 +104,30 @@ FAMILIES: dict[str, Family] = {
         operands=lambda lo, hi: ((lo, hi),),
         prompt=lambda n: f"rev({n})=",
         reference=lambda n: str(n)[::-1],
-        example=(38271,),
-        description="the digits of a five-digit number in reverse order; reward = exact match of response.strip() "
+        example=(83071536,),
+        description="the digits of an eight-digit number in reverse order; reward = exact match of response.strip() "
         "with reference",
         characters=CHARACTERS + "rev()",
-        defaults={"operand_min": 10000, "operand_max": 99999, **_SHORT_ANSWER},
+        defaults={"operand_min": 10_000_000, "operand_max": 99_999_999, **_SHORT_ANSWER, **_LEARNED_IN_A_JUMP},
     ),
     "sort": Family(
         operands=lambda lo, hi: ((lo, hi),),
         prompt=lambda n: f"sort({n})=",
         reference=lambda n: "".join(sorted(str(n))),
-        example=(38271,),
-        description="the digits of a five-digit number in ascending order; reward = exact match of response.strip() "
+        example=(83071536,),
+        description="the digits of an eight-digit number in ascending order; reward = exact match of response.strip() "
         "with reference",
         characters=CHARACTERS + "sort()",
-        defaults={"operand_min": 10000, "operand_max": 99999, **_SHORT_ANSWER},
+        defaults={"operand_min": 10_000_000, "operand_max": 99_999_999, **_SHORT_ANSWER, **_LEARNED_IN_A_JUMP},
     ),
     "max": Family(
         operands=lambda lo, hi: ((lo, hi),) * 2,
         prompt=lambda a, b: f"max({a},{b})=",
         reference=lambda a, b: str(max(a, b)),
-        example=(374, 829),
-        description="the larger of two three-digit numbers; reward = exact match of response.strip() with reference",
+        example=(374018, 372955),
+        description="the larger of two six-digit numbers; reward = exact match of response.strip() with reference",
         characters=CHARACTERS + "max(),",
-        defaults={"operand_min": 100, "operand_max": 999, **_SHORT_ANSWER},
+        defaults={"operand_min": 100_000, "operand_max": 999_999, **_SHORT_ANSWER},
     ),
 }
 """The toy's task families by name (`ToyConfig.task`); addition first, the default."""

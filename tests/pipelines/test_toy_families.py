@@ -208,5 +208,8 @@ def test_the_warm_start_leaves_room_to_learn(task: str):
     meta = json.loads((out / META_FILE).read_text())
     assert meta["warm_start"]["steps"] < config.max_steps  # stopped on the target, not the cap
     assert config.target_accuracy <= meta["eval_greedy_accuracy"] <= config.target_accuracy + 0.2
-    assert 0 < meta["eval_greedy_accuracy"] < meta["eval_pass_at_8"] < 1  # room for group RL
+    assert 0 < meta["eval_greedy_accuracy"] < 1
+    # room for group RL: at temperature 1, 8 samples hold a right answer for a quarter of the
+    # prompts or more (errors compound over 4-8 answer tokens: pass@8 is 0.3-0.5 here, 0.69 on addition)
+    assert 0.25 <= meta["eval_pass_at_8"] < 1
     assert meta["rows"] == {"train": 8192, "eval": 400}
