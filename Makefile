@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 	$(PY) -m pip install -q --upgrade "pip>=24" "uv==0.13.9"
 	$(PY) -m pip install -q torch==2.13.0
 	PYTHONWARNINGS="ignore:Editable installation" \
-		$(UV) pip install -q --python $(PY) -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers]"
+		$(UV) pip install -q --python $(PY) -c requirements/cpu.lock -e ".[cpu,dev,ray,lora,trackers,dagster]"
 	$(UV) pip uninstall -q --python $(PY) torchvision torchaudio torchcodec || true
 	$(PY) -c "import vllm, torch, duckdb, polars; print('groupforge env ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -49,7 +49,8 @@ PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: install lint
 	$(PY) -m pytest -q --durations=30 -m "not exhaustive" $(PARALLEL)
 
-# Everything, the exhaustive cases too (14 more fault kills, the toy variants' builds, both engines on every bad model folder; ~10 min more).
+# Everything, the exhaustive cases too (15 more fault kills, a full disk late in the run, trainer ranks by c10d
+# rendezvous and FSDP2 in float32, the toy variants' builds, both engines on every bad model folder; ~12 min more).
 test-exhaustive: install lint
 	$(PY) -m pytest -q --durations=30 $(PARALLEL)
 

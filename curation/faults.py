@@ -1,10 +1,12 @@
-"""Named kill points for fault-injection tests: `GROUPFORGE_FAULT=<point>:<count>`.
+"""Named kill points for fault-injection tests: `GROUPFORGE_FAULT=<point>:<count>[:raise]`.
 
     GROUPFORGE_FAULT=commit.files_published:2 groupforge run spec.toml
 
-SIGKILLs the process the `count`-th time (1 = the first) it passes `fault_point("<point>")`.
-Several points may be given, comma-separated. Unset (always, outside tests), a point costs
-one dictionary lookup. The points, where they sit and what a kill there leaves behind:
+SIGKILLs the process the `count`-th time (1 = the first) it passes `fault_point("<point>")`;
+with `:raise` it raises `InjectedFault` there instead, once (a step that fails and is run
+again in the same process: an orchestrator's retry). Several points may be given,
+comma-separated. Unset (always, outside tests), a point costs one dictionary lookup. The
+points, where they sit and what a kill there leaves behind:
 
     generate.chunk_staged      a chunk of a multi-chunk round is staged (RUN/_staging)
     commit.files_published     a commit's part files are written, its commit log entry is not
@@ -20,6 +22,8 @@ one dictionary lookup. The points, where they sit and what a kill there leaves b
     report.before_write        the report's numbers are computed, no file written
     location.file_uploaded     a local file (a checkpoint's, the report's, a round's prompts) is
                                uploaded to an object-store run, the files after it are not
+    dataset.file_written       an append's data file is in the dataset's folder, its Delta version is
+                               not (curation/stages/dataset.py)
 
 `GROUPFORGE_PAUSE=<point>:<count>:<folder>` stops there instead: the process writes
 `<folder>/paused` and waits until `<folder>/resume` exists (concurrency tests: a reader runs
@@ -41,19 +45,27 @@ PAUSE_ENV = "GROUPFORGE_PAUSE"
 POINTS = ("generate.chunk_staged", "commit.files_published", "commit.logged", "stage.before_commit",
           "train.step_logged", "checkpoint.weights_written", "checkpoint.optimizer_written", "loop.after_curate",
           "loop.reload", "loop.eval", "export.before_rename", "report.before_write",
-          "location.file_uploaded")
+          "location.file_uploaded", "dataset.file_written")
+KINDS = ("kill", "raise")
 
 _passed: dict[str, int] = {}
 
 
-def _targets() -> dict[str, int]:
+class InjectedFault(RuntimeError):
+    """The failure a `<point>:<count>:raise` fault raises."""
+
+
+def _targets() -> dict[str, tuple[int, str]]:
+    """point -> (the pass it fires at, kill or raise)."""
     spec = os.environ.get(FAULT_ENV, "")
     targets = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
-        point, _, count = item.rpartition(":")
+        rest, _, kind = item.rpartition(":") if item.endswith(tuple(f":{k}" for k in KINDS)) else (item, "", "kill")
+        point, _, count = rest.rpartition(":")
         if point not in POINTS or not count.isdigit() or int(count) < 1:
-            raise ValueError(f"{FAULT_ENV}={spec!r}: {item!r} is not <point>:<count>; points: {', '.join(POINTS)}")
-        targets[point] = int(count)
+            raise ValueError(f"{FAULT_ENV}={spec!r}: {item!r} is not <point>:<count>[:raise]; points: "
+                             f"{', '.join(POINTS)}")
+        targets[point] = (int(count), kind)
     return targets
 
 
@@ -72,8 +84,8 @@ def _pause(name: str) -> None:
 
 
 def fault_point(name: str) -> None:
-    """SIGKILL this process here when GROUPFORGE_FAULT names `name` and this is the pass it counts
-    to; wait here when GROUPFORGE_PAUSE does."""
+    """SIGKILL this process here (or raise InjectedFault) when GROUPFORGE_FAULT names `name` and
+    this is the pass it counts to; wait here when GROUPFORGE_PAUSE does."""
     if PAUSE_ENV in os.environ:
         _pause(name)
     if FAULT_ENV not in os.environ:
@@ -82,5 +94,8 @@ def fault_point(name: str) -> None:
     if target is None:
         return
     _passed[name] = _passed.get(name, 0) + 1
-    if _passed[name] == target:
+    count, kind = target
+    if _passed[name] == count:
+        if kind == "raise":
+            raise InjectedFault(f"{FAULT_ENV}: injected failure at {name} (pass {count})")
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,7 +1,7 @@
 """Specs: TOML files validated by pydantic models, with errors that name the key and the file.
 
 A pipeline spec (`PipelineSpec`) describes a whole run: [run] [model] [prompts] [generator]
-[score] [filter] [label] [pair] [train] [eval]; every section maps 1:1 to a pydantic model
+[score] [filter] [label] [pair] [train] [eval] [export]; every section maps 1:1 to a pydantic model
 and an unknown or invalid key is an error naming the key and the file. The shipped specs
 are in pipelines/specs/.
 """
@@ -15,6 +15,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from curation.generate.base import GeneratorConfig, SamplingConfig, SamplingSettings
+from curation.generate.prompt_files import check_prompt_file, expand_prompt_files
+from curation.stages.export import ExportConfig
 from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
@@ -158,9 +160,10 @@ class ModelSection(SpecSection):
 
 
 class PromptsSection(SpecSection):
-    train: list[str] = Field(..., min_length=1, description="Prompt files (Parquet/JSONL); files added later are "
-                                                            "picked up by the next round (least-used prompts first).")
-    eval: str = Field(..., description="Held-out prompts with a `reference` column.")
+    train: list[str] = Field(..., min_length=1, description="Prompt files (Parquet/JSONL): paths, folders, globs "
+                             "(data/prompts/date=*/*.parquet) or object-store URLs (s3://bucket/prompts/date=*/), "
+                             "listed again by each `groupforge run`; prompts of files new to the run come first.")
+    eval: str = Field(..., description="Held-out prompts with a `reference` column (a file or an object URL).")
     per_round: int = Field(128, ge=1, description="Prompts sampled per round.")
     eval_limit: int | None = Field(None, ge=1, description="Evaluate on the first N eval prompts (default: all).")
     choice: PromptChoice = Field(default_factory=PromptChoice, description="How a round's prompts are chosen "
@@ -187,7 +190,8 @@ class EvalSection(SpecSection):
 
 
 class PipelineSpec(SpecSection):
-    """A whole run: [run] [model] [prompts] [generator] [score] [filter] [label] [pair] [train] [eval]."""
+    """A whole run: [run] [model] [prompts] [generator] [score] [filter] [label] [pair] [train] [eval]
+    [export]."""
 
     run: RunSection
     model: ModelSection
@@ -199,6 +203,8 @@ class PipelineSpec(SpecSection):
     pair: PairConfig = Field(default_factory=PairConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalSection = Field(default_factory=EvalSection)
+    export: ExportConfig = Field(default_factory=ExportConfig, description="[export] append_to: the Delta table "
+                                 "that `groupforge run` appends its finished rounds' export to at its end.")
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineSpec":
@@ -237,7 +243,8 @@ def todo_keys(raw: dict, prefix: str = "") -> list[tuple[str, str]]:
 def load_spec(path: str | Path, check_files: bool = True, overrides: list[str] = ()) -> PipelineSpec:
     """A pipeline spec from TOML, with `overrides` ("section.key=value", `parse_overrides`)
     applied; errors name the key and the file. Relative paths in the spec are relative to the
-    current directory. With `check_files`, the model folder and prompt files must exist."""
+    current directory. With `check_files`, the model folder and the eval file must exist and each
+    train entry must name at least one prompt file (`curation.generate.prompt_files`)."""
     raw = apply_overrides(read_toml(path), parse_overrides(list(overrides)))
     todo = todo_keys(raw)
     if todo:  # a starter spec's placeholders (`groupforge init`), named before anything else
@@ -249,9 +256,11 @@ def load_spec(path: str | Path, check_files: bool = True, overrides: list[str] =
         model = spec.model.path
         if not _has_model_config(model):
             raise ValueError(f"config {path}: model.path {model}: not a Hugging Face model folder (no config.json)")
-        for key, file in [("prompts.train", f) for f in spec.prompts.train] + [("prompts.eval", spec.prompts.eval)]:
-            if not Path(file).is_file():
-                raise ValueError(f"config {path}: {key}: file {file} not found")
+        try:
+            expand_prompt_files(spec.prompts.train)  # globs and folders name at least one file each
+            check_prompt_file(spec.prompts.eval, "prompts.eval")
+        except ValueError as exc:
+            raise ValueError(f"config {path}: {exc}") from None
     return spec
 
 

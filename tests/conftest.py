@@ -35,8 +35,9 @@ LONG_FILES = (
     "tests/pipelines/test_cli.py",
     "tests/pipelines/test_init.py",
     "tests/pipelines/test_toy_scratchpad.py",
+    "tests/bench/test_gpu_check.py",
 )
-RAY_FILES = ("test_generate_ray.py", "test_generate_ray_cluster.py", "test_run_ray.py")
+RAY_FILES = ("test_generate_ray.py", "test_generate_ray_cluster.py", "test_run_ray.py", "test_gpu_check.py")
 
 
 def _group(nodeid: str) -> str:

@@ -185,6 +185,43 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def cli_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of `cli`: this process's, one torch thread, this checkout first on the
+    path (the installed `groupforge` runs another checkout's code), and `env`."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+
+
+def cli(*args, env: dict[str, str] | None = None, cwd: Path = REPO, timeout: float = 600
+        ) -> subprocess.CompletedProcess:
+    """This checkout's CLI, `python -m pipelines.cli args`, in a process of its own in `cwd`
+    (`cli_env(env)`), its output captured."""
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=cli_env(env))
+
+
+def cli_all(commands: list[tuple[list, dict[str, str] | None]], cwd: Path = REPO, timeout: float = 600
+            ) -> list[subprocess.CompletedProcess]:
+    """Each (args, env) of `commands` run as `cli` runs it, all at once (a command that fails
+    early is mostly Python start-up); their results, in order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "pipelines.cli", *map(str, args)], cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(env))
+             for args, env in commands]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def stopped_with(proc: subprocess.CompletedProcess, code: int) -> str:
+    """The one "error: ..." line of a command that ran for a while (other lines on stderr: its
+    progress) and exited with `code`, with no traceback."""
+    assert proc.returncode == code, f"exit {proc.returncode}, expected {code}:\n{proc.stderr[-3000:]}"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Hand-made tables and runs
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +359,46 @@ def check_tables(run_dir):
           USING (round, prompt_id, sample_idx)
         WHERE c.n IS DISTINCT FROM 1""")
     assert uncovered.fetchall()[0][0] == 0
+
+
+def check_invariants(run_dir: Path) -> None:
+    """A finished (or stopped) run folder, read without the store: `check_tables`; every file
+    a commit log entry lists there with the sha256, size and rows it records; no part file in
+    a table folder that no entry lists; each table's Delta log listing the live files; each
+    round and step once in metrics.jsonl; every checkpoint loading with transformers."""
+    from deltalake import DeltaTable
+
+    check_tables(run_dir)
+    listed = set()
+    for path in sorted((run_dir / "_log").glob("*.json")):
+        entry = json.loads(path.read_text())
+        for rel, meta in ({} if path.name.endswith(".state.json") else entry.get("add", {})).items():
+            file = run_dir / rel
+            assert file.is_file(), f"{path.name} lists {rel}, which is missing"
+            assert file.stat().st_size == meta["size"], f"{rel}: size differs from {path.name}"
+            assert hashlib.sha256(file.read_bytes()).hexdigest() == meta["sha256"], f"{rel}: sha256 differs"
+            assert pq.read_metadata(file).num_rows == meta["rows"], f"{rel}: rows differ"
+            listed.add(rel)
+    for table in ("samples", "scores", "groups", "rejects", "pairs", "prompts"):
+        folder = run_dir / table
+        files = [f for f in folder.rglob("*.parquet") if "_delta_log" not in f.parts] if folder.is_dir() else []
+        for file in files:
+            rel = file.relative_to(run_dir).as_posix()
+            assert rel in listed, f"{rel} is in a table folder but no log entry lists it"
+        if files:
+            live = {f.relative_to(folder).as_posix() for f in logged_files(run_dir, table)}
+            uris = {Path(uri.removeprefix("file://")).relative_to(folder.resolve()).as_posix()
+                    for uri in DeltaTable(str(folder)).file_uris()}
+            assert uris == live, f"{table}: the Delta log and the commit log differ"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r["round"] for r in records if r["event"] == "round"]
+    steps = [r["step"] for r in records if r["event"] == "step"]
+    assert rounds == sorted(set(rounds)) and steps == sorted(set(steps)), "a round or step is logged twice"
+    from transformers import AutoModelForCausalLM
+
+    for folder in sorted((run_dir / "checkpoints").glob("step-*")):
+        AutoModelForCausalLM.from_pretrained(folder)  # loads, weights and config complete
+    assert duckdb.sql(f"SELECT count(*) FROM {parquet_sql(run_dir, 'samples')}").fetchall()[0][0] > 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,10 +3,17 @@
 `S3Server.start()` runs `moto_server` on a free port and waits until it answers; `env()` is
 the standard AWS environment that points obstore, delta-rs and Polars at it; `bucket()` makes
 a new bucket. Tests reach it over HTTP like any S3 endpoint (conditional puts included).
+
+By default the server accepts any credentials. `require_auth(users)` makes it an S3 that checks
+them, as AWS does: it creates IAM users with their policies and access keys (through moto's IAM
+API, while the server still lets every request in), then turns on moto's authentication
+(`/moto-api/reset-auth`): from then on every request's SigV4 signature is checked against the
+user's secret key, and the user's policies (actions and resource ARNs, Deny over Allow) decide.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -24,10 +31,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ALL_S3 = {"Effect": "Allow", "Action": "s3:*", "Resource": "*"}
+"""A policy statement that allows every S3 action on every bucket."""
+
+
 @dataclass
 class S3Server:
     port: int
     process: subprocess.Popen = field(repr=False)
+    credentials: tuple[str, str] = ("testing", "testing")
+    """(access key id, secret key) of `env()`, `client()` and `download()`."""
 
     @property
     def endpoint(self) -> str:
@@ -58,18 +71,38 @@ class S3Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
 
-    def env(self) -> dict[str, str]:
-        """The standard AWS variables for this endpoint (test credentials: moto accepts any)."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+    def env(self, credentials: tuple[str, str] | None = None) -> dict[str, str]:
+        """The standard AWS variables for this endpoint, with `credentials` (default: this
+        server's; before `require_auth`, test credentials that moto accepts)."""
+        key, secret = credentials or self.credentials
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": key,
+                "AWS_SECRET_ACCESS_KEY": secret, "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
 
-    def client(self):
-        """A boto3 S3 client of this endpoint: a reader that shares no code with groupforge's."""
+    def client(self, service: str = "s3"):
+        """A boto3 client of this endpoint (S3: a reader that shares no code with groupforge's)."""
         import boto3
 
         env = self.env()
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        return boto3.client(service, endpoint_url=self.endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                             aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_REGION"])
+
+    def require_auth(self, users: dict[str, list[dict]]) -> dict[str, tuple[str, str]]:
+        """Create an IAM user per entry of `users` (name -> its policy statements) with an access
+        key, then make the server authenticate and authorize every request (see the module
+        docstring). The first user's key becomes this server's `credentials`. Returns each
+        user's (access key id, secret key)."""
+        iam, keys = self.client("iam"), {}
+        for name, statements in users.items():
+            iam.create_user(UserName=name)
+            iam.put_user_policy(UserName=name, PolicyName=f"{name}-policy",
+                                PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}))
+            key = iam.create_access_key(UserName=name)["AccessKey"]
+            keys[name] = (key["AccessKeyId"], key["SecretAccessKey"])
+        request = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=b"0", method="POST",
+                                         headers={"Content-Type": "text/plain"})  # authenticate after 0 more requests
+        urllib.request.urlopen(request, timeout=10).close()
+        self.credentials = next(iter(keys.values()))
+        return keys
 
     def bucket(self, name: str | None = None) -> str:
         """A new empty bucket; its name."""

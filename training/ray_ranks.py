@@ -30,14 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from curation.errors import JobError
-from curation.ray_cluster import check_room, connect_ray
+from curation.ray_cluster import KILL_RANK_ENV, check_room, connect_ray
 
 if TYPE_CHECKING:
     from training.trainer import LoopOptions
-
-KILL_RANK_ENV = "GROUPFORGE_KILL_RANK"
-"""Fault injection for tests: with curation.faults.FAULT_ENV, only this rank runs its kill points."""
-
 
 ERROR_WAIT_S = 60.0
 """After one rank's train call failed: how long the others may take to fail as well."""

@@ -26,11 +26,11 @@ from typing import Literal, Mapping, Protocol, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.json as pa_json
-import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from curation.generate.prompt_files import JSON_SUFFIXES, read_prompt_table
 from curation.schema import SchemaError, validate
+from curation.store.storage import StorageError, is_object_url
 
 
 class SamplingSettings(BaseModel):
@@ -203,25 +203,29 @@ def prompt_seed(seed: int, round: int, prompt_id: str) -> int:
 
 
 def load_prompts(path: str | Path) -> pa.Table:
-    """Read a user's prompt file (Parquet, or JSON Lines with .jsonl) into the prompts table.
+    """Read a user's prompt file (Parquet, or JSON Lines with .jsonl), a local path or an
+    object-store URL (`curation.generate.prompt_files`), into the prompts table.
 
     Needs a `prompt` (string) or `messages` (list of {role, content}) column; `reference`
     and `metadata` are optional (metadata may be a JSON string or a struct, stored as JSON
     text). `prompt_id` is computed when absent. Duplicate prompts are kept once.
     """
-    path = Path(path)
+    remote = is_object_url(path)
+    path = str(path) if remote else Path(path)
     where = f"prompts file ({path})"
-    if not path.is_file():
+    if not remote and not path.is_file():
         raise SchemaError(f"{where}: file not found")
-    if path.stat().st_size == 0:
+    if not remote and path.stat().st_size == 0:
         raise SchemaError(f"{where}: file is empty (0 bytes)")
+    json_lines = str(path).lower().endswith(JSON_SUFFIXES)
     try:
-        if path.suffix in {".jsonl", ".json", ".ndjson"}:
-            table = pa_json.read_json(path)
-        else:
-            table = pq.read_table(path)
+        table = read_prompt_table(path)
+    except FileNotFoundError:
+        raise SchemaError(f"{where}: file not found") from None
+    except StorageError as exc:
+        raise SchemaError(f"{where}: {str(exc).splitlines()[0]}") from None
     except (pa.ArrowInvalid, OSError) as exc:
-        kind = "JSON Lines" if path.suffix in {".jsonl", ".json", ".ndjson"} else "Parquet"
+        kind = "JSON Lines" if json_lines else "Parquet"
         raise SchemaError(f"{where}: not a readable {kind} file ({str(exc).splitlines()[0]})") from None
     if table.num_rows == 0:
         raise SchemaError(f"{where}: has no rows")

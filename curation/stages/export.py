@@ -20,6 +20,8 @@ refused: an export is always a Parquet file `datasets` reads.
 
 The file's footer carries the export's provenance (curation/card.py), and `run_with_card`
 (what `groupforge export` calls) rewrites the dataset card (README.md) of the file's folder.
+With `append_to` (`export --append-to`, `[export] append_to`) the export goes to a Delta table
+that grows by one version per append instead (curation/stages/dataset.py).
 
 unpaired labels a response desirable when its advantage is > 0 (better than its group).
 """
@@ -32,12 +34,13 @@ from typing import Literal, Sequence
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from curation.card import provenance, with_provenance, write_card
 from curation.faults import fault_point
 from curation.store.run_store import RunStore
 from curation.store.runlog import EXPORTS_DIR, write_atomic
+from curation.store.storage import OBJECT_SCHEMES, is_object_url
 
 
 class ExportConfig(BaseModel):
@@ -52,6 +55,19 @@ class ExportConfig(BaseModel):
         "standard", description="Plain text columns, or lists of {role, content} messages."
     )
     rounds: list[int] | None = Field(None, description="Rounds to export; None = all rounds.")
+    append_to: str | None = Field(
+        None, description="A Delta table (a folder or an object-store URL, e.g. s3://bucket/datasets/pairs) that "
+                          "the export of the run's finished rounds not in it yet is appended to, as one new version "
+                          "with its provenance (curation/stages/dataset.py); `groupforge run` appends at its end.")
+
+    @field_validator("append_to")
+    @classmethod
+    def _known_scheme(cls, value: str | None) -> str | None:
+        scheme, sep, rest = (value or "").partition("://")
+        if sep and scheme != "file" and not (is_object_url(value) and rest.partition("/")[0]):
+            raise ValueError(f"{value!r} is not a folder or an object-store URL with a bucket (s3://BUCKET/path; "
+                             f"also {', '.join(s + '://' for s in OBJECT_SCHEMES if s != 's3')})")
+        return value
 
 
 _QUERIES = {
@@ -160,17 +176,7 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None,
     (RunStore.as_of_round): the same bytes as an export taken then, by the same groupforge."""
     path = export_path(run_dir, cfg, out)
     store = RunStore(run_dir)
-    store = store.snapshot() if as_of is None else store.as_of_round(as_of)  # whole commits only
-    tables = {}
-    for name in READS[cfg.format]:
-        rounds: Sequence[int] | None = None if name == "prompts" else cfg.rounds
-        tables[name] = store.read(name, rounds=rounds)
-        if tables[name].num_rows == 0:
-            where = f" in rounds {cfg.rounds}" if cfg.rounds else ""
-            raise ValueError(f"{store.location}: the {name} table is empty{where}; "
-                             f"run the stage that writes it before exporting {cfg.format}")
-    table = export_table(tables, cfg)
-    table = with_provenance(table, provenance(store, cfg.rounds, cfg.format, cfg.style))
+    table = export_rows(store.snapshot() if as_of is None else store.as_of_round(as_of), cfg)  # whole commits
 
     def write(f) -> None:
         pq.write_table(table, f, compression="zstd")
@@ -178,6 +184,22 @@ def run(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None,
 
     write_atomic(path, write)
     return path, table.num_rows
+
+
+def export_rows(store: RunStore, cfg: ExportConfig, allow_empty: bool = False) -> pa.Table:
+    """The export of `store` (a snapshot) with `cfg`, its provenance in the schema metadata. An
+    input table without rows for `cfg.rounds` is a ValueError naming it, unless `allow_empty`
+    (then the export has no rows)."""
+    tables = {}
+    for name in READS[cfg.format]:
+        rounds: Sequence[int] | None = None if name == "prompts" else cfg.rounds
+        tables[name] = store.read(name, rounds=rounds)
+        if tables[name].num_rows == 0 and not allow_empty:
+            where = f" in rounds {cfg.rounds}" if cfg.rounds else ""
+            raise ValueError(f"{store.location}: the {name} table is empty{where}; "
+                             f"run the stage that writes it before exporting {cfg.format}")
+    table = export_table(tables, cfg)
+    return with_provenance(table, provenance(store, cfg.rounds, cfg.format, cfg.style))
 
 
 def run_with_card(run_dir: str | Path, cfg: ExportConfig, out: str | Path | None = None,

@@ -14,7 +14,10 @@ round appears whole or not at all.
 Two writers: a job starts writing with an "open" entry, and each commit writes entry
 last_seen + 1. When another job has written an entry since (its own "open", or a commit), the
 create fails and this job stops with `RunTakenOver` (exit 3): the newest job to open the run
-writes it, the older one stops at its next commit with nothing half-written.
+writes it, the older one stops at its next commit with nothing half-written. On an object store
+the job's other writes (metrics, checkpoints, the loop's state) are fenced too
+(`check_writer`): before each, one listing of the log's new entries, so the older job stops at
+its next write of any kind and never overwrites a file of the newer one's.
 """
 
 from __future__ import annotations
@@ -186,6 +189,8 @@ class CommitLog:
         self.state = RunState()
         self.writer: str | None = None
         """This job's id once it has opened the run (`open`)."""
+        self.checked = -1
+        """The newest entry `check_writer` has found to be this job's."""
 
     def _listing(self) -> tuple[list[int], list[int]]:
         """(entry seqs, state seqs) present, ascending."""
@@ -250,6 +255,22 @@ class CommitLog:
         self.refresh()
         self.writer = self.writer or new_writer_id()
         self._append(Entry(self.state.seq + 1, "open", self.writer, _now()))
+        self.checked = self.state.seq
+
+    def check_writer(self) -> None:
+        """Raise RunTakenOver when another job has written to the log since this job opened the
+        run (its "open" entry: a newer job took the run over). One listing that starts after the
+        newest entry checked, so it costs the same however long the log is."""
+        if self.writer is None:
+            return
+        for e in self.storage.list(LOG_DIR, after=_entry_name(self.checked)):
+            name = e.rel.rsplit("/", 1)[-1]
+            if not name[:20].isdigit() or name != f"{name[:20]}.json":
+                continue
+            seq = int(name[:20])
+            if self._read_entry(seq).writer != self.writer:
+                raise self._taken_over(seq)
+            self.checked = max(self.checked, seq)
 
     def commit(self, stage: str, round: int, manifest: Mapping[str, Any],
                files: Mapping[str, LoggedFile], tables: tuple[str, ...] = ()) -> list[str]:
@@ -280,6 +301,8 @@ class CommitLog:
     def _append(self, entry: Entry) -> list[str]:
         if not self.storage.create(_entry_name(entry.seq), _dump(entry.to_json())):
             raise self._taken_over(entry.seq)
+        if entry.seq == self.checked + 1:
+            self.checked = entry.seq  # this job's own entry: `check_writer` need not read it
         gone = self.state.apply(entry)
         if entry.seq and entry.seq % self.state_every == 0:
             self.storage.create(_state_name(entry.seq), _dump(self.state.to_json()))
@@ -288,9 +311,9 @@ class CommitLog:
     def _taken_over(self, seq: int) -> RunTakenOver:
         try:
             other = self._read_entry(seq)
-            who = f"{other.writer} ({other.kind} at {other.at})"
+            who = f"job {other.writer} ({other.kind} at {other.at})"
         except (FileNotFoundError, ValueError):
             who = "another job"
-        return RunTakenOver(f"{self.storage.where()}: {who} wrote to this run's log after this job "
+        return RunTakenOver(f"{self.storage.where()}: run taken over: {who} wrote to this run's log after this job "
                             f"(entry {seq}); this job stops without writing more. Only one job may write a run: "
                             "the newer one goes on.")

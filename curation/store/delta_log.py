@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from curation.store.lock import RunLockedError
 from curation.store.storage import Storage
 
 LOG_DIR = "_delta_log"
@@ -37,8 +38,9 @@ replays at most this many JSON files (bench/table_format.py: opening a table aft
 costs ~4x a plain Parquet read with a checkpoint every 10, ~14-22x with one every 100)."""
 
 
-class DeltaConflict(RuntimeError):
-    """Another writer wrote the version this commit meant to write."""
+class DeltaConflict(RunLockedError):
+    """Another writer wrote the version this commit meant to write: another job is writing the
+    run (exit 3, as for a run taken over)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _schema_string(schema: pa.Schema) -> str:
+def schema_string(schema: pa.Schema) -> str:
+    """`schema` in the Delta log's JSON form (metaData.schemaString)."""
     from deltalake import Schema
 
     return Schema.from_arrow(schema).to_json()
@@ -101,7 +104,7 @@ def commit(table: Storage, schema: pa.Schema, add: Sequence[DeltaFile] = (), rem
     if version == 0:
         actions.append({"protocol": {"minReaderVersion": 1, "minWriterVersion": 2}})
         actions.append({"metaData": {"id": str(uuid.uuid4()), "format": {"provider": "parquet", "options": {}},
-                                     "schemaString": _schema_string(schema), "partitionColumns": [],
+                                     "schemaString": schema_string(schema), "partitionColumns": [],
                                      "configuration": {}, "createdTime": now}})
     actions.extend(_remove(f, now) for f in remove)
     actions.extend(_add(f, now) for f in add)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from curation.faults import fault_point
-from curation.store.storage import Storage, is_object_url, open_storage
+from curation.store.storage import Storage, check_location, is_object_url, open_storage
 
 CACHE_ENV = "GROUPFORGE_CACHE"
 """The folder for node-local copies of object-store runs (default ~/.cache/groupforge)."""
@@ -63,6 +63,8 @@ class RunLocation:
         """The location of `run`: a local folder, an object-store URL, a Storage, or a location."""
         if isinstance(run, RunLocation):
             return run
+        if not isinstance(run, Storage):
+            check_location(str(run), run=True)
         storage = run if isinstance(run, Storage) else open_storage(run)
         local = storage.local_path()
         return cls(storage, local if local is not None else node_cache(storage.url))

@@ -23,8 +23,10 @@ class RunLockedError(RuntimeError):
 
 @contextlib.contextmanager
 def writer_lock(root: Path, wait: bool = True, timeout: float | None = None,
-                on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-    """The exclusive writer lock (flock on RUN/.lock), re-entrant within one process.
+                on_wait: Callable[[str], None] | None = None, name: str | None = None) -> Iterator[None]:
+    """The exclusive writer lock (flock on ROOT/.lock), re-entrant within one process. ROOT is
+    the run folder, or for a run on an object store its folder in this machine's cache; `name`:
+    the run as messages name it (default ROOT).
 
     `wait=False`, or `timeout` seconds passing, raises RunLockedError naming the holder;
     `on_wait(message)` is called once when the lock is busy and we start waiting.
@@ -41,7 +43,7 @@ def writer_lock(root: Path, wait: bool = True, timeout: float | None = None,
     path = root / ".lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _acquire(fd, path, root, wait, timeout, on_wait)
+        _acquire(fd, path, name or str(root), wait, timeout, on_wait)
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
                   "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         os.ftruncate(fd, 0)
@@ -57,7 +59,7 @@ def writer_lock(root: Path, wait: bool = True, timeout: float | None = None,
         os.close(fd)
 
 
-def _acquire(fd: int, path: Path, root: Path, wait: bool, timeout: float | None,
+def _acquire(fd: int, path: Path, name: str, wait: bool, timeout: float | None,
              on_wait: Callable[[str], None] | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     waited = False
@@ -67,7 +69,7 @@ def _acquire(fd: int, path: Path, root: Path, wait: bool, timeout: float | None,
             return
         except BlockingIOError:
             pass
-        message = f"run {root} is locked by {_describe_holder(path)}"
+        message = f"run {name} is locked by {_describe_holder(path)}"
         if not wait:
             raise RunLockedError(message)
         if deadline is not None and time.monotonic() >= deadline:

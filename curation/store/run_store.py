@@ -45,7 +45,8 @@ from curation.store.layout import (
     part_name,
 )
 from curation.store.lock import writer_lock
-from curation.store.storage import LocalStorage, Storage, open_storage
+from curation.store.object_storage import ObjectStorage
+from curation.store.storage import LocalStorage, Storage, check_location, open_storage
 
 if TYPE_CHECKING:
     from curation.store.commit import Commit
@@ -88,6 +89,8 @@ class RunStore:
     `root`: a local folder, an object-store URL (`s3://bucket/runs/x`), or a Storage."""
 
     def __init__(self, root: str | Path | Storage, hold: bool = False):
+        if not isinstance(root, Storage):
+            check_location(str(root), run=True)
         self.storage = root if isinstance(root, Storage) else open_storage(root)
         self.root: Path | None = self.storage.root if isinstance(self.storage, LocalStorage) else None
         """The run folder on local disk (None on an object store)."""
@@ -420,13 +423,15 @@ class RunStore:
     @contextlib.contextmanager
     def lock(self, wait: bool = True, timeout: float | None = None,
              on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-        """Write the run: on local disk the writer lock (`curation.store.lock.writer_lock`: a
-        second job waits, or exits 3 with `wait=False`); everywhere an "open" entry in the commit
-        log, so that a job that opened the run earlier stops at its next commit (exit 3). Files
-        that no commit lists (a killed job's) are swept."""
-        lock = writer_lock(self.root, wait=wait, timeout=timeout, on_wait=on_wait) if self.root is not None \
-            else contextlib.nullcontext()
-        with lock:
+        """Write the run: the writer lock of this machine (`curation.store.lock.writer_lock` on the
+        run folder, or for a run on an object store on its folder in this machine's cache): a
+        second job here waits, or exits 3 with `wait=False`; and everywhere an "open" entry in
+        the commit log, so that a job that opened the run earlier (on another machine) stops at
+        its next write (exit 3). Files that no commit lists (a killed job's) are swept."""
+        from curation.store.location import node_cache
+
+        folder = self.root if self.root is not None else node_cache(self.storage.url)
+        with writer_lock(folder, wait=wait, timeout=timeout, on_wait=on_wait, name=self.location):
             self.open_for_writing()
             yield
 
@@ -441,6 +446,8 @@ class RunStore:
 
                 check_links(self.root)
             self.log.open()
+            if isinstance(self.storage, ObjectStorage):  # no lock reaches another machine: fence each write
+                self.storage.fence_writes(self.log.check_writer)
             self._unlisted = None
             from curation.store.tidy import tidy
 

@@ -36,18 +36,16 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from curation.errors import JobError, disk_write
+from curation.errors import disk_write
+from curation.store.store_errors import StorageError
+
+__all__ = ["Entry", "LocalStorage", "Storage", "StorageError", "check_location", "is_object_url", "open_storage"]
 
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "memory")
 TEMP_PREFIX = ".gf-tmp-"
 """Local temporary files start with this; listings leave them out."""
 
 Data = bytes | bytearray | memoryview
-
-
-class StorageError(JobError):
-    """An object store refused or failed a request (missing bucket, no credentials, network);
-    the message names the URL and the store's reason."""
 
 
 @dataclass(frozen=True)
@@ -68,19 +66,57 @@ def is_object_url(location: str | os.PathLike) -> bool:
 
 def open_storage(location: str | os.PathLike, options: Mapping[str, Any] | None = None) -> Storage:
     """The storage at `location`: a local folder (a path or `file://...`) or an object-store URL.
-    `options`: obstore settings for an object store (endpoint, region, allow_http, ...)."""
+    `options`: obstore settings for an object store (endpoint, region, allow_http, ...).
+    A malformed location is a ValueError naming it (`check_location`)."""
     text = str(location)
+    check_location(text)
     if text.startswith("file://"):
         return LocalStorage(Path(text.removeprefix("file://")))
     if is_object_url(text):
+        from curation.store.object_storage import ObjectStorage
+
         return ObjectStorage(text, options or {})
-    if "://" in text:
-        raise ValueError(f"{text}: unknown storage scheme {text.partition('://')[0]!r}; use a local path or one of "
-                         + ", ".join(f"{s}://" for s in OBJECT_SCHEMES))
     return LocalStorage(Path(text))
 
 
-def _check_rel(rel: str) -> str:
+def check_location(text: str, run: bool = False) -> None:
+    """Refuse, with a ValueError naming `text`, a location that is neither a local path nor a
+    well-formed object-store URL:
+
+        foo://x/y            an unknown scheme
+        s3://  s3:///run     no bucket
+        s3://bucket          with `run`: a whole bucket (a run is a folder inside one, so that its
+                             files do not mix with the bucket's others)
+        s3:/bucket/run       an object-store scheme with its '//' missing (a local folder `s3:`
+        s3:bucket/run        is never made by mistake; write ./s3:/... to mean one)
+        gs//bucket/run       an object-store scheme with its ':' missing
+    """
+    scheme, sep, rest = text.partition("://")
+    if sep:
+        if scheme.lower() not in (*OBJECT_SCHEMES, "file"):
+            raise ValueError(f"{text}: unknown storage scheme {scheme!r}; use a local path or one of "
+                             + ", ".join(f"{s}://" for s in OBJECT_SCHEMES))
+        if scheme.lower() in ("file", "memory"):
+            return
+        bucket, _, key = rest.partition("/")
+        if not bucket:
+            raise ValueError(f"{text}: no bucket in the URL; write {scheme}://<bucket>/<folder>")
+        if run and not key.strip("/"):
+            raise ValueError(f"{text}: names a whole bucket; a run is a folder inside one "
+                             f"({scheme}://{bucket}/runs/<name>), so its files do not mix with the bucket's others")
+        return
+    head = text.split("/", 1)[0]
+    named, colon, _ = head.partition(":")
+    if colon and named.lower() in (*OBJECT_SCHEMES, "file"):
+        raise ValueError(f"{text}: not a valid URL ('//' missing after '{named}:'?); write "
+                         f"{named}://<bucket>/<folder>, or ./{text} for a local folder")
+    if head.lower() in OBJECT_SCHEMES and text[len(head):].startswith("//"):
+        raise ValueError(f"{text}: not a valid URL (':' missing after '{head}'?); write {head}://<bucket>/<folder>, "
+                         f"or ./{text} for a local folder")
+
+
+def check_rel(rel: str) -> str:
+    """`rel` itself, or a ValueError unless it is a relative path inside the storage root."""
     parts = PurePosixPath(rel).parts
     if not rel or rel.startswith("/") or ".." in parts or "\\" in rel:
         raise ValueError(f"{rel!r}: not a path inside the storage root")
@@ -131,8 +167,10 @@ class Storage:
         data = self.read_if_exists(rel)
         return None if data is None else len(data)
 
-    def list(self, prefix: str = "") -> list[Entry]:
-        """Every object under `prefix` (a folder: '' for all, 'samples/' for one), sorted by path."""
+    def list(self, prefix: str = "", after: str | None = None) -> list[Entry]:
+        """Every object under `prefix` (a folder: '' for all, 'samples/' for one), sorted by path;
+        `after`: only those whose path sorts after it (on an object store the listing starts
+        there: cheap however many objects come before)."""
         raise NotImplementedError
 
     def delete(self, rel: str) -> None:
@@ -153,7 +191,7 @@ class Storage:
     def download(self, rel: str, path: Path) -> None:
         """The object `rel` into the local file `path`, written beside it and renamed into place:
         a kill leaves no part of a file under `path`."""
-        _write_local(Path(path), self.read(rel))
+        write_local_file(Path(path), self.read(rel))
 
     def local_path(self, rel: str = "") -> Path | None:
         """The local file of `rel` (local storage), None on an object store: callers that need a
@@ -172,13 +210,13 @@ class LocalStorage(Storage):
         return f"LocalStorage({self.url!r})"
 
     def child(self, rel: str) -> LocalStorage:
-        return LocalStorage(self.root / _check_rel(rel))
+        return LocalStorage(self.root / check_rel(rel))
 
     def local_path(self, rel: str = "") -> Path:
-        return self.root / _check_rel(rel) if rel else self.root
+        return self.root / check_rel(rel) if rel else self.root
 
     def read(self, rel: str) -> bytes:
-        path = self.root / _check_rel(rel)
+        path = self.root / check_rel(rel)
         try:
             return path.read_bytes()
         except IsADirectoryError:
@@ -199,7 +237,7 @@ class LocalStorage(Storage):
         return tmp
 
     def write(self, rel: str, data: Data) -> None:
-        path = self.root / _check_rel(rel)
+        path = self.root / check_rel(rel)
         tmp = self._staged(path, data)
         try:
             os.replace(tmp, path)
@@ -209,7 +247,7 @@ class LocalStorage(Storage):
         _fsync_dir(path.parent)
 
     def create(self, rel: str, data: Data) -> bool:
-        path = self.root / _check_rel(rel)
+        path = self.root / check_rel(rel)
         if path.exists():
             return False
         tmp = self._staged(path, data)
@@ -223,7 +261,7 @@ class LocalStorage(Storage):
         return True
 
     def append(self, rel: str, data: Data, sync: bool = True) -> None:
-        path = self.root / _check_rel(rel)
+        path = self.root / check_rel(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         with disk_write(path):
             fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
@@ -243,13 +281,13 @@ class LocalStorage(Storage):
 
     def size(self, rel: str) -> int | None:
         try:
-            return (self.root / _check_rel(rel)).stat().st_size
+            return (self.root / check_rel(rel)).stat().st_size
         except FileNotFoundError:
             return None
 
-    def list(self, prefix: str = "") -> list[Entry]:
+    def list(self, prefix: str = "", after: str | None = None) -> list[Entry]:
         prefix = prefix.rstrip("/")
-        start = self.root / _check_rel(prefix) if prefix else self.root
+        start = self.root / check_rel(prefix) if prefix else self.root
         found: list[Entry] = []
         for folder, dirs, files in os.walk(start):
             dirs.sort()
@@ -262,10 +300,10 @@ class LocalStorage(Storage):
                     found.append(Entry(rel, os.stat(os.path.join(folder, name)).st_size))
                 except FileNotFoundError:
                     continue  # removed while listing
-        return sorted(found, key=lambda e: e.rel)
+        return sorted((e for e in found if after is None or e.rel > after), key=lambda e: e.rel)
 
     def delete(self, rel: str) -> None:
-        (self.root / _check_rel(rel)).unlink(missing_ok=True)
+        (self.root / check_rel(rel)).unlink(missing_ok=True)
 
     def remove_dead_temps(self) -> int:
         """Delete the temporary files of writes whose process is gone (a kill mid-write; their
@@ -282,7 +320,7 @@ class LocalStorage(Storage):
         return removed
 
     def exists(self, rel: str) -> bool:
-        return (self.root / _check_rel(rel)).is_file()
+        return (self.root / check_rel(rel)).is_file()
 
 
 def process_alive(pid: int) -> bool:
@@ -304,112 +342,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class ObjectStorage(Storage):
-    """An object store bucket and prefix, through obstore."""
-
-    def __init__(self, url: str, options: Mapping[str, Any] | None = None, *, _store: Any = None):
-        from obstore.store import from_url
-
-        self.url = url.rstrip("/")
-        self.options = dict(options or {})
-        try:
-            self._store = _store if _store is not None else from_url(self.url, **self.options)
-        except Exception as exc:  # obstore's config errors: unknown option, bad URL
-            raise StorageError(f"{self.url}: cannot open the object store: {_reason(exc)}") from None
-
-    def __repr__(self) -> str:
-        return f"ObjectStorage({self.url!r})"
-
-    def child(self, rel: str) -> ObjectStorage:
-        return ObjectStorage(f"{self.url}/{_check_rel(rel).rstrip('/')}", self.options)
-
-    def _call(self, rel: str, action: str, fn, *args, **kwargs):
-        import obstore.exceptions as oe
-
-        try:
-            return fn(self._store, *args, **kwargs)
-        except (oe.NotFoundError, FileNotFoundError) as exc:
-            if action == "writing":  # a write finds no bucket, not no object
-                raise StorageError(f"{self.where(rel)}: writing failed: the bucket (or container) does not "
-                                   f"exist: {_reason(exc)}") from None
-            raise FileNotFoundError(f"{self.where(rel)}: no such object") from None
-        except (oe.AlreadyExistsError, oe.PreconditionError):
-            raise
-        except Exception as exc:
-            raise StorageError(f"{self.where(rel)}: {action} failed: {_reason(exc)}") from None
-
-    def read(self, rel: str) -> bytes:
-        import obstore
-
-        result = self._call(rel, "reading", obstore.get, _check_rel(rel))
-        return bytes(result.bytes())
-
-    def write(self, rel: str, data: Data) -> None:
-        import obstore
-
-        self._call(rel, "writing", obstore.put, _check_rel(rel), _payload(data))
-
-    def create(self, rel: str, data: Data) -> bool:
-        import obstore
-        import obstore.exceptions as oe
-
-        try:
-            self._call(rel, "writing", obstore.put, _check_rel(rel), _payload(data), mode="create")
-        except (oe.AlreadyExistsError, oe.PreconditionError):
-            return False
-        return True
-
-    def upload(self, rel: str, path: Path) -> None:
-        import obstore
-
-        self._call(rel, "writing", obstore.put, _check_rel(rel), Path(path))  # multipart when large
-
-    def download(self, rel: str, path: Path) -> None:
-        import obstore
-
-        path = Path(path)
-        result = self._call(rel, "reading", obstore.get, _check_rel(rel))
-        _write_local(path, (bytes(chunk) for chunk in result.stream()))
-
-    def list(self, prefix: str = "") -> list[Entry]:
-        import obstore
-
-        prefix = _check_rel(prefix.rstrip("/")) if prefix.rstrip("/") else ""
-        stream = self._call(prefix, "listing", obstore.list, prefix or None)
-        found: list[Entry] = []
-        try:
-            for chunk in stream:
-                found.extend(Entry(meta["path"], int(meta["size"])) for meta in chunk)
-        except Exception as exc:
-            raise StorageError(f"{self.where(prefix)}: listing failed: {_reason(exc)}") from None
-        return sorted(found, key=lambda e: e.rel)
-
-    def delete(self, rel: str) -> None:
-        import obstore
-
-        try:
-            self._call(rel, "deleting", obstore.delete, _check_rel(rel))
-        except FileNotFoundError:
-            pass
-
-    def exists(self, rel: str) -> bool:
-        return self.size(rel) is not None
-
-    def size(self, rel: str) -> int | None:
-        import obstore
-
-        try:
-            return int(self._call(rel, "checking", obstore.head, _check_rel(rel))["size"])
-        except FileNotFoundError:
-            return None
-
-
-def _payload(data: Data) -> bytes:
-    """`data` as bytes: obstore takes bytes, not every buffer (a pyarrow Buffer, a bytearray)."""
-    return data if isinstance(data, bytes) else bytes(memoryview(data))
-
-
-def _write_local(path: Path, data: Data | Iterable[Data]) -> None:
+def write_local_file(path: Path, data: Data | Iterable[Data]) -> None:
     """`data` (bytes, or chunks of them) into the local file `path`: a temporary file beside it,
     fsynced and renamed into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -424,9 +357,3 @@ def _write_local(path: Path, data: Data | Iterable[Data]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _reason(exc: BaseException) -> str:
-    """The first line of an obstore error (its debug trace follows on later lines)."""
-    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return line if len(line) <= 300 else line[:300] + "..."

@@ -21,7 +21,7 @@ from rich.table import Table
 from curation.errors import JobError, NoSpaceError, is_no_space, no_space_error
 from curation.store.lock import RunLockedError
 from curation.store.run_store import RunStore
-from curation.store.storage import is_object_url
+from curation.store.storage import check_location, is_object_url
 from curation.store.verify import check_run
 
 EXIT_BAD_INPUT = 2
@@ -87,9 +87,22 @@ def _options(debug: bool = typer.Option(False, "--debug", help="Show the traceba
         os.environ[DEBUG_ENV] = "1"
 
 
+def local_run_folder(run: str | Path) -> None:
+    """Refuse an object-store URL given to a command that takes a local run folder (a `Path`
+    argument, which typer has made of `s3://b/x` the path `s3:/b/x`), saying so (exit 2)."""
+    text = str(run)
+    scheme, colon, rest = text.partition(":/")
+    if isinstance(run, Path) and colon and not rest.startswith("/") and is_object_url(f"{scheme}://{rest}"):
+        raise fail(f"{scheme}://{rest}: this command takes a local run folder, not an object-store URL (`run "
+                   "--run-dir`, `curate`, `inspect`, `export`, `verify` and `report` take one)", EXIT_BAD_INPUT)
+
+
 def checked_run_folder(run: str | Path) -> str | Path:
     """`run` (a folder or an object-store URL), checked against its commit log
     (curation/store/verify.py) before a command reads it."""
+    local_run_folder(run)
+    with exit_codes():
+        check_location(str(run), run=True)  # a mistyped URL is named as one, not as a missing folder
     if not is_object_url(run) and not Path(run).is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():
@@ -97,7 +110,7 @@ def checked_run_folder(run: str | Path) -> str | Path:
     return run
 
 
-def writer_lock(run: Path, no_wait: bool):
+def writer_lock(run: str | Path, no_wait: bool):
     """The run's writer lock, waiting (and saying so) unless --no-wait."""
     return RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}"))
 

@@ -24,6 +24,7 @@ from pipelines.cli.app import (
     err_console,
     exit_codes,
     fail,
+    local_run_folder,
     progress_bar,
     show_table,
     writer_lock,
@@ -48,6 +49,7 @@ def generate_command(
     from curation.generate.stage import generate, resolve_backend
     from curation.generate.weights import check_model_folder
 
+    local_run_folder(out)
     if not (model / "config.json").is_file():
         raise fail(f"--model {model}: not a Hugging Face model folder (no config.json)", EXIT_BAD_INPUT)
     with exit_codes():
@@ -85,7 +87,7 @@ def generate_command(
 
 @app.command("inspect")
 def inspect_command(
-    run: Path = typer.Argument(..., help="Run folder."),
+    run: str = typer.Argument(..., help="Run folder or object-store URL."),
     rows: int = typer.Option(3, "--rows", help="Example rows to show per table."),
     stages: bool = typer.Option(False, "--stages", help="Print the stage graph instead: each stage, the tables "
                                                           "it reads and writes, its last run, rows in and out."),
@@ -101,7 +103,7 @@ def inspect_command(
             inspect_run(run, rows, console)
 
 
-def _curate(stages: tuple[str, ...], run: Path, only_round: Optional[int], config: Optional[Path], force: bool,
+def _curate(stages: tuple[str, ...], run: str, only_round: Optional[int], config: Optional[Path], force: bool,
             no_wait: bool) -> None:
     """Run curation stages over rounds under the run's lock, then print one summary table."""
     from curation.stages.runner import run_stage
@@ -146,7 +148,7 @@ _CURATE_COMMANDS = {
 
 
 def _curate_command(stages: tuple[str, ...], doc: str):
-    def command(run: Path = typer.Argument(..., help="Run folder."), round: Optional[int] = _ROUND,
+    def command(run: str = typer.Argument(..., help="Run folder or object-store URL."), round: Optional[int] = _ROUND,
                 config: Optional[Path] = _CONFIG, force: bool = _FORCE, no_wait: bool = NO_WAIT) -> None:
         _curate(stages, run, round, config, force, no_wait)
 
@@ -160,7 +162,7 @@ for _name, (_stages, _doc) in _CURATE_COMMANDS.items():
 
 @app.command("export")
 def export_command(
-    run: Path = typer.Argument(..., help="Run folder."),
+    run: str = typer.Argument(..., help="Run folder or object-store URL."),
     format: str = typer.Option("preference", "--format", help="preference | prompt_only | unpaired | sft"),
     style: str = typer.Option("standard", "--style", help="standard (text) | conversational (messages)"),
     round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
@@ -172,6 +174,10 @@ def export_command(
                                             "or a new name without a suffix) that gets <format>-<style>.parquet. "
                                             "The dataset card README.md goes in the file's folder. "
                                             "Default: RUN/exports/<format>-<style>.parquet."),
+    append_to: Optional[str] = typer.Option(None, "--append-to", metavar="TABLE",
+                                            help="Instead of a file: append the run's finished rounds that are not "
+                                                 "in this Delta table yet (a folder or s3://, gs://, az:// URL) as "
+                                                 "one new version, with its provenance."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", metavar="REPO",
                                               help="Also push the export and its card to this Hugging Face dataset "
                                                    "repo (private unless --public), with datasets' push_to_hub."),
@@ -179,18 +185,27 @@ def export_command(
 ) -> None:
     """Write a TRL-format dataset (Parquet, loadable with datasets.load_dataset) and the dataset card of its
     folder (README.md: features, splits, row counts, provenance from the run's manifests), so that
-    datasets.load_dataset(folder) reads it too. A README.md that groupforge did not write is left as it is."""
+    datasets.load_dataset(folder) reads it too. A README.md that groupforge did not write is left as it is.
+    With --append-to, append the new rounds to a versioned Delta table instead."""
     from pydantic import ValidationError
 
     from curation.card import foreign_card
     from curation.stages.export import ExportConfig
     from curation.stages.export import run_with_card as run_export
+    from curation.store.storage import is_object_url
 
     checked_run_folder(run)
     try:
-        cfg = ExportConfig(format=format, style=style, rounds=round or None)
+        cfg = ExportConfig(format=format, style=style, rounds=round or None, append_to=append_to)
     except ValidationError as exc:
         raise fail("; ".join(f"--{e['loc'][0]}: {e['msg']}" for e in exc.errors()), EXIT_BAD_INPUT) from None
+    if append_to is not None:
+        _append(run, cfg, [flag for flag, value in (("--out", out), ("--as-of", as_of),
+                                                     ("--push-to-hub", push_to_hub)) if value is not None])
+        return
+    if is_object_url(run) and out is None:
+        raise fail(f"{run}: a run on an object store is exported with --out (a local file or folder) or "
+                   "--append-to (a Delta table)", EXIT_BAD_INPUT)
     with exit_codes():
         path, rows, card = run_export(run, cfg, out, as_of)
     console.print(f"wrote {rows} rows ({format}, {style}) to {escape(str(path))}")
@@ -205,3 +220,18 @@ def export_command(
         with exit_codes():
             url = push(path, push_to_hub, private=not public)
         console.print(f"pushed to {url}")
+
+
+def _append(run: str, cfg, others: list[str]) -> None:
+    """`export --append-to`: one new version of the Delta table, or nothing new."""
+    from curation.stages.dataset import append_export
+
+    if others:
+        raise fail(f"--append-to writes a Delta table: {', '.join(others)} cannot go with it", EXIT_BAD_INPUT)
+    with exit_codes():
+        done = append_export(run, cfg)
+    if done.version is None:
+        console.print(f"{escape(done.table)}: nothing to append (every finished round of {escape(run)} is in it)")
+    else:
+        console.print(f"appended rounds {done.rounds} ({done.rows} rows, {cfg.format}) to {escape(done.table)} "
+                      f"as version {done.version}")

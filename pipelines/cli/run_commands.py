@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from curation.store.storage import is_object_url
+from curation.store.storage import check_location, is_object_url
 from curation.store.verify import check_run
 from pipelines.cli.app import (
     EXIT_BAD_INPUT,
@@ -28,6 +28,7 @@ from pipelines.cli.app import (
     err_console,
     exit_codes,
     fail,
+    local_run_folder,
     progress_bar,
     show_table,
     writer_lock,
@@ -142,11 +143,12 @@ def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Option
              no_wait: bool, overrides: list[str] = (), report: bool = False) -> tuple[str | Path, list[dict]]:
     """Run one spec (a file, with `overrides`, or a PipelineSpec) to its last round, printing a
     line per round (and with `report`, writing RUN/report/); returns (run folder, round records)."""
-    from pipelines.loop.run import run_pipeline
     from pipelines.spec import load_spec
 
     with exit_codes():
         parsed = load_spec(spec, overrides=overrides) if isinstance(spec, Path) else spec
+        if run_dir is not None:
+            check_location(str(run_dir), run=True)  # a mistyped URL: refused before the loop (and torch) loads
     folder = run_dir or Path("runs") / parsed.run.name
     console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
 
@@ -161,6 +163,8 @@ def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Option
         breakdown = breakdown_line(rec)
         if breakdown:
             console.print(f"             {breakdown}", highlight=False, soft_wrap=True)
+
+    from pipelines.loop.run import run_pipeline
 
     with exit_codes():
         records = run_pipeline(parsed, run_dir=folder, extra_rounds=extra, wait=not no_wait,
@@ -231,6 +235,8 @@ def verify_command(run: str = typer.Argument(..., help="Run folder or object-sto
     (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
     Parquet file in a table folder; files of killed commits are counted. Exit 0 when it is, 2
     with the first problem otherwise."""
+    with exit_codes():
+        check_location(run, run=True)
     if not is_object_url(run) and not Path(run).is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     with exit_codes():
@@ -251,6 +257,7 @@ def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
     on its own; this does only that. Exit 0 (also when there is nothing to do)."""
     from curation.store.run_store import RunStore
 
+    local_run_folder(run)
     if not run.is_dir():
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     store = RunStore(run)

@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Callable
 
 from curation.faults import fault_point
 from curation.generate.base import Generator
+from curation.generate.prompt_files import expand_prompt_files
 from curation.generate.stage import GenerateResult, make_generator, resolve_backend
 from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
-from curation.store.runlog import PHASES, MetricsLog
+from curation.store.runlog import PHASES, MetricsLog, RoundRecord
 from pipelines.loop.prompts import PromptBook
 from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
@@ -84,6 +85,20 @@ class EvalSet:
     """reference and metadata, for the metric."""
 
 
+@dataclass(frozen=True)
+class RoundStart:
+    """What a round starts from (pipelines/loop/run.py `begin_round`)."""
+
+    round: int
+    previous: RoundRecord
+    """The previous round's record (a start from the base model when the run has none)."""
+
+    @property
+    def policy_version(self) -> int:
+        """The policy the round samples with and trains from: the previous round's."""
+        return self.previous.policy_version
+
+
 @dataclass
 class RoundContext:
     """What one round needs: the run, its spec, the live generator (started lazily) and what
@@ -105,14 +120,23 @@ class RoundContext:
     eval_set: EvalSet | None = None
     prompts: PromptBook = field(default_factory=PromptBook)
     """The prompt pool and how many earlier rounds sampled each prompt (prompt choice)."""
+    prompt_files: list[str] | None = None
+    """The train prompt files the spec's `[prompts] train` entries name (globs and folders
+    listed when the context is made: once per invocation, so a refresh sees new partitions)."""
     clock: Phases = field(default_factory=Phases)
     """The current round's stopwatch."""
+    current: RoundStart | None = None
+    """The round under way (set by `begin_round`, cleared when its record is saved)."""
     prefetch: tuple[int, Future[GenerateResult]] | None = None
     """(round, its generate call running in a thread) under `[run] overlap = 1`."""
     pool: ThreadPoolExecutor | None = field(default=None, repr=False)
     """The thread of `prefetch` (started on first use)."""
     ranks: "TrainerRanks | None" = None
     """The trainer ranks (Ray actors) of `[train] nproc` > 1, started on first use."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_files is None:
+            self.prompt_files = expand_prompt_files(self.spec.prompts.train)
 
     def finish_prefetch(self) -> None:
         """Wait for a generate call still running in the background (it commits atomically or

@@ -27,8 +27,10 @@ refreshes its pass rate.
 
 Only rounds before `round` count (a rerun after a kill, with this round's samples already
 on disk, chooses the same); the choice is written to RUN/_rounds/round=<n>/prompts.parquet
-once and reused on resume. Train files are recorded in RUN/pipeline.json (`prompt_files`);
-on a new run no file counts as new.
+once and reused on resume. The train files are what the spec's `[prompts] train` entries
+(files, folders, globs, object URLs: curation/generate/prompt_files.py) name when the run
+starts (`RoundContext.prompt_files`), so a refresh run picks up partitions added since; they
+are recorded in RUN/pipeline.json (`prompt_files`); on a new run no file counts as new.
 
 The loop's state for this is a `PromptBook` on its RoundContext: the pool (the train files,
 read once per run) and the times each prompt was used, counted from the samples of the
@@ -81,6 +83,7 @@ class _Context(Protocol):
     spec: object
     store: RunStore
     prompts: PromptBook
+    prompt_files: list[str]
 
     @property
     def location(self) -> RunLocation: ...
@@ -98,7 +101,7 @@ def choose_prompts(ctx: _Context, round: int) -> Path:
     chosen = pool.table.take(pa.array(first_in_order(keys, ctx.spec.prompts.per_round), type=pa.int64()))
     write_atomic(location.work / rel, lambda f: pq.write_table(chosen, f))
     location.upload(rel)
-    files = sorted(set(state.get("prompt_files", [])) | {str(f) for f in ctx.spec.prompts.train})
+    files = sorted(set(state.get("prompt_files", [])) | set(ctx.prompt_files))
     if files != state.get("prompt_files"):
         save_pipeline_state(location.storage, {**state, "prompt_files": files})
     return location.work / rel
@@ -122,7 +125,7 @@ def _ranking_keys(ctx: _Context, round: int, state: dict) -> tuple[_Pool, list[n
     spec = ctx.spec
     choice = prompt_choice(spec)
     seen = set(state.get("prompt_files", []))
-    pool = ctx.prompts.pool(spec.prompts.train, seen if seen else None)
+    pool = ctx.prompts.pool(ctx.prompt_files, seen if seen else None)
     h = tiebreak(spec.run.seed, round, pool.keys)
     if choice.strategy == "least_used":
         # (times used, not new) as one key: not_new is 0 or 1.
@@ -184,7 +187,7 @@ class PromptBook:
     """The first round not counted in `_used` yet."""
 
     def pool(self, files: list[str], seen: set[str] | None) -> _Pool:
-        """The pool of `files` (the spec's train files) with which of them are new to the run
+        """The pool of `files` (the run's train files) with which of them are new to the run
         (`seen`: the files the run saw before; None: nothing is new); read once for the run."""
         key = (tuple(str(f) for f in files), None if seen is None else tuple(sorted(seen)))
         if key != self._pool_key:

@@ -48,6 +48,7 @@ from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import Generator, load_prompts
 from curation.rewards.registry import get_reward
+from curation.stages.dataset import Appended, append_export
 from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
 from curation.store.runlog import (
@@ -59,7 +60,7 @@ from curation.store.runlog import (
 )
 from curation.store.storage import Storage
 from curation.store.verify import check_run
-from pipelines.loop.context import EvalSet, Phases, RoundContext, live_generator
+from pipelines.loop.context import EvalSet, Phases, RoundContext, RoundStart, live_generator
 from pipelines.loop.prompts import choose_prompts
 from pipelines.loop.refill import refill
 from pipelines.loop.steps import (
@@ -75,7 +76,8 @@ from pipelines.loop.steps import (
 from pipelines.loop.trackers import Trackers, check_installed, spec_params
 from pipelines.spec import PipelineSpec, load_spec, resolved_toml
 
-__all__ = ["RoundContext", "choose_prompts", "evaluate", "run_pipeline", "run_round"]
+__all__ = ["RoundContext", "append_dataset", "begin_round", "choose_prompts", "evaluate", "evaluate_start",
+           "finish_round", "open_run", "run_pipeline", "run_round", "save_record"]
 
 
 def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
@@ -83,8 +85,45 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
                  on_round: Callable[[dict], None] | None = None, report: bool = False) -> list[dict]:
     """Run (or resume, or extend by `extra_rounds`) the pipeline of `spec` (a spec or its
     TOML file); returns the round records of the run. The resolved spec is written to
-    RUN/spec.toml. With `report` (or `[run] trackers`, whose artifacts it is) the run ends by
+    RUN/spec.toml. With `[export] append_to` the run ends by appending its finished rounds'
+    export to that Delta table; with `report` (or `[run] trackers`, whose artifacts it is) by
     writing RUN/report/."""
+    with open_run(spec, run_dir, extra_rounds, wait, log) as ctx:
+        spec, location = ctx.spec, ctx.location
+        trackers = Trackers(spec.run.trackers, location.work, spec_params(spec.model_dump(mode="json")), warn=log)
+        try:
+            if trackers:
+                rounds, steps, _ = ctx.metrics.read() if ctx.metrics.exists() else ([], [], 0)
+                trackers.catch_up(rounds, steps)
+            for round in range(ctx.target_rounds + 1):
+                if round in ctx.records:
+                    continue
+                position = ctx.metrics.position() if trackers else None
+                record = evaluate_start(ctx) if round == 0 else run_round(ctx, round)
+                save_record(ctx, record)
+                if trackers:  # the round's step lines and its record, read back from metrics.jsonl
+                    trackers.log_records(ctx.metrics.records_since(position))
+                if on_round is not None:
+                    on_round(record.to_dict())
+            if spec.export.append_to is not None:
+                append_dataset(ctx)
+            if report or trackers.logged:
+                from pipelines.reports.run_report import report_run
+
+                trackers.finish(report_run(location.storage))
+        finally:
+            trackers.close()
+    return [ctx.records[round] for round in sorted(ctx.records)]
+
+
+@contextlib.contextmanager
+def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None, extra_rounds: int | None = None,
+             wait: bool = True, log: Callable[[str], None] = print) -> Iterator[RoundContext]:
+    """The run of `spec` opened for writing (the loop's, and each Dagster step's,
+    pipelines/orchestrate/dagster.py): checked against its commit log, locked, its Ray session
+    up, the checkpoint it resumes from checked, its target rounds and RUN/spec.toml written, its
+    round records read, its train prompt files listed. Yields its RoundContext; on the way out
+    waits for a prefetch and closes the engine, the trainer ranks and the trainer session."""
     if not isinstance(spec, PipelineSpec):
         spec = load_spec(spec)
     check_installed(spec.run.trackers)  # before anything is written
@@ -94,10 +133,10 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
             raise ValueError(f"run folder {run_dir} (run.name {spec.run.name!r}) is a symlink to {run_dir.resolve()}, "
                              "outside runs/: refused; give --run-dir to write there on purpose")
     location = RunLocation.of(run_dir)  # a folder, or an object-store URL (curation/store/location.py)
-    location.work.mkdir(parents=True, exist_ok=True)
     # a resumed run is what its commit log says, before the lock writes the log's "open" entry
-    # (a damaged run gets nothing written) and before a round reads it
+    # (a damaged run, a missing bucket, refused credentials: nothing written) and before a round reads it
     check_run(location.storage)
+    location.work.mkdir(parents=True, exist_ok=True)
     store = RunStore(location.storage, hold=True)
     with store.lock(wait=wait, on_wait=lambda msg: log(f"waiting: {msg}")), _ray_session(spec):
         from training.checkpoint import check_checkpoint, latest_checkpoint  # torch: only once a run starts
@@ -108,85 +147,97 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
         target = _target_rounds(location.storage, spec, extra_rounds)
         location.storage.write(SPEC_FILE, resolved_toml(spec).encode("utf-8"))
         metrics = MetricsLog(location.storage)
-        rounds, steps, _ = metrics.read() if metrics.exists() else ([], [], 0)
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log,
-                           records={record["round"]: record for record in rounds})
-        trackers = Trackers(spec.run.trackers, location.work, spec_params(spec.model_dump(mode="json")), warn=log)
+                           records={record["round"]: record for record in metrics.rounds()} if metrics.exists() else {})
         try:
-            trackers.catch_up(rounds, steps)
-            for round in range(target + 1):
-                if round in ctx.records:
-                    continue
-                position = ctx.metrics.position() if trackers else None
-                record = evaluate_start(ctx) if round == 0 else run_round(ctx, round)
-                ctx.metrics.append(record)
-                ctx.records[round] = record.to_dict()
-                if trackers:  # the round's step lines and its record, read back from metrics.jsonl
-                    trackers.log_records(ctx.metrics.records_since(position))
-                if on_round is not None:
-                    on_round(record.to_dict())
-            if report or trackers.logged:
-                from pipelines.reports.run_report import report_run
-
-                trackers.finish(report_run(location.storage))
+            yield ctx
         finally:
-            trackers.close()
             ctx.finish_prefetch()
             if ctx.generator is not None:
                 ctx.generator.close()
             if ctx.ranks is not None:
                 ctx.ranks.close()
             ctx.session.clear()
-    return [ctx.records[round] for round in sorted(ctx.records)]
 
 
 def run_round(ctx: RoundContext, round: int) -> RoundRecord:
     """Round `round` >= 1: generate, curate (refill), train, evaluate; returns its metrics record."""
     spec = ctx.spec
-    ctx.clock = clock = Phases()
-    # The loop runs rounds in order, so the previous record is there; a missing one counts as
-    # a start from the base model.
-    found = ctx.records.get(round - 1)
-    previous = RoundRecord.from_dict(found) if found else RoundRecord(round=round - 1, eval_accuracy=0.0)
-    start_version = previous.policy_version
-    replay(ctx, round, start_version)
+    start = begin_round(ctx, round)
 
     # -- generate with the newest policy ---------------------------------------------------
-    sample(ctx, round, choose_prompts(ctx, round), start_version)
+    sample(ctx, round, choose_prompts(ctx, round), start.policy_version)
 
     # -- curate, and refill while too few groups are informative ----------------------------
     stages = loop_stages(spec)
     reports = curate_round(ctx, round, stages)
-    refilled = 0
     if spec.run.refill is not None:
-        reports, refilled = refill(ctx, round, start_version, reports, stages)
+        refill(ctx, round, start.policy_version, reports, stages)
     fault_point("loop.after_curate")
     if spec.run.overlap and round < ctx.target_rounds:  # the engines sample the next round meanwhile
-        prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start_version)
+        prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start.policy_version)
+    return finish_round(ctx, round)
 
-    # -- train (on the round's tables, held in memory by the store) ----------------------------
+
+def begin_round(ctx: RoundContext, round: int) -> RoundStart:
+    """The start of round `round` >= 1 (once per round and process): its stopwatch, the policy
+    version it samples and trains from (the previous round's; a missing record counts as a
+    start from the base model), and the rounds no checkpoint holds trained again (`replay`)."""
+    if ctx.current is not None and ctx.current.round == round:
+        return ctx.current
+    ctx.clock = Phases()
+    found = ctx.records.get(round - 1)
+    previous = RoundRecord.from_dict(found) if found else RoundRecord(round=round - 1, eval_accuracy=0.0)
+    ctx.current = RoundStart(round, previous)
+    replay(ctx, round, previous.policy_version)
+    return ctx.current
+
+
+def finish_round(ctx: RoundContext, round: int) -> RoundRecord:
+    """The end of round `round` >= 1, whose tables are curated: train, evaluate (when the round
+    does), and the round's record from its tables and manifests."""
+    spec, start = ctx.spec, begin_round(ctx, round)
     since = ctx.metrics.position()
-    steps, decay_steps = train_round(ctx, round, start_version)
+    steps, decay_steps = train_round(ctx, round, start.policy_version)
     rates = [s["tokens_per_s"] for s in ctx.metrics.records_since(since)
-             if s.get("event") == "step" and start_version < s.get("step", 0) <= steps]
+             if s.get("event") == "step" and start.policy_version < s.get("step", 0) <= steps]
 
     # -- evaluate the new policy -------------------------------------------------------------
     accuracy = evaluate(ctx, steps) if evaluates(ctx, round) else None
-    stats = round_stats(ctx.store, round, reports)
+    stats = round_stats(ctx.store, round, paired="pair" in loop_stages(spec))
     ctx.store.release()
-    tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in sampling_manifests(ctx.store, round))
+    manifests = sampling_manifests(ctx.store, round)
+    tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in manifests)
                               for key in ("response_tokens", "sample_seconds"))
-    wall, phases = clock.result()
+    refilled = sum(int(m.get("rows_in") or 0) for m in manifests if m.get("stage") != "generate")
+    wall, phases = ctx.clock.result()
     decimals = builtins.round  # `round` is the round number here
+    previous = start.previous
     return RoundRecord(
         round=round, eval_accuracy=accuracy, **stats,
         samples_total=previous.samples_total + stats["samples"],
-        policy_version=steps, steps=steps - start_version, objective=spec.train.objective,
+        policy_version=steps, steps=steps - start.policy_version, objective=spec.train.objective,
         wall_seconds=decimals(wall, 2), elapsed_seconds=decimals(previous.elapsed_seconds + wall, 2),
         gen_tokens_per_s=decimals(tokens / sample_seconds, 1) if sample_seconds else 0.0,
         train_tokens_per_s=decimals(sum(rates) / len(rates), 1) if rates else 0.0,
-        phase_seconds=phases, model_seconds=decimals(clock.model, 4), refill_prompts=refilled,
+        phase_seconds=phases, model_seconds=decimals(ctx.clock.model, 4), refill_prompts=refilled,
         decay_steps=decay_steps)
+
+
+def save_record(ctx: RoundContext, record: RoundRecord) -> None:
+    """Append the round's record to RUN/metrics.jsonl: the round is done."""
+    ctx.metrics.append(record)
+    ctx.records[record.round] = record.to_dict()
+    ctx.current = None
+
+
+def append_dataset(ctx: RoundContext) -> Appended:
+    """`[export] append_to`: the run's finished rounds not in that Delta table yet, appended as one
+    version (curation/stages/dataset.py)."""
+    done = append_export(ctx.store.storage, ctx.spec.export)
+    if done.version is not None:
+        ctx.log(f"appended rounds {done.rounds} ({done.rows} rows) to {done.table} as version {done.version}")
+    return done
 
 
 def evaluate_start(ctx: RoundContext) -> RoundRecord:

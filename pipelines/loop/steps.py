@@ -97,9 +97,11 @@ def sampling_manifests(store: RunStore, round: int) -> list[dict]:
 
 def loop_stages(spec: PipelineSpec) -> tuple[str, ...]:
     """The curation stages a round of the loop runs: score, filter, label, and pair when the
-    objective trains on pairs or `[run] pairs = "every_round"` (pairs derive from the groups
-    tables alone, so `groupforge pair RUN` makes them for every round afterwards)."""
-    wanted = spec.run.pairs == "every_round" or spec.train.objective == "pairwise"
+    objective trains on pairs, `[run] pairs = "every_round"`, or the run appends preference
+    pairs to a dataset (`[export] append_to`); pairs derive from the groups tables alone, so
+    `groupforge pair RUN` makes them for every round afterwards."""
+    appends = spec.export.append_to is not None and spec.export.format == "preference"
+    wanted = spec.run.pairs == "every_round" or spec.train.objective == "pairwise" or appends
     return STAGES if wanted else tuple(stage for stage in STAGES if stage != "pair")
 
 
@@ -113,17 +115,17 @@ def curate_round(ctx: RoundContext, round: int, stages: Sequence[str] = STAGES) 
     return reports
 
 
-def round_stats(store: RunStore, round: int, reports: dict[str, StageReport]) -> dict:
-    """reward_mean, samples, groups, kept_groups, pairs (None when `reports` has no pair stage:
-    the round built none) of `round`: from its tables (held parts from memory); samples from
-    the generate manifests."""
+def round_stats(store: RunStore, round: int, paired: bool) -> dict:
+    """reward_mean, samples, groups, kept_groups, pairs (None unless the round ran the pair
+    stage, `paired`) of `round`: from its tables (held parts from memory); samples from the
+    generate manifests."""
     rewards = store.read_columns("scores", ["reward"], round).column("reward")
     groups = store.read_columns("groups", ["prompt_id", "group_kept"], round)
     return {"reward_mean": pc.mean(rewards).as_py() if len(rewards) else None,
             "samples": sum(int(m.get("rows_out") or 0) for m in sampling_manifests(store, round)),
             "groups": pc.count_distinct(groups.column("prompt_id")).as_py(),
             "kept_groups": _kept(groups),
-            "pairs": store.read_columns("pairs", ["prompt_id"], round).num_rows if "pair" in reports else None}
+            "pairs": store.read_columns("pairs", ["prompt_id"], round).num_rows if paired else None}
 
 
 def kept_groups(store: RunStore, round: int) -> int:

@@ -66,6 +66,39 @@ def test_the_older_of_two_writers_stops_at_its_next_commit(storage):
     assert sorted(state.files) == ["samples/round=1/part-generate-a.parquet", "scores/round=1/part-score-b.parquet"]
 
 
+
+def test_check_writer_passes_the_job_s_own_entries_and_stops_it_after_a_newer_open(storage):
+    first, second = CommitLog(storage), CommitLog(storage)
+    first.open()
+    _commit(first, "generate", 1, ["samples/round=1/part-generate-a.parquet"])
+    first.check_writer()  # its own entries only
+    second.open()
+    with pytest.raises(RunTakenOver, match=r"run taken over: job \S+ \(open at .*\(entry 2\)"):
+        first.check_writer()
+    second.check_writer()
+
+
+def test_a_fenced_object_store_refuses_every_write_of_the_older_job(s3_server):
+    """On an object store, `RunStore.lock` fences the storage: once a newer job has opened the
+    run, the older one's next write of any kind (a metrics line, a checkpoint file, a delete)
+    stops it, with nothing written."""
+    from curation.store.run_store import RunStore
+    from curation.store.storage import open_storage
+
+    url = f"s3://{s3_server.bucket()}/runs/x"
+    older = RunStore(url)
+    with older.lock():
+        older.storage.write("metrics.jsonl", b"{}\n")
+        with RunStore(url).lock():  # a newer job (elsewhere: its own storage and cache lock)
+            pass
+        for write in (lambda: older.storage.write("metrics.jsonl", b"{}\n{}\n"),
+                      lambda: older.storage.upload("checkpoints/step-2/config.json", REPO / "pyproject.toml"),
+                      lambda: older.storage.delete("metrics.jsonl")):
+            with pytest.raises(RunTakenOver, match="run taken over"):
+                write()
+    reader = open_storage(url)
+    assert reader.read("metrics.jsonl") == b"{}\n" and not reader.exists("checkpoints/step-2/config.json")
+
 RACE = """
 import sys
 from curation.store.commit_log import CommitLog, LoggedFile, RunTakenOver

@@ -16,7 +16,7 @@ from tests.helpers import REPO
 
 def test_a_bad_fault_spec_names_the_points(monkeypatch):
     monkeypatch.setenv(faults.FAULT_ENV, "train.step_logged:0")
-    with pytest.raises(ValueError, match="is not <point>:<count>; points: generate.chunk_staged"):
+    with pytest.raises(ValueError, match=r"is not <point>:<count>\[:raise\]; points: generate.chunk_staged"):
         faults.fault_point("train.step_logged")
     monkeypatch.setenv(faults.FAULT_ENV, "no.such_point:1")
     with pytest.raises(ValueError, match="'no.such_point:1'"):
@@ -29,6 +29,15 @@ def test_the_kill_comes_at_the_counted_pass():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**os.environ, faults.FAULT_ENV: "loop.reload:1,loop.eval:3"})
     assert done.returncode == -9 and done.stdout.split() == ["0", "1", "2"]
+
+
+def test_a_raise_fault_raises_once_at_the_counted_pass(monkeypatch):
+    monkeypatch.setenv(faults.FAULT_ENV, "loop.eval:2:raise")
+    monkeypatch.setattr(faults, "_passed", {})
+    faults.fault_point("loop.eval")
+    with pytest.raises(faults.InjectedFault, match="loop.eval"):
+        faults.fault_point("loop.eval")
+    faults.fault_point("loop.eval")  # a retry in the same process goes on
 
 
 def test_write_atomic_removes_temps_of_dead_writers_only(tmp_path):

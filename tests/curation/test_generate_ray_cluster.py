@@ -5,10 +5,10 @@ node's environment), the model and the run only on the S3 endpoint (moto's serve
 - One vLLM engine on each node, joined by address as a user's `ray_address` would: each node
   fetches the model into its own cache, and the samples equal one in-process engine's (the
   session fixture `one_engine_samples`, shared with test_generate_ray.py).
-- The round loop with two engines and two ddp trainer ranks spread over the nodes, run and
-  rerun by the CLI with the run on S3: each node holds its own copy of the model and of the
-  checkpoint its rank resumed from, only rank 0's node the ones it wrote, and the bucket holds
-  a whole run.
+- The round loop with two engines and two ddp trainer ranks spread over the nodes, run by the
+  CLI with the run on S3, one rank killed, then rerun: each node holds its own copy of the
+  model and of the checkpoint its rank resumed from, only rank 0's node the ones it wrote, and
+  the bucket holds a whole run.
 """
 
 from __future__ import annotations
@@ -21,11 +21,22 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from curation.faults import FAULT_ENV
 from curation.generate.base import GeneratorConfig
 from curation.generate.stage import generate, make_generator
+from curation.ray_cluster import KILL_RANK_ENV
 from curation.store.location import CACHE_ENV
 from curation.store.run_store import RunStore
-from tests.helpers import E2E_SPEC, RAY_SAMPLING, REPO, check_tables, ray_temp_dir, round_records, sample_columns
+from tests.helpers import (
+    E2E_SPEC,
+    RAY_SAMPLING,
+    REPO,
+    check_tables,
+    ray_temp_dir,
+    round_records,
+    sample_columns,
+    step_records,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +115,11 @@ rank_cpus = 0.5
 """
 
 
-def test_the_loop_on_two_nodes_with_the_run_only_on_s3(cluster, model_url, s3_server, toy_dir, tmp_path):
+def test_the_loop_on_two_nodes_with_the_run_only_on_s3_and_a_killed_rank(cluster, model_url, s3_server, toy_dir,
+                                                                        tmp_path):
+    """2 engines and 2 ddp trainer ranks (Ray actors, half a CPU each) spread over the two
+    nodes; SIGKILL rank 1 after step 3: the run stops with one error line naming the rank, and
+    the rerun resumes from the bucket, starting its ranks once."""
     text = E2E_SPEC.format(toy=toy_dir, train=f'"{toy_dir}/train.parquet"')
     text = text.replace(f'path = "{toy_dir}/model"', f'path = "{model_url}"')
     text = text[:text.index("[generator]")] + CLUSTER_RUN.format(address=cluster.address)
@@ -114,11 +129,14 @@ def test_the_loop_on_two_nodes_with_the_run_only_on_s3(cluster, model_url, s3_se
     url = f"s3://{bucket}/runs/cluster"
     env = {**os.environ, CACHE_ENV: str(cluster.driver_cache), "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(REPO)}
-    for rounds in (1, 2):  # a second invocation resumes from what the bucket holds
-        done = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", url,
-                               "--set", f"run.rounds={rounds}"], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=600, env=env)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    command = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", url]
+    crash = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env={**env, FAULT_ENV: "train.step_logged:3", KILL_RANK_ENV: "1"})
+    assert crash.returncode == 1 and "Traceback" not in crash.stderr, crash.stderr[-3000:]
+    assert "error: trainer rank 1 of 2 died training toward step 4" in crash.stderr, crash.stderr[-3000:]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert (done.stdout + done.stderr).count("starting 2 trainer ranks (ddp)") == 1
     assert not (tmp_path / "runs").exists() and not (REPO / "runs" / "e2e").exists()
 
     for cache in cluster.caches.values():  # every node read the model from its own copy
@@ -131,4 +149,8 @@ def test_the_loop_on_two_nodes_with_the_run_only_on_s3(cluster, model_url, s3_se
     keys = s3_server.download(bucket, "runs/cluster", mirror)
     assert "checkpoints/step-4/trainer_state.json" in keys
     check_tables(mirror)
-    assert [r["round"] for r in round_records(mirror)] == [0, 1, 2]  # round 0: the start model's eval
+    records = round_records(mirror)
+    assert [r["round"] for r in records] == [0, 1, 2]  # round 0: the start model's eval
+    assert [r["policy_version"] for r in records] == [0, 2, 4]
+    assert [r["samples"] for r in records[1:]] == [24 * 4] * 2
+    assert [r["step"] for r in step_records(mirror)] == [1, 2, 3, 4]  # rank 0 alone writes them

@@ -9,13 +9,15 @@ import uuid
 
 import pytest
 
+from curation.store.object_storage import ObjectStorage
 from curation.store.storage import (
     LocalStorage,
-    ObjectStorage,
     StorageError,
+    check_location,
     is_object_url,
     open_storage,
 )
+from curation.store.store_errors import RETRY_ENV, BucketNotFoundError, StoreAccessError, retry_config
 from tests.helpers import REPO
 
 
@@ -97,8 +99,71 @@ def test_urls_and_schemes():
         open_storage("ftp://host/x")
 
 
+@pytest.mark.parametrize("location,problem", [
+    ("s3://", "no bucket in the URL"),
+    ("s3:///runs/x", "no bucket in the URL"),
+    ("s3:/bucket/run", "'//' missing after 's3:'"),
+    ("S3:bucket/run", "'//' missing after 'S3:'"),
+    ("gs//bucket/run", "':' missing after 'gs'"),
+    ("az:/container/run", "'//' missing after 'az:'"),
+    ("s3://bucket//run", "empty path segment"),
+])
+def test_a_malformed_location_is_refused_naming_it(location, problem, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as caught:
+        check_location(location)
+        open_storage(location)
+    assert str(caught.value).startswith(f"{location}: ") and problem in str(caught.value)
+    assert not list(tmp_path.iterdir())  # no local folder "s3:" or "gs"
+
+
+def test_a_run_is_a_folder_inside_a_bucket():
+    for location in ("s3://bucket", "gs://bucket/"):
+        with pytest.raises(ValueError, match=f"^{location}: names a whole bucket; a run is a folder inside one"):
+            check_location(location, run=True)
+        assert isinstance(open_storage(location), ObjectStorage)  # a bucket's top level holds prompt files, say
+
+
+def test_local_paths_that_look_like_urls_when_meant():
+    for location in ["./s3:/bucket/run", "runs/s3/x", "s3/x", "/tmp/gs//x", "runs:old/x"]:
+        assert isinstance(open_storage(location), LocalStorage), location
+
+
 def test_a_missing_bucket_is_one_clear_error(s3_server):
     store = open_storage(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run")
     assert isinstance(store, ObjectStorage)
-    with pytest.raises(StorageError, match=r"s3://no-such-bucket-\w+/run/x.json: writing failed"):
-        store.write("x.json", b"1")
+    for call in (lambda: store.write("x.json", b"1"), lambda: store.list("_log"), lambda: store.read("x.json")):
+        with pytest.raises(BucketNotFoundError, match=r"^s3://no-such-bucket-\w+/run: the bucket "
+                                                      r"'no-such-bucket-\w+' does not exist at http://127.0.0.1:"):
+            call()
+    assert issubclass(BucketNotFoundError, ValueError) and issubclass(BucketNotFoundError, StorageError)  # exit 2
+
+
+def test_no_credentials_is_one_clear_error(s3_server, monkeypatch):
+    """Without keys obstore asks the instance-metadata service (here pointed at a closed port):
+    the line says no credentials were found, not that the store is unreachable."""
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv(RETRY_ENV, "1")
+    with pytest.raises(StoreAccessError, match=r"^s3://bucket/run/_log: listing failed: no credentials found "
+                                               r"\(set AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY"):
+        open_storage("s3://bucket/run").list("_log")
+
+
+def test_listing_after_a_name(storage):
+    for name in ["a", "b", "c", "c.state"]:
+        storage.write(f"_log/{name}.json", b"x")
+    assert [e.rel for e in storage.list("_log", after="_log/b.json")] == ["_log/c.json", "_log/c.state.json"]
+    assert [e.rel for e in storage.list("_log", after="_log/c.state.json")] == []
+
+
+def test_the_retry_budget_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(RETRY_ENV, "2.5")
+    assert retry_config()["retry_timeout"].total_seconds() == 2.5
+    monkeypatch.delenv(RETRY_ENV)
+    assert retry_config()["retry_timeout"].total_seconds() == 20
+    for bad in ("soon", "0", "-1"):
+        monkeypatch.setenv(RETRY_ENV, bad)
+        with pytest.raises(ValueError, match=f"{RETRY_ENV}={bad}: expected a number of seconds > 0"):
+            open_storage("s3://bucket/run")

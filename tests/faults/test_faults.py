@@ -12,15 +12,13 @@ the store's code:
 - the final weights equal those of a run nobody killed (the toy run is deterministic)
 
 Six points run without `-m slow`; 12 in `make test` (which runs the slow tests too: every point
-once); all 26 in `make test-exhaustive` (the 14 more repeat a covered point in another round or
-stage). The
-docs/reliability.md's "Faults tried" table lists the points and outcomes.
+once, here or in the S3 run's chain of kills); all 27 in `make test-exhaustive` (the 15 more
+repeat a covered point in another round or stage). docs/reliability.md's "Faults tried" table
+lists the points and outcomes.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -37,7 +35,7 @@ from safetensors.torch import load_file
 from curation.faults import FAULT_ENV, POINTS
 from curation.store.location import CACHE_ENV
 from curation.store.storage import TEMP_PREFIX
-from tests.helpers import FAULTS_SPEC, REPO, check_tables, logged_files, parquet_sql
+from tests.helpers import FAULTS_SPEC, REPO, check_invariants, parquet_sql
 
 # The round loop test's spec, with the transformers generator (fast to start, deterministic)
 # and two chunks a round (so a kill can land between them).
@@ -71,18 +69,20 @@ CASES = [
     ("loop.eval", 2, "run"),                   # round 1's
     ("export.before_rename", 1, "export"),
     ("report.before_write", 1, "report"),
+    ("dataset.file_written", 1, "append"),     # export --append-to: the data file written, no Delta version
 ]
 FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.step_logged", 3),
         ("checkpoint.weights_written", 2), ("loop.reload", 1), ("export.before_rename", 1)}
 
 
-# Kills at a point another case already covers in the other round or stage: `make test` leaves them out
-# (its time budget), `make test-exhaustive` runs them.
+# Kills at a point another case already covers (in the other round or stage, or on S3): `make test`
+# leaves them out (its time budget), `make test-exhaustive` runs them.
 EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.logged", 1),
               ("commit.logged", 3), ("commit.files_published", 5), ("commit.files_published", 7),
               ("stage.before_commit", 1), ("stage.before_commit", 3), ("train.step_logged", 1),
               ("train.step_logged", 4), ("checkpoint.weights_written", 1), ("loop.after_curate", 1),
-              ("loop.reload", 2), ("loop.eval", 1)}
+              ("loop.reload", 2), ("loop.eval", 1),
+              ("commit.logged", 8)}  # test_a_run_on_s3_resumes_after_kills_on_fresh_machines kills there
 
 
 def _marks(case: tuple) -> tuple:
@@ -109,7 +109,8 @@ def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -
 def _commands(spec: Path, run_dir: Path) -> dict[str, list[str]]:
     return {"run": ["run", str(spec), "--run-dir", str(run_dir)],
             "export": ["export", str(run_dir), "--format", "prompt_only"],
-            "report": ["report", str(run_dir)]}
+            "report": ["report", str(run_dir)],
+            "append": ["export", str(run_dir), "--format", "unpaired", "--append-to", str(run_dir.parent / "dataset")]}
 
 
 @pytest.fixture(scope="module")
@@ -156,40 +157,6 @@ def check_engine_loads(folder: Path) -> None:
     assert done.returncode == 0 and lines and lines[-1].startswith("ok ["), done.stderr[-3000:]
 
 
-def check_invariants(run_dir: Path) -> None:
-    check_tables(run_dir)
-    listed = set()
-    for path in sorted((run_dir / "_log").glob("*.json")):
-        entry = json.loads(path.read_text())
-        for rel, meta in ({} if path.name.endswith(".state.json") else entry.get("add", {})).items():
-            file = run_dir / rel
-            assert file.is_file(), f"{path.name} lists {rel}, which is missing"
-            assert file.stat().st_size == meta["size"], f"{rel}: size differs from {path.name}"
-            assert hashlib.sha256(file.read_bytes()).hexdigest() == meta["sha256"], f"{rel}: sha256 differs"
-            assert pq.read_metadata(file).num_rows == meta["rows"], f"{rel}: rows differ"
-            listed.add(rel)
-    for table in ("samples", "scores", "groups", "rejects", "pairs", "prompts"):
-        folder = run_dir / table
-        files = [f for f in folder.rglob("*.parquet") if "_delta_log" not in f.parts] if folder.is_dir() else []
-        for file in files:
-            rel = file.relative_to(run_dir).as_posix()
-            assert rel in listed, f"{rel} is in a table folder but no log entry lists it"
-        if files:
-            live = {f.relative_to(folder).as_posix() for f in logged_files(run_dir, table)}
-            uris = {Path(uri.removeprefix("file://")).relative_to(folder.resolve()).as_posix()
-                    for uri in DeltaTable(str(folder)).file_uris()}
-            assert uris == live, f"{table}: the Delta log and the commit log differ"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rounds = [r["round"] for r in records if r["event"] == "round"]
-    steps = [r["step"] for r in records if r["event"] == "step"]
-    assert rounds == sorted(set(rounds)) and steps == sorted(set(steps)), "a round or step is logged twice"
-    from transformers import AutoModelForCausalLM
-
-    for folder in sorted((run_dir / "checkpoints").glob("step-*")):
-        AutoModelForCausalLM.from_pretrained(folder)  # loads, weights and config complete
-    assert duckdb.sql(f"SELECT count(*) FROM {parquet_sql(run_dir, 'samples')}").fetchall()[0][0] > 0
-
-
 @pytest.mark.parametrize("point,count,command", [
     pytest.param(*case, marks=_marks(case), id=f"{case[0]}:{case[1]}")
     for case in CASES])
@@ -217,6 +184,10 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
         assert pq.read_table(out).num_rows > 0 and not list(out.parent.glob("*.tmp*"))
     if command == "report":
         assert (run_dir / "report" / "summary.md").is_file()
+    if command == "append":  # one version with both rounds once; the killed append's file listed by none
+        dataset = DeltaTable(str(run_dir.parent / "dataset"))
+        assert dataset.version() == 0 and sorted(set(dataset.to_pyarrow_table()["round"].to_pylist())) == [1, 2]
+        assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris()) + 1
 
 
 def test_the_readme_lists_every_point():
@@ -298,7 +269,8 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.parametrize("fraction", [pytest.param(0.02, id="early"),
-                                      pytest.param(0.93, id="late", marks=pytest.mark.slow)])
+                                      pytest.param(0.93, id="late", marks=(pytest.mark.slow,
+                                                                           pytest.mark.exhaustive))])
 def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(fraction, spec, reference, small_disk):
     """The run folder sits on a tmpfs that holds `fraction` of what the finished run needs: the run
     stops with exit 4 and one line naming a folder of the run, a rerun while still full does the

@@ -26,7 +26,7 @@ def test_license_is_an_spdx_string_with_its_file():
 def test_the_extras_the_readme_names_exist():
     extras = set(importlib.metadata.metadata("groupforge").get_all("Provides-Extra"))
     assert {"cpu", "gpu", "ray", "dev", "bench", "lora", "trackers", "tensorboard", "mlflow", "trackio",
-            "wandb"} <= extras
+            "wandb", "dagster"} <= extras
     readme = (ROOT / "README.md").read_text()
     named = set(re.findall(r'-e "\.\[([a-z,-]+)\]"', readme + (ROOT / "Makefile").read_text()))
     for group in named:

@@ -33,6 +33,10 @@ class Context:
     prompts: PromptBook = field(default_factory=PromptBook)
 
     @property
+    def prompt_files(self) -> list[str]:
+        return self.spec.prompts.train
+
+    @property
     def location(self) -> RunLocation:
         return RunLocation.of(self.store.storage)
 

@@ -4,6 +4,7 @@ after kill -9), the per-phase seconds of every round, and output that never cuts
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -171,3 +172,43 @@ def test_refill_size_divides_the_missing_groups_by_the_kept_rate():
     assert refill_size(missing=10, kept=20, sampled=64, budget=16) == 16  # bounded by the budget
     assert refill_size(missing=5, kept=0, sampled=64, budget=40) == 40  # nothing kept yet: the whole budget
     assert refill_size(missing=1, kept=64, sampled=64, budget=40) == 1
+
+
+def test_a_refresh_picks_up_a_new_partition_and_appends_a_dataset_version(tmp_path, toy_dir):
+    """Two `groupforge run` invocations of a spec whose train prompts are a partition glob and
+    whose [export] append_to is a Delta table: the second (--rounds +1) finds the partition
+    added in between, samples its prompts first, and appends only its new round, as version 1
+    of the table, whose provenance names the new partition."""
+    from deltalake import DeltaTable
+
+    from curation.generate.base import load_prompts
+
+    train = pq.read_table(toy_dir / "train.parquet")
+    for day, start in (("2031-01-05", 0), ("2031-01-06", 40)):
+        (tmp_path / "prompts" / f"date={day}").mkdir(parents=True)
+        pq.write_table(train.slice(start, 40), tmp_path / "prompts" / f"date={day}" / "part-0.parquet")
+    text = _spec(tmp_path, toy_dir, rounds=1).read_text()
+    text = text.replace(f'train = ["{toy_dir}/train.parquet"]', f'train = ["{tmp_path}/prompts/date=*/"]')
+    spec = tmp_path / "refresh.toml"
+    spec.write_text(text + f'\n[export]\nappend_to = "{tmp_path}/pairs"\n')
+    run_dir = tmp_path / "run"
+    first = run_pipeline(load_spec(spec), run_dir, log=lambda msg: None)
+    assert first[-1]["pairs"] > 0  # the loop pairs: the spec appends preference pairs
+
+    later = tmp_path / "prompts" / "date=2031-01-07" / "part-0.parquet"
+    later.parent.mkdir()
+    pq.write_table(train.slice(80, 16), later)
+    run_pipeline(load_spec(spec), run_dir, extra_rounds=1, log=lambda msg: None)
+    round_2 = set(pq.read_table(run_dir / "_rounds" / "round=2" / "prompts.parquet").column("prompt_id").to_pylist())
+    assert round_2 == set(load_prompts(later).column("prompt_id").to_pylist())  # the 16 new prompts first
+
+    table = DeltaTable(str(tmp_path / "pairs"))
+    assert table.version() == 1
+    history = {h["version"]: h["groupforge"] for h in table.history()}
+    assert [history[0]["rounds"], history[1]["rounds"]] == [[1], [2]]
+    assert history[1]["prompt_files"][-1] == str(later) and len(history[0]["prompt_files"]) == 2
+    assert history[1]["spec_sha256"] == hashlib.sha256((run_dir / "spec.toml").read_bytes()).hexdigest()
+    rounds = table.to_pyarrow_table().column("round").to_pylist()
+    assert set(rounds) == {1, 2} and rounds.count(2) == MetricsLog(run_dir).round_record(2)["pairs"]
+    run_pipeline(load_spec(spec), run_dir, log=lambda msg: None)  # a rerun: nothing new to append
+    assert DeltaTable(str(tmp_path / "pairs")).version() == 1

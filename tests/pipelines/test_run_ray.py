@@ -102,34 +102,3 @@ def test_overlap_on_two_engines_survives_kill_of_the_driver(toy_dir, tmp_path):
     assert versions == [(1, 0, 0), (2, 0, 0), (3, 2, 2)]
     assert RunStore(run_dir).rounds("samples") == [1, 2, 3]
     check_tables(run_dir)
-
-
-def test_ddp_trainer_ranks_kept_across_rounds_and_a_killed_rank(toy_dir, tmp_path):
-    """2 DDP trainer ranks (Ray actors) next to 2 engines on 2 CPUs (half a CPU each): SIGKILL
-    rank 1 after step 3; the run stops with an error naming the rank, the rerun resumes and
-    starts its ranks once. The engines are transformers ones (the ranks are what is tested;
-    a vLLM engine takes several times as long to start)."""
-    from training.ray_ranks import KILL_RANK_ENV
-
-    text = _spec(tmp_path, toy_dir).read_text().replace("overlap = 1\n", "")
-    text = text.replace('backend = "vllm"\n', 'backend = "hf"\n')
-    text = text.replace("engines = 2\n", "engines = 2\nengine_cpus = 0.5\n")
-    text = text.replace('objective = "grpo"\n', 'objective = "grpo"\nstrategy = "ddp"\nnproc = 2\nrank_cpus = 0.5\n')
-    spec, run_dir = tmp_path / "ddp.toml", tmp_path / "run"
-    spec.write_text(text.replace("rounds = 3\n", "rounds = 2\n"))
-    cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
-    with _ray_env() as (_, env):
-        crash = _cli(cmd, {**env, FAULT_ENV: "train.step_logged:3", KILL_RANK_ENV: "1"})
-        assert crash.returncode == 1 and "Traceback" not in crash.stderr, crash.stderr[-3000:]
-        assert "error: trainer rank 1 of 2 died training toward step 4" in crash.stderr, crash.stderr[-3000:]
-        assert [r["round"] for r in round_records(run_dir)] == [0, 1]
-        done = _cli(cmd, env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert (done.stdout + done.stderr).count("starting 2 trainer ranks (ddp)") == 1
-    records = round_records(run_dir)
-    assert [r["round"] for r in records] == [0, 1, 2]
-    assert [r["policy_version"] for r in records] == [0, 2, 4]
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(r["step"] for r in steps if r["event"] == "step") == [1, 2, 3, 4]  # rank 0 alone writes
-    assert [r["samples"] for r in records[1:]] == [24 * 4] * 2
-    check_tables(run_dir)

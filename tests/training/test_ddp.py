@@ -86,6 +86,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.exhaustive  # another launch (dtype) of the check above; make test-exhaustive runs it
 def test_two_nodes_by_c10d_rendezvous_on_localhost(curated_run, toy_dir, tmp_path):
     """Two torchrun "nodes" (one rank each) meeting at a c10d rendezvous on 127.0.0.1, as two
     machines would: the same weights as one process."""
@@ -107,6 +108,7 @@ def test_two_nodes_by_c10d_rendezvous_on_localhost(curated_run, toy_dir, tmp_pat
     assert max_diff(weights(single, 2), weights(nodes, 2)) < 1e-6
 
 
+@pytest.mark.exhaustive  # another launch (dtype) of the check above; make test-exhaustive runs it
 def test_fsdp2_in_float32_on_gloo(curated_run, toy_dir, tmp_path):
     """float32 takes another reduction path than float64 in FSDP2 (gloo has no PREMUL_SUM): it
     must run, and stay close to one process."""
