@@ -8,7 +8,7 @@ family is exact match of the response's answer with the reference:
 
     addition    37+48=                ->  85
     scratchpad  347+586=              ->  7+6+0=13 4+8+1=13 3+5+1=09 #### 933   (answer after ####)
-    multiply    347*6=                ->  2082
+    multiply    3471*6=               ->  20826
     reverse     rev(83071536)=        ->  63517038
     sort        sort(83071536)=       ->  01335678
     max         max(374018,372955)=   ->  374018
@@ -53,10 +53,11 @@ class Family:
 
 
 # The families beside addition and the scratchpad: each a different skill with a short answer
-# (4-8 tokens) on addition's model (529k parameters) and target (greedy accuracy 0.30), with
-# 8,192 train prompts. Operand sizes: where a warm start needs 40-250 steps to the target
-# (longer operands put it off; three 2-digit operands summed never got past 0.14 in 1,200).
-_SHORT_ANSWER = {"n_train": 8192}
+# (4-8 tokens) on addition's model (529k parameters) and target (greedy accuracy 0.30). The warm
+# start learns 8,192 prompts whatever the train size: on 256 alone it memorises them and stays
+# near 0.01 on eval. Operand sizes: where a warm start needs 40-250 steps to the target (longer
+# operands put it off; three 2-digit operands summed never got past 0.14 in 1,200).
+_SHORT_ANSWER = {"n_train": 8192, "warm_start_prompts": 8192}
 # reverse and sort go from 0.3 to 0.4-0.5 in 5 steps: checked every 2 they stop nearer the target
 _LEARNED_IN_A_JUMP = {"eval_every": 2}
 
@@ -96,9 +97,11 @@ FAMILIES: dict[str, Family] = {
         operands=lambda lo, hi: ((lo, hi), (1, 9)),
         prompt=lambda a, d: f"{a}*{d}=",
         reference=lambda a, d: str(a * d),
-        example=(347, 6),
-        description="a 2-3 digit number times a digit; reward = exact match of response.strip() with reference",
-        defaults={"operand_min": 10, "operand_max": 999, **_SHORT_ANSWER},
+        example=(3471, 6),
+        description="a 3-4 digit number times a digit; reward = exact match of response.strip() with reference",
+        # 89,100 problems: on 10..999 (8,910) the warm start saw 92% of them, and 30 rounds of GRPO on
+        # 512 prompts moved eval accuracy 0.8 points; here they move it 8
+        defaults={"operand_min": 100, "operand_max": 9999, **_SHORT_ANSWER},
     ),
     "reverse": Family(
         operands=lambda lo, hi: ((lo, hi),),

@@ -65,8 +65,16 @@ class ToyConfig(BaseModel):
         ge=1,
         exclude_if=lambda v: v is None,
         description="Train prompts: the first n of the seeded shuffle after the eval prompts, so every n "
-        "shares one eval set (addition: up to 7,700; multiply: up to 8,510; reverse, sort, max: up to 1,048,176); "
+        "shares one eval set (addition: up to 7,700; multiply: up to 88,700; reverse, sort, max: up to 1,048,176); "
         "unset: all of them.",
+    )
+    warm_start_prompts: int | None = Field(
+        None,
+        ge=1,
+        exclude_if=lambda v: v is None,
+        description="The warm start learns the first max(n_train, this) prompts after the eval prompts, so every "
+        "smaller train set gets the same warm-started model and RL trains on prompts it learned from; unset: the "
+        "train prompts.",
     )
 
     # --- model ---
@@ -137,6 +145,11 @@ def check_toy_config(config: ToyConfig) -> None:
             f"n_train={config.n_train} is more than the {n_problems - config.n_eval} prompts left after "
             f"n_eval={config.n_eval} (operands {config.operand_min}..{config.operand_max})"
         )
+    if config.warm_start_prompts is not None and config.warm_start_prompts > n_problems - config.n_eval:
+        raise ValueError(
+            f"warm_start_prompts={config.warm_start_prompts} is more than the {n_problems - config.n_eval} prompts "
+            f"left after n_eval={config.n_eval} (operands {config.operand_min}..{config.operand_max})"
+        )
     if config.label_noise and config.task != "addition":
         raise ValueError(f"label_noise is for the addition task only, not {config.task}")
     longest = longest_prompt(config) + longest_response(config) + 1  # + EOS
@@ -179,27 +192,39 @@ def make_problems(config: ToyConfig, seed: int) -> tuple[pa.Table, pa.Table]:
     eval is the first `n_eval` of a seeded shuffle, train the next `n_train` (all the rest
     when unset), so every train-set size shares the same eval prompts."""
     check_toy_config(config)
-    family = FAMILIES[config.task]
-    ranges = operand_ranges(config)
     order = problem_order(problem_count(config), seed)
     n_train = config.n_train or len(order) - config.n_eval
+    return _problems(config, order[config.n_eval : config.n_eval + n_train]), _problems(config, order[: config.n_eval])
 
-    def table(idx: np.ndarray) -> pa.Table:
-        # problem i is the i-th operand tuple in row-major order (addition: a, then b)
-        offsets = np.unravel_index(idx, [hi - lo + 1 for lo, hi in ranges])
-        problems = list(zip(*((offset + lo).tolist() for offset, (lo, _) in zip(offsets, ranges))))
-        return pa.table(
-            {
-                "prompt": pa.array([family.prompt(*p) for p in problems], pa.string()),
-                "reference": pa.array([family.reference(*p) for p in problems], pa.string()),
-            }
-        )
 
-    return table(order[config.n_eval : config.n_eval + n_train]), table(order[: config.n_eval])
+def warm_start_problems(config: ToyConfig, seed: int) -> pa.Table:
+    """The problems the warm start learns: the train problems, or, with `warm_start_prompts`
+    above n_train, the first that many after the eval problems (the train problems first), so
+    that a train set of 256 prompts starts from the same model as one of 8,192."""
+    check_toy_config(config)
+    order = problem_order(problem_count(config), seed)
+    n_train = config.n_train or len(order) - config.n_eval
+    n_warm = max(n_train, config.warm_start_prompts or 0)
+    return _problems(config, order[config.n_eval : config.n_eval + n_warm])
+
+
+def _problems(config: ToyConfig, idx: np.ndarray) -> pa.Table:
+    """The prompt and reference of each problem index: problem i is the i-th operand tuple in
+    row-major order (addition: a, then b)."""
+    family = FAMILIES[config.task]
+    ranges = operand_ranges(config)
+    offsets = np.unravel_index(idx, [hi - lo + 1 for lo, hi in ranges])
+    problems = list(zip(*((offset + lo).tolist() for offset, (lo, _) in zip(offsets, ranges))))
+    return pa.table(
+        {
+            "prompt": pa.array([family.prompt(*p) for p in problems], pa.string()),
+            "reference": pa.array([family.reference(*p) for p in problems], pa.string()),
+        }
+    )
 
 
 def operands_of(prompt: str) -> tuple[int, ...]:
-    """The operands of a prompt: its numbers, in order ('347*6=' -> (347, 6))."""
+    """The operands of a prompt: its numbers, in order ('3471*6=' -> (3471, 6))."""
     return tuple(int(n) for n in re.findall(r"\d+", prompt))
 
 
@@ -262,6 +287,26 @@ VARIANTS: dict[str, ToyConfig] = {
     "small": ToyConfig(n_train=768, target_accuracy=0.20),
 }
 """Task variants for benchmarks: recipe defaults are chosen on these together, never on one."""
+
+
+SHAPES: dict[str, dict[str, int]] = {
+    "narrow": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},  # the scratchpad's
+    "base": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "intermediate_size": 512},  # addition's
+    "deep": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 512},
+    "wide": {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "intermediate_size": 1024},
+}
+"""Named model shapes (`groupforge toy build --shape`): the model fields they set, each with a head
+size vLLM's CPU attention supports. The warm start stops on the same target accuracy whatever the
+shape, so shapes differ in capacity, not in where RL starts."""
+
+
+def shape_fields(shape: str | None) -> dict[str, int]:
+    """The model fields of a named shape ({} for None); a one-line error naming the shapes otherwise."""
+    if shape is None:
+        return {}
+    if shape not in SHAPES:
+        raise ValueError(f"unknown toy shape {shape!r}: one of {', '.join(SHAPES)}")
+    return SHAPES[shape]
 
 
 def variant_config(variant: str, task: str = "addition") -> ToyConfig:

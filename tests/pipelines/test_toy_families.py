@@ -8,9 +8,7 @@ default toy is built once into runs/toy-<family> (cached there across test runs)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,19 +16,26 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.rewards import get_reward
+from curation.store.run_store import RunStore
 from pipelines.toy.build import EVAL_FILE, META_FILE, TRAIN_FILE, build_toy, default_out
 from pipelines.toy.families import FAMILIES, example
 from pipelines.toy.task import (
+    SHAPES,
     TASK_DEFAULTS,
     TASKS,
+    VLLM_CPU_HEAD_SIZES,
     ToyConfig,
     longest_prompt,
     longest_response,
     make_problems,
+    shape_fields,
     supervised_responses,
     variant_config,
+    warm_start_problems,
 )
-from tests.helpers import REPO, build_lock
+from tests.helpers import ENV, GROUPFORGE, REPO, build_lock
+
+SPEC = REPO / "pipelines" / "specs" / "toy-family-grpo.toml"
 
 FAMILY_NAMES = ("multiply", "reverse", "sort", "max")
 TRAIN_SIZES = (256, 1024, 8192)
@@ -70,7 +75,7 @@ def test_the_families_are_tasks_with_their_own_defaults_and_folders():
     assert set(FAMILY_NAMES) <= set(TASKS) and TASKS[0] == "addition"
     for name in FAMILY_NAMES:
         config = ToyConfig(task=name)
-        assert config.n_train == 8192 and config.target_accuracy == 0.30
+        assert config.n_train == config.warm_start_prompts == 8192 and config.target_accuracy == 0.30
         assert (config.hidden_size, config.num_layers, config.num_heads) == (128, 2, 4)  # addition's model
         assert ToyConfig.model_validate(config.model_dump()) == config
         assert default_out(config) == Path(f"runs/toy-{name}")
@@ -103,6 +108,38 @@ def test_every_train_size_shares_one_eval_set_disjoint_from_train(family: str):
     eval_prompts = eval_.column("prompt").to_pylist()
     assert len(set(prompts)) == len(prompts) and len(set(eval_prompts)) == len(eval_prompts)
     assert not set(prompts) & set(eval_prompts)
+
+
+def test_every_train_size_is_warm_started_on_the_same_problems(family: str):
+    warm = {n: warm_start_problems(ToyConfig(task=family, n_train=n), seed=0) for n in TRAIN_SIZES}
+    assert warm[TRAIN_SIZES[-1]].num_rows == 8192 and all(w.equals(warm[8192]) for w in warm.values())
+    train, eval_ = make_problems(ToyConfig(task=family, n_train=256), seed=0)
+    assert warm[8192].slice(0, 256).equals(train)  # RL trains on prompts the warm start learned from
+    assert not set(warm[8192].column("prompt").to_pylist()) & set(eval_.column("prompt").to_pylist())
+    more = ToyConfig(task=family, n_train=8300, n_eval=200)  # a train set above the warm start's: all of it
+    assert warm_start_problems(more, seed=0).equals(make_problems(more, seed=0)[0])
+
+
+def test_addition_is_warm_started_on_its_train_prompts_as_before():
+    small = ToyConfig(n_train=768)
+    assert "warm_start_prompts" not in small.model_dump()  # the addition toys' cache keys are what they were
+    assert warm_start_problems(small, seed=0).equals(make_problems(small, seed=0)[0])
+    wider = ToyConfig(n_train=768, warm_start_prompts=2000)
+    assert warm_start_problems(wider, seed=0).slice(0, 768).equals(make_problems(wider, seed=0)[0])
+    assert warm_start_problems(wider, seed=0).num_rows == 2000
+
+
+def test_each_shape_is_a_model_vllm_loads():
+    assert list(SHAPES) == ["narrow", "base", "deep", "wide"]
+    assert {k: getattr(ToyConfig(), k) for k in SHAPES["base"]} == SHAPES["base"]  # addition's model
+    assert {k: getattr(ToyConfig(task="scratchpad"), k) for k in SHAPES["narrow"]} == SHAPES["narrow"]
+    for name, fields in SHAPES.items():
+        config = ToyConfig(task="sort", **shape_fields(name))
+        assert config.hidden_size // config.num_heads in VLLM_CPU_HEAD_SIZES
+        assert {k: getattr(config, k) for k in fields} == fields and config.operand_min == 10_000_000
+    assert shape_fields(None) == {}
+    with pytest.raises(ValueError, match="^unknown toy shape 'huge': one of narrow, base, deep, wide$"):
+        shape_fields("huge")
 
 
 def test_references_are_right_and_sequences_fit_the_model(family: str):
@@ -148,8 +185,10 @@ def test_exact_match_is_one_on_the_supervised_response_and_zero_on_a_near_miss(f
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"task": "multiply", "n_train": 8511}, "n_train=8511 is more than the 8510 prompts left after n_eval=400 "
-                                            "(operands 10..999)"),
+    ({"task": "multiply", "n_train": 88701}, "n_train=88701 is more than the 88700 prompts left after n_eval=400 "
+                                             "(operands 100..9999)"),
+    ({"task": "multiply", "operand_max": 999, "n_train": 1000},
+     "warm_start_prompts=8192 is more than the 7700 prompts left after n_eval=400 (operands 100..999)"),
     ({"task": "max", "operand_min": 50, "operand_max": 40}, "operands 50..40: need 0 <= operand_min <= operand_max"),
     ({"task": "reverse", "label_noise": 0.1}, "label_noise is for the addition task only, not reverse"),
 ])
@@ -166,29 +205,65 @@ def test_unknown_task_is_one_error_line():
 # --- groupforge toy build ------------------------------------------------------------------
 
 
-def cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", "toy", "build", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+def groupforge(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([GROUPFORGE, *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.filterwarnings("ignore:toy warm start ended")
-def test_the_build_flags_pick_the_family_and_its_train_size(tmp_path: Path):
-    done = cli("--task", "sort", "--n-train", "256", "--max-steps", "2", "--eval-every", "2", "--n-eval", "20",
-               "--out", str(tmp_path / "toy"))
+# A build of seconds: a narrow model, 40 eval prompts, a warm start of ~50 steps at a high lr on
+# 1,024 four-digit reversals (greedy accuracy 0.3 there), RL on 256 of them.
+TINY_BUILD = ("--task", "reverse", "--shape", "narrow", "--operand-min", "1000", "--operand-max", "9999",
+              "--n-eval", "40", "--n-train", "256", "--warm-start-prompts", "1024", "--learning-rate", "0.003",
+              "--max-steps", "80", "--eval-every", "10", "--target-accuracy", "0.2")
+
+
+def test_a_family_builds_with_the_cli_and_trains_two_grpo_rounds(tmp_path: Path):
+    toy, run = tmp_path / "toy", tmp_path / "run"
+    built = groupforge("toy", "build", *TINY_BUILD, "--out", str(toy))
+    assert built.returncode == 0, built.stderr
+    meta = json.loads((toy / META_FILE).read_text())
+    assert ToyConfig.model_validate(meta["config"]) == ToyConfig(
+        task="reverse", **SHAPES["narrow"], operand_min=1000, operand_max=9999, n_eval=40, n_train=256,
+        warm_start_prompts=1024, learning_rate=0.003, max_steps=80, eval_every=10, target_accuracy=0.2)
+    assert meta["warm_start"]["steps"] < 80 and 0.2 <= meta["eval_greedy_accuracy"] < 0.6
+    assert meta["rows"] == {"train": 256, "eval": 40, "warm_start": 1024}
+    assert meta["task"] == FAMILIES["reverse"].description
+    assert meta["model"]["vocab_size"] == 4 + len(FAMILIES["reverse"].characters)
+    train, eval_ = pq.read_table(toy / TRAIN_FILE), pq.read_table(toy / EVAL_FILE)
+    assert not set(train.column("prompt").to_pylist()) & set(eval_.column("prompt").to_pylist())
+    for table in (train, eval_):
+        assert [solve("reverse", p) for p in table.column("prompt").to_pylist()] == table.column(
+            "reference").to_pylist()
+
+    paths = [f'model.path="{toy / "model"}"', f'prompts.train=["{toy / TRAIN_FILE}"]',
+             f'prompts.eval="{toy / EVAL_FILE}"']
+    settings = [*paths, "run.rounds=2", "run.steps_per_round=2", "prompts.per_round=32", "train.batch_size=128"]
+    done = groupforge("run", str(SPEC), *(arg for kv in settings for arg in ("--set", kv)), "--run-dir", str(run))
     assert done.returncode == 0, done.stderr
-    meta = json.loads((tmp_path / "toy" / META_FILE).read_text())
-    assert ToyConfig.model_validate(meta["config"]) == ToyConfig(task="sort", n_train=256, max_steps=2,
-                                                                 eval_every=2, n_eval=20)
-    assert meta["rows"] == {"train": 256, "eval": 20} and meta["task"] == FAMILIES["sort"].description
-    assert meta["model"]["vocab_size"] == 4 + len(FAMILIES["sort"].characters)
-    train = pq.read_table(tmp_path / "toy" / TRAIN_FILE)
-    assert all(p.startswith("sort(") for p in train.column("prompt").to_pylist())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in records if r.get("event") == "round"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert rounds[0]["eval_accuracy"] == pytest.approx(meta["eval_greedy_accuracy"], abs=0.03)  # the build's model
 
-    refused = cli("--task", "sort", "--n-train", "100000000", "--out", str(tmp_path / "big"))
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert refused.stderr.startswith("error: n_train=100000000 is more than the 1048176 prompts left after n_eval=400")
-    assert not (tmp_path / "big").exists()
+    # every sample's reward is exact match with the answer computed here from its prompt's text
+    store = RunStore(run)
+    prompts = dict(zip(*store.read("prompts", columns=["prompt_id", "prompt"]).to_pydict().values()))
+    samples = store.read("samples", columns=["round", "prompt_id", "sample_idx", "response"]).to_pylist()
+    rewards = {(r["round"], r["prompt_id"], r["sample_idx"]): r["reward"] for r in store.read("scores").to_pylist()}
+    right = [s["response"].strip() == solve("reverse", prompts[s["prompt_id"]]) for s in samples]
+    assert len(samples) == 2 * 32 * 8 and 0 < sum(right) < len(right)  # mixed groups: something to learn
+    assert [rewards[(s["round"], s["prompt_id"], s["sample_idx"])] for s in samples] == [float(x) for x in right]
+
+
+def test_a_build_that_cannot_be_made_is_one_error_line(tmp_path: Path):
+    for args, message in [
+        (("--task", "sort", "--n-train", "100000000"),
+         "error: n_train=100000000 is more than the 1048176 prompts left after n_eval=400"),
+        (("--task", "max", "--shape", "huge"), "error: unknown toy shape 'huge': one of narrow, base, deep, wide"),
+    ]:
+        refused = groupforge("toy", "build", *args, "--out", str(tmp_path / "toy"))
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert refused.stderr.startswith(message)
+        assert not (tmp_path / "toy").exists()
 
 
 # --- the warm start of each family (slow: ~15-40 s a family once, then cached in runs/toy-<family>) ----
