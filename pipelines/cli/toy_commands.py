@@ -9,7 +9,13 @@ import typer
 
 from pipelines.cli.app import console, exit_codes, toy_app
 from pipelines.cli.options import OVERRIDES, build, model_options
-from pipelines.toy.task import VARIANTS, ToyConfig
+from pipelines.toy.task import SHAPES, VARIANTS, ToyConfig
+
+
+def _shape_text(fields: dict[str, int]) -> str:
+    """A shape's fields as the help shows them: '(width 128, 2 layers, 4 heads, MLP 512)'."""
+    return (f"(width {fields['hidden_size']}, {fields['num_layers']} layers, {fields['num_heads']} heads, "
+            f"MLP {fields['intermediate_size']})")
 
 
 @toy_app.command("build")
@@ -17,6 +23,9 @@ from pipelines.toy.task import VARIANTS, ToyConfig
 def toy_build_command(
     variant: str = typer.Option("default", "--variant", help=f"Named config to start from ({', '.join(VARIANTS)}); "
                                                              "the ToyConfig flags given override its fields."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Named model shape: "
+                                        + "; ".join(f"{name} {_shape_text(fields)}" for name, fields in SHAPES.items())
+                                        + " (default: the task's). Applied over the variant; model flags override it."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for model/, train.parquet, eval.parquet "
                                        "(default: runs/toy, runs/toy-<variant>, runs/toy-scratchpad[-<variant>], "
                                        "or runs/toy-<config hash>)."),
@@ -24,16 +33,14 @@ def toy_build_command(
     force: bool = typer.Option(False, "--force", help="Rebuild even if a matching toy is cached."),
     overrides: dict = OVERRIDES,
 ) -> None:
-    """Build an embedded arithmetic task (--task addition or scratchpad) and its warm-started Llama model
-    (cached)."""
+    """Build an embedded task (--task: addition, scratchpad, multiply, reverse, sort, max) and its
+    warm-started Llama model (cached)."""
     from pipelines.toy.build import build_toy, default_out
-    from pipelines.toy.task import variant_config
+    from pipelines.toy.task import shape_fields, variant_config
 
     with exit_codes():
-        # the variant of the task given (its defaults differ), then the flags given on top
+        # the variant of the task given (its defaults differ), the shape, then the flags given on top
         config = build(ToyConfig, {**variant_config(variant, overrides.get("task", "addition")).model_dump(),
-                                   **overrides})
+                                   **shape_fields(shape), **overrides})
         path = build_toy(out or default_out(config), seed=seed, force=force, progress=True, config=config)
     console.print(f"toy ready in {path}")
-
-

@@ -1,5 +1,5 @@
-"""The embedded default: two-digit addition (or a long-response scratchpad), a character-level
-tokenizer, a tiny Llama.
+"""The embedded default: two-digit addition (or a long-response scratchpad, or a short-answer
+family of pipelines/toy/families.py), a character-level tokenizer, a tiny Llama.
 
 No model can be downloaded on a fresh machine, so groupforge builds its own. `build_toy`
 writes, atomically and once per (config, seed):
@@ -43,6 +43,10 @@ cores): the warm start stops at step 215 with greedy eval accuracy 0.285 and 99.
 responses well-formed, in ~130-145 s; at temperature 0.7, 12% of samples are right, 97%
 well-formed, pass@8 0.55 (at 1.0 errors compound: pass@8 0.32). Variants apply to it as the
 fields they change (`--task scratchpad --variant deep`: runs/toy-scratchpad-deep).
+
+The short-answer families (multiply, reverse, sort, max; pipelines/toy/families.py) are
+warm-started on 8,192 prompts (`warm_start_prompts`) whatever `n_train`, so a train set of 256
+and one of 8,192 start RL from the same model, and `SHAPES` names model shapes for any task.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from curation.errors import disk_write
 from curation.rewards.scratchpad import WELL_FORMED
 from curation.store.fingerprints import config_hash
 from curation.store.storage import process_alive
+from pipelines.toy.families import FAMILIES
 from pipelines.toy.task import (
     TASK_DESCRIPTIONS,
     VARIANTS,
@@ -75,6 +80,7 @@ from pipelines.toy.task import (
     response_answer,
     supervised_responses,
     variant_config,
+    warm_start_problems,
 )
 
 # torch, transformers and pipelines.toy.model are imported by the build only: importing
@@ -205,19 +211,21 @@ def _replace_dir(new: Path, out: Path) -> None:
 def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> dict:
     import torch
 
-    from pipelines.toy.model import TASK_CHARACTERS, greedy_responses, make_model, make_tokenizer, pass_at_k, warm_start
+    from pipelines.toy.model import greedy_responses, make_model, make_tokenizer, pass_at_k, warm_start
 
     started = time.perf_counter()
     train, eval_ = make_problems(config, seed)
     pq.write_table(train, folder / TRAIN_FILE)
     pq.write_table(eval_, folder / EVAL_FILE)
-    responses = supervised_responses(train, config, seed)
-    supervised = train.set_column(1, "reference", pa.array(responses, pa.string()))
-    n_wrong = sum(response_answer(config, a) != r for a, r in zip(responses, train.column("reference").to_pylist()))
+    warm_problems = warm_start_problems(config, seed)
+    responses = supervised_responses(warm_problems, config, seed)
+    supervised = warm_problems.set_column(1, "reference", pa.array(responses, pa.string()))
+    n_wrong = sum(response_answer(config, a) != r
+                  for a, r in zip(responses, warm_problems.column("reference").to_pylist()))
 
     with _torch_threads(config.num_threads):
         torch.manual_seed(seed)
-        tokenizer = make_tokenizer(config.max_position_embeddings, TASK_CHARACTERS[config.task])
+        tokenizer = make_tokenizer(config.max_position_embeddings, FAMILIES[config.task].characters)
         model = make_model(config, tokenizer)
         warm = warm_start(model, tokenizer, supervised, eval_, config, seed, progress)
         model_dir = folder / MODEL_DIR
@@ -246,7 +254,9 @@ def _build_into(folder: Path, config: ToyConfig, seed: int, progress: bool) -> d
             "head_dim": config.hidden_size // config.num_heads,
             "vocab_size": len(tokenizer),
         },
-        "rows": {"train": train.num_rows, "eval": eval_.num_rows},
+        "rows": {"train": train.num_rows, "eval": eval_.num_rows,
+                 # present when the warm start learned more prompts than train holds
+                 **({"warm_start": warm_problems.num_rows} if warm_problems.num_rows > train.num_rows else {})},
         **({"wrong_supervised_answers": n_wrong} if n_wrong else {}),  # absent when every answer is right
         "warm_start": warm,
         "eval_greedy_accuracy": eval_accuracy,

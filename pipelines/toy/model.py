@@ -12,17 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipelines.toy.families import CHARACTERS
+
 if TYPE_CHECKING:
     from pipelines.toy.task import ToyConfig
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-CHARACTERS = "0123456789+-*="
-"""The character vocabulary after the special tokens (ids 4..); `-` and `*` are unused by
-the addition task but keep the tokenizer usable for other arithmetic."""
-TASK_CHARACTERS = {"addition": CHARACTERS, "scratchpad": CHARACTERS + " #"}
-"""Each task's vocabulary: the scratchpad's separator and answer marker come after the
-addition's characters, which keep their ids."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -31,7 +27,8 @@ addition's characters, which keep their ids."""
 
 
 def make_tokenizer(model_max_length: int, characters: str = CHARACTERS):
-    """A character-level tokenizer: one token per character (a space too), BOS prepended,
+    """A character-level tokenizer over `characters` (a task's: `Family.characters`, which start with
+    CHARACTERS) after the special tokens: one token per character (a space too), BOS prepended,
     decode() fuses characters without adding spaces. Saved as tokenizer.json (loads as
     `TokenizersBackend`, the transformers 5 name of PreTrainedTokenizerFast)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors

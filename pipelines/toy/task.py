@@ -7,42 +7,40 @@ flags from ToyConfig. The build itself (torch, transformers) is pipelines/toy/bu
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Literal, get_args
 
 import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from curation.rewards.scratchpad import final_answer, scratchpad_solution
+from pipelines.toy.families import FAMILIES, example
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """The head sizes vLLM's CPU attention supports (`CPUAttentionBackend.get_supported_head_sizes`)."""
 
 
-Task = Literal["addition", "scratchpad"]
+Task = Literal["addition", "scratchpad", "multiply", "reverse", "sort", "max"]
 TASKS: tuple[str, ...] = get_args(Task)
-"""The toy's tasks; addition is the default."""
-TASK_DESCRIPTIONS = {
-    "addition": "two-digit addition; reward = exact match of response.strip() with reference",
-    "scratchpad": "addition with a column-by-column scratchpad; reward = final_answer (the text after the last "
-    "'####' equals reference), partial credit = scratchpad_steps",
-}
-TASK_DEFAULTS: dict[str, dict] = {
-    # 3-digit operands (36-37 tokens per response), a train set the size of a warm start
-    # rather than all 809,600 prompts, a quarter of the addition model's weights and one
-    # thread: ~4x longer sequences make tokens the cost of the build and of every RL round
-    "scratchpad": {
-        "operand_min": 100,
-        "operand_max": 999,
-        "n_train": 20000,
-        "hidden_size": 64,
-        "num_heads": 2,
-        "intermediate_size": 256,
-        "target_accuracy": 0.25,  # accuracy climbs in jumps here (0.12 -> 0.29 -> 0.41 in 10 steps)
-        "num_threads": 1,
-    },
-}
+"""The toy's tasks (pipelines/toy/families.py); addition is the default."""
+assert TASKS == tuple(FAMILIES), "Task lists the families of FAMILIES, in order"
+TASK_DESCRIPTIONS = {name: family.description for name, family in FAMILIES.items()}
+TASK_DEFAULTS: dict[str, dict] = {name: family.defaults for name, family in FAMILIES.items() if family.defaults}
 """The field defaults of a task other than addition, where they differ from ToyConfig's."""
+SHUFFLE_ALL = 1 << 24
+"""Up to this many problems, the split shuffles all of them; beyond, it draws SAMPLED of them."""
+SAMPLED = 1 << 20
+
+
+def _task_help() -> str:
+    """The --task help: each family's example, then the fields whose defaults it changes."""
+    parts = []
+    for name in TASKS:
+        prompt, response = example(name)
+        defaults = ", ".join(f"{k} {v}" for k, v in TASK_DEFAULTS.get(name, {}).items())
+        parts.append(f"{name}: {prompt!r} -> {response!r}" + (f" ({defaults})" if defaults else ""))
+    return ". ".join(parts) + ". A task's defaults apply to the fields not given."
 
 
 class ToyConfig(BaseModel):
@@ -54,12 +52,10 @@ class ToyConfig(BaseModel):
     task: Task = Field(
         "addition",
         exclude_if=lambda v: v == "addition",
-        description="addition: '37+48=' -> '85'. scratchpad: '347+586=' -> '7+6+0=13 4+8+1=13 3+5+1=09 #### 933' "
-        "(20-60 tokens; reward final_answer), whose fields default to: "
-        + ", ".join(f"{k} {v}" for k, v in TASK_DEFAULTS["scratchpad"].items())
-        + ".",
+        description=_task_help(),
     )
-    operand_min: int = Field(10, description="Smallest operand (inclusive).")
+    operand_min: int = Field(10, description="Smallest operand (inclusive); multiply's second operand is a digit "
+                             "1-9 whatever this is.")
     operand_max: int = Field(99, description="Largest operand (inclusive).")
     n_eval: int = Field(400, description="Prompts held out for eval; train prompts come from the rest.")
     # Fields beyond TOY_VERSION 1's leave the dump (the cache key) while at their default,
@@ -68,8 +64,17 @@ class ToyConfig(BaseModel):
         None,
         ge=1,
         exclude_if=lambda v: v is None,
-        description="Train prompts: the first n of the seeded shuffle after the eval prompts "
-        "(512 to 7,700 with the default operands); unset: all of them.",
+        description="Train prompts: the first n of the seeded shuffle after the eval prompts, so every n "
+        "shares one eval set (addition: up to 7,700; multiply: up to 88,700; reverse, sort, max: up to 1,048,176); "
+        "unset: all of them.",
+    )
+    warm_start_prompts: int | None = Field(
+        None,
+        ge=1,
+        exclude_if=lambda v: v is None,
+        description="The warm start learns the first max(n_train, this) prompts after the eval prompts, so every "
+        "smaller train set gets the same warm-started model and RL trains on prompts it learned from; unset: the "
+        "train prompts.",
     )
 
     # --- model ---
@@ -129,7 +134,10 @@ def check_toy_config(config: ToyConfig) -> None:
             f"head_dim = hidden_size / num_heads = {config.hidden_size} / {config.num_heads} = {head_dim} "
             f"is not a head size vLLM's CPU attention supports: {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}"
         )
-    n_problems = (config.operand_max - config.operand_min + 1) ** 2
+    if not 0 <= config.operand_min <= config.operand_max:
+        raise ValueError(f"operands {config.operand_min}..{config.operand_max}: need 0 <= operand_min <= operand_max")
+    n_problems = problem_count(config)
+    n_problems = n_problems if n_problems <= SHUFFLE_ALL else SAMPLED  # the ones the split takes from
     if not 0 < config.n_eval < n_problems:
         raise ValueError(f"n_eval={config.n_eval} must be between 1 and {n_problems - 1}")
     if config.n_train is not None and config.n_train > n_problems - config.n_eval:
@@ -137,15 +145,19 @@ def check_toy_config(config: ToyConfig) -> None:
             f"n_train={config.n_train} is more than the {n_problems - config.n_eval} prompts left after "
             f"n_eval={config.n_eval} (operands {config.operand_min}..{config.operand_max})"
         )
-    if config.task != "addition":
-        if config.label_noise:
-            raise ValueError(f"label_noise is for the addition task only, not {config.task}")
-        longest = longest_prompt(config) + longest_response(config) + 1  # + EOS
-        if longest > config.max_position_embeddings:
-            raise ValueError(
-                f"max_position_embeddings={config.max_position_embeddings} is shorter than the longest "
-                f"{config.task} sequence ({longest} tokens with operands up to {config.operand_max})"
-            )
+    if config.warm_start_prompts is not None and config.warm_start_prompts > n_problems - config.n_eval:
+        raise ValueError(
+            f"warm_start_prompts={config.warm_start_prompts} is more than the {n_problems - config.n_eval} prompts "
+            f"left after n_eval={config.n_eval} (operands {config.operand_min}..{config.operand_max})"
+        )
+    if config.label_noise and config.task != "addition":
+        raise ValueError(f"label_noise is for the addition task only, not {config.task}")
+    longest = longest_prompt(config) + longest_response(config) + 1  # + EOS
+    if longest > config.max_position_embeddings:
+        raise ValueError(
+            f"max_position_embeddings={config.max_position_embeddings} is shorter than the longest "
+            f"{config.task} sequence ({longest} tokens with operands up to {config.operand_max})"
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,52 +165,95 @@ def check_toy_config(config: ToyConfig) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def operand_ranges(config: ToyConfig) -> tuple[tuple[int, int], ...]:
+    """The inclusive range of each operand of the config's task."""
+    return FAMILIES[config.task].operands(config.operand_min, config.operand_max)
+
+
+def problem_count(config: ToyConfig) -> int:
+    """How many problems (operand tuples) the config's operand ranges make."""
+    return math.prod(hi - lo + 1 for lo, hi in operand_ranges(config))
+
+
+def problem_order(n_problems: int, seed: int) -> np.ndarray:
+    """Problem indices in the seeded order the split takes them: a permutation of all of them, or,
+    beyond SHUFFLE_ALL problems, the first SAMPLED distinct ones of 2 x SAMPLED seeded draws
+    (of which some 1.97 x SAMPLED are distinct there)."""
+    rng = np.random.default_rng(seed)
+    if n_problems <= SHUFFLE_ALL:
+        return rng.permutation(n_problems)
+    draws = rng.integers(0, n_problems, size=2 * SAMPLED)
+    _, first = np.unique(draws, return_index=True)
+    return draws[np.sort(first)][:SAMPLED]
+
+
 def make_problems(config: ToyConfig, seed: int) -> tuple[pa.Table, pa.Table]:
-    """All `a+b=` prompts over the operand range, split into (train, eval) by the seed: eval
-    is the first `n_eval` of a seeded shuffle, train the next `n_train` (all the rest when
-    unset), so every train-set size shares the same eval prompts."""
+    """All problems of the task over its operand ranges, split into (train, eval) by the seed:
+    eval is the first `n_eval` of a seeded shuffle, train the next `n_train` (all the rest
+    when unset), so every train-set size shares the same eval prompts."""
     check_toy_config(config)
-    operands = np.arange(config.operand_min, config.operand_max + 1)
-    a, b = (x.ravel() for x in np.meshgrid(operands, operands, indexing="ij"))
-    order = np.random.default_rng(seed).permutation(len(a))
-    n_train = config.n_train or len(a) - config.n_eval
+    order = problem_order(problem_count(config), seed)
+    n_train = config.n_train or len(order) - config.n_eval
+    return _problems(config, order[config.n_eval : config.n_eval + n_train]), _problems(config, order[: config.n_eval])
 
-    def table(idx: np.ndarray) -> pa.Table:
-        return pa.table(
-            {
-                "prompt": pa.array([f"{a[i]}+{b[i]}=" for i in idx], pa.string()),
-                "reference": pa.array([str(a[i] + b[i]) for i in idx], pa.string()),
-            }
-        )
 
-    return table(order[config.n_eval : config.n_eval + n_train]), table(order[: config.n_eval])
+def warm_start_problems(config: ToyConfig, seed: int) -> pa.Table:
+    """The problems the warm start learns: the train problems, or, with `warm_start_prompts`
+    above n_train, the first that many after the eval problems (the train problems first), so
+    that a train set of 256 prompts starts from the same model as one of 8,192."""
+    check_toy_config(config)
+    order = problem_order(problem_count(config), seed)
+    n_train = config.n_train or len(order) - config.n_eval
+    n_warm = max(n_train, config.warm_start_prompts or 0)
+    return _problems(config, order[config.n_eval : config.n_eval + n_warm])
+
+
+def _problems(config: ToyConfig, idx: np.ndarray) -> pa.Table:
+    """The prompt and reference of each problem index: problem i is the i-th operand tuple in
+    row-major order (addition: a, then b)."""
+    family = FAMILIES[config.task]
+    ranges = operand_ranges(config)
+    offsets = np.unravel_index(idx, [hi - lo + 1 for lo, hi in ranges])
+    problems = list(zip(*((offset + lo).tolist() for offset, (lo, _) in zip(offsets, ranges))))
+    return pa.table(
+        {
+            "prompt": pa.array([family.prompt(*p) for p in problems], pa.string()),
+            "reference": pa.array([family.reference(*p) for p in problems], pa.string()),
+        }
+    )
+
+
+def operands_of(prompt: str) -> tuple[int, ...]:
+    """The operands of a prompt: its numbers, in order ('3471*6=' -> (3471, 6))."""
+    return tuple(int(n) for n in re.findall(r"\d+", prompt))
 
 
 def longest_prompt(config: ToyConfig) -> int:
-    """Tokens of the longest prompt: BOS + "a+b=" with both operands at their widest."""
-    return 1 + 2 * len(str(config.operand_max)) + 2
+    """Tokens of the longest prompt: BOS + the prompt of the largest operands (the longest
+    in every family)."""
+    return 1 + len(FAMILIES[config.task].prompt(*(hi for _, hi in operand_ranges(config))))
 
 
 def longest_response(config: ToyConfig) -> int:
-    """Characters (= tokens, without EOS) of the longest reference response of the task."""
-    if config.task == "addition":
-        return len(str(2 * config.operand_max))
-    return len(scratchpad_solution(config.operand_max, config.operand_max))
+    """Characters (= tokens, without EOS) of the longest supervised response of the task: that
+    of the largest operands (the longest in every family)."""
+    family = FAMILIES[config.task]
+    return len((family.response or family.reference)(*(hi for _, hi in operand_ranges(config))))
 
 
 def response_answer(config: ToyConfig, response: str) -> str | None:
-    """The final answer a response gives: all of it (addition), or what follows the last
+    """The final answer a response gives: all of it, stripped, or what follows the last
     `####` (scratchpad; None without one). Exact match with the reference is the reward."""
-    return response.strip() if config.task == "addition" else final_answer(response)
+    return FAMILIES[config.task].answer(response)
 
 
 def supervised_responses(train: pa.Table, config: ToyConfig, seed: int) -> list[str]:
-    """The responses the warm start learns: `supervised_answers` (addition), or the full
-    scratchpad solution of each prompt."""
-    if config.task == "addition":
+    """The responses the warm start learns: the family's response to each prompt, or, where
+    it has none, the reference (`supervised_answers`, with addition's label noise)."""
+    response = FAMILIES[config.task].response
+    if response is None:
         return supervised_answers(train, config, seed)
-    operands = (prompt.removesuffix("=").split("+") for prompt in train.column("prompt").to_pylist())
-    return [scratchpad_solution(int(a), int(b)) for a, b in operands]
+    return [response(*operands_of(prompt)) for prompt in train.column("prompt").to_pylist()]
 
 
 def supervised_answers(train: pa.Table, config: ToyConfig, seed: int) -> list[str]:
@@ -232,6 +287,26 @@ VARIANTS: dict[str, ToyConfig] = {
     "small": ToyConfig(n_train=768, target_accuracy=0.20),
 }
 """Task variants for benchmarks: recipe defaults are chosen on these together, never on one."""
+
+
+SHAPES: dict[str, dict[str, int]] = {
+    "narrow": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 256},  # the scratchpad's
+    "base": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "intermediate_size": 512},  # addition's
+    "deep": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "intermediate_size": 512},
+    "wide": {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "intermediate_size": 1024},
+}
+"""Named model shapes (`groupforge toy build --shape`): the model fields they set, each with a head
+size vLLM's CPU attention supports. The warm start stops on the same target accuracy whatever the
+shape, so shapes differ in capacity, not in where RL starts."""
+
+
+def shape_fields(shape: str | None) -> dict[str, int]:
+    """The model fields of a named shape ({} for None); a one-line error naming the shapes otherwise."""
+    if shape is None:
+        return {}
+    if shape not in SHAPES:
+        raise ValueError(f"unknown toy shape {shape!r}: one of {', '.join(SHAPES)}")
+    return SHAPES[shape]
 
 
 def variant_config(variant: str, task: str = "addition") -> ToyConfig:

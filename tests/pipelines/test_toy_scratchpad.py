@@ -20,7 +20,8 @@ import pytest
 from curation.rewards import get_reward
 from curation.rewards.scratchpad import WELL_FORMED, final_answer, scratchpad_solution
 from pipelines.toy.build import META_FILE, build_toy, default_out
-from pipelines.toy.model import TASK_CHARACTERS, greedy_responses, make_tokenizer
+from pipelines.toy.families import FAMILIES
+from pipelines.toy.model import greedy_responses, make_tokenizer
 from pipelines.toy.task import TASK_DEFAULTS, ToyConfig, make_problems, supervised_responses, variant_config
 from tests.helpers import ENV, GROUPFORGE, REPO, build_lock, check_same_seed_same_bytes
 
@@ -62,7 +63,7 @@ def test_the_task_is_its_own_config_and_leaves_addition_as_it_was():
 def test_reference_solutions_are_20_to_60_tokens_and_end_in_the_reference():
     train, eval_ = make_problems(SCRATCHPAD, seed=0)
     assert (train.num_rows, eval_.num_rows) == (20000, 400)
-    tokenizer = make_tokenizer(SCRATCHPAD.max_position_embeddings, TASK_CHARACTERS["scratchpad"])
+    tokenizer = make_tokenizer(SCRATCHPAD.max_position_embeddings, FAMILIES["scratchpad"].characters)
     responses = supervised_responses(train, SCRATCHPAD, seed=0)
     references = train.column("reference").to_pylist()
     lengths = [len(ids) + 1 for ids in tokenizer(responses, add_special_tokens=False).input_ids]  # + EOS
@@ -107,7 +108,7 @@ def test_same_seed_gives_identical_files(tmp_path: Path):
     a = check_same_seed_same_bytes(tmp_path, TINY)
     meta = json.loads((a / META_FILE).read_text())
     assert meta["config"] == TINY.model_dump() and meta["rows"] == {"train": 512, "eval": 20}
-    assert meta["model"]["vocab_size"] == 4 + len(TASK_CHARACTERS["scratchpad"]) == 20
+    assert meta["model"]["vocab_size"] == 4 + len(FAMILIES["scratchpad"].characters) == 20
     assert meta["response_tokens"]["min"] >= 20 and meta["response_tokens"]["max"] <= 60
     assert "wrong_supervised_answers" not in meta
 
