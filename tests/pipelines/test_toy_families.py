@@ -266,10 +266,12 @@ def test_a_build_that_cannot_be_made_is_one_error_line(tmp_path: Path):
         assert not (tmp_path / "toy").exists()
 
 
-# --- the warm start of each family (slow: ~15-40 s a family once, then cached in runs/toy-<family>) ----
+# --- the warm start of each family (~15-40 s a family once, then cached in runs/toy-<family>; the
+# end-to-end CLI test above builds one family in every `make test`) ----
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("task", FAMILY_NAMES)
 def test_the_warm_start_leaves_room_to_learn(task: str):
     config = ToyConfig(task=task)
