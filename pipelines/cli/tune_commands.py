@@ -55,10 +55,13 @@ def tune_command(
     with exit_codes():
         result = run_tune(request, log)
         tuned, evidence = write_tuned(result)
+
+    def score(trial) -> str:
+        return "not tried" if not trial.tried else "-" if trial.score is None else f"{100 * trial.score:.1f}%"
+
     show_table(f"{spec}: lr candidates, best first", ["lr", "validation", "rounds", "seconds", "run"],
-               [[format_float(t.lr), "not tried" if not t.tried else "-" if t.score is None else f"{100 * t.score:.1f}%",
-                 str(t.rounds or "-"), "-" if t.seconds is None else f"{t.seconds:.0f}", str(t.run_dir or "-")]
-                for t in result.trials], left=("run",))
+               [[format_float(t.lr), score(t), str(t.rounds or "-"), "-" if t.seconds is None else f"{t.seconds:.0f}",
+                 str(t.run_dir or "-")] for t in result.trials], left=("run",))
     console.print(f"lr {format_float(result.spec.train.lr)} -> {format_float(result.chosen.lr)}: wrote {tuned} and "
                   f"{evidence}",
                   highlight=False, soft_wrap=True)
