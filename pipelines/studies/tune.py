@@ -247,8 +247,11 @@ def run_tune(request: TuneRequest, log: Callable[[str], None] = print) -> TuneRe
         rounds = fit_rounds(request.budget_seconds - budget.spent(), len(lrs), request.jobs, per_round, start_up,
                             spec.run.rounds)
         estimate = start_up + rounds * per_round
-        log(f"probe: {per_round:.1f} s a round, {start_up:.0f} s to start: {rounds} rounds a trial fit the "
+        log(f"probe: {per_round:.1f} s a round, {start_up:.0f} s to start: {rounds} round(s) a trial fit the "
             f"{request.budget_seconds / 60:g}-minute budget")
+    if rounds < SCORE_LAST:
+        log(f"warning: {rounds} round(s) a trial: each score rests on fewer than {SCORE_LAST} evals; give more "
+            "--budget-minutes or --rounds for a steadier choice")
     trials = [Trial(lr) for lr in lrs]
     for first in range(0, len(trials), request.jobs):
         batch = trials[first:first + request.jobs]
@@ -266,7 +269,7 @@ def run_tune(request: TuneRequest, log: Callable[[str], None] = print) -> TuneRe
             read_trial(trial)
             score = "-" if trial.score is None else f"{100 * trial.score:.1f}%"
             log(f"trial {index}/{len(trials)} lr {format_float(trial.lr)}: validation {score} (mean of the last "
-                f"{SCORE_LAST} evals), {rounds} rounds, {trial.seconds or 0:.0f} s; "
+                f"{SCORE_LAST} evals), {rounds} round(s), {trial.seconds or 0:.0f} s; "
                 f"{budget.spent() / 60:.1f} of {request.budget_seconds / 60:g} budget minutes spent")
         estimate = (time.monotonic() - tic) / len(batch)
     tried = [t for t in trials if t.tried]
