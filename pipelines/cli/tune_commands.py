@@ -38,7 +38,7 @@ def tune_command(
     candidate within the budget, scored by the mean of its last 3 validation evals (ties: the smaller lr).
     Writes the tuned spec (the original text, lr replaced) and its evidence; the eval prompts choose nothing."""
     from pipelines.studies.spec_text import format_float
-    from pipelines.studies.tune import TuneRequest, parse_lrs, run_tune, write_tuned
+    from pipelines.studies.tune import Trial, TuneRequest, parse_lrs, run_tune, write_tuned
 
     if budget_minutes <= 0:
         raise fail(f"--budget-minutes {budget_minutes:g}: must be more than 0", EXIT_BAD_INPUT)
@@ -56,7 +56,7 @@ def tune_command(
         result = run_tune(request, log)
         tuned, evidence = write_tuned(result)
 
-    def score(trial) -> str:
+    def score(trial: "Trial") -> str:
         return "not tried" if not trial.tried else "-" if trial.score is None else f"{100 * trial.score:.1f}%"
 
     show_table(f"{spec}: lr candidates, best first", ["lr", "validation", "rounds", "seconds", "run"],

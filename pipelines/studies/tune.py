@@ -177,10 +177,10 @@ def read_trial(trial: Trial) -> None:
     trial.tried = True
 
 
-def probe(spec_file: Path, split: Split, lr: float, seed: int, work: Path,
+def probe(spec_file: Path, split: Split, lr: float, seed: int, name: str, work: Path,
           log: Callable[[str], None]) -> tuple[float, float]:
-    """(seconds per round, start-up seconds) of a trial, from a PROBE_ROUNDS-round run of `lr`."""
-    name = load_spec(spec_file, check_files=False).run.name
+    """(seconds per round, start-up seconds) of a trial, from a PROBE_ROUNDS-round run of `lr`
+    named `name`-tune-probe."""
     plan = trial_plan(spec_file, split, lr, PROBE_ROUNDS, seed, f"{name}-tune-probe",
                       work / f"probe-lr-{format_float(lr)}-seed{seed}")
     plan = RunPlan(f"probe {plan.label}", plan.spec, plan.run_dir)
@@ -243,7 +243,7 @@ def run_tune(request: TuneRequest, log: Callable[[str], None] = print) -> TuneRe
     per_round = estimate = None
     rounds = request.rounds
     if rounds is None:
-        per_round, start_up = probe(request.spec_file, split, lrs[0], seed, request.work, log)
+        per_round, start_up = probe(request.spec_file, split, lrs[0], seed, spec.run.name, request.work, log)
         rounds = fit_rounds(request.budget_seconds - budget.spent(), len(lrs), request.jobs, per_round, start_up,
                             spec.run.rounds)
         estimate = start_up + rounds * per_round
