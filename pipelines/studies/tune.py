@@ -44,7 +44,7 @@ DEFAULT_VALIDATION, MIN_VALIDATION = 256, 16
 than MIN_VALIDATION cannot tell candidates apart."""
 OVERRUN = 1.2
 """A trial is not started when its estimate would end past this multiple of the budget."""
-PROBE_ROUNDS = 1
+PROBE_ROUNDS = 2
 
 
 def parse_lrs(text: str) -> list[float]:
@@ -177,19 +177,19 @@ def read_trial(trial: Trial) -> None:
     trial.tried = True
 
 
-def probe(spec_file: Path, split: Split, lr: float, seed: int, name: str, work: Path,
+def probe(spec_file: Path, split: Split, lr: float, seed: int, name: str, work: Path, jobs: int,
           log: Callable[[str], None]) -> tuple[float, float]:
     """(seconds per round, start-up seconds) of a trial, from a PROBE_ROUNDS-round run of `lr`
-    named `name`-tune-probe."""
+    named `name`-tune-probe: a round is its last round's seconds (the first pays the process's
+    one-time costs: the first training step, thread pools); the start-up is its round 0 (the
+    engine start and the start model's eval), plus that first-round excess when trials run in
+    worker processes of their own (`jobs` > 1)."""
     plan = trial_plan(spec_file, split, lr, PROBE_ROUNDS, seed, f"{name}-tune-probe",
                       work / f"probe-lr-{format_float(lr)}-seed{seed}")
-    plan = RunPlan(f"probe {plan.label}", plan.spec, plan.run_dir)
-    tic = time.monotonic()
-    execute([plan], 1, True, log)
-    wall = time.monotonic() - tic
-    rounds = MetricsLog(plan.run_dir).rounds()
-    per_round = max(r.get("wall_seconds", 0.0) for r in rounds if r["round"] >= 1)
-    return per_round, max(wall - PROBE_ROUNDS * per_round, rounds[0].get("wall_seconds", 0.0))
+    execute([RunPlan(f"probe {plan.label}", plan.spec, plan.run_dir)], 1, True, log)
+    seconds = [r.get("wall_seconds", 0.0) for r in MetricsLog(plan.run_dir).rounds()]
+    per_round = seconds[-1]
+    return per_round, seconds[0] + (max(0.0, seconds[1] - per_round) if jobs > 1 else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +243,8 @@ def run_tune(request: TuneRequest, log: Callable[[str], None] = print) -> TuneRe
     per_round = estimate = None
     rounds = request.rounds
     if rounds is None:
-        per_round, start_up = probe(request.spec_file, split, lrs[0], seed, spec.run.name, request.work, log)
+        per_round, start_up = probe(request.spec_file, split, lrs[0], seed, spec.run.name, request.work,
+                                    request.jobs, log)
         rounds = fit_rounds(request.budget_seconds - budget.spent(), len(lrs), request.jobs, per_round, start_up,
                             spec.run.rounds)
         estimate = start_up + rounds * per_round
@@ -273,6 +274,9 @@ def run_tune(request: TuneRequest, log: Callable[[str], None] = print) -> TuneRe
                 f"{budget.spent() / 60:.1f} of {request.budget_seconds / 60:g} budget minutes spent")
         estimate = (time.monotonic() - tic) / len(batch)
     tried = [t for t in trials if t.tried]
+    if not tried:
+        raise ValueError(f"--budget-minutes {request.budget_seconds / 60:g}: spent before the first trial could start "
+                         f"({budget.spent():.0f} s for the split and the probe); give more minutes, or --rounds")
     return TuneResult(request, spec, seed, split, rounds, per_round,
                       rank(tried) + [t for t in trials if not t.tried], budget.spent())
 

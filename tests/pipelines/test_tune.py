@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.generate.base import load_prompts
+from curation.store.runlog import MetricsLog
 from pipelines.spec import load_spec
 from pipelines.studies.spec_text import format_float, put_comment_block, set_key
 from pipelines.studies.study import split_prompts
@@ -227,6 +228,21 @@ def test_tune_cli_runs_each_candidate_and_writes_the_tuned_spec_and_evidence(toy
     assert "# tune: lr = " in tuned and f"{out.with_suffix('.tune.json').name}" in tuned
     kept = [line for line in tuned.splitlines() if not line.startswith("# tune: ") and not line.startswith("lr = ")]
     assert kept == [line for line in original.splitlines() if not line.startswith("lr = ")]  # comments kept
+
+
+@pytest.mark.slow
+def test_tune_cli_with_a_budget_spent_by_the_probe_starts_no_trial_and_exits_2(toy_dir, tmp_path):
+    spec = _small_spec(toy_dir, tmp_path / "small.toml")
+    out, work = tmp_path / "tuned.toml", tmp_path / "work"
+    proc = cli("tune", spec, "--out", out, "--work", work, "--lrs", "2e-4,6e-4", "--val-prompts", "32",
+               "--budget-minutes", "0.05", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]  # stderr also has the runs' logs
+    assert len(errors) == 1 and "--budget-minutes 0.05: spent before the first trial" in errors[0]
+    probe = next(work.glob("probe-lr-2e-4-seed0"))
+    assert [r["round"] for r in MetricsLog(probe).rounds()] == [0, 1, 2]   # the probe ran, on the split
+    assert load_spec(probe / "spec.toml", check_files=False).prompts.eval == str(work / "data" / "validation.parquet")
+    assert not (work / "trials").exists() and not out.exists()
 
 
 @pytest.mark.parametrize("args, message", [
