@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from curation.generate.prompt_files import expand_prompt_files
 from curation.store.runlog import MetricsLog
 from pipelines.spec import PipelineSpec, load_spec
 from pipelines.studies.spec_text import format_float
@@ -132,7 +133,6 @@ def train_prompt_count(spec: PipelineSpec) -> int:
     import pyarrow as pa
 
     from curation.generate.base import first_of_each_prompt, load_prompts
-    from curation.generate.prompt_files import expand_prompt_files
 
     tables = [load_prompts(f) for f in expand_prompt_files(spec.prompts.train)]
     ids = set(first_of_each_prompt(pa.concat_tables(tables, promote_options="default")).column("prompt_id")
@@ -235,8 +235,6 @@ def run_tune(request: TuneRequest, log: Callable[[str], None] = print) -> TuneRe
     seed = spec.run.seed if request.seed is None else request.seed
     lrs = request.lrs or default_lrs(spec.train.lr)
     size = validation_size(request.spec_file, train_prompt_count(spec), request.val_prompts)
-    from curation.generate.prompt_files import expand_prompt_files
-
     split = split_prompts(expand_prompt_files(spec.prompts.train), spec.prompts.eval, size, request.work, seed)
     log(f"split: {split.record['train_rows']} train prompts, {split.record['validation_rows']} held out for "
         f"validation (seed {seed}) -> {request.work}")
