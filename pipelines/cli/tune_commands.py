@@ -7,16 +7,18 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from pipelines.cli.app import EXIT_BAD_INPUT, app, console, exit_codes, fail, show_table
 
 
 @app.command("tune")
 def tune_command(
-    spec: Path = typer.Argument(..., help="Pipeline spec (TOML) whose [train] lr to tune."),
-    out: Optional[Path] = typer.Option(None, "--out", help="The tuned spec: SPEC's text with lr replaced and the "
-                                                           "evidence as a comment above [train] (default: "
-                                                           "WORK/<spec stem>.tuned.toml); beside it OUT.tune.json."),
+    spec: Path = typer.Argument(..., help="Pipeline spec (TOML) whose train.lr to tune."),
+    out: Optional[Path] = typer.Option(None, "--out", help=escape("The tuned spec: SPEC's text with lr replaced and "
+                                                                  "the evidence as a comment above [train] (default: "
+                                                                  "WORK/<spec stem>.tuned.toml); beside it "
+                                                                  "<OUT stem>.tune.json.")),
     work: Optional[Path] = typer.Option(None, "--work", help="Folder of the split and the trial runs (default: "
                                                              "runs/<spec stem>-tune); a rerun skips finished trials."),
     budget_minutes: float = typer.Option(5.0, "--budget-minutes", help="Wall minutes for the whole tune: the trials' "
@@ -25,7 +27,7 @@ def tune_command(
     lrs: Optional[str] = typer.Option(None, "--lrs", help="Candidate learning rates, comma-separated (default: the "
                                                           "spec's lr, a third of it and three times it)."),
     rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="Rounds of each trial (default: as many as "
-                                                                       "the budget fits, measured by a one-round "
+                                                                       "the budget fits, measured by a two-round "
                                                                        "probe, at most the spec's)."),
     val_prompts: Optional[int] = typer.Option(None, "--val-prompts", min=1, help="Train prompts held out for "
                                               "validation (default: 256 or a fifth of them, whichever is fewer)."),
@@ -34,7 +36,7 @@ def tune_command(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seeds the split and the trial runs (default: the "
                                                             "spec's run.seed)."),
 ) -> None:
-    """Pick [train] lr on a validation split held out from the spec's train prompts: one short run per
+    """Pick the spec's train.lr on a validation split held out from the spec's train prompts: one short run per
     candidate within the budget, scored by the mean of its last 3 validation evals (ties: the smaller lr).
     Writes the tuned spec (the original text, lr replaced) and its evidence; the eval prompts choose nothing."""
     from pipelines.studies.spec_text import format_float
