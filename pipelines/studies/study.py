@@ -94,7 +94,7 @@ def split_prompts(train_files: list[str], eval_file: str, size: int, out_dir: Pa
     existing = read_json(folder / "split.json")
     if existing is not None:
         if {k: existing.get(k) for k in split.record} != split.record:
-            raise ValueError(f"{folder}: a validation split made from other prompts or another validation_size "
+            raise ValueError(f"{folder}: a validation split made from other prompts or another validation_size or seed "
                              f"(see {folder / 'split.json'}); its runs trained on other prompts: use another out "
                              "folder or delete this one")
         if split.train.is_file() and split.validation.is_file():
