@@ -49,12 +49,19 @@ VALIDATION_SALT = "groupforge-validation:"
 # The validation split
 # ---------------------------------------------------------------------------------------------
 
-def validation_ids(prompt_ids: Iterable[str], size: int, exclude: Iterable[str] = ()) -> set[str]:
-    """The `size` prompt ids first by sha256(VALIDATION_SALT + id), leaving out `exclude` (the
+def split_salt(seed: int | None) -> str:
+    """The prefix hashed with each prompt_id: VALIDATION_SALT, plus "<seed>:" for a seeded split
+    (`groupforge tune --seed`), so each seed holds out other prompts."""
+    return VALIDATION_SALT if seed is None else f"{VALIDATION_SALT}{seed}:"
+
+
+def validation_ids(prompt_ids: Iterable[str], size: int, exclude: Iterable[str] = (),
+                   seed: int | None = None) -> set[str]:
+    """The `size` prompt ids first by sha256(split_salt(seed) + id), leaving out `exclude` (the
     eval set's ids): deterministic, independent of file order, disjoint from the eval set.
     Refuses a size that would leave no train prompt."""
-    candidates = sorted(set(prompt_ids) - set(exclude),
-                        key=lambda i: hashlib.sha256((VALIDATION_SALT + i).encode()).hexdigest())
+    salt = split_salt(seed)
+    candidates = sorted(set(prompt_ids) - set(exclude), key=lambda i: hashlib.sha256((salt + i).encode()).hexdigest())
     if size >= len(candidates):
         raise ValueError(f"validation_size {size}: only {len(candidates)} train prompts (not in the eval set); "
                          "the split would leave none to train on")
@@ -68,10 +75,10 @@ class Split:
     record: dict
 
 
-def split_prompts(train_files: list[str], eval_file: str, size: int, out_dir: Path) -> Split:
+def split_prompts(train_files: list[str], eval_file: str, size: int, out_dir: Path, seed: int | None = None) -> Split:
     """Write out_dir/data/{train,validation}.parquet from the train prompt files (see
-    validation_ids) and data/split.json; an existing split made from the same files and size is
-    kept, one made from others is refused (its runs trained on other prompts)."""
+    validation_ids, with `seed`) and data/split.json; an existing split made from the same files,
+    size and seed is kept, one made from others is refused (its runs trained on other prompts)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -81,20 +88,20 @@ def split_prompts(train_files: list[str], eval_file: str, size: int, out_dir: Pa
 
     folder = out_dir / DATA_DIR
     split = Split(folder / "train.parquet", folder / "validation.parquet", {
-        "rule": f"the validation_size prompt_ids first by sha256('{VALIDATION_SALT}' + prompt_id), eval set excluded",
+        "rule": f"the validation_size prompt_ids first by sha256('{split_salt(seed)}' + prompt_id), eval set excluded",
         "validation_size": size, "train_files": {f: fingerprint_file(f) for f in train_files},
-        "eval_file": {eval_file: fingerprint_file(eval_file)}})
+        "eval_file": {eval_file: fingerprint_file(eval_file)}, **({} if seed is None else {"seed": seed})})
     existing = read_json(folder / "split.json")
     if existing is not None:
         if {k: existing.get(k) for k in split.record} != split.record:
-            raise ValueError(f"{folder}: a validation split made from other prompts or another validation_size "
+            raise ValueError(f"{folder}: a validation split made from other prompts or another validation_size or seed "
                              f"(see {folder / 'split.json'}); its runs trained on other prompts: use another out "
                              "folder or delete this one")
         if split.train.is_file() and split.validation.is_file():
             return Split(split.train, split.validation, existing)
     table = first_of_each_prompt(pa.concat_tables([load_prompts(f) for f in train_files], promote_options="default"))
     held = validation_ids(table.column("prompt_id").to_pylist(), size,
-                          load_prompts(eval_file).column("prompt_id").to_pylist())
+                          load_prompts(eval_file).column("prompt_id").to_pylist(), seed)
     is_held = pc.is_in(table.column("prompt_id"), value_set=pa.array(sorted(held), pa.string()))
     train, validation = table.filter(pc.invert(is_held)), table.filter(is_held)
     for path, part in ((split.train, train), (split.validation, validation)):
@@ -146,11 +153,12 @@ class RunPlan:
     run_dir: Path
 
 
-def plan_spec(spec_file: str, section: CompareSection, split: Split | None, setting: Setting, *, rounds: int | None,
-              seed: int, name: str, validation: bool) -> PipelineSpec:
-    """`spec_file` with the compare file's overrides, `setting`, the split's train file (and,
-    for a sweep run, the validation file as its eval set, evaluated every round), `rounds`
-    (None: the compare file's or the spec's), `seed` and run.name `name`."""
+def plan_spec(spec_file: str, section: CompareSection | None, split: Split | None, setting: Setting, *,
+              rounds: int | None, seed: int, name: str, validation: bool) -> PipelineSpec:
+    """`spec_file` with the compare file's overrides (none without `section`: `groupforge tune`),
+    `setting`, the split's train file (and, for a sweep run, the validation file as its eval set,
+    evaluated every round), `rounds` (None: the compare file's or the spec's), `seed` and
+    run.name `name`."""
     overrides = [*compare_overrides(section), *setting.overrides, f"run.seed={seed}", f'run.name="{name}"']
     if rounds is not None:
         overrides.append(f"run.rounds={rounds}")

@@ -132,7 +132,7 @@ def _readme_commands(name: str) -> list[list[str]]:
     return [shlex.split(line.split("#")[0]) for line in lines]
 
 
-@pytest.mark.parametrize("command", ["generate", "train"])
+@pytest.mark.parametrize("command", ["generate", "train", "tune"])
 def test_the_readme_command_lines_parse(command):
     argvs = _readme_commands(command)
     assert argvs, f"no page shows `groupforge {command}`"
