@@ -44,6 +44,7 @@ class Context:
 def context(run_dir: Path, train: list[Path], per_round: int, seed: int = 0, **choice) -> Context:
     spec = SimpleNamespace(run=SimpleNamespace(seed=seed),
                            prompts=SimpleNamespace(train=[str(f) for f in train], per_round=per_round,
+                                                   curriculum=False,
                                                    choice=PromptChoice(strategy="informative", **choice)))
     return Context(spec=spec, store=RunStore(run_dir))
 
