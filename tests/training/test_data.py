@@ -167,7 +167,8 @@ def test_fingerprint_names_the_rows(curated_run, tmp_path):
 
 
 def test_errors_name_the_file_or_round(curated_run, tmp_path):
-    with pytest.raises(ValueError, match=r"unknown objective 'ppo'; known: grpo, gspo, gspo_token, cispo, pairwise, sft"):
+    with pytest.raises(ValueError,
+                       match=r"unknown objective 'ppo'; known: grpo, gspo, gspo_token, cispo, pairwise, sft"):
         load_training_data(curated_run, "ppo")
     run = tmp_path / "run"
     shutil.copytree(curated_run, run)
