@@ -102,8 +102,9 @@ DEFAULTS = {"selection": "addition,multiply", "test": "reverse,sort,max", "sizes
 
 # ---- toys and runs ------------------------------------------------------------------------------
 
-def build_toys(families: list[str], sizes: list[int]) -> dict[tuple[str, int], Path]:
-    """The toy folder of each (family, size) cell, built on first use (the toy's own build cache)."""
+def build_toys(families: list[str], sizes: list[int], build: bool = True) -> dict[tuple[str, int], Path]:
+    """The toy folder of each (family, size) cell, built on first use (the toy's own build cache) unless
+    `build` is off (the saved runs are summarised: only the paths are needed)."""
     import pipelines.toy.build as toy
 
     folders = {}
@@ -112,7 +113,7 @@ def build_toys(families: list[str], sizes: list[int]) -> dict[tuple[str, int], P
             config = toy_config(family, size)
             out = toy.default_out(config, ROOT / "runs")
             print(f"toy {cell_name(family, size)}: {out}", flush=True)
-            folders[family, size] = toy.build_toy(out, config=config, progress=False)
+            folders[family, size] = toy.build_toy(out, config=config, progress=False) if build else out
     return folders
 
 
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"planned: {n_sel} selection runs x {args.selection_minutes:g} min ({args.selection_jobs} at a time), "
           f"{n_test} test runs x {args.minutes:g} min ({args.jobs} at a time), + toy builds, start-ups and evals",
           flush=True)
-    toys = build_toys(args.selection + args.test, args.sizes)
+    toys = build_toys(args.selection + args.test, args.sizes, build=args.reuse != "all")
 
     chosen = select(args, toys)
     print(f"selection: TRL lr {chosen['lr']:g}, groupforge recipe {chosen['candidate'].name} "

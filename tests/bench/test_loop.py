@@ -222,7 +222,8 @@ def test_selection_then_test_sees_only_the_chosen_settings(loop, tmp_path, monke
     monkeypatch.setattr(loop, "OUT", tmp_path)
     monkeypatch.setattr(loop, "LOOP", tmp_path / "loop")
     monkeypatch.setattr(loop, "need_trl", lambda: None)
-    monkeypatch.setattr(loop, "build_toys", lambda families, sizes: {(f, s): tmp_path for f in families for s in sizes})
+    monkeypatch.setattr(loop, "build_toys",
+                        lambda families, sizes, build: {(f, s): tmp_path for f in families for s in sizes})
     monkeypatch.setattr(loop, "run_jobs", fake_runs)
     fake_runs.jobs = []
     loop.main(["--selection", "addition,multiply", "--test", "reverse,sort", "--sizes", "512,4096", "--seeds",
