@@ -234,7 +234,26 @@ def write_selection(chosen: dict, args) -> Path:
 
 # ---- report -------------------------------------------------------------------------------------
 
-def markdown(args, chosen: dict, verdicts: list[dict], figures: list[Path]) -> str:
+def breakdown(curves: list[Curve]) -> list[str]:
+    """groupforge's round time by phase per cell (RoundRecord.phase_seconds), over its runs' rounds."""
+    lines = []
+    for cell in dict.fromkeys(c.variant for c in curves):
+        rounds = [r for c in curves if c.variant == cell and c.framework == "groupforge"
+                  for r in c.extra.get("rounds", []) if r.get("phase_seconds")]
+        if not rounds:
+            continue
+        wall = sum(r["wall_seconds"] for r in rounds)
+        phases: dict[str, float] = {}
+        for r in rounds:
+            for name, seconds in r["phase_seconds"].items():
+                phases[name] = phases.get(name, 0.0) + seconds
+        parts = ", ".join(f"{name} {seconds / len(rounds):.2f}" for name, seconds in phases.items())
+        lines.append(f"- groupforge round, {cell} (mean of {len(rounds)} rounds, {wall / len(rounds):.2f} s): "
+                     f"{parts} s")
+    return lines
+
+
+def markdown(args, chosen: dict, verdicts: list[dict], figures: list[Path], rounds: list[str]) -> str:
     """The section: protocol, the test families' result, then the selection families' evidence."""
     spec = os.path.relpath(args.spec, ROOT)
     recipes = {c.name: f"{c.name}: `{'; '.join(c.overrides) or 'as shipped'}`" for c in args.gf_candidates}
@@ -251,7 +270,7 @@ def markdown(args, chosen: dict, verdicts: list[dict], figures: list[Path]) -> s
              "- clock: training wall seconds, start-up and evals excluded for both; plateau: mean of the last "
              f"{args.plateau_evals} evals; TRL's best and the times to it on a trailing mean of {args.smooth} evals",
              "", f"### Test families ({', '.join(args.test)}): the result", "",
-             *result_tables(verdicts), "", *(f"- figure: `{os.path.relpath(f, ROOT)}`" for f in figures), "",
+             *result_tables(verdicts), "", *rounds, *(f"- figure: `{os.path.relpath(f, ROOT)}`" for f in figures), "",
              f"### Selection families ({', '.join(args.selection)}): where the settings were chosen, not a result", "",
              *selection_table("TRL lr", chosen["trl"], f"{chosen['lr']:g}", chosen["trl_scores"],
                               args.plateau_evals, {}), "",
@@ -349,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         mine = [c for pair in pairs for c in pair if c.variant == cell]
         target = mean([best(c, args.smooth) for c in mine if c.framework == "trl"])
         figures.append(plot_variant(mine, target, OUT / f"loop-{cell}.png"))
-    section = markdown(args, chosen, verdicts, figures)
+    section = markdown(args, chosen, verdicts, figures, breakdown(curves))
     print("\n" + section)
     print(f"written to {write_section(section, 'loop', OUT, args.append)}")
 
