@@ -288,3 +288,11 @@ def test_plot_writes_one_figure(loop, tmp_path):
     path = _report.plot_variant([flat("trl", 0.5, "reverse-512"), flat("groupforge", 0.6, "reverse-512")], 0.5,
                                 tmp_path / "loop-reverse-512.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_round_breakdown_per_cell(loop):
+    rounds = [{"wall_seconds": 2.0, "phase_seconds": {"generate": 1.0, "train": 0.8}},
+              {"wall_seconds": 4.0, "phase_seconds": {"generate": 2.0, "train": 1.6}}]
+    gf = flat("groupforge", 0.7, "sort-512", rounds=rounds)
+    (line,) = loop.breakdown([flat("trl", 0.7, "sort-512"), gf])
+    assert line == "- groupforge round, sort-512 (mean of 2 rounds, 3.00 s): generate 1.50, train 1.20 s"
