@@ -225,6 +225,8 @@ def test_selection_then_test_sees_only_the_chosen_settings(loop, tmp_path, monke
     monkeypatch.setattr(loop, "build_toys",
                         lambda families, sizes, build: {(f, s): tmp_path for f in families for s in sizes})
     monkeypatch.setattr(loop, "run_jobs", fake_runs)
+    figures = []
+    monkeypatch.setattr(loop, "plot_variant", lambda curves, target, path: figures.append((curves, path)) or path)
     fake_runs.jobs = []
     loop.main(["--selection", "addition,multiply", "--test", "reverse,sort", "--sizes", "512,4096", "--seeds",
                "0,1", "--trl-lrs", "3e-5,1e-4"])
@@ -254,8 +256,9 @@ def test_selection_then_test_sees_only_the_chosen_settings(loop, tmp_path, monke
     assert "**8 of 8 test cells pass both checks**" in result
     assert "| constant: `run.rounds=1000; train.lr_schedule=\"constant\"` (chosen) | 0.700 | 0.700 |" in evidence
     assert "| 0.0001 (chosen) |" in evidence
-    assert sorted(p.name for p in tmp_path.glob("loop-*.png")) == [f"loop-{f}-{s}.png" for f in ("reverse", "sort")
-                                                                 for s in (4096, 512)]
+    assert [path.name for _, path in figures] == [f"loop-{f}-{s}.png" for f in ("reverse", "sort") for s in (512, 4096)]
+    assert all({(c.framework, c.variant) for c in curves} == {("trl", path.stem[5:]), ("groupforge", path.stem[5:])}
+               for curves, path in figures)
 
 
 def test_reuse_needs_the_saved_runs(loop, tmp_path, monkeypatch):
