@@ -1,7 +1,7 @@
 """Benchmark: groupforge's round loop vs TRL's GRPOTrainer on toy families neither was tuned on.
 
     make bench-trl                                  # installs trl==1.16.0 (the `bench` extra), runs this
-    .venv/bin/python bench/loop.py                  # the full comparison, ~2 h 40 min on 2 cores (below)
+    .venv/bin/python bench/loop.py                  # the full comparison, ~2 h 50 min on 2 cores (below)
     .venv/bin/python bench/loop.py --quick          # a smoke run of every phase, ~12 min: not a result
     .venv/bin/python bench/loop.py --reuse-trl      # groupforge again, against the saved TRL runs
     .venv/bin/python bench/loop.py --reuse          # the report again from the saved runs
@@ -13,8 +13,8 @@ result, and no family is in both. Cells are (family, train size) with sizes --si
 4096); each cell's toy is `groupforge toy build --task FAMILY --n-train SIZE` (bench/_families.py
 toy_config: one warm start per family whatever the size).
 
-1. Selection, on the selection families only, seed --seeds[0], --selection-minutes of training
-   per run: TRL at each --trl-lrs lr, and groupforge with each --gf-candidates recipe
+1. Selection, on the selection families only, seed --seeds[0], --selection-minutes (1) of
+   training per run: TRL at each --trl-lrs lr, and groupforge with each --gf-candidates recipe
    (bench/_families.py DEFAULT_CANDIDATES says what each is for). Each side keeps the setting
    with the highest plateau averaged over the selection cells; the choice and its evidence go
    to runs/bench/loop/selection.json and the report.
@@ -42,15 +42,18 @@ times to it are read off a trailing mean of --smooth (3) evals (bench/_curves.py
 is its own process with OMP_NUM_THREADS=--threads (1: on the shared 2-core machine two threads
 ran the toy's tiny ops 5-10x slower and unsteadily).
 
-Budget of the default run on 2 cores: the 10 toys (5 families x 2 sizes) build once, ~10 min;
-selection: (3 lrs + 3 recipes) x 2 families x 2 sizes x 1.5 min = 36 min of training, two runs
-at a time (--selection-jobs 2: each compares a side's own settings, which share the machine
-alike) ~25 min of wall; test: 3 families x 2 sizes x 2 seeds x 2 sides x 5 min = 120 min of
-training, one at a time, ~2 h 10 min of wall with start-ups and evals. About 2 h 40 min in all:
-the selection runs are 1.5 min (not 5) to keep it near two hours, so a recipe that only pays
-off late is judged on its first 1.5 minutes. TRL's runs are saved under
-runs/bench/loop/<family>-<size>/ as JSON (groupforge's beside them); the report is printed and
-written to runs/bench/loop.md, with a figure per test cell (runs/bench/loop-<family>-<size>.png).
+Budget of the default run on 2 cores (a 1-minute run took 65-80 s of wall in a --quick
+sitting, plus ~10-15 s to start its process): the 10 toys (5 families x 2 sizes) build once,
+20-60 s each; selection: (3 lrs + 3 recipes) x 2 families x 2 sizes x 1 min = 24 min of
+training, ~35 min of wall; test: 3 families x 2 sizes x 2 seeds x 2 sides x 5 min = 120 min of
+training, ~2 h 10 min of wall. About 2 h 50 min in all, more than two hours: the test phase
+alone is 2 h 10 min, so the selection runs are cut to 1 minute, and a recipe that pays off
+late is judged on its first minute. Every run is timed alone (--jobs 1, --selection-jobs 1):
+two at a time leave an odd last run alone, and faster, which favours it in the selection.
+
+Output: each run's curve as JSON under runs/bench/loop/<family>-<size>/ (so --reuse-trl can
+take TRL's), the choice in runs/bench/loop/selection.json, the report printed and written to
+runs/bench/loop.md, and a figure per test cell (runs/bench/loop-<family>-<size>.png).
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ QUICK = {"selection": "addition", "test": "reverse", "sizes": "512", "seeds": "0
          "selection_minutes": 1.0, "trl_lrs": "1e-4,3e-4"}
 """--quick's values for the options not given: every phase once, on 2 toys, in ~12 minutes."""
 DEFAULTS = {"selection": "addition,multiply", "test": "reverse,sort,max", "sizes": "512,4096", "seeds": "0,1",
-            "minutes": 5.0, "selection_minutes": 1.5, "trl_lrs": "3e-5,1e-4,3e-4"}
+            "minutes": 5.0, "selection_minutes": 1.0, "trl_lrs": "3e-5,1e-4,3e-4"}
 
 
 # ---- toys and runs ------------------------------------------------------------------------------
@@ -269,6 +272,7 @@ def markdown(args, chosen: dict, verdicts: list[dict], figures: list[Path], roun
              f"- groupforge: `{spec}`, recipe {recipes[chosen['candidate'].name]} (chosen), eval every round",
              "- clock: training wall seconds, start-up and evals excluded for both; plateau: mean of the last "
              f"{args.plateau_evals} evals; TRL's best and the times to it on a trailing mean of {args.smooth} evals",
+             *(["- --quick: a smoke run of every phase; its figures are not results"] if args.quick else []),
              "", f"### Test families ({', '.join(args.test)}): the result", "",
              *result_tables(verdicts), "", *rounds, *(f"- figure: `{os.path.relpath(f, ROOT)}`" for f in figures), "",
              f"### Selection families ({', '.join(args.selection)}): where the settings were chosen, not a result", "",
@@ -292,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", help=f"train prompts per toy, comma-separated (default {DEFAULTS['sizes']})")
     parser.add_argument("--seeds", help="seeds of the test runs; the first seeds the selection runs (default 0,1)")
     parser.add_argument("--minutes", type=float, help="training minutes per test run and side (default 5)")
-    parser.add_argument("--selection-minutes", type=float, help="training minutes per selection run (default 1.5)")
+    parser.add_argument("--selection-minutes", type=float, help="training minutes per selection run (default 1)")
     parser.add_argument("--trl-lrs", help=f"TRL lrs to choose among (default {DEFAULTS['trl_lrs']})")
     parser.add_argument("--gf-candidates", default=DEFAULT_CANDIDATES,
                         metavar="NAME=KEY=VALUE[;KEY=VALUE],...",
@@ -306,7 +310,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="TRL optimizer steps between evals (16 x 128 = 2048 samples, a groupforge round)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (0: all cores)")
     parser.add_argument("--jobs", type=int, default=1, help="test runs at a time (1: timed alone)")
-    parser.add_argument("--selection-jobs", type=int, default=2, help="selection runs at a time")
+    parser.add_argument("--selection-jobs", type=int, default=1,
+                        help="selection runs at a time (more: runs share the machine unevenly, an odd last one "
+                             "runs alone and faster)")
     parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
     parser.add_argument("--plateau-evals", type=int, default=5, help="the plateau is the mean of the last N evals")
     reuse = parser.add_mutually_exclusive_group()

@@ -192,7 +192,7 @@ def test_quick_fills_only_what_was_not_given(loop):
     full = loop.parse_args([])
     assert (full.selection, full.test, full.sizes, full.seeds) == (["addition", "multiply"],
                                                                    ["reverse", "sort", "max"], [512, 4096], [0, 1])
-    assert (full.minutes, full.jobs, full.reuse) == (5.0, 1, None)
+    assert (full.minutes, full.selection_minutes, full.jobs, full.selection_jobs, full.reuse) == (5.0, 1.0, 1, 1, None)
     assert loop.parse_args(["--reuse-trl"]).reuse == "trl" and loop.parse_args(["--reuse"]).reuse == "all"
 
 
