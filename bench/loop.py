@@ -1,37 +1,59 @@
-"""Benchmark: groupforge's round loop vs TRL's GRPOTrainer, time to accuracy on the same work, one run.
+"""Benchmark: groupforge's round loop vs TRL's GRPOTrainer on toy families neither was tuned on.
 
-    make bench-trl                               # installs trl==1.16.0 (the `bench` extra) and runs this
-    .venv/bin/python bench/loop.py               # 3 toy variants x 2 seeds x 2 frameworks + TRL lr sweep, ~75 min
-    .venv/bin/python bench/loop.py --quick       # 1 variant, 1 seed, 2 min per framework, lr 1e-4: a smoke run
-    .venv/bin/python bench/loop.py --append      # also append the section to BENCHMARKS.md
+    make bench-trl                                  # installs trl==1.16.0 (the `bench` extra), runs this
+    .venv/bin/python bench/loop.py                  # the full comparison, ~2 h 50 min on 2 cores (below)
+    .venv/bin/python bench/loop.py --quick          # a smoke run of every phase, ~12 min: not a result
+    .venv/bin/python bench/loop.py --reuse-trl      # groupforge again, against the saved TRL runs
+    .venv/bin/python bench/loop.py --reuse          # the report again from the saved runs
+    .venv/bin/python bench/loop.py --append         # also append the section to BENCHMARKS.md
 
-Both frameworks start from the same toy model folder and train on its train.parquet with the
-same reward (exact match of response.strip() with the reference, groupforge's `exact_match`),
-G = 8, temperature 1, max 8 response tokens, and are evaluated greedily on the same
-eval.parquet. Each run is its own process, one after the other:
+Leave-one-family-out, pre-registered: the selection families (--selection, default addition,
+multiply) and the test families (--test, default reverse, sort, max) are fixed before any
+result, and no family is in both. Cells are (family, train size) with sizes --sizes (512,
+4096); each cell's toy is `groupforge toy build --task FAMILY --n-train SIZE` (bench/_families.py
+toy_config: one warm start per family whatever the size).
+
+1. Selection, on the selection families only, seed --seeds[0], --selection-minutes (1) of
+   training per run: TRL at each --trl-lrs lr, and groupforge with each --gf-candidates recipe
+   (bench/_families.py DEFAULT_CANDIDATES says what each is for). Each side keeps the setting
+   with the highest plateau averaged over the selection cells; the choice and its evidence go
+   to runs/bench/loop/selection.json and the report.
+2. Test, on the test families only, every size and seed: TRL at its chosen lr against groupforge
+   with its chosen recipe, --minutes of training each, one run at a time (--jobs 1), TRL then
+   groupforge per cell. Per (family, size, seed): each side's plateau over the same training
+   minutes, TRL's best and each side's seconds to it, their ratio, and the two checks the issue
+   asks for as PASS/FAIL (groupforge's plateau >= TRL's; its time to TRL's best <= 1/2 of TRL's).
+   The report's result is these test cells; the selection cells are the evidence of the choice,
+   in their own tables, never the headline.
+
+Both sides start from the cell's toy model, train on its train.parquet with groupforge's
+`exact_match` reward, sample G and max tokens as --spec (pipelines/specs/toy-family-grpo.toml)
+says at temperature 1, and are evaluated greedily on its eval.parquet every 2,048 samples:
 
     TRL         bench/_trl_run.py: GRPOTrainer, 64 prompts x 8 per generation batch, 4 steps of 128
-                (--trl-prompts, --trl-batch), constant lr, bf16/gradient checkpointing off,
-                TRL's transformers generate (use_vllm=False); eval every --trl-eval-every steps
-    groupforge  bench/_gf_run.py: run_pipeline on --spec (pipelines/specs/toy-grpo.toml) with the
-                toy's paths, eval every round (2048 samples, as TRL's) and --gf-set overrides, as
-                shipped otherwise
+                (--trl-prompts, --trl-batch), constant lr, bf16 and gradient checkpointing off, its
+                default loss_type, transformers generate (use_vllm=False)
+    groupforge  bench/_gf_run.py: run_pipeline on --spec with the candidate's overrides, an eval
+                every round (256 prompts x 8), the run cut at --minutes or at its last round
 
-Clocks: training wall seconds and process CPU seconds, start-up (model load, engine start,
-round 0 / step 0 eval) and every eval excluded for both (see the two helpers), and samples
-generated. TRL's lr is
-swept first (--trl-lrs, --sweep-minutes, on the first variant and seed) and the best (highest
-plateau) is used for its real runs. Summaries (bench/_curves.py): time to each
---levels accuracy and to TRL's best accuracy within its budget, on a trailing mean of
---smooth evals; the plateau, the mean of the last --plateau-evals evals; samples/s.
+Clocks (bench/_gf_run.py, bench/_trl_run.py): training wall seconds, start-up and every eval
+excluded for both. Plateau: the mean of the last --plateau-evals (5) evals; TRL's best and the
+times to it are read off a trailing mean of --smooth (3) evals (bench/_curves.py). Every run
+is its own process with OMP_NUM_THREADS=--threads (1: on the shared 2-core machine two threads
+ran the toy's tiny ops 5-10x slower and unsteadily).
 
-Every run gets OMP_NUM_THREADS=--threads (1 by default: on a 2-core machine shared with other
-jobs, two threads per process ran the toy's tiny ops 5-10x slower, and unsteadily), and
---jobs runs go at a time (2). Budget of the default run: sweep 3 x 1.5 min, TRL 3 x 2 x 10
-min, groupforge up to 3 x 2 x 10 min of training seconds (its spec's 60 rounds end after
-2.5-4.5 min on the toys), ~75 min of wall with start-ups and evals on 2 cores. Output: the markdown
-section (printed, runs/bench/loop.md), runs/bench/loop-<variant>.png, each run's curve as
-JSON under runs/bench/loop/<variant>/ (--reuse summarises those without running again).
+Budget of the default run on 2 cores (a 1-minute run took 65-80 s of wall in a --quick
+sitting, plus ~10-15 s to start its process): the 10 toys (5 families x 2 sizes) build once,
+20-60 s each; selection: (3 lrs + 3 recipes) x 2 families x 2 sizes x 1 min = 24 min of
+training, ~35 min of wall; test: 3 families x 2 sizes x 2 seeds x 2 sides x 5 min = 120 min of
+training, ~2 h 10 min of wall. About 2 h 50 min in all, more than two hours: the test phase
+alone is 2 h 10 min, so the selection runs are cut to 1 minute, and a recipe that pays off
+late is judged on its first minute. Every run is timed alone (--jobs 1, --selection-jobs 1):
+two at a time leave an odd last run alone, and faster, which favours it in the selection.
+
+Output: each run's curve as JSON under runs/bench/loop/<family>-<size>/ (so --reuse-trl can
+take TRL's), the choice in runs/bench/loop/selection.json, the report printed and written to
+runs/bench/loop.md, and a figure per test cell (runs/bench/loop-<family>-<size>.png).
 """
 
 from __future__ import annotations
@@ -53,47 +75,70 @@ sys.path.insert(0, str(ROOT))  # before bench/ (the script's folder): bench/cura
 if str(ROOT / "bench") not in sys.path:
     sys.path.append(str(ROOT / "bench"))  # imported as a module (tests): its helpers still import
 
-from _curves import Curve, best, first_reaching, mean, plateau, samples_per_s, time_to  # noqa: E402
+from _curves import Curve, best, mean, plateau  # noqa: E402
+from _families import (  # noqa: E402
+    DEFAULT_CANDIDATES,
+    Candidate,
+    cell_name,
+    check_sizes,
+    check_split,
+    choose,
+    family_list,
+    parse_candidates,
+    result_tables,
+    selection_table,
+    toy_config,
+    verdict,
+)
 from _report import machine, plot_variant, write_section  # noqa: E402
 
 OUT = ROOT / "runs" / "bench"
+LOOP = OUT / "loop"
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
        "HF_HUB_OFFLINE": "1"}
+QUICK = {"selection": "addition", "test": "reverse", "sizes": "512", "seeds": "0", "minutes": 1.5,
+         "selection_minutes": 1.0, "trl_lrs": "1e-4,3e-4"}
+"""--quick's values for the options not given: every phase once, on 2 toys, in ~12 minutes."""
+DEFAULTS = {"selection": "addition,multiply", "test": "reverse,sort,max", "sizes": "512,4096", "seeds": "0,1",
+            "minutes": 5.0, "selection_minutes": 1.0, "trl_lrs": "3e-5,1e-4,3e-4"}
 
 
 # ---- toys and runs ------------------------------------------------------------------------------
 
-def toy_variants(names: list[str] | None) -> dict[str, Path]:
-    """The toy folder of each variant (built once, cached by the toy's own build cache)."""
+def build_toys(families: list[str], sizes: list[int], build: bool = True) -> dict[tuple[str, int], Path]:
+    """The toy folder of each (family, size) cell, built on first use (the toy's own build cache) unless
+    `build` is off (the saved runs are summarised: only the paths are needed)."""
     import pipelines.toy.build as toy
 
-    known = getattr(toy, "VARIANTS", {"default": toy.ToyConfig()})
-    names = names or list(known)[:3]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown toy variant(s) {', '.join(unknown)}: one of {', '.join(known)}")
     folders = {}
-    for name in names:
-        out = toy.default_out(known[name], ROOT / "runs") if hasattr(toy, "default_out") else \
-            ROOT / "runs" / ("toy" if name == "default" else f"toy-{name}")
-        print(f"toy {name}: {out}", flush=True)
-        folders[name] = toy.build_toy(out, config=known[name], progress=False)
+    for family in families:
+        for size in sizes:
+            config = toy_config(family, size)
+            out = toy.default_out(config, ROOT / "runs")
+            print(f"toy {cell_name(family, size)}: {out}", flush=True)
+            folders[family, size] = toy.build_toy(out, config=config, progress=False) if build else out
     return folders
 
 
 def run_job(kind: str, job: dict, reuse: str | None) -> Curve:
     """One run in its own process (its memory, threads and engine are its own); its curve. `reuse`
-    "all" (or the run's kind) takes a finished run's JSON instead of running again."""
+    "all" (or "trl" for a TRL run) takes the run's saved JSON instead, which must exist."""
     result = Path(job["result"])
-    if not (reuse in ("all", kind) and result.is_file()):
+    if reuse in ("all", kind):
+        if not result.is_file():
+            raise SystemExit(f"--reuse: no saved run {result.relative_to(ROOT)}: run it without --reuse first")
+    else:
         result.parent.mkdir(parents=True, exist_ok=True)
         limit = job["minutes"] * 60 * 4 + 600  # evals and start-up come on top of the training budget
         threads = {"OMP_NUM_THREADS": str(job["threads"])} if job.get("threads") else {}
         subprocess.run([sys.executable, __file__, "--worker", kind, json.dumps(job)], check=True, timeout=limit,
                        cwd=ROOT, env={**ENV, **os.environ, **threads})
     curve = Curve.from_dict(json.loads(result.read_text()))
-    if job.get("arm"):
-        curve.framework = f"groupforge+{job['arm']}"
+    if kind == "groupforge":
+        if curve.extra.get("set") != job["set"]:
+            raise SystemExit(f"{result.relative_to(ROOT)} ran other overrides than candidate {job['candidate']}'s: "
+                             "run without --reuse")
+        curve.extra["candidate"] = job["candidate"]
     return curve
 
 
@@ -106,37 +151,6 @@ def worker(kind: str, job: dict) -> None:
     Path(job["result"]).write_text(json.dumps(run(job)))
 
 
-def trl_job(args, variant: str, toy: Path, seed: int, lr: float, minutes: float, name: str) -> dict:
-    folder = OUT / "loop" / variant
-    return dict(toy=str(toy), variant=variant, seed=seed, lr=lr, minutes=minutes, eval_every=args.trl_eval_every,
-                threads=args.threads,
-                prompts_per_generation=args.trl_prompts, group_size=8, batch_size=args.trl_batch, max_tokens=8,
-                temperature=1.0, out_dir=str(folder / f"{name}-out"), result=str(folder / f"{name}.json"))
-
-
-def gf_job(args, variant: str, toy: Path, seed: int, arm: tuple[str, list[str]] | None = None) -> dict:
-    """groupforge evaluates every round here (`eval.every = 1` before --gf-set, which may change it): an
-    eval every 2048 samples like TRL's every 16 x 128, and evals are off both clocks. An `arm` (name,
-    overrides) is the same run with more overrides, on top of --gf-set."""
-    from pipelines.spec import EvalSection
-
-    folder = OUT / "loop" / variant
-    every = ["eval.every=1"] if "every" in EvalSection.model_fields else []
-    name, extra = arm or ("", [])
-    tag = f"-{name}" if name else ""
-    return dict(toy=str(toy), variant=variant, seed=seed, minutes=args.gf_minutes, spec=str(args.spec),
-                threads=args.threads, set=every + args.gf_set + extra, rounds=args.gf_rounds, arm=name,
-                out_dir=str(folder / f"gf{tag}-seed{seed}"), result=str(folder / f"groupforge{tag}-seed{seed}.json"))
-
-
-def parse_arm(text: str) -> tuple[str, list[str]]:
-    """"passes1:train.passes=1;eval.every=2" -> ("passes1", ["train.passes=1", "eval.every=2"])."""
-    name, sep, sets = text.partition(":")
-    if not sep or not name.replace("-", "").replace("_", "").isalnum() or not sets.strip():
-        raise argparse.ArgumentTypeError(f"--arm {text!r}: expected NAME:section.key=value[;section.key=value]")
-    return name, [item.strip() for item in sets.split(";") if item.strip()]
-
-
 def run_jobs(jobs: list[tuple[str, dict]], reuse: str | None, at_once: int) -> list[Curve]:
     """Each (kind, job) in its own process, `at_once` of them running at a time; curves in job order."""
     if at_once <= 1:
@@ -145,230 +159,222 @@ def run_jobs(jobs: list[tuple[str, dict]], reuse: str | None, at_once: int) -> l
         return list(pool.map(lambda item: run_job(*item, reuse), jobs))
 
 
-def sweep_lr(args, variant: str, toy: Path) -> tuple[float, list[Curve]]:
-    """TRL's best lr on the first variant and seed: the highest plateau (mean of the last evals, so an
-    lr that climbs and then collapses within the run loses) of a short run, then the best smoothed accuracy."""
-    jobs = [("trl", trl_job(args, variant, toy, args.seeds[0], lr, args.sweep_minutes, f"trl-sweep-lr{lr:g}"))
-            for lr in args.trl_lrs]
-    curves = run_jobs(jobs, args.reuse, args.jobs)
-    chosen = max(curves, key=lambda c: (plateau(c, args.plateau_evals), best(c, args.smooth)))
-    return float(chosen.extra["lr"]), curves
+def sampling(spec: str | Path) -> dict:
+    """G, max tokens and temperature as the spec samples them: TRL samples the same."""
+    from pipelines.spec import read_toml
+
+    generator = read_toml(spec)["generator"]
+    return {"group_size": generator["group_size"], "max_tokens": generator["max_tokens"],
+            "temperature": generator.get("temperature", 1.0)}
 
 
-# ---- summary ------------------------------------------------------------------------------------
-
-def summarize(curves: list[Curve], levels: list[float], window: int, last: int) -> list[dict]:
-    """One row per curve: times to each level and to TRL's best (same variant and seed), best, plateau, samples/s."""
-    trl_best = {(c.variant, c.seed): best(c, window) for c in curves if c.framework == "trl"}
-    rows = []
-    for c in curves:
-        target = trl_best.get((c.variant, c.seed))
-        i = first_reaching(c, target, window) if target is not None else None
-        rows.append({"variant": c.variant, "framework": c.framework, "seed": c.seed, "start": c.accuracy[0],
-                     "levels": {level: (time_to(c, level, window) or (None, None))[0] for level in levels},
-                     "target": target, "target_seconds": None if i is None else c.seconds[i],
-                     "target_cpu": None if i is None or not c.cpu_seconds else c.cpu_seconds[i],
-                     "target_samples": None if i is None else c.samples[i], "best": best(c, window),
-                     "plateau": plateau(c, last), "samples_per_s": samples_per_s(c), "evals": len(c.accuracy),
-                     "seconds": c.seconds[-1], "samples": c.samples[-1], "load": mean(c.load)})
-    return rows
+def trl_job(args, cell: tuple[str, int], toy: Path, seed: int, lr: float, minutes: float) -> dict:
+    name = f"trl-lr{lr:g}-{minutes:g}min-seed{seed}"
+    folder = LOOP / cell_name(*cell)
+    return dict(toy=str(toy), variant=cell_name(*cell), seed=seed, lr=lr, minutes=minutes, threads=args.threads,
+                eval_every=args.trl_eval_every, prompts_per_generation=args.trl_prompts,
+                batch_size=args.trl_batch, **sampling(args.spec), out_dir=str(folder / f"{name}-out"),
+                result=str(folder / f"{name}.json"))
 
 
-def _s(value: float | None, digits: int = 0) -> str:
-    return "never" if value is None else f"{value:,.{digits}f}"
+def gf_job(args, cell: tuple[str, int], toy: Path, seed: int, candidate: Candidate, minutes: float) -> dict:
+    """An eval every round (`eval.every = 1`, before the candidate's overrides, which may change it): every
+    2,048 samples like TRL's every 16 steps of 128; evals are off both clocks."""
+    name = f"gf-{candidate.name}-{minutes:g}min-seed{seed}"
+    folder = LOOP / cell_name(*cell)
+    return dict(toy=str(toy), variant=cell_name(*cell), seed=seed, minutes=minutes, spec=str(args.spec),
+                threads=args.threads, set=["eval.every=1", *candidate.overrides], candidate=candidate.name,
+                out_dir=str(folder / name), result=str(folder / f"{name}.json"))
 
 
-def verdicts(rows: list[dict]) -> list[str]:
-    """Per variant: groupforge vs TRL at TRL's best, plateaus, samples/s (means over seeds)."""
-    lines = []
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        by = {fw: [r for r in rows if r["variant"] == variant and r["framework"] == fw] for fw in ("groupforge", "trl")}
-        if not by["groupforge"] or not by["trl"]:
-            continue
-        pairs = [(g, t) for g in by["groupforge"] for t in by["trl"] if g["seed"] == t["seed"]]
-        ratios, cpu = ([None if g[key] is None or not t[key] else g[key] / t[key] for g, t in pairs]
-                       for key in ("target_seconds", "target_cpu"))
-        meets = all(r is not None and r <= 1 / 3 for r in ratios)
-        gf_plateau, trl_plateau = (mean([r["plateau"] for r in by[fw]]) for fw in ("groupforge", "trl"))
-        speed = mean([r["samples_per_s"] for r in by["groupforge"]]) / mean([r["samples_per_s"] for r in by["trl"]])
-        listed = [", ".join("never" if r is None else f"{r:.2f}" for r in values) for values in (ratios, cpu)]
-        lines.append(
-            f"- **{variant}**: time to TRL's best (groupforge / TRL, per seed): {listed[0]} "
-            f"({'meets' if meets else 'BELOW'} the <= 0.33 target; in CPU seconds {listed[1]}); plateau "
-            f"groupforge {gf_plateau:.3f} vs TRL {trl_plateau:.3f} "
-            f"({'higher' if gf_plateau > trl_plateau else 'NOT higher'}); samples/s "
-            f"groupforge / TRL = {speed:.2f}x ({'meets' if speed >= 1 else 'BELOW'} >= 1)")
-    return lines
+# ---- the two phases -----------------------------------------------------------------------------
+
+def select(args, toys: dict) -> dict:
+    """Selection on the selection cells (seed --seeds[0]): each side's runs per setting, its choice, scores."""
+    cells = [(f, s) for f in args.selection for s in args.sizes]
+    seed, minutes = args.seeds[0], args.selection_minutes
+    jobs = [("trl", trl_job(args, cell, toys[cell], seed, lr, minutes)) for lr in args.trl_lrs for cell in cells]
+    jobs += [("groupforge", gf_job(args, cell, toys[cell], seed, c, minutes)) for c in args.gf_candidates
+             for cell in cells]
+    curves = iter(run_jobs(jobs, args.reuse, args.selection_jobs))
+    trl = {f"{lr:g}": [next(curves) for _ in cells] for lr in args.trl_lrs}
+    gf = {c.name: [next(curves) for _ in cells] for c in args.gf_candidates}
+    lr, trl_scores = choose(trl, args.plateau_evals, args.smooth)
+    recipe, gf_scores = choose(gf, args.plateau_evals, args.smooth)
+    return {"trl": trl, "gf": gf, "lr": float(lr), "trl_scores": trl_scores,
+            "candidate": next(c for c in args.gf_candidates if c.name == recipe), "gf_scores": gf_scores}
 
 
-def arm_table(rows: list[dict]) -> list[str]:
-    """The --arm runs against the plain groupforge run of the same variant and seed: time to TRL's best
-    (and its ratio to TRL's time), plateau, samples/s; empty without arms."""
-    arms = [r for r in rows if r["framework"].startswith("groupforge+")]
-    if not arms:
-        return []
-    by_key = {(r["variant"], r["framework"], r["seed"]): r for r in rows}
-    lines = ["", "Options on/off (each arm is the plain groupforge run plus its overrides, same variant and seed):",
-             "", "| variant | seed | run | s to TRL best | / TRL's time | / plain run's | plateau | plateau - plain "
-             "| samples/s |", "|---|--:|---|--:|--:|--:|--:|--:|--:|"]
-    for r in sorted([r for r in rows if r["framework"].startswith("groupforge")],
-                    key=lambda r: (r["variant"], r["seed"], r["framework"] != "groupforge", r["framework"])):
-        trl, plain = (by_key.get((r["variant"], fw, r["seed"])) for fw in ("trl", "groupforge"))
-        t = r["target_seconds"]
-        to_trl, to_plain = ("-" if t is None or not other or not other["target_seconds"]
-                            else f"{t / other['target_seconds']:.2f}" for other in (trl, plain))
-        delta = "-" if not plain else f"{r['plateau'] - plain['plateau']:+.3f}"
-        name = "plain" if r is plain else r["framework"].replace("groupforge+", "+")
-        lines.append(f"| {r['variant']} | {r['seed']} | {name} | {_s(t)} | {to_trl} | {to_plain} | "
-                     f"{r['plateau']:.3f} | {delta} | {r['samples_per_s']:.0f} |")
-    return lines
+def held_out_jobs(args, toys: dict, lr: float, candidate: Candidate) -> list[tuple[str, dict]]:
+    """The test runs: every test cell and seed, TRL at `lr` then groupforge with `candidate`, nothing else."""
+    jobs = []
+    for family in args.test:
+        for size in args.sizes:
+            for seed in args.seeds:
+                cell = (family, size)
+                jobs += [("trl", trl_job(args, cell, toys[cell], seed, lr, args.minutes)),
+                         ("groupforge", gf_job(args, cell, toys[cell], seed, candidate, args.minutes))]
+    return jobs
 
+
+def write_selection(chosen: dict, args) -> Path:
+    """The chosen settings and the evidence they were chosen on, as JSON."""
+    def plateaus(runs: dict[str, list[Curve]]) -> dict[str, dict[str, float]]:
+        return {name: {c.variant: plateau(c, args.plateau_evals) for c in curves} for name, curves in runs.items()}
+
+    path = LOOP / "selection.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "selection_families": args.selection, "test_families": args.test, "sizes": args.sizes,
+        "seed": args.seeds[0], "minutes": args.selection_minutes, "plateau_evals": args.plateau_evals,
+        "trl": {"lr": chosen["lr"], "mean_plateau": chosen["trl_scores"], "plateau": plateaus(chosen["trl"])},
+        "groupforge": {"candidate": chosen["candidate"].name, "overrides": list(chosen["candidate"].overrides),
+                       "mean_plateau": chosen["gf_scores"], "plateau": plateaus(chosen["gf"]),
+                       "candidates": {c.name: list(c.overrides) for c in args.gf_candidates}},
+    }, indent=1))
+    return path
+
+
+# ---- report -------------------------------------------------------------------------------------
 
 def breakdown(curves: list[Curve]) -> list[str]:
-    """groupforge's round time by phase (RoundRecord.phase_seconds, when the loop records it)."""
+    """groupforge's round time by phase per cell (RoundRecord.phase_seconds), over its runs' rounds."""
     lines = []
-    for variant in dict.fromkeys(c.variant for c in curves):
-        rounds = [r for c in curves if c.variant == variant and c.framework == "groupforge"
-                  for r in c.extra.get("rounds", [])]
-        if not rounds or not rounds[0].get("phase_seconds"):
+    for cell in dict.fromkeys(c.variant for c in curves):
+        rounds = [r for c in curves if c.variant == cell and c.framework == "groupforge"
+                  for r in c.extra.get("rounds", []) if r.get("phase_seconds")]
+        if not rounds:
             continue
         wall = sum(r["wall_seconds"] for r in rounds)
         phases: dict[str, float] = {}
         for r in rounds:
             for name, seconds in r["phase_seconds"].items():
                 phases[name] = phases.get(name, 0.0) + seconds
-        model = sum(r.get("model_seconds", 0.0) for r in rounds)
         parts = ", ".join(f"{name} {seconds / len(rounds):.2f}" for name, seconds in phases.items())
-        lines.append(f"- groupforge round, {variant} (mean of {len(rounds)} rounds, {wall / len(rounds):.2f} s): "
-                     f"{parts} s; model work (engine calls + optimizer steps) {model / wall:.0%} of the wall, "
-                     f"the rest {1 - model / wall:.0%}")
+        lines.append(f"- groupforge round, {cell} (mean of {len(rounds)} rounds, {wall / len(rounds):.2f} s): "
+                     f"{parts} s")
     return lines
 
 
-def markdown(rows: list[dict], curves: list[Curve], sweep: list[Curve], lr: float, args, figures: list[Path]) -> str:
-    levels = args.levels
-    lines = [f"## loop: groupforge vs TRL GRPOTrainer, time to accuracy — {datetime.now():%Y-%m-%d %H:%M}", "",
-             f"- machine: {machine()}; torch threads per run: {getattr(args, 'threads', 0) or 'all cores'}; "
-             f"runs at a time: {getattr(args, 'jobs', 1)}",
-             f"- command: `{shlex.join(['.venv/bin/python', 'bench/loop.py', *sys.argv[1:]])}`",
-             f"- TRL: GRPOTrainer, {args.trl_prompts} prompts x 8 per generation batch, steps of {args.trl_batch}, "
-             f"lr {lr:g} constant, beta 0, num_iterations 1, bf16 and gradient checkpointing off, transformers "
-             f"generate (use_vllm=False), {args.trl_minutes:g} min of training seconds per run",
-             f"- groupforge: `groupforge run {os.path.relpath(args.spec, ROOT)}` with eval every round"
-             f"{', ' + ', '.join(args.gf_set) if args.gf_set else ''}, up to {args.gf_minutes:g} min of training "
-             "seconds per run",
-             "- clock: training wall seconds; start-up (model load, engine start, the start model's eval) and every "
-             "greedy eval excluded for both; CPU s: the same in process CPU seconds (all threads); samples = "
-             "responses generated; load: the mean 1-minute load average at the run's evals (other jobs included)",
-             f"- accuracy: greedy exact match on the toy's eval.parquet; times are read off a trailing mean of "
-             f"{args.smooth} evals; plateau = mean of the last {args.plateau_evals} evals", ""]
-    if sweep:
-        lines += [f"TRL lr sweep ({sweep[0].variant}, seed {sweep[0].seed}, {args.sweep_minutes:g} min each):", "",
-                  "| lr | best | plateau | samples/s |", "|--:|--:|--:|--:|"]
-        lines += [f"| {c.extra['lr']:g}{' (chosen)' if c.extra['lr'] == lr else ''} | {best(c, args.smooth):.3f} | "
-                  f"{plateau(c, args.plateau_evals):.3f} | {samples_per_s(c):.0f} |" for c in sweep]
-        lines.append("")
-    head = " | ".join(f"s to {level:.0%}" for level in levels)
-    lines += [f"| variant | framework | seed | start | {head} | s to TRL best | CPU s to TRL best | samples to TRL "
-              "best | TRL best | best | plateau | samples/s | evals | train s | load |",
-              "|---|---|--:|--:|" + "--:|" * len(levels) + "--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in rows:
-        times = " | ".join(_s(r["levels"][level]) for level in levels)
-        lines.append(f"| {r['variant']} | {r['framework']} | {r['seed']} | {r['start']:.3f} | {times} | "
-                     f"{_s(r['target_seconds'])} | {_s(r['target_cpu'])} | {_s(r['target_samples'])} | "
-                     f"{'-' if r['target'] is None else format(r['target'], '.3f')} | {r['best']:.3f} | "
-                     f"{r['plateau']:.3f} | {r['samples_per_s']:.0f} | {r['evals']} | {r['seconds']:.0f} | "
-                     f"{_s(r['load'], 1)} |")
-    lines += ["", *verdicts(rows), *breakdown(curves)]
-    arms = arm_table(rows)
-    if arms:
-        lines += [*arms, "", *(f"- arm {name}: `{'; '.join(sets)}`" for name, sets in args.arm)]
-    lines += [f"- figure: `{f.relative_to(ROOT)}`" for f in figures]
+def markdown(args, chosen: dict, verdicts: list[dict], figures: list[Path], rounds: list[str]) -> str:
+    """The section: protocol, the test families' result, then the selection families' evidence."""
+    spec = os.path.relpath(args.spec, ROOT)
+    recipes = {c.name: f"{c.name}: `{'; '.join(c.overrides) or 'as shipped'}`" for c in args.gf_candidates}
+    lines = [f"## loop: groupforge vs TRL GRPOTrainer on held-out toy families — {datetime.now():%Y-%m-%d %H:%M}",
+             "", f"- machine: {machine()}; torch threads per run: {args.threads or 'all cores'}",
+             f"- command: `{shlex.join(['.venv/bin/python', 'bench/loop.py', *args.argv])}`",
+             f"- pre-registered: settings chosen on {', '.join(args.selection)} (seed {args.seeds[0]}, "
+             f"{args.selection_minutes:g} min a run); tested on {', '.join(args.test)} at train sizes "
+             f"{', '.join(map(str, args.sizes))}, seeds {', '.join(map(str, args.seeds))}, {args.minutes:g} min of "
+             f"training a run and side, {args.jobs} run(s) at a time",
+             f"- TRL: GRPOTrainer, lr {chosen['lr']:g} (chosen), constant, {args.trl_prompts} prompts x G per "
+             f"generation batch, steps of {args.trl_batch}, bf16 and gradient checkpointing off, default loss_type",
+             f"- groupforge: `{spec}`, recipe {recipes[chosen['candidate'].name]} (chosen), eval every round",
+             "- clock: training wall seconds, start-up and evals excluded for both; plateau: mean of the last "
+             f"{args.plateau_evals} evals; TRL's best and the times to it on a trailing mean of {args.smooth} evals",
+             *(["- --quick: a smoke run of every phase; its figures are not results"] if args.quick else []),
+             "", f"### Test families ({', '.join(args.test)}): the result", "",
+             *result_tables(verdicts), "", *rounds, *(f"- figure: `{os.path.relpath(f, ROOT)}`" for f in figures), "",
+             f"### Selection families ({', '.join(args.selection)}): where the settings were chosen, not a result", "",
+             *selection_table("TRL lr", chosen["trl"], f"{chosen['lr']:g}", chosen["trl_scores"],
+                              args.plateau_evals, {}), "",
+             *selection_table("groupforge recipe", chosen["gf"], chosen["candidate"].name, chosen["gf_scores"],
+                              args.plateau_evals, recipes)]
     return "\n".join(lines) + "\n"
 
 
 # ---- main ---------------------------------------------------------------------------------------
 
-def floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, --quick's values filled in for those not given, the families checked (one-line error)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="1 variant, 1 seed, 2 min per framework, no sweep")
-    parser.add_argument("--variants", help="toy variants, comma-separated (default: the first 3 of pipelines.toy.build."
-                                           "VARIANTS; quick: default)")
-    parser.add_argument("--seeds", help="run seeds, comma-separated (default 0,1; quick 0)")
-    parser.add_argument("--trl-minutes", type=float, help="TRL training minutes per run (default 10, quick 2)")
-    parser.add_argument("--gf-minutes", type=float,
-                        help="groupforge training minutes per run, at most (default 10, quick 2; the spec's last "
-                             "round usually comes first)")
-    parser.add_argument("--trl-lrs", type=floats, default=[3e-5, 1e-4, 3e-4], help="TRL lrs to sweep")
-    parser.add_argument("--trl-lr", type=float, help="use this TRL lr, no sweep (quick: 1e-4)")
-    parser.add_argument("--sweep-minutes", type=float, default=1.5, help="training minutes per sweep run")
-    parser.add_argument("--trl-prompts", type=int, default=64, help="TRL prompts per generation batch (x 8)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
+    parser.add_argument("--selection", help=f"families the settings are chosen on (default {DEFAULTS['selection']})")
+    parser.add_argument("--test", help=f"held-out families the result is on (default {DEFAULTS['test']})")
+    parser.add_argument("--sizes", help=f"train prompts per toy, comma-separated (default {DEFAULTS['sizes']})")
+    parser.add_argument("--seeds", help="seeds of the test runs; the first seeds the selection runs (default 0,1)")
+    parser.add_argument("--minutes", type=float, help="training minutes per test run and side (default 5)")
+    parser.add_argument("--selection-minutes", type=float, help="training minutes per selection run (default 1)")
+    parser.add_argument("--trl-lrs", help=f"TRL lrs to choose among (default {DEFAULTS['trl_lrs']})")
+    parser.add_argument("--gf-candidates", default=DEFAULT_CANDIDATES,
+                        metavar="NAME=KEY=VALUE[;KEY=VALUE],...",
+                        help="groupforge recipes to choose among, each --spec plus its overrides (default: "
+                             f"{DEFAULT_CANDIDATES})")
+    parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-family-grpo.toml"),
+                        help="groupforge's spec; its G, max_tokens and temperature are TRL's too")
+    parser.add_argument("--trl-prompts", type=int, default=64, help="TRL prompts per generation batch (x G)")
     parser.add_argument("--trl-batch", type=int, default=128, help="TRL completions per optimizer step")
     parser.add_argument("--trl-eval-every", type=int, default=16,
-                        help="TRL optimizer steps between evals (16 x 128 = 2048 samples, a toy-grpo round)")
-    parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-grpo.toml"), help="groupforge spec")
-    parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a spec key (TOML value), repeatable")
-    parser.add_argument("--gf-rounds", type=int, help="groupforge rounds (default: the spec's, cut by --gf-minutes)")
-    parser.add_argument("--only", choices=["trl", "groupforge"], help="run one framework only")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="OMP_NUM_THREADS of every run, both frameworks (0: torch's default, all cores); on the "
-                             "shared 2-core machine 2 threads ran the toy 5-10x slower and unsteadily")
-    parser.add_argument("--jobs", type=int, default=2,
-                        help="runs at a time (each its own process with --threads threads): 2 on 2 cores halves the "
-                             "bench's wall time; both frameworks then share the machine alike")
-    parser.add_argument("--levels", type=floats, default=[0.5, 0.6, 0.7], help="accuracy levels to time")
+                        help="TRL optimizer steps between evals (16 x 128 = 2048 samples, a groupforge round)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (0: all cores)")
+    parser.add_argument("--jobs", type=int, default=1, help="test runs at a time (1: timed alone)")
+    parser.add_argument("--selection-jobs", type=int, default=1,
+                        help="selection runs at a time (more: runs share the machine unevenly, an odd last one "
+                             "runs alone and faster)")
     parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
     parser.add_argument("--plateau-evals", type=int, default=5, help="the plateau is the mean of the last N evals")
-    parser.add_argument("--arm", action="append", type=parse_arm, default=[], metavar="NAME:KEY=VALUE[;KEY=VALUE]",
-                        help="also run groupforge with these overrides (an option on/off), repeatable; reported "
-                             "against the plain run")
-    parser.add_argument("--reuse", nargs="?", const="all", choices=["all", "trl", "groupforge"],
-                        help="reuse finished runs' JSON under runs/bench/loop/ (all, or one framework's)")
+    reuse = parser.add_mutually_exclusive_group()
+    reuse.add_argument("--reuse", action="store_const", const="all", help="summarise the saved runs, run nothing")
+    reuse.add_argument("--reuse-trl", dest="reuse", action="store_const", const="trl",
+                       help="reuse the saved TRL runs, run groupforge again")
     parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        return args
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    try:
+        args.selection = family_list(args.selection, "--selection")
+        args.test = family_list(args.test, "--test")
+        check_split(args.selection, args.test)
+        args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        args.trl_lrs = [float(x) for x in args.trl_lrs.split(",") if x.strip()]
+        args.gf_candidates = parse_candidates(args.gf_candidates)
+        check_sizes(args.selection + args.test, args.sizes)  # now, not after the selection phase
+    except ValueError as error:
+        parser.error(str(error).splitlines()[0])
+    if not (args.sizes and args.seeds and args.trl_lrs):
+        parser.error("--sizes, --seeds and --trl-lrs each need a value")
+    return args
+
+
+def need_trl() -> None:
+    """TRL runs need the `bench` extra: a one-line exit without it."""
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit("trl is not installed: run `make bench-trl` (pip install -e '.[bench]')")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.worker:
         return worker(args.worker[0], json.loads(args.worker[1]))
+    if args.reuse != "all":
+        need_trl()
+    n_sel = len(args.selection) * len(args.sizes) * (len(args.trl_lrs) + len(args.gf_candidates))
+    n_test = len(args.test) * len(args.sizes) * len(args.seeds) * 2
+    print(f"planned: {n_sel} selection runs x {args.selection_minutes:g} min ({args.selection_jobs} at a time), "
+          f"{n_test} test runs x {args.minutes:g} min ({args.jobs} at a time), + toy builds, start-ups and evals",
+          flush=True)
+    toys = build_toys(args.selection + args.test, args.sizes, build=args.reuse != "all")
 
-    args.seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
-    args.trl_minutes = args.trl_minutes or (2.0 if args.quick else 10.0)
-    args.gf_minutes = args.gf_minutes or (2.0 if args.quick else 10.0)
-    if args.quick and args.trl_lr is None:
-        args.trl_lr = 1e-4
-    frameworks = [args.only] if args.only else ["trl", "groupforge"]
-    if "trl" in frameworks and importlib.util.find_spec("trl") is None:
-        raise SystemExit("trl is not installed: run `make bench-trl` (pip install -e '.[bench]')")
-    toys = toy_variants(args.variants.split(",") if args.variants else (["default"] if args.quick else None))
-    sweep_min = 0 if args.trl_lr is not None or "trl" not in frameworks else len(args.trl_lrs) * args.sweep_minutes
-    planned = sweep_min + len(toys) * len(args.seeds) * sum(
-        {"trl": args.trl_minutes, "groupforge": args.gf_minutes}[fw] for fw in frameworks)
-    print(f"planned: {planned:.0f} min of training seconds (+ start-ups and evals, ~20% more wall)", flush=True)
+    chosen = select(args, toys)
+    print(f"selection: TRL lr {chosen['lr']:g}, groupforge recipe {chosen['candidate'].name} "
+          f"(written to {os.path.relpath(write_selection(chosen, args), ROOT)})", flush=True)
 
-    lr, sweep = args.trl_lr, []
-    if lr is None and "trl" in frameworks:
-        lr, sweep = sweep_lr(args, *next(iter(toys.items())))
-        print(f"TRL lr: {lr:g} (best of {', '.join(f'{x:g}' for x in args.trl_lrs)})", flush=True)
-    jobs = []
-    for variant, toy in toys.items():
-        for seed in args.seeds:
-            if "trl" in frameworks:
-                jobs.append(("trl", trl_job(args, variant, toy, seed, lr, args.trl_minutes, f"trl-seed{seed}")))
-            if "groupforge" in frameworks:
-                jobs.append(("groupforge", gf_job(args, variant, toy, seed)))
-                jobs += [("groupforge", gf_job(args, variant, toy, seed, arm)) for arm in args.arm]
-    curves = run_jobs(jobs, args.reuse, args.jobs)
+    curves = run_jobs(held_out_jobs(args, toys, chosen["lr"], chosen["candidate"]), args.reuse, args.jobs)
+    pairs = list(zip(curves[::2], curves[1::2]))  # (TRL, groupforge) per test cell and seed
+    verdicts = [verdict(trl, gf, args.plateau_evals, args.smooth) for trl, gf in pairs]
     figures = []
-    for variant in toys:
-        mine = [c for c in curves if c.variant == variant]
+    for cell in dict.fromkeys(trl.variant for trl, _ in pairs):
+        mine = [c for pair in pairs for c in pair if c.variant == cell]
         target = mean([best(c, args.smooth) for c in mine if c.framework == "trl"])
-        figures.append(plot_variant(mine, target, OUT / f"loop-{variant}.png"))
-    rows = summarize(curves, args.levels, args.smooth, args.plateau_evals)
-    section = markdown(rows, curves, sweep, lr or 0.0, args, figures)
+        figures.append(plot_variant(mine, target, OUT / f"loop-{cell}.png"))
+    section = markdown(args, chosen, verdicts, figures, breakdown(curves))
     print("\n" + section)
     print(f"written to {write_section(section, 'loop', OUT, args.append)}")
 
