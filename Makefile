@@ -65,8 +65,8 @@ bench: toy
 	$(PY) bench/generate.py
 	$(PY) bench/train.py
 
-# groupforge vs TRL's GRPOTrainer, time to accuracy on the toy variants (bench/loop.py; ~75 min
-# on 2 cores, BENCH_ARGS=--quick for a ~5 min smoke run). Installs the `bench` extra (trl,
+# groupforge vs TRL's GRPOTrainer, time to accuracy by leave-one-family-out on the toy's task
+# families (bench/loop.py; ~2 h 50 min on 2 cores, BENCH_ARGS=--quick for a ~13 min smoke run). Installs the `bench` extra (trl,
 # accelerate, pinned there: not in the lock) under the lock's constraints for everything else.
 .PHONY: bench-trl
 BENCH_ARGS ?=
