@@ -79,7 +79,7 @@ def toy_config(family: str, size: int) -> ToyConfig:
     return ToyConfig(task=family, n_train=size, warm_start_prompts=warm)
 
 
-def check_sizes(families: list[str], sizes: list[int]) -> None:
+def check_sizes(families: list[str], sizes: list[int], option: str = "--sizes") -> None:
     """A ValueError in one line for a size some family cannot split into train prompts."""
     from pydantic import ValidationError
 
@@ -89,7 +89,7 @@ def check_sizes(families: list[str], sizes: list[int]) -> None:
                 toy_config(family, size)
             except ValidationError as error:
                 reason = error.errors()[0]["msg"].removeprefix("Value error, ")
-                raise ValueError(f"--sizes {size}: {family}: {reason}") from None
+                raise ValueError(f"{option} {size}: {family}: {reason}") from None
 
 
 @dataclass(frozen=True)

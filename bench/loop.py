@@ -1,7 +1,7 @@
 """Benchmark: groupforge's round loop vs TRL's GRPOTrainer on toy families neither was tuned on.
 
     make bench-trl                                  # installs trl==1.16.0 (the `bench` extra), runs this
-    .venv/bin/python bench/loop.py                  # the full comparison, ~2 h 50 min on 2 cores (below)
+    .venv/bin/python bench/loop.py                  # the full comparison, ~2 h 10 min on 2 cores (below)
     .venv/bin/python bench/loop.py --quick          # a smoke run of every phase, ~12 min: not a result
     .venv/bin/python bench/loop.py --reuse-trl      # groupforge again, against the saved TRL runs
     .venv/bin/python bench/loop.py --reuse          # the report again from the saved runs
@@ -9,9 +9,10 @@
 
 Leave-one-family-out, pre-registered: the selection families (--selection, default addition,
 multiply) and the test families (--test, default reverse, sort, max) are fixed before any
-result, and no family is in both. Cells are (family, train size) with sizes --sizes (512,
-4096); each cell's toy is `groupforge toy build --task FAMILY --n-train SIZE` (bench/_families.py
-toy_config: one warm start per family whatever the size).
+result, and no family is in both. Cells are (family, train size): the test families at --sizes
+(512, 4096), the selection families at --selection-sizes (512); each cell's toy is
+`groupforge toy build --task FAMILY --n-train SIZE` (bench/_families.py toy_config: one warm
+start per family whatever the size).
 
 1. Selection, on the selection families only, seed --seeds[0], --selection-minutes (1) of
    training per run: TRL at each --trl-lrs lr, and groupforge with each --gf-candidates recipe
@@ -42,14 +43,14 @@ times to it are read off a trailing mean of --smooth (3) evals (bench/_curves.py
 is its own process with OMP_NUM_THREADS=--threads (1: on the shared 2-core machine two threads
 ran the toy's tiny ops 5-10x slower and unsteadily).
 
-Budget of the default run on 2 cores (a 1-minute run took 65-80 s of wall in a --quick
-sitting, plus ~10-15 s to start its process): the 10 toys (5 families x 2 sizes) build once,
-20-60 s each; selection: (3 lrs + 3 recipes) x 2 families x 2 sizes x 1 min = 24 min of
-training, ~35 min of wall; test: 3 families x 2 sizes x 2 seeds x 2 sides x 5 min = 120 min of
-training, ~2 h 10 min of wall. About 2 h 50 min in all, more than two hours: the test phase
-alone is 2 h 10 min, so the selection runs are cut to 1 minute, and a recipe that pays off
-late is judged on its first minute. Every run is timed alone (--jobs 1, --selection-jobs 1):
-two at a time leave an odd last run alone, and faster, which favours it in the selection.
+Budget of the default run on 2 cores, about two hours (a 1-minute run took 65-80 s of wall in a
+--quick sitting, plus ~10-15 s to start its process): the 8 toys build once, 20-60 s each;
+selection: (3 lrs + 3 recipes) x 2 families x 1 size x 1 min = 12 min of training, ~18 min of
+wall; test: 3 families x 2 sizes x 2 seeds x 2 sides x 4 min = 96 min of training, ~1 h 45 min
+of wall. To fit, the selection runs only the small train size (the regime where a recipe is
+most likely to fail) for 1 minute, so a recipe that pays off late is judged on its first
+minute. Every run is timed alone (--jobs 1, --selection-jobs 1): two at a time leave an odd
+last run alone, and faster, which favours it in the selection.
 
 Output: each run's curve as JSON under runs/bench/loop/<family>-<size>/ (so --reuse-trl can
 take TRL's), the choice in runs/bench/loop/selection.json, the report printed and written to
@@ -96,11 +97,12 @@ OUT = ROOT / "runs" / "bench"
 LOOP = OUT / "loop"
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
        "HF_HUB_OFFLINE": "1"}
-QUICK = {"selection": "addition", "test": "reverse", "sizes": "512", "seeds": "0", "minutes": 1.5,
-         "selection_minutes": 1.0, "trl_lrs": "1e-4,3e-4"}
+QUICK = {"selection": "addition", "test": "reverse", "sizes": "512", "selection_sizes": "512", "seeds": "0",
+         "minutes": 1.5, "selection_minutes": 1.0, "trl_lrs": "1e-4,3e-4"}
 """--quick's values for the options not given: every phase once, on 2 toys, in ~12 minutes."""
-DEFAULTS = {"selection": "addition,multiply", "test": "reverse,sort,max", "sizes": "512,4096", "seeds": "0,1",
-            "minutes": 5.0, "selection_minutes": 1.0, "trl_lrs": "3e-5,1e-4,3e-4"}
+DEFAULTS = {"selection": "addition,multiply", "test": "reverse,sort,max", "sizes": "512,4096",
+            "selection_sizes": "512", "seeds": "0,1", "minutes": 4.0, "selection_minutes": 1.0,
+            "trl_lrs": "3e-5,1e-4,3e-4"}
 
 
 # ---- toys and runs ------------------------------------------------------------------------------
@@ -191,7 +193,7 @@ def gf_job(args, cell: tuple[str, int], toy: Path, seed: int, candidate: Candida
 
 def select(args, toys: dict) -> dict:
     """Selection on the selection cells (seed --seeds[0]): each side's runs per setting, its choice, scores."""
-    cells = [(f, s) for f in args.selection for s in args.sizes]
+    cells = [(f, s) for f in args.selection for s in args.selection_sizes]
     seed, minutes = args.seeds[0], args.selection_minutes
     jobs = [("trl", trl_job(args, cell, toys[cell], seed, lr, minutes)) for lr in args.trl_lrs for cell in cells]
     jobs += [("groupforge", gf_job(args, cell, toys[cell], seed, c, minutes)) for c in args.gf_candidates
@@ -225,7 +227,8 @@ def write_selection(chosen: dict, args) -> Path:
     path = LOOP / "selection.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "selection_families": args.selection, "test_families": args.test, "sizes": args.sizes,
+        "selection_families": args.selection, "test_families": args.test, "selection_sizes": args.selection_sizes,
+        "sizes": args.sizes,
         "seed": args.seeds[0], "minutes": args.selection_minutes, "plateau_evals": args.plateau_evals,
         "trl": {"lr": chosen["lr"], "mean_plateau": chosen["trl_scores"], "plateau": plateaus(chosen["trl"])},
         "groupforge": {"candidate": chosen["candidate"].name, "overrides": list(chosen["candidate"].overrides),
@@ -263,7 +266,8 @@ def markdown(args, chosen: dict, verdicts: list[dict], figures: list[Path], roun
     lines = [f"## loop: groupforge vs TRL GRPOTrainer on held-out toy families — {datetime.now():%Y-%m-%d %H:%M}",
              "", f"- machine: {machine()}; torch threads per run: {args.threads or 'all cores'}",
              f"- command: `{shlex.join(['.venv/bin/python', 'bench/loop.py', *args.argv])}`",
-             f"- pre-registered: settings chosen on {', '.join(args.selection)} (seed {args.seeds[0]}, "
+             f"- pre-registered: settings chosen on {', '.join(args.selection)} at train sizes "
+             f"{', '.join(map(str, args.selection_sizes))} (seed {args.seeds[0]}, "
              f"{args.selection_minutes:g} min a run); tested on {', '.join(args.test)} at train sizes "
              f"{', '.join(map(str, args.sizes))}, seeds {', '.join(map(str, args.seeds))}, {args.minutes:g} min of "
              f"training a run and side, {args.jobs} run(s) at a time",
@@ -293,9 +297,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     parser.add_argument("--selection", help=f"families the settings are chosen on (default {DEFAULTS['selection']})")
     parser.add_argument("--test", help=f"held-out families the result is on (default {DEFAULTS['test']})")
-    parser.add_argument("--sizes", help=f"train prompts per toy, comma-separated (default {DEFAULTS['sizes']})")
+    parser.add_argument("--sizes", help=f"train prompts per test toy, comma-separated (default {DEFAULTS['sizes']})")
+    parser.add_argument("--selection-sizes",
+                        help=f"train prompts per selection toy (default {DEFAULTS['selection_sizes']})")
     parser.add_argument("--seeds", help="seeds of the test runs; the first seeds the selection runs (default 0,1)")
-    parser.add_argument("--minutes", type=float, help="training minutes per test run and side (default 5)")
+    parser.add_argument("--minutes", type=float, help="training minutes per test run and side (default 4)")
     parser.add_argument("--selection-minutes", type=float, help="training minutes per selection run (default 1)")
     parser.add_argument("--trl-lrs", help=f"TRL lrs to choose among (default {DEFAULTS['trl_lrs']})")
     parser.add_argument("--gf-candidates", default=DEFAULT_CANDIDATES,
@@ -332,14 +338,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.test = family_list(args.test, "--test")
         check_split(args.selection, args.test)
         args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+        args.selection_sizes = [int(s) for s in args.selection_sizes.split(",") if s.strip()]
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         args.trl_lrs = [float(x) for x in args.trl_lrs.split(",") if x.strip()]
         args.gf_candidates = parse_candidates(args.gf_candidates)
-        check_sizes(args.selection + args.test, args.sizes)  # now, not after the selection phase
+        check_sizes(args.test, args.sizes)  # now, not after the selection phase
+        check_sizes(args.selection, args.selection_sizes, "--selection-sizes")
     except ValueError as error:
         parser.error(str(error).splitlines()[0])
-    if not (args.sizes and args.seeds and args.trl_lrs):
-        parser.error("--sizes, --seeds and --trl-lrs each need a value")
+    if not (args.sizes and args.selection_sizes and args.seeds and args.trl_lrs):
+        parser.error("--sizes, --selection-sizes, --seeds and --trl-lrs each need a value")
     return args
 
 
@@ -355,12 +363,13 @@ def main(argv: list[str] | None = None) -> None:
         return worker(args.worker[0], json.loads(args.worker[1]))
     if args.reuse != "all":
         need_trl()
-    n_sel = len(args.selection) * len(args.sizes) * (len(args.trl_lrs) + len(args.gf_candidates))
+    n_sel = len(args.selection) * len(args.selection_sizes) * (len(args.trl_lrs) + len(args.gf_candidates))
     n_test = len(args.test) * len(args.sizes) * len(args.seeds) * 2
     print(f"planned: {n_sel} selection runs x {args.selection_minutes:g} min ({args.selection_jobs} at a time), "
           f"{n_test} test runs x {args.minutes:g} min ({args.jobs} at a time), + toy builds, start-ups and evals",
           flush=True)
-    toys = build_toys(args.selection + args.test, args.sizes, build=args.reuse != "all")
+    toys = {**build_toys(args.selection, args.selection_sizes, build=args.reuse != "all"),
+            **build_toys(args.test, args.sizes, build=args.reuse != "all")}
 
     chosen = select(args, toys)
     print(f"selection: TRL lr {chosen['lr']:g}, groupforge recipe {chosen['candidate'].name} "

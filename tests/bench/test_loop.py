@@ -174,7 +174,8 @@ def test_verdict_pairs_one_cell_and_counts_passes(loop):
     (["--test", "reverse,divide"], "--test: unknown family 'divide'"),
     (["--selection", "scratchpad"], "--selection: scratchpad has long responses"),
     (["--test", "sort,sort"], "listed twice"),
-    (["--sizes", "9000"], "n_train=9000 is more than the 7700 prompts"),
+    (["--selection-sizes", "9000"], "--selection-sizes 9000: addition: n_train=9000 is more than the 7700"),
+    (["--selection", "multiply", "--test", "addition", "--sizes", "9000"], "--sizes 9000: addition: n_train=9000"),
     (["--gf-candidates", "x=lr"], "'lr' is not section.key=value"),
 ])
 def test_cli_refuses_bad_families_in_one_line(loop, capsys, argv, message):
@@ -192,7 +193,8 @@ def test_quick_fills_only_what_was_not_given(loop):
     full = loop.parse_args([])
     assert (full.selection, full.test, full.sizes, full.seeds) == (["addition", "multiply"],
                                                                    ["reverse", "sort", "max"], [512, 4096], [0, 1])
-    assert (full.minutes, full.selection_minutes, full.jobs, full.selection_jobs, full.reuse) == (5.0, 1.0, 1, 1, None)
+    assert (full.minutes, full.selection_minutes, full.jobs, full.selection_jobs, full.reuse) == (4.0, 1.0, 1, 1, None)
+    assert (quick.selection_sizes, full.selection_sizes) == ([512], [512])
     assert loop.parse_args(["--reuse-trl"]).reuse == "trl" and loop.parse_args(["--reuse"]).reuse == "all"
 
 
@@ -228,8 +230,8 @@ def test_selection_then_test_sees_only_the_chosen_settings(loop, tmp_path, monke
     figures = []
     monkeypatch.setattr(loop, "plot_variant", lambda curves, target, path: figures.append((curves, path)) or path)
     fake_runs.jobs = []
-    loop.main(["--selection", "addition,multiply", "--test", "reverse,sort", "--sizes", "512,4096", "--seeds",
-               "0,1", "--trl-lrs", "3e-5,1e-4"])
+    loop.main(["--selection", "addition,multiply", "--test", "reverse,sort", "--sizes", "512,4096",
+               "--selection-sizes", "512,4096", "--seeds", "0,1", "--trl-lrs", "3e-5,1e-4"])
 
     selection = [job for _, job in fake_runs.jobs[:2 * 4 + 3 * 4]]
     held_out = [(kind, job) for kind, job in fake_runs.jobs[2 * 4 + 3 * 4:]]
