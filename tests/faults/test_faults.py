@@ -20,9 +20,11 @@ lists the points and outcomes.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -95,16 +97,21 @@ def _marks(case: tuple) -> tuple:
 ENGINE_CHECKED = {("checkpoint.weights_written", 2), ("checkpoint.weights_written", 1)}
 
 
-def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -> subprocess.CompletedProcess:
-    """The CLI in a process of its own; `fault`: GROUPFORGE_FAULT; `cache`: its node-local cache
-    for object-store runs (GROUPFORGE_CACHE: a fresh folder is a fresh machine)."""
+def _cli_env(fault: str | None = None, cache: Path | None = None) -> dict[str, str]:
+    """The CLI's environment: `fault` as GROUPFORGE_FAULT; `cache` as its node-local cache for
+    object-store runs (GROUPFORGE_CACHE: a fresh folder is a fresh machine)."""
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     if fault:
         env[FAULT_ENV] = fault
     if cache is not None:
         env[CACHE_ENV] = str(cache)
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own, run to its end."""
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
+                          timeout=600, env=_cli_env(fault, cache))
 
 
 def _commands(spec: Path, run_dir: Path) -> dict[str, list[str]]:
@@ -214,9 +221,26 @@ S3_KILLS = [  # one after another on one run, each process on a fresh machine (a
 ]
 
 
+def _kill_at_a_random_moment(command: list[str], cache: Path, keys, rng: random.Random) -> tuple[int, float]:
+    """Start the CLI, wait until it has changed the run's objects (`keys()`: their set; it is past
+    start-up and working), then SIGKILL it after a random 0-1.5 s. Its exit code and the delay."""
+    before = keys()
+    process = subprocess.Popen([sys.executable, "-m", "pipelines.cli", *command], cwd=REPO, env=_cli_env(cache=cache),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while process.poll() is None and keys() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    delay = rng.uniform(0.0, 1.5)
+    time.sleep(delay)
+    process.kill()
+    process.communicate(timeout=60)
+    return process.returncode, delay
+
+
 def test_a_run_on_s3_resumes_after_kills_on_fresh_machines(spec, reference, s3_server, tmp_path):
     """The toy loop with --run-dir s3://... on moto's S3 server, SIGKILLed at each of S3_KILLS
-    in turn, each rerun with an empty node cache (it resumes from the bucket alone); then the
+    in turn and then at a random moment of its last round, each rerun with an empty node cache
+    (it resumes from the bucket alone); then the
     bucket, read by boto3, DuckDB, pyarrow, delta-rs and Polars (not by groupforge), holds a
     whole run with the weights of the run nobody killed, and no local run folder was made."""
     import polars as pl
@@ -227,6 +251,16 @@ def test_a_run_on_s3_resumes_after_kills_on_fresh_machines(spec, reference, s3_s
     for i, (point, count) in enumerate(S3_KILLS):
         crash = _cli(command, fault=f"{point}:{count}", cache=tmp_path / f"node-{i}")
         assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+    client = s3_server.client()
+    pages = client.get_paginator("list_objects_v2")
+
+    def keys() -> set[str]:
+        return {item["Key"] for page in pages.paginate(Bucket=bucket, Prefix="runs/faults/")
+                for item in page.get("Contents", [])}
+
+    seed = random.randrange(2**32)
+    code, delay = _kill_at_a_random_moment(command, tmp_path / "node-random", keys, random.Random(seed))
+    assert code == -9, f"the kill {delay:.2f} s into round 2's work (seed {seed}) came after the run ended ({code})"
     done = _cli(command, cache=tmp_path / "node-last")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (REPO / "runs" / "faults").exists() and not (tmp_path / "runs").exists()
@@ -239,6 +273,9 @@ def test_a_run_on_s3_resumes_after_kills_on_fresh_machines(spec, reference, s3_s
     assert all(torch.equal(got[k], want[k]) for k in want), "the final weights differ from the local reference"
     rows = duckdb.sql(f"SELECT count(*) FROM {parquet_sql(mirror, 'samples')}").fetchall()[0][0]
     assert pl.scan_delta(f"{url}/samples").select(pl.len()).collect().item() == rows  # over the endpoint
+    samples = DeltaTable(f"{url}/samples").to_pyarrow_dataset()  # docs/object-storage.md's DuckDB query
+    by_round = duckdb.sql("SELECT round, count(*) FROM samples GROUP BY round ORDER BY round").fetchall()
+    assert [r for r, _ in by_round] == [1, 2] and sum(n for _, n in by_round) == rows
     assert DeltaTable(f"{url}/groups").to_pyarrow_table().num_rows == \
         duckdb.sql(f"SELECT count(*) FROM {parquet_sql(mirror, 'groups')}").fetchall()[0][0]
 
