@@ -17,6 +17,12 @@ from typing import Iterator
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its name when the message is empty): what a
+    one-line error quotes of a library's error."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 class JobError(RuntimeError):
     """The job cannot go on (an engine or trainer rank kept dying, a missing extra); the message
     says what happened and what to do."""

@@ -11,7 +11,7 @@ reads in this order:
     data     training.data: the rows of the objective in the chosen rounds
     policy   Hugging Face causal LM (safetensors), AdamW, the reference (training.policy), the
              step's context (training.step.StepContext)
-    loop     per step: `batch_size` rows from a seeded permutation of the rows, token-budget
+    loop     training/step_loop.py, per step: `batch_size` rows from a seeded permutation of the rows, token-budget
              micro-batches, gradient accumulation normalised by the step's totals (so any
              split gives the one-batch gradient; training/step.py), warmup then constant or
              cosine lr, grad clipping, one optimizer step, one line in RUN/metrics.jsonl
@@ -37,31 +37,25 @@ caller must replay those calls before training on anything new.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import numpy as np
-import pyarrow as pa
 import torch
 
-from curation.faults import fault_point
 from curation.store.location import RunLocation
 from curation.store.run_store import RunStore
 from curation.store.runlog import MetricsLog
 from curation.store.storage import is_object_url, open_storage
 from training import checkpoint as ckpt
 from training import distributed
-from training.batching import pair_batches, policy_batches, prompt_groups
+from training.batching import pair_batches, policy_batches
 from training.config import TrainConfig, steps_for_passes
 from training.data import POLICY_OBJECTIVES, TrainingData, load_training_data
-from training.measurements import StepMeasurements
 from training.objectives import get_pair_loss, get_policy_loss
 from training.policy import (
-    OptimizerFactory,
     cpu_state_dict,
     final_weights,
     load_policy,
@@ -71,8 +65,8 @@ from training.policy import (
     reference_source,
     with_recomputed_logprobs,
 )
-from training.schedule import group_units, lr_at, step_rows
-from training.step import StepContext, accumulate_gradients, pair_micro_step, policy_micro_step
+from training.step import StepContext, pair_micro_step, policy_micro_step
+from training.step_loop import BuiltPolicy, CallStart, StepLoop, Timing
 
 __all__ = ["LoopOptions", "TrainResult", "TrainSession", "train"]
 
@@ -151,7 +145,7 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
     run folder, or its RunStore (the round loop's, which holds the parts it just committed).
     `progress(done, total, step_metrics)` after each step; `options`: LoopOptions()."""
     options = options or LoopOptions()
-    started, timing = time.perf_counter(), _Timing()
+    started, timing = time.perf_counter(), Timing()
     location = RunLocation.of(run.storage if isinstance(run, RunStore) else run)
     place = distributed.Placement.of(cfg)
     start = _resume(location, model, session, timing)
@@ -174,7 +168,7 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
         if start.step >= steps:
             return skipped()
     built = _build_policy(location, cfg, start, data, segment, place, session, timing)
-    loop = _StepLoop(location, cfg, start, segment, data.rounds, place, built, metrics_log, timing)
+    loop = StepLoop(location, cfg, start, segment, data.rounds, place, built, metrics_log, timing)
     metrics, saved = loop.run(steps, options.save, progress)
     if place.world.main:
         metrics_log.sync()
@@ -192,21 +186,8 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
 
 # ---- resume ------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Start:
-    """Where a call starts: the newest checkpoint and its trainer state, whether the session's
-    live weights are used instead, the step, the base model."""
-
-    latest: Path | None
-    state: dict[str, Any]
-    live: bool
-    step: int
-    base_model: str
-    """The start model as given (a folder, or an object-store URL), as trainer_state.json keeps it."""
-
-
 def _resume(location: RunLocation, model: str | Path | None, session: TrainSession | None,
-            timing: _Timing) -> _Start:
+            timing: Timing) -> CallStart:
     """The session's weights when they are at least as new as the newest checkpoint, else that
     checkpoint, else the base model folder `model`."""
     with timing("load"):
@@ -217,7 +198,7 @@ def _resume(location: RunLocation, model: str | Path | None, session: TrainSessi
     if not live and latest is None and (model is None or not _has_config(str(model))):
         raise ValueError(f"{location.url}: no checkpoint to resume and no base model folder (got {model!r}; "
                          "it needs a config.json)")
-    return _Start(latest, state, live, step=session.step if live else int(state.get("step", 0)),
+    return CallStart(latest, state, live, step=session.step if live else int(state.get("step", 0)),
                   base_model=session.base_model if live else _model_ref(state.get("base_model") or model or ""))
 
 
@@ -233,7 +214,7 @@ def _has_config(model: str) -> bool:
     return (Path(model) / "config.json").is_file()
 
 
-def _segment(data: TrainingData, start: _Start, session: TrainSession | None) -> dict[str, Any]:
+def _segment(data: TrainingData, start: CallStart, session: TrainSession | None) -> dict[str, Any]:
     """The data segment these rows belong to: the resumed one while the rows are the same,
     else a new one that starts at this call's first step."""
     segment = (session.segment if start.live else start.state.get("data")) or {}
@@ -245,26 +226,8 @@ def _segment(data: TrainingData, start: _Start, session: TrainSession | None) ->
 
 # ---- policy, optimizer, reference, the step's context ----------------------------------------
 
-@dataclass
-class _Built:
-    """The models and the step machinery of a call."""
-
-    policy: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    make_optimizer: OptimizerFactory
-    reference: torch.nn.Module | None
-    reference_from: str | None
-    dtype: torch.dtype
-    """The master weights' dtype."""
-    ctx: StepContext
-    micro_batches: Callable[..., list]
-    micro_step: Callable
-    table: pa.Table
-    """The rows trained on (with recomputed old_logprobs when the config asks for them)."""
-
-
-def _build_policy(location: RunLocation, cfg: TrainConfig, start: _Start, data: TrainingData, segment: dict,
-                  place: distributed.Placement, session: TrainSession | None, timing: _Timing) -> _Built:
+def _build_policy(location: RunLocation, cfg: TrainConfig, start: CallStart, data: TrainingData, segment: dict,
+                  place: distributed.Placement, session: TrainSession | None, timing: Timing) -> BuiltPolicy:
     """The session's policy and optimizer, or loaded ones (FSDP2: sharded); the reference;
     the step's context. Leaves the session empty."""
     torch.manual_seed(cfg.seed)
@@ -310,116 +273,5 @@ def _build_policy(location: RunLocation, cfg: TrainConfig, start: _Start, data: 
         with timing("load"):
             table = with_recomputed_logprobs(location.storage, table, segment, start.step, ctx, cfg.token_budget,
                                              write=place.world.main)
-    return _Built(policy, optimizer, make_optimizer, reference, reference_from, dtype, ctx, micro_batches,
+    return BuiltPolicy(policy, optimizer, make_optimizer, reference, reference_from, dtype, ctx, micro_batches,
                   micro_step, table)
-
-
-# ---- the step loop and checkpoints --------------------------------------------------------------
-
-@dataclass
-class _StepLoop:
-    """Steps start+1..steps of a call over the built policy: one `step` per optimizer step,
-    `checkpoint` when one is due."""
-
-    location: RunLocation
-    cfg: TrainConfig
-    start: _Start
-    segment: dict[str, Any]
-    rounds: list[int]
-    place: distributed.Placement
-    built: _Built
-    metrics_log: MetricsLog
-    timing: _Timing
-
-    def run(self, steps: int, save: bool,
-            progress: Callable[[int, int, dict], None] | None) -> tuple[dict[str, Any], Path | None]:
-        """(the last step's metrics, the last checkpoint written or None)."""
-        table, cfg = self.built.table, self.cfg
-        # share_prompts: a step draws a prompt's rows together
-        units = group_units(prompt_groups(table), cfg.share_prompts_rows) if cfg.share_prompts and table.num_rows \
-            else None
-        metrics, saved = {}, None
-        for step in range(self.start.step + 1, steps + 1):
-            metrics = self.step(step, steps, units)
-            if self.place.world.main:  # synced before a checkpoint and at the end: a step line lost to a
-                self.metrics_log.append(metrics, sync=False)  # power cut is after the newest checkpoint
-            fault_point("train.step_logged")
-            if (save and step == steps) or (cfg.save_every and step % cfg.save_every == 0):
-                with self.timing("checkpoint"):
-                    saved = self.checkpoint(step)
-            if progress is not None:
-                progress(step - self.start.step, steps - self.start.step, metrics)
-        return metrics, saved
-
-    def step(self, step: int, steps: int, units: np.ndarray | None) -> dict[str, Any]:
-        """One optimizer step (the lr schedule's horizon is `steps`); its metrics record."""
-        cfg, built, table = self.cfg, self.built, self.built.table
-        tic = time.perf_counter()
-        rows = step_rows(table.num_rows, cfg.batch_size, cfg.seed, self.segment["start_step"], step, units)
-        mine = self.place.world.shard(rows)  # every rank draws the same rows and takes its share
-        batch = built.micro_batches(table.take(pa.array(mine)), cfg.token_budget, pad_id=built.ctx.pad_id) \
-            if len(mine) else []
-        lr = lr_at(step, cfg, steps)
-        for group in built.optimizer.param_groups:
-            group["lr"] = lr
-        built.optimizer.zero_grad(set_to_none=True)
-        measurements = StepMeasurements.of(built.ctx, policy_version=step - 1)
-        metrics = accumulate_gradients(built.ctx, built.micro_step, batch, policy_version=step - 1,
-                                       sync=self.place.sync, measurements=measurements)
-        params = [p for p in built.policy.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor over the ranks
-            grad_norm = grad_norm.full_tensor()
-        built.optimizer.step()
-        seconds = time.perf_counter() - tic
-        self.timing.step += seconds
-        # pass: which pass over the segment's rows this step's first row belongs to (1-based)
-        size = min(cfg.batch_size, table.num_rows)
-        metrics.update(event="step", step=step, objective=cfg.objective, lr=lr, grad_norm=float(grad_norm),
-                       rows=len(rows), seconds=round(seconds, 4),
-                       tokens_per_s=round(metrics["tokens"] / seconds, 1), rounds=self.rounds,
-                       **{"pass": (step - self.segment["start_step"] - 1) * size // table.num_rows + 1})
-        return metrics
-
-    def checkpoint(self, step: int) -> Path:
-        """RUN/checkpoints/step-<step>/, a plain HF folder any world size resumes from: every
-        rank takes part in gathering a sharded state, rank 0 writes it."""
-        built, place, cfg = self.built, self.place, self.cfg
-        plain, plain_optimizer = built.policy, built.optimizer
-        if place.sharded:
-            from training import fsdp
-
-            model_state, optimizer_state = fsdp.full_state(built.policy, built.optimizer)
-            if place.world.main:
-                plain, plain_optimizer = fsdp.unsharded(built.policy, model_state, optimizer_state,
-                                                        built.make_optimizer, built.dtype)
-        if place.world.main:
-            self.metrics_log.sync()
-            saved = ckpt.save_checkpoint(
-                self.location, step, plain, plain_optimizer,
-                {"base_model": str(self.start.base_model), "data": self.segment,
-                 "config": cfg.model_dump(mode="json"), "temperature": built.ctx.temperature},
-                tokenizer_from=self.start.base_model, keep_last=cfg.keep_last or None,
-                merged=cfg.lora is not None and cfg.lora.save_merged)
-        else:
-            saved = self.location.work / ckpt.checkpoint_rel(step)  # rank 0 writes it
-        place.sync.barrier()  # no rank reads the run before the checkpoint is whole
-        return saved
-
-
-@dataclass
-class _Timing:
-    """Seconds spent per part of a call; `with timing("load"): ...` adds to `timing.load`."""
-
-    load: float = 0.0
-    step: float = 0.0
-    checkpoint: float = 0.0
-
-    @contextlib.contextmanager
-    def __call__(self, part: str) -> Iterator[None]:
-        tic = time.perf_counter()
-        try:
-            yield
-        finally:
-            setattr(self, part, getattr(self, part) + time.perf_counter() - tic)
-

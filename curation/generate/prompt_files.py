@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from curation.errors import JobError
+from curation.errors import JobError, first_line
 from curation.store.storage import Storage, is_object_url, open_storage
 
 PROMPT_SUFFIXES = (".parquet", ".jsonl")
@@ -64,7 +64,7 @@ def expand_entry(entry: str, key: str = "prompts.train") -> list[str]:
             return [entry]
         found = [e.rel for e in storage.list()]
     except (ValueError, JobError, OSError) as exc:
-        raise ValueError(f"{where}: {_first_line(exc)}") from None
+        raise ValueError(f"{where}: {first_line(exc)}") from None
     taken = [rel for rel in found if _takes(pattern, rel)]
     if not taken:
         if not pattern and not is_object_url(root) and not Path(root).exists():
@@ -84,7 +84,7 @@ def check_prompt_file(entry: str, key: str) -> None:
         if _is_file(open_storage(root), root):
             return
     except (ValueError, JobError) as exc:
-        raise ValueError(f"{where}: {_first_line(exc)}") from None
+        raise ValueError(f"{where}: {first_line(exc)}") from None
     raise ValueError(f"{where}: file not found")
 
 
@@ -150,7 +150,3 @@ def _match_lengths(parts: list[str], segments: list[str], at: int) -> set[int]:
     if at < len(segments) and fnmatch.fnmatchcase(segments[at], head):
         return _match_lengths(rest, segments, at + 1)
     return set()
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

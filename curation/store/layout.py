@@ -42,6 +42,13 @@ def part_name(rel: str) -> str:
     return m["name"] if m else name.removesuffix(".parquet")
 
 
+def round_of(rel: str) -> int | None:
+    """The round of a part file `<table>/round=<n>/<file>` from its folder (None: prompts)."""
+    parts = rel.split("/")
+    m = ROUND_DIR.fullmatch(parts[1]) if len(parts) == 3 else None
+    return int(m[1]) if m else None
+
+
 def part_rel(table: str, round: int | None, part: str, sha256: str) -> str:
     """Where a part file goes, relative to the run (round None: prompts)."""
     folder = table if round is None else f"{table}/round={check_round(round)}"

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.errors import first_line
 from curation.store.commit_log import Entry, LoggedFile, RunState
 from curation.store.layout import PART_FILE, ROUND_DIR
 from curation.store.storage import Storage
@@ -34,9 +35,8 @@ def _describe(storage: Storage, rel: str) -> LoggedFile:
     try:
         rows = pq.ParquetFile(pa.BufferReader(data)).metadata.num_rows
     except (pa.ArrowInvalid, OSError) as exc:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise schema.SchemaError(f"{rel.split('/', 1)[0]} table ({storage.where(rel)}): not a readable Parquet "
-                                 f"file ({first})") from None
+                                 f"file ({first_line(exc)})") from None
     return LoggedFile(hashlib.sha256(data).hexdigest(), len(data), rows)
 
 

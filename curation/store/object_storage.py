@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from curation.errors import first_line
 from curation.store.storage import Data, Entry, Storage, check_rel, write_local_file
 from curation.store.store_errors import retry_config, store_error
 
@@ -145,5 +146,5 @@ def _payload(data: Data) -> bytes:
 
 def _reason(exc: BaseException) -> str:
     """The first line of an obstore error (its debug trace follows on later lines)."""
-    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    line = first_line(exc)
     return line if len(line) <= 300 else line[:300] + "..."

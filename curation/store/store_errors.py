@@ -20,7 +20,7 @@ import os
 import re
 from datetime import timedelta
 
-from curation.errors import JobError
+from curation.errors import JobError, first_line
 
 RETRY_ENV = "GROUPFORGE_STORE_RETRY_TIMEOUT"
 """Seconds a failing object-store request is retried before the job stops (default below)."""
@@ -85,7 +85,7 @@ def store_error(root: str, where: str, action: str, exc: BaseException) -> Stora
     """The error for obstore's `exc` raised while `action` ("reading", "writing", "listing",
     ...) the object `where` of the storage at URL `root` (see the module docstring)."""
     text = str(exc)
-    first = (text.strip().splitlines() or [type(exc).__name__])[0]
+    first = first_line(exc)
     code = _match(r"<Code>([^<]+)</Code>", text)
     message = _match(r"<Message>([^<]+)</Message>", text)
     status = _match(r"status code: (\d{3})", first) or _match(r"status: (\d{3})", text)

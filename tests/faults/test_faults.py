@@ -273,8 +273,9 @@ def test_a_run_on_s3_resumes_after_kills_on_fresh_machines(spec, reference, s3_s
     assert all(torch.equal(got[k], want[k]) for k in want), "the final weights differ from the local reference"
     rows = duckdb.sql(f"SELECT count(*) FROM {parquet_sql(mirror, 'samples')}").fetchall()[0][0]
     assert pl.scan_delta(f"{url}/samples").select(pl.len()).collect().item() == rows  # over the endpoint
-    samples = DeltaTable(f"{url}/samples").to_pyarrow_dataset()  # docs/object-storage.md's DuckDB query
-    by_round = duckdb.sql("SELECT round, count(*) FROM samples GROUP BY round ORDER BY round").fetchall()
+    con = duckdb.connect()  # docs/object-storage.md's DuckDB query of the pyarrow dataset over the endpoint
+    con.register("samples", DeltaTable(f"{url}/samples").to_pyarrow_dataset())
+    by_round = con.sql("SELECT round, count(*) FROM samples GROUP BY round ORDER BY round").fetchall()
     assert [r for r, _ in by_round] == [1, 2] and sum(n for _, n in by_round) == rows
     assert DeltaTable(f"{url}/groups").to_pyarrow_table().num_rows == \
         duckdb.sql(f"SELECT count(*) FROM {parquet_sql(mirror, 'groups')}").fetchall()[0][0]
