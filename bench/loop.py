@@ -14,7 +14,7 @@ result, and no family is in both. Cells are (family, train size): the test famil
 `groupforge toy build --task FAMILY --n-train SIZE` (bench/_families.py toy_config: one warm
 start per family whatever the size).
 
-1. Selection, on the selection families only, seed --seeds[0], --selection-minutes (1) of
+1. Selection, on the selection families only, seed --seeds[0], --selection-minutes (3) of
    training per run: TRL at each --trl-lrs lr, and groupforge with each --gf-candidates recipe
    (bench/_families.py DEFAULT_CANDIDATES says what each is for). Each side keeps the setting
    with the highest plateau averaged over the selection cells; the choice and its evidence go
@@ -43,14 +43,14 @@ times to it are read off a trailing mean of --smooth (3) evals (bench/_curves.py
 is its own process with OMP_NUM_THREADS=--threads (1: on the shared 2-core machine two threads
 ran the toy's tiny ops 5-10x slower and unsteadily).
 
-Budget of the default run on 2 cores, about two hours (a 1-minute run took 65-80 s of wall in a
---quick sitting, plus ~10-15 s to start its process): the 8 toys build once, 20-60 s each;
-selection: (3 lrs + 3 recipes) x 2 families x 1 size x 1 min = 12 min of training, ~18 min of
-wall; test: 3 families x 2 sizes x 2 seeds x 2 sides x 4 min = 96 min of training, ~1 h 45 min
-of wall. To fit, the selection runs only the small train size (the regime where a recipe is
-most likely to fail) for 1 minute, so a recipe that pays off late is judged on its first
-minute. Every run is timed alone (--jobs 1, --selection-jobs 1): two at a time leave an odd
-last run alone, and faster, which favours it in the selection.
+Budget of the default run on 2 cores, about two hours (a 3-minute run takes ~3 min 40 s of wall
+with its start-up and evals): the 8 toys build once, 20-60 s each; selection: (2 lrs + 2
+recipes) x 2 families x 1 size x 3 min = 24 min of training, ~30 min of wall; test: 3 families
+x 2 sizes x 2 seeds x 2 sides x 3 min = 72 min of training, ~1 h 30 min of wall. The selection
+runs as long as a test run: on the selection families the lr that leads after one minute is
+not the one that leads after three. To fit, it runs only the small train size (the regime
+where a recipe is most likely to fail). Every run is timed alone (--jobs 1, --selection-jobs
+1): two at a time leave an odd last run alone, and faster, which favours it in the selection.
 
 Output: each run's curve as JSON under runs/bench/loop/<family>-<size>/ (so --reuse-trl can
 take TRL's), the choice in runs/bench/loop/selection.json, the report printed and written to
@@ -101,8 +101,8 @@ QUICK = {"selection": "addition", "test": "reverse", "sizes": "512", "selection_
          "minutes": 1.5, "selection_minutes": 1.0, "trl_lrs": "1e-4,3e-4"}
 """--quick's values for the options not given: every phase once, on 2 toys, in ~12 minutes."""
 DEFAULTS = {"selection": "addition,multiply", "test": "reverse,sort,max", "sizes": "512,4096",
-            "selection_sizes": "512", "seeds": "0,1", "minutes": 4.0, "selection_minutes": 1.0,
-            "trl_lrs": "3e-5,1e-4,3e-4"}
+            "selection_sizes": "512", "seeds": "0,1", "minutes": 3.0, "selection_minutes": 3.0,
+            "trl_lrs": "3e-5,1e-4"}
 
 
 # ---- toys and runs ------------------------------------------------------------------------------
@@ -301,8 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--selection-sizes",
                         help=f"train prompts per selection toy (default {DEFAULTS['selection_sizes']})")
     parser.add_argument("--seeds", help="seeds of the test runs; the first seeds the selection runs (default 0,1)")
-    parser.add_argument("--minutes", type=float, help="training minutes per test run and side (default 4)")
-    parser.add_argument("--selection-minutes", type=float, help="training minutes per selection run (default 1)")
+    parser.add_argument("--minutes", type=float, help="training minutes per test run and side (default 3)")
+    parser.add_argument("--selection-minutes", type=float, help="training minutes per selection run (default 3)")
     parser.add_argument("--trl-lrs", help=f"TRL lrs to choose among (default {DEFAULTS['trl_lrs']})")
     parser.add_argument("--gf-candidates", default=DEFAULT_CANDIDATES,
                         metavar="NAME=KEY=VALUE[;KEY=VALUE],...",

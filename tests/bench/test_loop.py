@@ -79,12 +79,10 @@ def test_default_candidates_are_valid_specs(loop, tmp_path):
     import _gf_run
 
     candidates = _families.parse_candidates(_families.DEFAULT_CANDIDATES)
-    assert [c.name for c in candidates] == ["shipped", "constant", "hold"]
-    assert candidates[0].overrides == ()
+    assert [c.name for c in candidates] == ["lr6e-5", "lr3e-5"]
     specs = {c.name: _gf_run.loop_spec(SPEC, tmp_path, "x", 0, list(c.overrides)) for c in candidates}
-    assert (specs["shipped"].run.rounds, specs["shipped"].train.lr_schedule) == (30, "cosine")
-    assert (specs["constant"].run.rounds, specs["constant"].train.lr_schedule) == (1000, "constant")
-    assert (specs["hold"].run.rounds, specs["hold"].run.decay_rounds) == (1000, 30)
+    assert [(s.run.rounds, s.train.lr_schedule, s.train.lr) for s in specs.values()] == [(1000, "constant", 6e-5),
+                                                                                       (1000, "constant", 3e-5)]
 
 
 def test_candidates_parse_and_refuse(loop):
@@ -193,9 +191,12 @@ def test_quick_fills_only_what_was_not_given(loop):
     full = loop.parse_args([])
     assert (full.selection, full.test, full.sizes, full.seeds) == (["addition", "multiply"],
                                                                    ["reverse", "sort", "max"], [512, 4096], [0, 1])
-    assert (full.minutes, full.selection_minutes, full.jobs, full.selection_jobs, full.reuse) == (4.0, 1.0, 1, 1, None)
+    assert (full.minutes, full.selection_minutes, full.jobs, full.selection_jobs, full.reuse) == (3.0, 3.0, 1, 1, None)
     assert (quick.selection_sizes, full.selection_sizes) == ([512], [512])
     assert loop.parse_args(["--reuse-trl"]).reuse == "trl" and loop.parse_args(["--reuse"]).reuse == "all"
+
+
+CANDIDATES = 'shipped=,constant=run.rounds=1000;train.lr_schedule="constant",hold=run.rounds=1000;run.decay_rounds=30'
 
 
 def fake_runs(jobs, reuse, at_once):
@@ -231,7 +232,8 @@ def test_selection_then_test_sees_only_the_chosen_settings(loop, tmp_path, monke
     monkeypatch.setattr(loop, "plot_variant", lambda curves, target, path: figures.append((curves, path)) or path)
     fake_runs.jobs = []
     loop.main(["--selection", "addition,multiply", "--test", "reverse,sort", "--sizes", "512,4096",
-               "--selection-sizes", "512,4096", "--seeds", "0,1", "--trl-lrs", "3e-5,1e-4"])
+               "--selection-sizes", "512,4096", "--seeds", "0,1", "--trl-lrs", "3e-5,1e-4",
+               "--gf-candidates", CANDIDATES])
 
     selection = [job for _, job in fake_runs.jobs[:2 * 4 + 3 * 4]]
     held_out = [(kind, job) for kind, job in fake_runs.jobs[2 * 4 + 3 * 4:]]
