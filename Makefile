@@ -66,7 +66,7 @@ bench: toy
 	$(PY) bench/train.py
 
 # groupforge vs TRL's GRPOTrainer, time to accuracy by leave-one-family-out on the toy's task
-# families (bench/loop.py; ~2 h 10 min on 2 cores, BENCH_ARGS=--quick for a ~13 min smoke run). Installs the `bench` extra (trl,
+# families (bench/loop.py; ~2 h on 2 cores, BENCH_ARGS=--quick for a ~13 min smoke run). Installs the `bench` extra (trl,
 # accelerate, pinned there: not in the lock) under the lock's constraints for everything else.
 .PHONY: bench-trl
 BENCH_ARGS ?=

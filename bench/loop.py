@@ -1,7 +1,7 @@
 """Benchmark: groupforge's round loop vs TRL's GRPOTrainer on toy families neither was tuned on.
 
     make bench-trl                                  # installs trl==1.16.0 (the `bench` extra), runs this
-    .venv/bin/python bench/loop.py                  # the full comparison, ~2 h 10 min on 2 cores (below)
+    .venv/bin/python bench/loop.py                  # the full comparison, ~2 h on 2 cores (below)
     .venv/bin/python bench/loop.py --quick          # a smoke run of every phase, ~12 min: not a result
     .venv/bin/python bench/loop.py --reuse-trl      # groupforge again, against the saved TRL runs
     .venv/bin/python bench/loop.py --reuse          # the report again from the saved runs
