@@ -50,8 +50,8 @@ test: install lint
 	$(PY) -m pytest -q --durations=30 -m "not exhaustive" $(PARALLEL)
 
 # Everything, the exhaustive cases too (15 more fault kills, a full disk late in the run, trainer ranks by c10d
-# rendezvous and FSDP2 in float32, the toy variants' builds, both engines on every bad model folder, the GPU
-# check's dry run with vLLM on Ray; ~14 min more).
+# rendezvous and FSDP2 in float32, vLLM engines on two Ray nodes, the toy variants' builds, both engines on
+# every bad model folder, the GPU check's dry run with vLLM on Ray; ~15 min more).
 test-exhaustive: install lint
 	$(PY) -m pytest -q --durations=30 $(PARALLEL)
 

@@ -4,7 +4,7 @@ node's environment), the model and the run only on the S3 endpoint (moto's serve
 
 - One vLLM engine on each node, joined by address as a user's `ray_address` would: each node
   fetches the model into its own cache, and the samples equal one in-process engine's (the
-  session fixture `one_engine_samples`, shared with test_generate_ray.py).
+  session fixture `one_engine_samples`, shared with test_generate_ray.py; `make test-exhaustive`).
 - The round loop with two engines and two ddp trainer ranks spread over the nodes, run by the
   CLI with the run on S3, one rank killed, then rerun: each node holds its own copy of the
   model and of the checkpoint its rank resumed from, only rank 0's node the ones it wrote, and
@@ -73,6 +73,7 @@ def cluster(s3_server, tmp_path_factory):
         cluster.shutdown()
 
 
+@pytest.mark.exhaustive  # vLLM on Ray is checked on one node by test_generate_ray.py, the nodes' copies below
 def test_one_engine_per_node_each_from_its_own_copy_of_the_model(cluster, model_url, ray_prompts_file,
                                                                   one_engine_samples, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(cluster.driver_cache))

@@ -4,17 +4,16 @@ and a lock held by another process through the installed console script in a chi
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from curation.faults import FAULT_ENV
 from curation.store.commit_log import LOG_DIR
 from curation.store.run_store import RunStore
 from tests.helpers import ENV, GROUPFORGE, error_line, groupforge, groupforge_in_process, make_toy_run
@@ -83,23 +82,20 @@ def test_inspect_rejects_wrong_run_tables(tmp_path):
 
 
 def test_generate_killed_midway_then_resumed_then_noop(tmp_path, toy_dir):
-    """kill -9 during generate: no partial table; the rerun completes (reusing finished
-    chunks); a third run is a no-op that names the commit log entry it found up to date."""
+    """kill -9 during generate, after 2 of its 12 chunks are staged: no partial table; the rerun
+    completes (reusing finished chunks); a third run is a no-op that names the commit log entry
+    it found up to date. The transformers engine: the kill and resume do not depend on it."""
     prompts = tmp_path / "prompts.parquet"
     pq.write_table(pq.read_table(toy_dir / "train.parquet").slice(0, 96), prompts)
     run = tmp_path / "run"
     args = ["generate", "--model", toy_dir / "model", "--prompts", prompts, "--out", run, "-G", 4,
-            "--max-tokens", 8, "--chunk-prompts", 8, "--seed", 3]
-    proc = subprocess.Popen([GROUPFORGE, *map(str, args)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            "--max-tokens", 8, "--chunk-prompts", 8, "--seed", 3, "--backend", "hf"]
+    crash = subprocess.run([GROUPFORGE, *map(str, args)], env={**ENV, FAULT_ENV: "generate.chunk_staged:2"},
+                           capture_output=True, text=True, timeout=600)
+    assert crash.returncode == -signal.SIGKILL, crash.stderr[-2000:]
     staging = run / "_staging" / "generate-round=0"
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list(staging.glob("chunk-*.parquet"))) < 2:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
     staged = len(list(staging.glob("chunk-*.parquet")))
-    assert 2 <= staged < 12, "the kill came too late to test anything"
+    assert staged == 2
     assert not list((run / "samples").rglob("*.parquet")) if (run / "samples").exists() else True
     assert RunStore(run).load_manifest("generate", 0) is None
 
@@ -116,14 +112,14 @@ def test_generate_killed_midway_then_resumed_then_noop(tmp_path, toy_dir):
 
     mtimes = {p: p.stat().st_mtime_ns for p in run.rglob("*.parquet")}
     entry = run / LOG_DIR / f"{store.state.commits[('generate', 0)]:020d}.json"
-    again = groupforge(*args)
+    again = groupforge_in_process(*args)
     assert again.returncode == 0 and "up to date" in again.stdout
     assert str(entry) in "".join(again.stdout.split())  # the message names the commit (a long line may wrap)
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*.parquet")} == mtimes
     assert json.loads(entry.read_text())["manifest"] == manifest
     assert RunStore(run).state.commits[("generate", 0)] == store.state.commits[("generate", 0)]  # no new commit
 
-    shown = groupforge("inspect", run)
+    shown = groupforge_in_process("inspect", run)
     assert shown.returncode == 0, shown.stderr
     assert "samples" in shown.stdout and "384" in shown.stdout
 
