@@ -58,7 +58,7 @@ def chosen_recipe() -> Candidate:
     """The recipe bench/loop.py chose on the selection families; an exit that says how to get one."""
     path = loop.LOOP / "selection.json"
     if not path.is_file():
-        raise SystemExit(f"{path.relative_to(ROOT)} is missing: run `bench/loop.py` first (its selection "
+        raise SystemExit(f"{os.path.relpath(path, ROOT)} is missing: run `bench/loop.py` first (its selection "
                          "phase chooses the recipe the arms start from)")
     chosen = json.loads(path.read_text())["groupforge"]
     return Candidate(chosen["candidate"], tuple(chosen["overrides"]))
