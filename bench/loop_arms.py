@@ -76,7 +76,7 @@ def markdown(args, recipe: Candidate, runs: dict[tuple[str, str], Curve]) -> str
     header = "| arm | overrides | " + " | ".join(cells) + " | mean change |"
     lines = [f"## loop arms: loss variants and options on the held-out families — {datetime.now():%Y-%m-%d %H:%M}",
              "", f"- machine: {machine()}; torch threads per run: {args.threads}",
-             f"- command: `.venv/bin/python bench/loop_arms.py {' '.join(args.argv)}`",
+             f"- command: `{' '.join(['.venv/bin/python', 'bench/loop_arms.py', *args.argv])}`",
              f"- every arm: `pipelines/specs/toy-family-grpo.toml` + the recipe chosen on the selection families "
              f"({recipe.name}: `{'; '.join(recipe.overrides)}`) + the arm's overrides; seed {args.seed}, "
              f"{args.minutes:g} min of training a run, one run at a time, an eval every round",
