@@ -95,6 +95,7 @@ from _report import machine, plot_variant, write_section  # noqa: E402
 
 OUT = ROOT / "runs" / "bench"
 LOOP = OUT / "loop"
+SPEC = ROOT / "pipelines" / "specs" / "toy-family-grpo.toml"
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
        "HF_HUB_OFFLINE": "1"}
 QUICK = {"selection": "addition", "test": "reverse", "sizes": "512", "selection_sizes": "512", "seeds": "0",
@@ -308,7 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="NAME=KEY=VALUE[;KEY=VALUE],...",
                         help="groupforge recipes to choose among, each --spec plus its overrides (default: "
                              f"{DEFAULT_CANDIDATES})")
-    parser.add_argument("--spec", default=str(ROOT / "pipelines" / "specs" / "toy-family-grpo.toml"),
+    parser.add_argument("--spec", default=str(SPEC),
                         help="groupforge's spec; its G, max_tokens and temperature are TRL's too")
     parser.add_argument("--trl-prompts", type=int, default=64, help="TRL prompts per generation batch (x G)")
     parser.add_argument("--trl-batch", type=int, default=128, help="TRL completions per optimizer step")

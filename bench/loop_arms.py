@@ -54,24 +54,22 @@ ARMS = {
 }
 
 
-def chosen_recipe() -> Candidate:
-    """The recipe bench/loop.py chose on the selection families; an exit that says how to get one."""
+def read_selection() -> dict:
+    """What bench/loop.py chose on the selection families; an exit that says how to get it."""
     path = loop.LOOP / "selection.json"
     if not path.is_file():
         raise SystemExit(f"{os.path.relpath(path, ROOT)} is missing: run `bench/loop.py` first (its selection "
                          "phase chooses the recipe the arms start from)")
-    chosen = json.loads(path.read_text())["groupforge"]
-    return Candidate(chosen["candidate"], tuple(chosen["overrides"]))
+    return json.loads(path.read_text())
 
 
-def saved_trl(family: str, size: int, seed: int, minutes: float) -> Curve | None:
-    """bench/loop.py's TRL run of this cell and seed at its chosen lr, if saved."""
-    selection = json.loads((loop.LOOP / "selection.json").read_text())
-    path = loop.LOOP / cell_name(family, size) / f"trl-lr{selection['trl']['lr']:g}-{minutes:g}min-seed{seed}.json"
+def saved_trl(lr: float, family: str, size: int, seed: int, minutes: float) -> Curve | None:
+    """bench/loop.py's TRL run of this cell and seed at `lr`, if saved."""
+    path = loop.LOOP / cell_name(family, size) / f"trl-lr{lr:g}-{minutes:g}min-seed{seed}.json"
     return Curve.from_dict(json.loads(path.read_text())) if path.is_file() else None
 
 
-def markdown(args, recipe: Candidate, runs: dict[tuple[str, str], Curve]) -> str:
+def markdown(args, recipe: Candidate, trl_lr: float, runs: dict[tuple[str, str], Curve]) -> str:
     cells = [cell_name(f, s) for f in args.families for s in args.sizes]
     header = "| arm | overrides | " + " | ".join(cells) + " | mean change |"
     lines = [f"## loop arms: loss variants and options on the held-out families — {datetime.now():%Y-%m-%d %H:%M}",
@@ -92,7 +90,7 @@ def markdown(args, recipe: Candidate, runs: dict[tuple[str, str], Curve]) -> str
             values.append(f"{mine:.3f}" if arm == "base" else f"{mine:.3f} ({mine - base:+.3f})")
         mean_change = "" if arm == "base" else f"{sum(changes) / len(changes):+.3f}"
         lines.append(f"| {arm} | `{'; '.join(ARMS[arm]) or '-'}` | " + " | ".join(values) + f" | {mean_change} |")
-    trl = [saved_trl(f, s, args.seed, args.minutes) for f in args.families for s in args.sizes]
+    trl = [saved_trl(trl_lr, f, s, args.seed, args.minutes) for f in args.families for s in args.sizes]
     lines.append("| TRL (saved) | chosen lr | " + " | ".join(
         f"{plateau(c, args.plateau_evals):.3f}" if c else "-" for c in trl) + " | |")
     return "\n".join(lines) + "\n"
@@ -127,9 +125,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    recipe = chosen_recipe()
+    selection = read_selection()
+    recipe = Candidate(selection["groupforge"]["candidate"], tuple(selection["groupforge"]["overrides"]))
     toys = loop.build_toys(args.families, args.sizes, build=args.reuse != "all")
-    spec = argparse.Namespace(spec=str(ROOT / "pipelines" / "specs" / "toy-family-grpo.toml"), threads=args.threads)
+    spec = argparse.Namespace(spec=str(loop.SPEC), threads=args.threads)  # what loop.gf_job reads of its options
     jobs, keys = [], []
     for arm in args.arms:
         candidate = Candidate(f"arm-{arm}", (*recipe.overrides, *ARMS[arm]))
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                 keys.append((arm, cell_name(family, size)))
     print(f"planned: {len(jobs)} runs x {args.minutes:g} min, one at a time", flush=True)
     runs = dict(zip(keys, loop.run_jobs(jobs, args.reuse, 1)))
-    section = markdown(args, recipe, runs)
+    section = markdown(args, recipe, selection["trl"]["lr"], runs)
     print("\n" + section)
     print(f"written to {os.path.relpath(write_section(section, 'loop-arms', loop.OUT, args.append), ROOT)}")
 

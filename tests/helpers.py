@@ -762,3 +762,42 @@ ORDER BY round, prompt_id
 """prompt_stats computed independently of pipelines/loop/curriculum.py from a `scores` table in
 scope: each (prompt, round that sampled it), its counts as of that round, the recent ones over
 its last 2 rounds (window = 2)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The bench scripts
+# ---------------------------------------------------------------------------------------------
+
+BENCH = REPO / "bench"
+
+
+def bench_script(name: str):
+    """bench/<name>.py as a module, with bench/ on sys.path as when it runs as a script (its helpers
+    _curves, _families, ... import). Appended, not prepended: bench/curation.py must not shadow the
+    curation package."""
+    import importlib.util
+
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_curve(framework: str, seconds, accuracy, variant: str = "reverse-512", seed: int = 0, samples=None,
+                **extra):
+    """A bench run's curve (bench/_curves.py) with these evals, 2,048 samples apart unless `samples`."""
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
+    import _curves
+
+    c = _curves.Curve(framework, variant, seed, extra=extra)
+    for i, (s, a) in enumerate(zip(seconds, accuracy)):
+        c.add(s, samples[i] if samples else 2048 * i, a, cpu_seconds=2 * s, load=1.0)
+    return c
+
+
+def flat_curve(framework: str, level: float, variant: str, seed: int = 0, every: float = 30, **extra):
+    """A run that climbs from 0.3 to `level` at its second eval and stays there, an eval every `every` s."""
+    return bench_curve(framework, [every * i for i in range(6)], [0.3] + [level] * 5, variant, seed, **extra)

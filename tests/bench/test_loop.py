@@ -3,39 +3,18 @@ families and tests only the chosen settings on the others, and its checks are ri
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench"
+from tests.helpers import REPO, bench_curve, bench_script, flat_curve
+
 SPEC = REPO / "pipelines/specs/toy-family-grpo.toml"
 
 
 @pytest.fixture(scope="module")
 def loop():
-    if str(BENCH) not in sys.path:
-        sys.path.append(str(BENCH))  # appended: bench/curation.py must not shadow the curation package
-    spec = importlib.util.spec_from_file_location("bench_loop", BENCH / "loop.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def curve(framework: str, seconds, accuracy, variant: str = "reverse-512", seed: int = 0, samples=None, **extra):
-    import _curves
-
-    c = _curves.Curve(framework, variant, seed, extra=extra)
-    for i, (s, a) in enumerate(zip(seconds, accuracy)):
-        c.add(s, samples[i] if samples else 2048 * i, a, cpu_seconds=2 * s, load=1.0)
-    return c
-
-
-def flat(framework: str, level: float, variant: str, seed: int = 0, every: float = 30, **extra):
-    """A run that climbs from 0.3 to `level` at its second eval and stays there, an eval every `every` s."""
-    return curve(framework, [every * i for i in range(6)], [0.3] + [level] * 5, variant, seed, **extra)
+    return bench_script("loop")
 
 
 # ---- the pieces ---------------------------------------------------------------------------------
@@ -51,7 +30,7 @@ def test_helpers_import_without_trl(loop):
 def test_smoothing_time_to_best_plateau(loop):
     import _curves
 
-    c = curve("trl", [0, 10, 20, 30, 40, 50], [0.30, 0.60, 0.30, 0.60, 0.66, 0.72], samples=[0, 512, 1024, 1536,
+    c = bench_curve("trl", [0, 10, 20, 30, 40, 50], [0.30, 0.60, 0.30, 0.60, 0.66, 0.72], samples=[0, 512, 1024, 1536,
                                                                                            2048, 2560])
     assert _curves.smoothed(c.accuracy, 3) == pytest.approx([0.30, 0.45, 0.40, 0.50, 0.52, 0.66])
     assert _curves.time_to(c, 0.5, window=3) == (30.0, 1536)  # the raw 0.60 at 10 s is one lucky eval
@@ -116,18 +95,19 @@ def test_runs_evaluate_every_round_before_the_candidates_overrides(loop, tmp_pat
 def test_choose_by_plateau_averaged_over_selection_cells(loop):
     import _families
 
-    runs = {"peaky": [flat("groupforge", 0.90, "addition-512"), flat("groupforge", 0.40, "multiply-512")],
-            "steady": [flat("groupforge", 0.70, "addition-512"), flat("groupforge", 0.70, "multiply-512")]}
+    runs = {"peaky": [flat_curve("groupforge", 0.90, "addition-512"), flat_curve("groupforge", 0.40, "multiply-512")],
+            "steady": [flat_curve("groupforge", 0.70, "addition-512"), flat_curve("groupforge", 0.70, "multiply-512")]}
     chosen, scores = _families.choose(runs, last=5, window=1)
     assert chosen == "steady"  # best on one cell, worse on average: not chosen
     assert scores == pytest.approx({"peaky": 0.65, "steady": 0.70})
 
     # equal plateaus: the higher best wins
-    late = curve("trl", [0, 30, 60], [0.3, 0.5, 0.7], "addition-512")
-    early = curve("trl", [0, 30, 60], [0.3, 0.8, 0.4], "addition-512")
+    late = bench_curve("trl", [0, 30, 60], [0.3, 0.5, 0.7], "addition-512")
+    early = bench_curve("trl", [0, 30, 60], [0.3, 0.8, 0.4], "addition-512")
     assert _families.choose({"late": [late], "early": [early]}, last=2, window=1)[0] == "early"
     with pytest.raises(ValueError, match="different cells"):
-        _families.choose({"a": [flat("trl", 0.5, "addition-512")], "b": [flat("trl", 0.5, "sort-512")]}, 5, 1)
+        _families.choose({"a": [flat_curve("trl", 0.5, "addition-512")], "b": [flat_curve("trl", 0.5, "sort-512")]},
+                         5, 1)
 
 
 # ---- the test cells' checks ---------------------------------------------------------------------
@@ -144,7 +124,7 @@ TRL = ([0, 60, 120, 180, 240, 300], [0.3, 0.5, 0.6, 0.7, 0.7, 0.7])  # best 0.7 
 def test_verdict_pass_and_fail(loop, seconds, accuracy, plateau_pass, ratio, time_pass):
     import _families
 
-    v = _families.verdict(curve("trl", *TRL), curve("groupforge", seconds, accuracy), last=5, window=1)
+    v = _families.verdict(bench_curve("trl", *TRL), bench_curve("groupforge", seconds, accuracy), last=5, window=1)
     assert v["target"] == pytest.approx(0.7) and v["trl_seconds"] == 180.0
     assert v["trl_plateau"] == pytest.approx(0.64)
     assert v["plateau_pass"] is plateau_pass and v["time_pass"] is time_pass
@@ -155,9 +135,10 @@ def test_verdict_pairs_one_cell_and_counts_passes(loop):
     import _families
 
     with pytest.raises(ValueError, match="not the same cell"):
-        _families.verdict(curve("trl", *TRL), curve("groupforge", *TRL, seed=1), 5, 1)
-    good = _families.verdict(curve("trl", *TRL), curve("groupforge", [0, 20, 40], [0.3, 0.7, 0.8]), 5, 1)
-    bad = _families.verdict(curve("trl", *TRL, seed=1), curve("groupforge", [0, 200], [0.3, 0.4], seed=1), 5, 1)
+        _families.verdict(bench_curve("trl", *TRL), bench_curve("groupforge", *TRL, seed=1), 5, 1)
+    good = _families.verdict(bench_curve("trl", *TRL), bench_curve("groupforge", [0, 20, 40], [0.3, 0.7, 0.8]), 5, 1)
+    bad = _families.verdict(bench_curve("trl", *TRL, seed=1),
+                            bench_curve("groupforge", [0, 200], [0.3, 0.4], seed=1), 5, 1)
     text = "\n".join(_families.result_tables([good, bad]))
     assert "| reverse-512 | 0 | 0.640 | 0.750 | PASS | 0.700 | 180 | 20 | 0.11 | PASS |" in text
     assert "| reverse-512 | 1 | 0.640 | 0.400 | **FAIL** | 0.700 | 180 | never | never | **FAIL** |" in text
@@ -214,7 +195,7 @@ def fake_runs(jobs, reuse, at_once):
             level = {"shipped": 0.9 if family == "addition" else 0.3, "constant": 0.7, "hold": 0.6}[job["candidate"]]
         extra = {"lr": job["lr"]} if kind == "trl" else {"set": job["set"]}
         every = 7.5 if kind == "groupforge" and family in ("reverse", "sort") else 30
-        c = flat(kind, level, job["variant"], job["seed"], every, **extra)
+        c = flat_curve(kind, level, job["variant"], job["seed"], every, **extra)
         c.extra["candidate"] = job.get("candidate")
         curves.append(c)
     fake_runs.jobs += jobs
@@ -271,7 +252,7 @@ def test_reuse_needs_the_saved_runs(loop, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no saved run loop/reverse-512/trl-lr0.0001-5min-seed0.json"):
         loop.run_job("trl", job, "trl")
     Path(job["result"]).parent.mkdir(parents=True)
-    Path(job["result"]).write_text(__import__("json").dumps(flat("trl", 0.7, "reverse-512", lr=1e-4).to_dict()))
+    Path(job["result"]).write_text(__import__("json").dumps(flat_curve("trl", 0.7, "reverse-512", lr=1e-4).to_dict()))
     assert loop.run_job("trl", job, "trl").accuracy[-1] == 0.7
     gf = {"result": job["result"], "minutes": 5, "set": ["eval.every=1"], "candidate": "shipped"}
     with pytest.raises(SystemExit, match="ran other overrides"):
@@ -292,14 +273,14 @@ def test_greedy_timer_restores_the_generators(loop):
 def test_plot_writes_one_figure(loop, tmp_path):
     import _report
 
-    path = _report.plot_variant([flat("trl", 0.5, "reverse-512"), flat("groupforge", 0.6, "reverse-512")], 0.5,
-                                tmp_path / "loop-reverse-512.png")
+    runs = [flat_curve("trl", 0.5, "reverse-512"), flat_curve("groupforge", 0.6, "reverse-512")]
+    path = _report.plot_variant(runs, 0.5, tmp_path / "loop-reverse-512.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_round_breakdown_per_cell(loop):
     rounds = [{"wall_seconds": 2.0, "phase_seconds": {"generate": 1.0, "train": 0.8}},
               {"wall_seconds": 4.0, "phase_seconds": {"generate": 2.0, "train": 1.6}}]
-    gf = flat("groupforge", 0.7, "sort-512", rounds=rounds)
-    (line,) = loop.breakdown([flat("trl", 0.7, "sort-512"), gf])
+    gf = flat_curve("groupforge", 0.7, "sort-512", rounds=rounds)
+    (line,) = loop.breakdown([flat_curve("trl", 0.7, "sort-512"), gf])
     assert line == "- groupforge round, sort-512 (mean of 2 rounds, 3.00 s): generate 1.50, train 1.20 s"

@@ -3,35 +3,18 @@ families, is read against `base` of the same sitting, and refuses to start witho
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench"
+from tests.helpers import REPO, bench_script, flat_curve
+
 SPEC = REPO / "pipelines/specs/toy-family-grpo.toml"
 
 
 @pytest.fixture(scope="module")
 def arms():
-    if str(BENCH) not in sys.path:
-        sys.path.append(str(BENCH))  # appended: bench/curation.py must not shadow the curation package
-    spec = importlib.util.spec_from_file_location("bench_loop_arms", BENCH / "loop_arms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def flat(framework: str, level: float, variant: str, **extra):
-    import _curves
-
-    c = _curves.Curve(framework, variant, 0, extra=extra)
-    for i, a in enumerate([0.3] + [level] * 5):
-        c.add(30.0 * i, 2048 * i, a, cpu_seconds=60.0 * i, load=1.0)
-    return c
+    return bench_script("loop_arms")
 
 
 def test_every_arm_is_a_valid_spec_with_the_setting_it_names(arms, tmp_path):
@@ -56,7 +39,7 @@ def test_arms_run_on_the_held_out_cells_against_base_of_the_same_sitting(arms, t
         "trl": {"lr": 3e-5}, "groupforge": {"candidate": "lr6e-5", "overrides": ["train.lr=6e-5"]}}))
     (tmp_path / "loop" / "sort-512").mkdir()
     (tmp_path / "loop" / "sort-512" / "trl-lr3e-05-3min-seed0.json").write_text(
-        json.dumps(flat("trl", 0.8, "sort-512").to_dict()))
+        json.dumps(flat_curve("trl", 0.8, "sort-512").to_dict()))
     monkeypatch.setattr(loop, "build_toys", lambda families, sizes, build: {(f, s): tmp_path for f in families
                                                                              for s in sizes})
     jobs = []
@@ -64,7 +47,7 @@ def test_arms_run_on_the_held_out_cells_against_base_of_the_same_sitting(arms, t
 
     def fake_runs(items, reuse, at_once):
         jobs.extend(items)
-        return [flat("groupforge", levels[job["candidate"]], job["variant"]) for _, job in items]
+        return [flat_curve("groupforge", levels[job["candidate"]], job["variant"]) for _, job in items]
 
     monkeypatch.setattr(loop, "run_jobs", fake_runs)
     arms.main(["--arms", "cispo", "--families", "reverse,sort"])
