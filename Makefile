@@ -19,7 +19,7 @@ install: $(STAMP)
 # the torchvision/torchaudio/torchcodec builds vLLM drags in: they break `import vllm`.
 # UV_NATIVE_TLS: the system's certificates, as pip uses. setuptools' "Editable installation"
 # notice (the repo root holds the packages) is silenced: it is advice only. --compile-bytecode
-# writes every installed module's .pyc once (~25 s): where PYTHONDONTWRITEBYTECODE is set, as on
+# writes every installed module's .pyc once (~45 s of one core): where PYTHONDONTWRITEBYTECODE is set, as on
 # many CI images, each new Python process would otherwise compile torch's and transformers'
 # sources again, ~3 s of every CLI start.
 UV := UV_NATIVE_TLS=1 $(VENV)/bin/uv
