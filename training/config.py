@@ -63,8 +63,19 @@ class TrainConfig(BaseModel):
                                 "train stops ceil(passes * rows / batch_size) steps after these rows were first "
                                 "trained on, or at --steps if sooner; the round loop trains that many steps per "
                                 "round. Passes after the first are off-policy and clipped like any stale sample.")
-    token_budget: int = Field(16384, ge=1, description="Padded tokens per micro-batch (memory knob; "
-                                                        "does not change the gradient).")
+    token_budget: int | None = Field(
+        None, ge=1, description="Padded tokens per micro-batch (memory knob; does not change the gradient). Default: "
+                                "sized from the model's config and memory_budget (training/sizing.py), the "
+                                "derivation printed once.")
+    memory_budget: float | None = Field(
+        None, gt=0, description="GiB the training process may use (weights, gradients, AdamW, reference, an "
+                                "engine in the same process, activations); sizes token_budget and checkpointing. "
+                                "Default: 40% of the machine's RAM, or on a GPU 0.9 - gpu_memory_utilization of its "
+                                "memory.")
+    checkpointing: Literal["auto", "on", "off"] = Field(
+        "auto", description="Activation checkpointing (recompute each decoder layer in backward: less memory, ~28% "
+                            "slower a token on CPU); auto: on only when memory_budget cannot hold the longest "
+                            "sequence, or 1,024 tokens, without it.")
     share_prompts: bool = Field(
         False, description="grpo, gspo, gspo_token, cispo, sft: compute each prompt once for all of its responses in a "
                            "micro-batch (they attend to it through a custom attention mask, at their own "
@@ -191,6 +202,10 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"correction_floor ({self.correction_floor}) must be below correction_cap "
                                  f"({self.correction_cap})")
         return self
+
+    def autocast(self, device_type: str) -> bool:
+        """Forward passes under bfloat16 autocast: dtype bfloat16, or auto on CUDA."""
+        return self.dtype == "bfloat16" or (self.dtype == "auto" and device_type == "cuda")
 
     def correction_config(self):
         """The rollout correction settings as a training.correction.CorrectionConfig (loads torch)."""

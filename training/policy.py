@@ -28,7 +28,7 @@ from training.step import StepContext
 
 __all__ = ["ADAPTERS_OFF", "cpu_state_dict", "final_weights", "load_policy", "load_reference",
            "reference_source",
-           "longest_response_tokens", "optimizer_factory", "with_recomputed_logprobs"]
+           "longest_prompt_tokens", "longest_response_tokens", "optimizer_factory", "with_recomputed_logprobs"]
 
 ADAPTERS_OFF = "<the policy with its LoRA adapters disabled>"
 """TrainSession.reference_from of a LoRA policy's reference (training/lora.py)."""
@@ -141,6 +141,11 @@ def with_recomputed_logprobs(storage: Storage, table: pa.Table, segment: dict, s
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.numpy(), pa.float32()))
     return table.append_column("old_logprobs", column)
+
+
+def longest_prompt_tokens(table: pa.Table) -> int:
+    """The longest prompt of a samples-like or pairs table, in tokens."""
+    return int(pc.max(pc.list_value_length(table.column("prompt_token_ids"))).as_py() or 0)
 
 
 def longest_response_tokens(table: pa.Table) -> int:

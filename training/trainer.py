@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from curation.store.location import RunLocation
+from curation.store.location import RunLocation, local_folder
 from curation.store.run_store import RunStore
 from curation.store.runlog import MetricsLog
 from curation.store.storage import is_object_url, open_storage
@@ -60,11 +60,13 @@ from training.policy import (
     final_weights,
     load_policy,
     load_reference,
+    longest_prompt_tokens,
     longest_response_tokens,
     optimizer_factory,
     reference_source,
     with_recomputed_logprobs,
 )
+from training.sizing import GIB, GPU_HEADROOM, MicroBatchPlan, ModelShape, plan_micro_batches
 from training.step import StepContext, pair_micro_step, policy_micro_step
 from training.step_loop import BuiltPolicy, CallStart, StepLoop, Timing
 
@@ -92,6 +94,8 @@ class TrainResult:
     """Sum of the optimizer steps' times (micro-batching, forward, backward, clip, update)."""
     checkpoint_seconds: float = 0.0
     """Writing checkpoints (save_every and the final one)."""
+    plan: MicroBatchPlan | None = None
+    """How token_budget and checkpointing were sized, when the config left them to the trainer."""
     state_dict: dict[str, torch.Tensor] | None = None
     """With LoopOptions.return_state: the policy's weights at end_step, CPU tensors, a copy (safe to
     keep while training goes on); for `Generator.update_weights`. None when skipped without a
@@ -135,6 +139,9 @@ class LoopOptions:
     """Write a checkpoint at the end of the call (save_every checkpoints are written either way)."""
     return_state: bool = False
     """Put the final weights in TrainResult.state_dict (for `Generator.update_weights`)."""
+    engine_bytes: int = 0
+    """Memory an engine in the same process (or on the same GPU) holds: the micro-batch plan
+    leaves it out of the trainer's budget (training/sizing.py)."""
 
 
 def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: str | Path | None = None,
@@ -167,6 +174,7 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
         steps = min(steps, segment["start_step"] + steps_for_passes(data.num_rows, cfg.batch_size, cfg.passes))
         if start.step >= steps:
             return skipped()
+    cfg, plan = _sized(cfg, start.base_model, data.table, place, options.engine_bytes)
     built = _build_policy(location, cfg, start, data, segment, place, session, timing)
     loop = StepLoop(location, cfg, start, segment, data.rounds, place, built, metrics_log, timing)
     metrics, saved = loop.run(steps, options.save, progress)
@@ -181,7 +189,7 @@ def train(run: RunStore | str | Path, cfg: TrainConfig, *, steps: int, model: st
     return TrainResult(start.step, steps, skipped=False, checkpoint=saved, rows=built.table.num_rows,
                        rounds=data.rounds, last_metrics=metrics, seconds=time.perf_counter() - started,
                        load_seconds=timing.load, step_seconds=timing.step, checkpoint_seconds=timing.checkpoint,
-                       state_dict=weights)
+                       plan=plan, state_dict=weights)
 
 
 # ---- resume ------------------------------------------------------------------------------------
@@ -224,7 +232,35 @@ def _segment(data: TrainingData, start: CallStart, session: TrainSession | None)
     return segment
 
 
-# ---- policy, optimizer, reference, the step's context ----------------------------------------
+# ---- the micro-batch plan, policy, optimizer, reference, the step's context -------------------
+
+def _sized(cfg: TrainConfig, base_model: str, table, place: distributed.Placement,
+           engine: int) -> tuple[TrainConfig, MicroBatchPlan | None]:
+    """`cfg` with token_budget and checkpointing decided (training/sizing.py) where it leaves them
+    to the trainer, and the plan that decided them (None when both were set)."""
+    if cfg.token_budget is not None and cfg.checkpointing != "auto":
+        return cfg, None
+    import json
+
+    from curation.generate.weights import count_parameters
+
+    folder = local_folder(base_model)
+    shape = ModelShape.from_config(json.loads((folder / "config.json").read_text()), count_parameters(folder))
+    budget, source = None, ""
+    if cfg.memory_budget is not None:
+        budget, source = int(cfg.memory_budget * GIB), "[train] memory_budget"
+    elif place.device.type == "cuda":
+        budget = int(GPU_HEADROOM * torch.cuda.get_device_properties(place.device).total_memory)
+        source = f"{GPU_HEADROOM:.0%} of GPU memory"
+    longest = longest_response_tokens(table) + longest_prompt_tokens(table)
+    plan = plan_micro_batches(shape, longest_sequence=longest, reference=cfg.uses_reference(),
+                              autocast=cfg.autocast(place.device.type), lora=cfg.lora is not None, engine=engine,
+                              budget=budget, budget_source=source, checkpointing=cfg.checkpointing)
+    update = {"checkpointing": "on" if plan.checkpointing else "off"}
+    if cfg.token_budget is None:
+        update["token_budget"] = plan.token_budget
+    return cfg.model_copy(update=update), plan
+
 
 def _build_policy(location: RunLocation, cfg: TrainConfig, start: CallStart, data: TrainingData, segment: dict,
                   place: distributed.Placement, session: TrainSession | None, timing: Timing) -> BuiltPolicy:
@@ -253,6 +289,10 @@ def _build_policy(location: RunLocation, cfg: TrainConfig, start: CallStart, dat
             reference = load_reference(reference_from, policy, cfg, place.device, dtype)
     if session is not None:
         session.clear()  # the weights change in place from here on; a failure must not leave them live
+    if cfg.checkpointing == "on":  # non-reentrant: the recomputed layers' RNG and autocast state are kept
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif getattr(policy, "is_gradient_checkpointing", False):
+        policy.gradient_checkpointing_disable()
     if cfg.objective == "pairwise":
         loss, micro_batches, micro_step = get_pair_loss(cfg.objective), pair_batches, pair_micro_step
     else:
@@ -264,7 +304,7 @@ def _build_policy(location: RunLocation, cfg: TrainConfig, start: CallStart, dat
         temperature=cfg.temperature or data.temperature or 1.0,
         pad_id=policy.config.pad_token_id if isinstance(policy.config.pad_token_id, int) else 0,
         device=place.device,
-        autocast=cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and place.device.type == "cuda"),
+        autocast=cfg.autocast(place.device.type),
         measure_gap=cfg.old_logprobs == "generator",
         correction=cfg.correction_config() if cfg.rollout_correction != "off" else None, grad_noise=cfg.grad_noise,
         **({"top_k": data.top_k, "top_p": data.top_p} if cfg.truncated_logprobs else {}))

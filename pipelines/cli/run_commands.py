@@ -78,6 +78,8 @@ def train_command(
     if result.skipped:
         console.print(f"{run}: already at step {result.end_step} (>= --steps {steps}); nothing to do")
         return
+    if result.plan is not None:
+        console.print(f"trainer: {result.plan.describe()}")
     m = result.last_metrics
     show_table(f"{run}: train {cfg.objective}",
                 ["steps", "rounds", "rows", "last loss", "grad norm", "tokens/s", "seconds", "checkpoint"],

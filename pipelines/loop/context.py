@@ -133,6 +133,8 @@ class RoundContext:
     """The thread of `prefetch` (started on first use)."""
     ranks: "TrainerRanks | None" = None
     """The trainer ranks (Ray actors) of `[train] nproc` > 1, started on first use."""
+    micro_batches: str | None = None
+    """The trainer's micro-batch plan as last printed (training/sizing.py)."""
 
     def __post_init__(self) -> None:
         if self.prompt_files is None:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -204,19 +205,46 @@ def train_config(spec: PipelineSpec, round: int, decay_steps: int) -> TrainConfi
 
 def _train(ctx: RoundContext, cfg: TrainConfig, steps: int, save: bool) -> TrainResult:
     """One trainer call on the live session (reading the round's tables through the loop's
-    store: held parts from memory); its new weights are kept for the engine."""
+    store: held parts from memory); its new weights are kept for the engine. The micro-batch
+    plan is printed when it first appears or changes."""
     with ctx.clock("train"):
         if ctx.spec.train.nproc > 1:
             result = trainer_ranks(ctx).train(ctx.location.url, cfg, steps=steps, model=ctx.spec.model.path,
                                               options=LoopOptions(save=save, return_state=True))
         else:
+            options = LoopOptions(save=save, return_state=True, engine_bytes=engine_bytes(ctx))
             result = train(ctx.store, cfg, steps=steps, model=ctx.spec.model.path, session=ctx.session,
-                           options=LoopOptions(save=save, return_state=True))
+                           options=options)
+    if result.plan is not None and result.plan.describe() != ctx.micro_batches:
+        ctx.micro_batches = result.plan.describe()
+        ctx.log(f"trainer: {ctx.micro_batches}")
     ctx.clock.move(result.checkpoint_seconds, "train", "checkpoint")
     ctx.clock.model += result.step_seconds
     if result.state_dict is not None:
         ctx.weights = (result.end_step, result.state_dict)
     return result
+
+
+def engine_bytes(ctx: RoundContext) -> int:
+    """Memory the engine in this process holds, which the trainer's budget leaves out: its weights
+    and, for vLLM, its KV cache (VLLM_CPU_KVCACHE_SPACE GiB), or on a GPU its whole share
+    (gpu_memory_utilization). 0 for engines on Ray or not started."""
+    gen = ctx.spec.generator
+    if ctx.generator is None or gen.uses_ray:
+        return 0
+    import torch
+
+    from curation.generate.weights import count_parameters
+    from curation.store.location import local_folder
+    from training.sizing import GIB
+    from training.sizing import engine_bytes as engine_memory
+
+    if torch.cuda.is_available():
+        return int(gen.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory) \
+            if ctx.generator.name == "vllm" else 0
+    kv_cache = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1) * GIB if ctx.generator.name == "vllm" else 0
+    dtype_bytes = 4 if gen.dtype == "float32" else 2
+    return engine_memory(count_parameters(local_folder(ctx.spec.model.path)), dtype_bytes, int(kv_cache))
 
 
 def trainer_ranks(ctx: RoundContext) -> "TrainerRanks":
