@@ -4,6 +4,9 @@
   log-prob comes back with every token; vLLM gives child i of a group seed + i.
 - `logprobs_mode="processed_logprobs"`: log-probs after temperature and top-p/top-k, i.e.
   under the distribution that was actually sampled (the default, raw, ignores temperature).
+- On CPU chunked prefill is off: vLLM rewinds the seeded generator of a prefill it splits, which a
+  CPU generator cannot do. The scheduler then waits until a whole prompt fits in a step (its
+  token budget is then at least max_model_len: vLLM refuses a smaller one).
 - `update_weights` loads new weights into the live engine from a state dict or a folder of
   safetensors, always through vLLM's weights-iterator path (the `weights_path` path leaves a
   tied or separately stored LM head stale), then resets the prefix cache: cached KV blocks
@@ -49,6 +52,7 @@ class VLLMGenerator:
     ) -> None:
         _set_cpu_defaults()
         import vllm  # heavy import: only when this generator is used
+        from vllm.platforms import current_platform
 
         from curation.store.location import local_folder
 
@@ -64,6 +68,8 @@ class VLLMGenerator:
         )
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        if current_platform.is_cpu():  # a split prefill rewinds its seeded generator (set_offset): CPU ones cannot
+            kwargs["enable_chunked_prefill"] = False
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enforce_eager"] = enforce_eager  # CUDA graphs are most of vLLM's GPU speed

@@ -1,5 +1,6 @@
 """The vLLM generator on the real toy model: behavior_logprobs equal a fresh transformers fp32
-forward over the same token ids, at temperature 1.0 and 0.7, and after update_weights.
+forward over the same token ids, at temperature 1.0 and 0.7, and after update_weights; seeded
+sampling of more prompt tokens than the engine schedules in one step.
 """
 
 from __future__ import annotations
@@ -42,6 +43,28 @@ def test_behavior_logprobs_follow_temperature(tmp_path, toy_dir, prompts_file, v
     got = samples.column("behavior_logprobs").to_pylist()
     assert mean_abs_diff(got, transformers_logprobs(model, samples, temperature=0.7)) < 1e-4
     assert mean_abs_diff(got, transformers_logprobs(model, samples, temperature=1.0)) > 1e-3
+
+
+def test_seeded_sampling_over_the_batched_token_budget(vllm_generator):
+    """96 prompts of 49 tokens, 4 samples each, are more prompt tokens than the engine schedules
+    in one step. On CPU a chunked prefill would rewind each seeded request's generator, which a
+    CPU generator cannot do ("CPU Generator does not use offset"). The same seeds give the same
+    tokens again; other seeds give other tokens."""
+    prompts = ["+".join(str(10 + (7 * i + k) % 90) for k in range(16)) + "=" for i in range(96)]
+    token_ids = [vllm_generator.tokenize(prompt, None) for prompt in prompts]
+    sampling = SamplingConfig(group_size=4, max_tokens=4, temperature=1.0)
+    budget = vllm_generator.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert {len(ids) for ids in token_ids} == {49} and 96 * 49 > budget  # the prompts alone overflow a step
+    seeds = list(range(1000, 1096))
+
+    def tokens(seeds: list[int]) -> list[list[list[int]]]:
+        return [[c.token_ids for c in group] for group in vllm_generator.sample(token_ids, seeds, sampling)]
+
+    first = tokens(seeds)
+    assert [len(group) for group in first] == [4] * 96 and all(1 <= len(ids) <= 4 for group in first for ids in group)
+    assert tokens(seeds) == first
+    other = tokens([seed + 10_000 for seed in seeds])
+    assert sum(a != b for a, b in zip(first, other)) > 48  # 59 of 96: the toy often gives one answer
 
 
 def test_vllm_update_weights_from_folder_and_state_dict(tmp_path, toy_dir, prompts_file, vllm_generator):
