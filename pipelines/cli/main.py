@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from pipelines.cli import data_commands, run_commands, toy_commands, tune_commands  # noqa: F401  (registers the commands)
+from pipelines.cli import data_commands, model_commands, run_commands, toy_commands, tune_commands  # noqa: F401  (registers the commands)
 from pipelines.cli.app import app, err_console
 
 __all__ = ["app", "main"]

@@ -1,0 +1,30 @@
+"""`groupforge model ...`: model folders made from other formats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pipelines.cli.app import app, console, err_console, exit_codes
+from pipelines.models.gguf_import import DTYPES
+
+model_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Model folders made from other formats.")
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("import-gguf")
+def import_gguf_command(
+    file: Path = typer.Argument(..., help="The .gguf file (llama.cpp's format)."),
+    out: Path = typer.Option(..., "--out", help="The model folder to write (must not exist, or be empty)."),
+    dtype: str = typer.Option("float32", "--dtype", help=f"The weights' dtype: {' or '.join(DTYPES)}."),
+) -> None:
+    """Turn a GGUF file into a standard Hugging Face model folder (safetensors, config.json, tokenizer
+    and chat template, generation_config.json), its weights dequantised; any groupforge command
+    then takes the folder as a model."""
+    from pipelines.models.gguf_import import import_gguf
+
+    with exit_codes():
+        path = import_gguf(file, out, dtype=dtype, progress=lambda line: err_console.print(
+            line, highlight=False, markup=False, soft_wrap=True))
+    console.print(f"model folder ready in {path}")

@@ -1,0 +1,1 @@
+"""Model folders made from other formats (`groupforge model ...`)."""
