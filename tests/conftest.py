@@ -141,3 +141,14 @@ def one_engine_samples(toy_dir, ray_prompts_file, tmp_path_factory):
     finally:
         generator.close()
     return RunStore(run).read("samples")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as `make real-model` imports it (runs/models/SmolLM2-135M-Instruct; its
+    GGUF in runs/models/wheels/). Missing, it fails the test rather than skip it: CI without the
+    model must not pass quietly."""
+    folder = REPO / "runs" / "models" / "SmolLM2-135M-Instruct"
+    if not (folder / "config.json").is_file():
+        pytest.fail(f"no real model in {folder}: run `make real-model`", pytrace=False)
+    return folder
