@@ -12,12 +12,14 @@ of a GPU's memory less the share the engine takes (`gpu_memory_utilization`). Wh
             + the LM head's logits chunk: chunk x vocab x 4 (x2 under autocast)
     per token, each of the L decoder layers keeps for backward
               a = ACT_HIDDEN x hidden + ACT_MLP x intermediate values (fp32; 2-byte under autocast)
-              with checkpointing: hidden values per layer, plus one layer's `a` recomputed
+              with checkpointing: CKPT_HIDDEN x hidden values per layer, plus one layer's `a` recomputed
     token_budget = (budget - fixed) / per_token, rounded down to a multiple of 256, at most 16,384
 
 ACT_HIDDEN = 16 and ACT_MLP = 4 were measured on SmolLM2-135M (30 layers, hidden 576, MLP
-1,536; 1.75-1.78 MB a token in fp32, the formula says 1.84) and hold for the toy (see
-tests/training/test_sizing.py, which measures both). Checkpointing is chosen only when the
+1,536; 1.75-1.78 MB a token in fp32, the formula says 1.84), CKPT_HIDDEN = 10 the same way with
+transformers' non-reentrant checkpointing (0.67-0.69 MB a token; the formula says 0.75: more
+than the layer inputs alone, which would be 0.07); tests/training/test_sizing.py measures both
+on this machine, on SmolLM2 and on the toy. Checkpointing is chosen only when the
 budget cannot hold the longest training sequence without it, or less than MIN_TOKENS: on this
 2-core CPU it cost 28% of the step's speed at equal tokens (BENCHMARKS "real model").
 """
@@ -37,6 +39,8 @@ RUNTIME_BYTES = int(1.5 * GIB)
 """torch, transformers, vLLM and Python's own resident memory, measured ~1.2-1.5 GiB."""
 ACT_HIDDEN, ACT_MLP = 16, 4
 """Values a decoder layer keeps for backward, per token: 16 x hidden + 4 x MLP width."""
+CKPT_HIDDEN = 10
+"""With activation checkpointing, values a token costs per layer, in units of hidden (measured)."""
 MIN_TOKENS = 1024
 """Below this many tokens a micro-batch, checkpointing's larger batches pay for its recompute."""
 ROUND_TO = 256
@@ -120,7 +124,7 @@ def plan_micro_batches(shape: ModelShape, *, longest_sequence: int, reference: b
     fixed = 4 * p * copies + engine + RUNTIME_BYTES + head
     layer = (ACT_HIDDEN * shape.hidden + ACT_MLP * shape.intermediate) * act_bytes
     plain = shape.layers * layer
-    checkpointed = shape.layers * shape.hidden * act_bytes + layer
+    checkpointed = shape.layers * CKPT_HIDDEN * shape.hidden * act_bytes + layer
     free = budget - fixed
     if free <= 0:
         raise ValueError(f"the memory budget ({budget / GIB:.1f} GiB, {budget_source}) is smaller than the model's "
@@ -135,8 +139,11 @@ def plan_micro_batches(shape: ModelShape, *, longest_sequence: int, reference: b
         raise ValueError(f"the memory budget ({budget / GIB:.1f} GiB, {budget_source}) leaves room for {tokens} tokens "
                          f"a micro-batch{' even with checkpointing' if use else ''}, fewer than the longest sequence "
                          f"({longest_sequence} tokens): raise [train] memory_budget or lower max_tokens")
-    reason = (f"{shape.layers} layers x ({ACT_HIDDEN} x {shape.hidden} + {ACT_MLP} x {shape.intermediate}) values "
-              f"= {per_token / 1e6:.2f} MB a token; {free / GIB:.1f} GiB left for them of a {budget / GIB:.1f} GiB "
-              f"budget ({budget_source}) after {fixed / GIB:.1f} GiB of weights, gradients, AdamW"
+    layer_text = f"({ACT_HIDDEN} x {shape.hidden} + {ACT_MLP} x {shape.intermediate})"
+    values = f"{shape.layers} x {CKPT_HIDDEN} x {shape.hidden} + {layer_text}" if use \
+        else f"{shape.layers} layers x {layer_text}"
+    reason = (f"{values} values = {per_token / 1e6:.2f} MB a token; {free / GIB:.1f} GiB left for them of a "
+              f"{budget / GIB:.1f} GiB budget ({budget_source}) after {fixed / GIB:.1f} GiB of weights, gradients, "
+              "AdamW"
               + (", reference" if reference else "") + (", engine" if engine else "") + " and runtime")
     return MicroBatchPlan(tokens, use, budget, fixed, per_token, reason)
