@@ -1,7 +1,8 @@
 """Errors the CLI prints as one line (no traceback), with their exit codes (README, "Exit codes").
 
 Bad input is a ValueError (SchemaError, pydantic's ValidationError): exit 2. A job that cannot
-go on for a reason outside its input is a `JobError`: exit 1; a full disk is a `NoSpaceError`:
+go on for a reason outside its input is a `JobError` (an inference engine's own error: an
+`EngineFailure`, its traceback in the command's log): exit 1; a full disk is a `NoSpaceError`:
 exit 4. Anything else is a bug: exit 1 with a traceback. `--debug` shows the traceback of every
 error. Light: imported by curation, training and pipelines.
 """
@@ -26,6 +27,20 @@ def first_line(exc: BaseException) -> str:
 class JobError(RuntimeError):
     """The job cannot go on (an engine or trainer rank kept dying, a missing extra); the message
     says what happened and what to do."""
+
+
+class EngineFailure(JobError):
+    """An inference engine raised an error of its own while it ran (not bad input, not ours):
+    the message names the engine, the error's type and its first line; the error is chained."""
+
+
+@contextmanager
+def engine_failures(engine: str) -> Iterator[None]:
+    """Turn any exception raised in the block (a call into the `engine`) into an EngineFailure."""
+    try:
+        yield
+    except Exception as exc:
+        raise EngineFailure(f"the {engine} engine failed: {type(exc).__name__}: {first_line(exc)}") from exc
 
 
 class NoSpaceError(JobError):

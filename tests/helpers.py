@@ -107,7 +107,8 @@ def groupforge_in_process(*args, cwd: Path = REPO) -> subprocess.CompletedProces
     exit code 1, and warnings printed on stderr under Python's default filters. Not for a command
     that starts a vLLM engine: one that fails may leave its state in this process. Afterwards the
     environment, cwd, sys.argv, sys.excepthook (typer sets it), the consoles and the logging
-    handlers are as they were before."""
+    handlers (also those a command's log file replaced: curation/library_logs.py) are as they
+    were before."""
     import io
     import logging
     import traceback
@@ -132,6 +133,12 @@ def groupforge_in_process(*args, cwd: Path = REPO) -> subprocess.CompletedProces
     def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
         err.write(warnings.formatwarning(message, category, filename, lineno, line))
 
+    def loggers() -> dict[str, logging.Logger]:
+        return {"": logging.root, **{name: x for name, x in logging.Logger.manager.loggerDict.items()
+                                      if isinstance(x, logging.Logger)}}
+
+    logger_state = {name: (x.handlers[:], x.level, x.propagate) for name, x in loggers().items()}
+    capturing_warnings = logging._warnings_showwarning is not None
     moved = [(h, h.stream) for h in stream_handlers() if id(h.stream) in capture]
     code = 0
     try:
@@ -162,6 +169,18 @@ def groupforge_in_process(*args, cwd: Path = REPO) -> subprocess.CompletedProces
                 code = 1
     finally:
         sys.stdout, sys.stderr = saved_out, saved_err
+        from curation.library_logs import LibraryLogHandler, OwnWarningsHandler
+
+        for name, x in loggers().items():  # a command log's handlers off, the ones they replaced back
+            for handler in x.handlers[:]:
+                if isinstance(handler, (LibraryLogHandler, OwnWarningsHandler)):
+                    x.removeHandler(handler)
+                    handler.close()
+            if name in logger_state:
+                handlers, level, x.propagate = logger_state[name]
+                x.handlers[:] = handlers
+                x.setLevel(level)
+        logging.captureWarnings(capturing_warnings)
         for handler, stream in moved:
             handler.setStream(stream)
         for handler in stream_handlers():  # added while the output was captured

@@ -7,6 +7,10 @@
 - On CPU chunked prefill is off: vLLM rewinds the seeded generator of a prefill it splits, which a
   CPU generator cannot do. The scheduler then waits until a whole prompt fits in a step (its
   token budget is then at least max_model_len: vLLM refuses a smaller one).
+- An error the engine raises while it samples or loads weights is an `EngineFailure` ("the vllm
+  engine failed: <type>: <first line>", the original chained): one line at the CLI, whose log
+  file (curation/library_logs.py) gets the traceback; what C++ code prints while the engine
+  starts goes to that log too.
 - `update_weights` loads new weights into the live engine from a state dict or a folder of
   safetensors, always through vLLM's weights-iterator path (the `weights_path` path leaves a
   tied or separately stored LM head stale), then resets the prefix cache: cached KV blocks
@@ -22,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from curation.errors import engine_failures
 from curation.generate.base import GENERATOR_DEFAULTS, Completion, SamplingConfig, tokenize_prompt
 from curation.generate.weights import load_state_dict, weights_fingerprint
 
@@ -54,6 +59,7 @@ class VLLMGenerator:
         import vllm  # heavy import: only when this generator is used
         from vllm.platforms import current_platform
 
+        from curation.library_logs import native_output_to_log
         from curation.store.location import local_folder
 
         self.model_path = local_folder(model)  # an object-store URL: this machine's copy
@@ -63,6 +69,7 @@ class VLLMGenerator:
             seed=seed,
             enforce_eager=True,
             logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=False,
             trust_remote_code=trust_remote_code,
             tensor_parallel_size=tensor_parallel_size,
         )
@@ -78,7 +85,8 @@ class VLLMGenerator:
         # process; put it back so a trainer in the same process can still set its threads.
         set_num_threads = torch.set_num_threads
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with native_output_to_log():
+                self.llm = vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
         self.tokenizer = self.llm.get_tokenizer()
@@ -113,7 +121,8 @@ class VLLMGenerator:
             for seed in seeds
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        with engine_failures(self.name):
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         groups: list[list[Completion]] = []
         for out in outputs:
             group = []
@@ -131,7 +140,9 @@ class VLLMGenerator:
 
         params = self._vllm.SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        return [out.outputs[0].text for out in self.llm.generate(prompts, params, use_tqdm=False)]
+        with engine_failures(self.name):
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [out.outputs[0].text for out in outputs]
 
     def update_weights(self, weights: "dict | str | Path", policy_version: int) -> None:
         state_dict = load_state_dict(weights) if isinstance(weights, (str, Path)) else weights
@@ -141,7 +152,8 @@ class VLLMGenerator:
         level = reload_log.level
         reload_log.setLevel(logging.ERROR)
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+            with engine_failures(self.name):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
             self.llm.collective_rpc(_refresh_tied_head)
         finally:
             reload_log.setLevel(level)

@@ -10,6 +10,8 @@ metrics log with its typed round record, and the round loop's state.
     RUN/_train/                           the trainer's caches (recomputed old log-probs)
     RUN/report/                           plots and summary.md
     RUN/exports/                          datasets written by `groupforge export`
+    RUN/logs/<command>.log                what vLLM, transformers, torch and Python warnings printed
+                                          during each command (curation/library_logs.py; appended)
 
 This module imports neither torch nor matplotlib: the spec, the report and the CLI read
 these files without loading a model. The tables and their manifests are `curation.store.run_store`'s.
@@ -40,6 +42,7 @@ ROUNDS_DIR = "_rounds"
 TRAIN_CACHE_DIR = "_train"
 REPORT_DIR = "report"
 EXPORTS_DIR = "exports"
+LOGS_DIR = "logs"
 
 
 # ---- atomic writes ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ Exit codes: 0 ok, 2 bad input (a table, file or flag is wrong: the message says 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from curation.errors import JobError, NoSpaceError, is_no_space, no_space_error
+from curation.errors import EngineFailure, JobError, NoSpaceError, is_no_space, no_space_error
 from curation.store.lock import RunLockedError
 from curation.store.run_store import RunStore
 from curation.store.storage import check_location, is_object_url
@@ -51,8 +52,9 @@ def fail(message: str, code: int) -> "typer.Exit":
 def exit_codes() -> Iterator[None]:
     """Bad input (a table, file, flag or spec: SchemaError and pydantic's ValidationError are
     ValueErrors) -> one error line, exit 2; a run locked by another job -> exit 3; a job that
-    cannot go on (curation.errors.JobError) -> one error line, exit 1; a full disk -> one error
-    line naming the folder, exit 4. With --debug (GROUPFORGE_DEBUG) every error keeps its traceback."""
+    cannot go on (curation.errors.JobError) -> one error line, exit 1 (an engine's own error: its
+    traceback into the command's log, which the line names); a full disk -> one error line naming
+    the folder, exit 4. With --debug (GROUPFORGE_DEBUG) every error keeps its traceback."""
     try:
         yield
     except Exception as exc:
@@ -65,9 +67,40 @@ def exit_codes() -> Iterator[None]:
             raise fail(str(exc), EXIT_BAD_INPUT) from None
         if isinstance(exc, RunLockedError):
             raise fail(str(exc), EXIT_LOCKED) from None
+        if isinstance(exc, EngineFailure):
+            raise fail(f"{exc} ({_logged(exc)}--debug for the traceback)", EXIT_JOB) from None
         if isinstance(exc, JobError):
             raise fail(str(exc), EXIT_JOB) from None
         raise
+
+
+def command_log_path(run: str | Path, command: str) -> Path:
+    """RUN/logs/<command>.log; for a run on an object store, in this machine's work folder of the
+    run (curation/store/location.py)."""
+    from curation.store.location import RunLocation
+    from curation.store.runlog import LOGS_DIR
+
+    return RunLocation.of(run).work / LOGS_DIR / f"{command}.log"
+
+
+def command_log(run: str | Path, command: str) -> Path:
+    """Send what vLLM, transformers, torch and Python warnings print during this command to
+    `command_log_path` (appended; curation/library_logs.py), before vLLM is imported. Returns the file."""
+    from curation.library_logs import log_libraries_to
+
+    return log_libraries_to(command_log_path(run, command), f"groupforge {command}")
+
+
+def _logged(exc: BaseException) -> str:
+    """Write `exc`'s traceback to the command's log; "details: LOG; " naming it, or "" without a log."""
+    from curation.library_logs import library_log
+
+    log = library_log()
+    if log is None:
+        return ""
+    logging.getLogger("groupforge").error("%s", exc, exc_info=exc)
+    shown = log.relative_to(Path.cwd()) if log.is_relative_to(Path.cwd()) else log
+    return f"details: {shown}; "
 
 
 def _print_version(value: bool) -> None:

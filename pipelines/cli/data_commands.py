@@ -15,11 +15,14 @@ import typer
 from rich.markup import escape
 
 from curation.generate.base import GeneratorConfig, SamplingConfig
+from curation.store.storage import is_object_url
 from pipelines.cli.app import (
     EXIT_BAD_INPUT,
     NO_WAIT,
     app,
     checked_run_folder,
+    command_log,
+    command_log_path,
     console,
     err_console,
     exit_codes,
@@ -58,6 +61,7 @@ def generate_command(
         load_prompts(prompts)  # fail on a bad prompts file before any lock, generator or progress bar
         check_model_folder(model)  # and on a bad model folder (the lock writes the run's log)
         backend = resolve_backend(settings.backend, model)
+        command_log(out, "generate")
         with writer_lock(out, no_wait):
             with progress_bar() as bar:
                 task = bar.add_task(f"generate round {round}", total=None)
@@ -114,6 +118,11 @@ def _curate(stages: tuple[str, ...], run: str, only_round: Optional[int], config
     with exit_codes():
         spec = load_curation_spec(config)
         rounds = rounds_to_process(run, only_round)
+        if "score" in stages and any(reward.name == "reward_model" for reward in spec.score.rewards):
+            command = "curate" if len(stages) > 1 else "score"
+            if is_object_url(run):
+                err_console.print(f"[dim]logs: {command_log_path(run, command)}[/]", highlight=False, soft_wrap=True)
+            command_log(run, command)  # the reward model's transformers and torch
         with writer_lock(run, no_wait):
             with progress_bar() as bar:
                 task = bar.add_task("curate", total=len(rounds) * len(stages))

@@ -24,6 +24,8 @@ from pipelines.cli.app import (
     NO_WAIT,
     app,
     checked_run_folder,
+    command_log,
+    command_log_path,
     console,
     err_console,
     exit_codes,
@@ -57,6 +59,7 @@ def train_command(
     checked_run_folder(run)
     with exit_codes():
         cfg = load_section(TrainConfig, config, "train", overrides=overrides)
+        command_log(run, "train")
         if cfg.strategy != "single" and cfg.nproc > 1 and "RANK" not in os.environ:
             with writer_lock(run, no_wait):  # held for the whole group; its rank 0 knows (GROUP_LOCK_ENV)
                 raise typer.Exit(_torchrun(cfg.nproc, run))
@@ -142,9 +145,11 @@ def _round_row(rec: dict) -> list[str]:
 
 
 def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Optional[int],
-             no_wait: bool, overrides: list[str] = (), report: bool = False) -> tuple[str | Path, list[dict]]:
+             no_wait: bool, overrides: list[str] = (), report: bool = False,
+             own_log: bool = True) -> tuple[str | Path, list[dict]]:
     """Run one spec (a file, with `overrides`, or a PipelineSpec) to its last round, printing a
-    line per round (and with `report`, writing RUN/report/); returns (run folder, round records)."""
+    line per round (and with `report`, writing RUN/report/); returns (run folder, round records).
+    With `own_log`, the libraries' output goes to RUN/logs/run.log (else to the caller's log)."""
     from pipelines.spec import load_spec
 
     with exit_codes():
@@ -152,7 +157,11 @@ def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Option
         if run_dir is not None:
             check_location(str(run_dir), run=True)  # a mistyped URL: refused before the loop (and torch) loads
     folder = run_dir or Path("runs") / parsed.run.name
-    console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}")
+    where = f" (logs: {command_log_path(folder, 'run')})" if own_log and is_object_url(str(folder)) else ""
+    console.print(f"[bold]{parsed.run.name}[/] ({parsed.train.objective}, {parsed.run.rounds} rounds) -> {folder}"
+                  f"{where}", soft_wrap=True)
+    if own_log:
+        command_log(folder, "run")
 
     from pipelines.reports.run_report import breakdown_line
 
@@ -315,6 +324,7 @@ def compare_command(
         if quick and section is None:
             raise ValueError("--quick needs one compare file")
     if section is not None and section.study:
+        command_log(out or Path(section.out), "compare")
         from pipelines.studies.study import run_study
         from pipelines.studies.study_report import report_study
 
@@ -328,9 +338,10 @@ def compare_command(
         with exit_codes():
             parsed, default_out = load_compare(specs)
         out = out or default_out or Path("runs/compare")
+        command_log(out, "compare")
         runs = {}
         for spec in parsed.values():
-            folder, _ = _run_one(spec, out / spec.run.name, None, no_wait)
+            folder, _ = _run_one(spec, out / spec.run.name, None, no_wait, own_log=False)
             runs[spec.run.name] = folder
         report_dir = report_compare(runs, out / "report")
     console.print((report_dir / "compare.md").read_text(), markup=False, highlight=False)

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from pipelines.cli.app import EXIT_BAD_INPUT, app, console, exit_codes, fail, show_table
+from pipelines.cli.app import EXIT_BAD_INPUT, app, command_log, console, exit_codes, fail, show_table
 
 
 @app.command("tune")
@@ -47,6 +47,7 @@ def tune_command(
     if not spec.is_file():
         raise fail(f"{spec}: spec file not found", EXIT_BAD_INPUT)
     work = work or Path("runs") / f"{spec.stem}-tune"
+    command_log(work, "tune")
     with exit_codes():
         request = TuneRequest(spec, out or work / f"{spec.stem}.tuned.toml", work, 60 * budget_minutes,
                               parse_lrs(lrs) if lrs is not None else None, rounds, val_prompts, jobs, seed)

@@ -238,7 +238,8 @@ def warm_imports() -> None:
 
 def run_plan(spec: PipelineSpec, run_dir: Path, wait: bool, log_file: Path | None = None,
              log: Callable[[str], None] = print) -> None:
-    """One run to its last round (resuming); with `log_file`, its lines go there."""
+    """One run to its last round (resuming); with `log_file` (a worker process), its lines go there
+    and the libraries' output to RUN/logs/run.log."""
     from pipelines.loop.run import run_pipeline
 
     def on_round(record: dict) -> None:
@@ -249,6 +250,10 @@ def run_plan(spec: PipelineSpec, run_dir: Path, wait: bool, log_file: Path | Non
     if log_file is None:
         run_pipeline(spec, run_dir=run_dir, wait=wait, log=log, on_round=on_round)
         return
+    from curation.library_logs import log_libraries_to
+    from curation.store.runlog import LOGS_DIR
+
+    log_libraries_to(run_dir / LOGS_DIR / "run.log", "groupforge run (a study's worker)")  # as `groupforge run`'s
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("a") as stream:
         def log(message: str) -> None:
