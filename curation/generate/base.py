@@ -173,13 +173,19 @@ def tokenize_prompt(tokenizer, prompt: str | None, messages: list[dict] | None) 
     """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS) or of a
     conversation rendered with the tokenizer's chat template, ready for the answer."""
     if messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {getattr(tokenizer, 'name_or_path', 'the model')} has no chat "
-                             "template, so prompts given as 'messages' cannot be rendered: give a 'prompt' "
-                             "column, or a model whose tokenizer has one")
+        require_chat_template(tokenizer)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     return list(tokenizer(prompt).input_ids)
+
+
+def require_chat_template(tokenizer, name: str | None = None) -> None:
+    """A ValueError unless the tokenizer has a chat template to render `messages` prompts with;
+    `name` names it (default: its folder)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {name or getattr(tokenizer, 'name_or_path', 'the model')} has no chat "
+                         "template, so prompts given as 'messages' cannot be rendered: give a 'prompt' column, or "
+                         "a model whose tokenizer has one")
 
 
 def prompt_id_of(prompt: str | None, messages: list[dict] | None) -> str:

@@ -20,7 +20,8 @@ files). Each entry's files come sorted by path; a file named twice counts once, 
 first came.
 
 An entry that names nothing, or a malformed URL, is a ValueError of one line naming the
-entry. `read_prompt_table` reads a file by path or URL (an object whole, through Storage).
+entry. `read_prompt_table` reads a file by path or URL (an object whole, through Storage);
+`check_chat_template` refuses files of conversations for a model without a chat template.
 """
 
 from __future__ import annotations
@@ -99,6 +100,44 @@ def read_prompt_table(location: str | Path) -> pa.Table:
         data = open_storage(parent).read(name)
         return pa_json.read_json(io.BytesIO(data)) if json_lines else pq.read_table(pa.BufferReader(data))
     return pa_json.read_json(text) if json_lines else pq.read_table(text)
+
+
+def has_messages(location: str | Path) -> bool:
+    """Whether a prompt file holds conversations: a `messages` column with a value (a local
+    Parquet file reads that column only). Unreadable files are `load_prompts`' to report: False."""
+    text = str(location)
+    try:
+        if not is_object_url(text) and not text.lower().endswith(JSON_SUFFIXES):
+            if "messages" not in pq.read_schema(text).names:
+                return False
+            column = pq.read_table(text, columns=["messages"]).column(0)
+        else:
+            table = read_prompt_table(text)
+            if "messages" not in table.column_names:
+                return False
+            column = table.column("messages")
+    except (pa.ArrowException, OSError, ValueError, JobError):
+        return False
+    return column.null_count < len(column)
+
+
+def check_chat_template(files: Sequence[str], model: str | Path, trust_remote_code: bool = False) -> None:
+    """A ValueError naming the first of `files` that gives prompts as `messages` when the
+    tokenizer of the model folder `model` has no chat template to render them (the tokenizer
+    is loaded only when a file has conversations)."""
+    with_messages = next((f for f in files if has_messages(f)), None)
+    if with_messages is None:
+        return
+    from transformers import AutoTokenizer
+
+    from curation.generate.base import require_chat_template  # (base imports this module)
+    from curation.store.location import local_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(local_folder(model), trust_remote_code=trust_remote_code)
+    try:
+        require_chat_template(tokenizer, f"model folder {model}")
+    except ValueError as exc:
+        raise ValueError(f"prompts file {with_messages}: {exc}") from None
 
 
 def _split(entry: str, where: str) -> tuple[str, str]:

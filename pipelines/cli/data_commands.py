@@ -49,6 +49,7 @@ def generate_command(
 ) -> None:
     """Sample G responses per prompt and write samples (with behavior_logprobs) to RUN/samples/round=<n>/."""
     from curation.generate.base import load_prompts
+    from curation.generate.prompt_files import check_chat_template
     from curation.generate.stage import generate, resolve_backend
     from curation.generate.weights import check_model_folder
 
@@ -60,6 +61,7 @@ def generate_command(
         settings = build(GeneratorConfig, overrides)
         load_prompts(prompts)  # fail on a bad prompts file before any lock, generator or progress bar
         check_model_folder(model)  # and on a bad model folder (the lock writes the run's log)
+        check_chat_template([str(prompts)], model)  # and on conversations the model cannot render
         backend = resolve_backend(settings.backend, model)
         command_log(out, "generate")
         with writer_lock(out, no_wait):

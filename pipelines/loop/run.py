@@ -49,6 +49,7 @@ from typing import Callable, Iterator
 from curation.errors import JobError
 from curation.faults import fault_point
 from curation.generate.base import Generator, load_prompts
+from curation.generate.prompt_files import check_chat_template, expand_prompt_files
 from curation.rewards.registry import get_reward
 from curation.stages.dataset import Appended, append_export
 from curation.store.location import RunLocation
@@ -125,10 +126,11 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
 def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None, extra_rounds: int | None = None,
              wait: bool = True, log: Callable[[str], None] = print) -> Iterator[RoundContext]:
     """The run of `spec` opened for writing (the loop's, and each Dagster step's,
-    pipelines/orchestrate/dagster.py): checked against its commit log, locked, its Ray session
-    up, the checkpoint it resumes from checked, its target rounds and RUN/spec.toml written, its
-    round records read, its train prompt files listed. Yields its RoundContext; on the way out
-    waits for a prefetch and closes the engine, the trainer ranks and the trainer session."""
+    pipelines/orchestrate/dagster.py): its train prompt files listed and checked against the
+    model's chat template, the run checked against its commit log, locked, its Ray session up,
+    the checkpoint it resumes from checked, its target rounds and RUN/spec.toml written, its round
+    records read. Yields its RoundContext; on the way out waits for a prefetch and closes the
+    engine, the trainer ranks and the trainer session."""
     if not isinstance(spec, PipelineSpec):
         spec = load_spec(spec)
     check_installed(spec.run.trackers)  # before anything is written
@@ -138,6 +140,9 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
             raise ValueError(f"run folder {run_dir} (run.name {spec.run.name!r}) is a symlink to {run_dir.resolve()}, "
                              "outside runs/: refused; give --run-dir to write there on purpose")
     location = RunLocation.of(run_dir)  # a folder, or an object-store URL (curation/store/location.py)
+    prompt_files = expand_prompt_files(spec.prompts.train)
+    # conversations the model cannot render (no chat template): refused before anything is written
+    check_chat_template([*prompt_files, spec.prompts.eval], spec.model.path, spec.model.trust_remote_code)
     # a resumed run is what its commit log says, before the lock writes the log's "open" entry
     # (a damaged run, a missing bucket, refused credentials: nothing written) and before a round reads it
     check_run(location.storage)
@@ -152,7 +157,7 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
         target = _target_rounds(location.storage, spec, extra_rounds)
         location.storage.write(SPEC_FILE, resolved_toml(spec).encode("utf-8"))
         metrics = MetricsLog(location.storage)
-        ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log,
+        ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log, prompt_files=prompt_files,
                            records={record["round"]: record for record in metrics.rounds()} if metrics.exists() else {})
         try:
             yield ctx

@@ -161,6 +161,26 @@ def test_a_model_with_its_own_code_loads_only_when_trusted(toy_dir, tmp_path):
     assert answers[0] == answers[1]
 
 
+def test_conversations_for_a_model_without_a_chat_template_are_refused_before_the_run_opens(toy_dir, tmp_path):
+    """The toy's tokenizer has no chat template: a prompts file of `messages` is refused by `run`
+    (naming the file and the model folder) before the run folder or its commit log is written,
+    where it used to fail in round 1 on the round's own copy of the prompts."""
+    from transformers import AutoTokenizer
+
+    assert not AutoTokenizer.from_pretrained(toy_dir / "model").chat_template
+    prompts = tmp_path / "conversations.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+{i}="}],
+                                           "reference": str(2 * i)}) + "\n" for i in range(8)))
+    spec = tmp_path / "spec.toml"
+    spec.write_text(FAULTS_SPEC.format(toy=toy_dir, train=f'"{prompts}"'))
+    run = tmp_path / "run"
+    line = _one_error_line(groupforge_in_process("run", str(spec), "--run-dir", str(run)))
+    assert line == (f"error: prompts file {prompts}: the tokenizer of model folder {toy_dir}/model has no chat "
+                    "template, so prompts given as 'messages' cannot be rendered: give a 'prompt' column, or a model "
+                    "whose tokenizer has one")
+    assert not run.exists()  # no run folder, so no RUN/_log "open" entry
+
+
 # ---- checkpoints and run folders ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
