@@ -5,10 +5,14 @@
 It checks the model folder (curation/generate/weights.py) and reads the prompts as the
 generate stage does (curation/generate/base.py), then looks at what the spec depends on: the
 prompt column or messages (and whether the tokenizer has a chat template for them), prompt
-lengths in tokens, and the reference answers' lengths. From those it writes [generator]
-max_tokens (twice the longest reference answer, at least 16), the reward (exact_match when
-there is a reference column) and the eval set. Whatever it cannot decide is a string starting
-with "TODO" that `load_spec` refuses, naming the key, until it is filled in.
+lengths in tokens, the reference answers, and the model's own greedy answers to a sample of
+the prompts (a chat model answers in a sentence, not in the reference's few tokens). From
+those it writes, each with its reason in a comment: [generator] max_tokens (1.5x the longest
+greedy answer, at least twice the longest reference and 16), the reward and eval metric (math
+when every reference is a number, else exact_match), the eval set, and from the model's size
+and this machine's memory the [train] lr, dtype, token_budget and checkpointing
+(training/sizing.py, as the trainer would size them). Whatever it cannot decide is a string
+starting with "TODO" that `load_spec` refuses, naming the key, until it is filled in.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import numpy as np
 
 OBJECTIVES = ("grpo", "gspo", "pairwise", "sft")
 SAMPLED_ROWS = 2000  # prompts tokenized to measure lengths (a seeded sample of a large file)
+PROBE_PROMPTS = 16  # prompts the model answers greedily to size max_tokens
+PROBE_TOKENS = 256  # the longest greedy answer the probe waits for
+NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
 
 
 @dataclass
@@ -35,6 +42,21 @@ class PromptFacts:
     chat_template: bool
     prompt_tokens: tuple[int, int]  # median, max over the sampled rows
     answer_tokens: tuple[int, int] | None  # median, max of the references, in tokens
+    numeric_references: bool = False  # every sampled reference is a number
+    probe_ids: tuple[tuple[int, ...], ...] = ()  # PROBE_PROMPTS sampled prompts, as token ids
+
+
+@dataclass
+class GreedyAnswers:
+    """The model's greedy answers to PROBE_PROMPTS of the prompts (lengths in tokens)."""
+
+    lengths: list[int]
+    seconds: float
+
+    @property
+    def cut(self) -> int:
+        """Answers still going at PROBE_TOKENS."""
+        return sum(n >= PROBE_TOKENS for n in self.lengths)
 
 
 def inspect_prompts(tokenizer, model: Path, prompts: Path) -> PromptFacts:
@@ -54,10 +76,28 @@ def inspect_prompts(tokenizer, model: Path, prompts: Path) -> PromptFacts:
                for r in sample]
     references = [r["reference"] for r in sample if r["reference"] is not None]
     answers = [len(tokenizer(text, add_special_tokens=False).input_ids) for text in references]
+    probe = [tuple(tokenize_prompt(tokenizer, r["prompt"], r["messages"] if r["prompt"] is None else None))
+             for r in sample[:PROBE_PROMPTS]]
     return PromptFacts(rows=n, column="messages" if uses_messages else "prompt", has_reference=bool(references),
                        chat_template=chat_template,
                        prompt_tokens=(int(np.median(lengths)), max(lengths)),
-                       answer_tokens=(int(np.median(answers)), max(answers)) if answers else None)
+                       answer_tokens=(int(np.median(answers)), max(answers)) if answers else None,
+                       numeric_references=bool(references) and all(NUMBER.match(t.strip()) for t in references),
+                       probe_ids=tuple(probe))
+
+
+def greedy_answers(model: Path, facts: PromptFacts) -> GreedyAnswers:
+    """The model's greedy answers to the sampled prompts, up to PROBE_TOKENS tokens each
+    (transformers, fp32: what the eval sees, not the tokens the references have)."""
+    import time
+
+    from curation.generate.hf import HFGenerator
+
+    started = time.perf_counter()
+    engine = HFGenerator(model, batch_size=PROBE_PROMPTS)
+    texts = engine.greedy([list(ids) for ids in facts.probe_ids], PROBE_TOKENS)
+    lengths = [len(engine.tokenizer(text, add_special_tokens=False).input_ids) for text in texts]
+    return GreedyAnswers(lengths, time.perf_counter() - started)
 
 
 def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo",
@@ -77,12 +117,14 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
     if eval_facts is not None and not eval_facts.has_reference:
         raise ValueError(f"eval file {eval_file}: has no 'reference' values; eval scores greedy answers against them")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model.resolve().name}-{objective}").strip("-.") or objective
-    per_round = min(128, facts.rows)
-    max_tokens, length_note = _max_tokens(facts)
+    parameters = parameter_count(model)
+    per_round, round_note = _per_round(facts, parameters)
+    max_tokens, length_note = _max_tokens(facts, greedy_answers(model, facts))
     eval_note, eval_line = _eval_entry(facts, eval_facts, prompts, eval_file)
     limit = _line("eval_limit", min(200, (eval_facts or facts).rows), "greedy eval on the first N eval prompts")
+    metric, metric_note = _metric(facts)
     if facts.has_reference:
-        reward = ['name = "exact_match"      # the response equals the reference; "math" compares math answers']
+        reward = [f'name = "{metric}"'.ljust(25) + f" # {metric_note}"]
     else:
         reward = ['name = "TODO: a reward for prompts without a reference: a registered name or module:function"']
     lines = [
@@ -109,7 +151,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         f"train = [{_toml(prompts)}]",
         eval_note,
         eval_line,
-        _line("per_round", per_round, "x group_size = samples per round"),
+        _line("per_round", per_round, round_note),
         limit,
         "",
         "[generator]",
@@ -125,23 +167,91 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         "drop_zero_variance = true # groups whose rewards are all equal carry no signal",
         "",
         "[train]",
-        *_train_lines(objective, parameter_count(model)),
+        *_train_lines(objective, parameters),
+        *_memory_lines(model, facts, max_tokens, parameters, objective),
         "",
         "[eval]",
-        'metric = "exact_match"',
+        _line("metric", f'"{metric}"', "greedy answers scored like the reward"),
         "every = 5                 # and round 0 and the last",
         "",
     ]
     return "\n".join(lines)
 
 
-def _max_tokens(facts: PromptFacts) -> tuple[int, str]:
-    """[generator] max_tokens: twice the longest reference answer (at least 16), and its comment."""
-    if facts.answer_tokens is None:
-        return 256, "no reference answers to measure: set it to the longest response you want"
-    return max(16, 2 * facts.answer_tokens[1]), (
-        f"references are {facts.answer_tokens[0]} tokens (median), {facts.answer_tokens[1]} at most: "
-        "twice the longest; raise it for reasoning before the answer")
+def _max_tokens(facts: PromptFacts, greedy: GreedyAnswers) -> tuple[int, str]:
+    """[generator] max_tokens: 1.5x the model's longest greedy answer to the sampled prompts,
+    rounded up to a multiple of 16, at least twice the longest reference and 16; and its comment."""
+    longest = max(greedy.lengths, default=0)
+    floor = 2 * facts.answer_tokens[1] if facts.answer_tokens else 0
+    value = max(16, floor, -(-int(1.5 * longest) // 16) * 16)
+    note = (f"the model's greedy answers to {len(greedy.lengths)} prompts: {int(np.median(greedy.lengths))} tokens "
+            f"(median), {longest} at most; 1.5x that")
+    if greedy.cut:
+        note += f" ({greedy.cut} still going at {PROBE_TOKENS}: raise it for longer reasoning)"
+    if facts.answer_tokens:
+        note += f", at least twice the longest reference ({facts.answer_tokens[1]} tokens)"
+    return value, note
+
+
+def _per_round(facts: PromptFacts, parameters: int) -> tuple[int, str]:
+    """[prompts] per_round and why: 128 for tiny models or on a GPU; on a CPU a model of 50M weights
+    or more trains at ~100-300 tokens/s, so 32 prompts (a round of a few minutes)."""
+    import torch
+
+    if parameters < 50_000_000 or torch.cuda.is_available():
+        return min(128, facts.rows), "x group_size = samples per round"
+    return min(32, facts.rows), (f"x group_size = samples per round; a {parameters / 1e9:.2f}B model trains at "
+                                 "~100-300 tokens/s on a CPU: a few minutes a round")
+
+
+def _metric(facts: PromptFacts) -> tuple[str, str]:
+    """The reward and eval metric for prompts with references, and why."""
+    if facts.numeric_references:
+        return "math", "every reference is a number: math-verify finds it in a sentence too"
+    return "exact_match", 'the response equals the reference; "math" compares math answers'
+
+
+def matmul_speed(dtype, rows: int = 256, hidden: int = 576, width: int = 1536) -> float:
+    """GFLOP/s of a (rows x hidden) @ (hidden x width) matmul in `dtype` on the CPU, best of 3."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, width, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * rows * hidden * width / best / 1e9
+
+
+def _memory_lines(model: Path, facts: PromptFacts, max_tokens: int, parameters: int, objective: str) -> list[str]:
+    """[train] dtype, token_budget and checkpointing for this machine, as the trainer sizes them
+    (training/sizing.py) with a vLLM engine in the same process, each with its reason."""
+    import torch
+
+    from curation.generate.stage import resolve_backend
+    from training.config import TrainConfig
+    from training.sizing import GIB, ModelShape, engine_bytes, plan_micro_batches
+
+    if torch.cuda.is_available():
+        return [_line("dtype", '"auto"', "bfloat16 autocast on this GPU"),
+                "# token_budget: sized by the trainer from the GPU's memory (training/sizing.py)"]
+    fp32, bf16 = matmul_speed(torch.float32), matmul_speed(torch.bfloat16)
+    faster = bf16 > 1.2 * fp32
+    dtype = _line("dtype", '"bfloat16"' if faster else '"float32"',
+                  f"this CPU's matmuls: {fp32:.0f} GFLOP/s in float32, {bf16:.1f} in bfloat16 (measured by init)")
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()), parameters)
+    engine = engine_bytes(parameters, 4, GIB) if resolve_backend("auto", model) == "vllm" else 0
+    reference = TrainConfig(objective=objective, reference=objective == "pairwise").uses_reference()
+    plan = plan_micro_batches(shape, longest_sequence=facts.prompt_tokens[1] + max_tokens, reference=reference,
+                              autocast=faster, engine=engine)
+    lines = [dtype, f"# {plan.reason}"]
+    lines.append(_line("token_budget", plan.token_budget, "padded tokens per micro-batch, from the line above"))
+    lines.append(_line("checkpointing", '"on"' if plan.checkpointing else '"off"',
+                       "recompute layers in backward only when the budget needs it (slower a token)"))
+    return lines
 
 
 def _eval_entry(facts: PromptFacts, eval_facts: PromptFacts | None, prompts: Path,

@@ -29,8 +29,10 @@ def test_a_starter_spec_runs_a_round_on_the_toy(toy_dir, tmp_path):
     assert "check it with: groupforge run spec.toml" in proc.stdout
     spec = load_spec(tmp_path / "spec.toml")
     assert spec.model.path == str(toy_dir / "model") and spec.prompts.eval == str(toy_dir / "eval.parquet")
-    assert spec.generator.max_tokens == 16  # the toy's answers are <= 3 tokens: the floor of 16
-    assert [r.name for r in spec.score.rewards] == ["exact_match"] and spec.train.objective == "grpo"
+    assert spec.generator.max_tokens == 16  # the toy's greedy answers are <= 4 tokens: the floor of 16
+    # the references are numbers: math, which finds the number in a sentence too
+    assert [r.name for r in spec.score.rewards] == ["math"] and spec.eval.metric == "math"
+    assert spec.train.objective == "grpo" and spec.train.dtype == "float32" and spec.train.token_budget == 16384
     assert spec.train.lr == 2e-4  # a 0.5M-weight model gets the toy's lr, not the 1e-5 of a large one
     run = groupforge("run", "spec.toml", "--set", "run.rounds=4", cwd=tmp_path)  # and it learns
     assert run.returncode == 0, run.stderr
@@ -52,11 +54,32 @@ def test_every_objective_gives_a_valid_spec(toy_dir, tmp_path, objective):
     assert "measures accuracy on prompts it trains on" in out.read_text()
 
 
-def test_max_tokens_follows_the_longest_reference(toy_dir, tmp_path):
+def test_max_tokens_is_at_least_twice_the_longest_reference(toy_dir, tmp_path):
     prompts = tmp_path / "long.parquet"
     pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "reference": ["2" * 30, "4"]}), prompts)
-    raw = tomllib.loads(starter_spec(toy_dir / "model", prompts))
+    text = starter_spec(toy_dir / "model", prompts)
+    raw = tomllib.loads(text)
     assert raw["generator"]["max_tokens"] == 60  # one token per character in the toy: 2 x 30
+    assert raw["score"]["rewards"][0]["name"] == "math"  # both references are numbers
+    assert "greedy answers to 2 prompts" in text
+
+
+@pytest.mark.slow
+def test_a_chat_model_gets_max_tokens_from_its_own_answers(real_model, tmp_path):
+    """SmolLM2 answers "What is 37 + 48?" in a sentence: max_tokens follows its greedy answers, not
+    the 2-token references; the memory lines are the trainer's plan for this machine."""
+    prompts = tmp_path / "chat.parquet"
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "reference": str(a + b)}
+            for a, b in [(37, 48), (12, 71), (55, 23), (60, 19)]]
+    pq.write_table(pa.Table.from_pylist(rows), prompts)
+    text = starter_spec(real_model, prompts, out=tmp_path / "spec.toml")
+    raw = tomllib.loads(text)
+    assert raw["generator"]["max_tokens"] > 2 * 2  # more than the reference-based floor
+    assert "greedy answers to 4 prompts" in text
+    assert raw["score"]["rewards"][0]["name"] == "math" and raw["eval"]["metric"] == "math"
+    assert raw["train"]["lr"] == 1e-5 and raw["prompts"]["per_round"] == 4
+    assert raw["train"]["dtype"] in ("float32", "bfloat16") and "GFLOP/s in float32" in text
+    assert raw["train"]["token_budget"] % 256 == 0 and "30 layers x (16 x 576 + 4 x 1536)" in text
 
 
 def test_prompts_without_references_leave_todos_that_run_names(toy_dir, tmp_path):
