@@ -2,8 +2,8 @@
 log records, Python warnings, and what C++ code prints while an engine starts.
 
     log_libraries_to(path)   one file handler (appending; the file and its folder made at the
-                             first record) on the "vllm", "transformers", "torch" and "py.warnings"
-                             loggers, in place of their console handlers; Python warnings become
+                             first record) on the "vllm", "transformers", "torch", "math_verify"
+                             and "py.warnings" loggers, in place of their console handlers; Python warnings become
                              records; no transformers progress bars
     library_log()            the file they go to now, or None
     native_output_to_log()   file descriptor 2 into that file while a library starts (a C++
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-LIBRARY_LOGGERS = ("vllm", "transformers", "torch", "py.warnings", "groupforge")
+LIBRARY_LOGGERS = ("vllm", "transformers", "torch", "math_verify", "py.warnings", "groupforge")
 """The loggers whose records go to the log file (each with its descendants); "groupforge" is the
 CLI's own record of what it printed as one line (an engine's traceback)."""
 

@@ -28,3 +28,20 @@ def import_gguf_command(
         path = import_gguf(file, out, dtype=dtype, progress=lambda line: err_console.print(
             line, highlight=False, markup=False, soft_wrap=True))
     console.print(f"model folder ready in {path}")
+
+
+@model_app.command("tasks")
+def tasks_command(
+    task: str = typer.Option("addition", "--task", help="addition, subtraction, multiply or max "
+                                                       "(pipelines/models/chat_tasks.py)."),
+    out: Path = typer.Option(..., "--out", help="Folder for train.parquet and eval.parquet."),
+    train: int = typer.Option(512, "--train", min=1, help="Train prompts."),
+    eval: int = typer.Option(128, "--eval", min=1, help="Held-out eval prompts (disjoint from train)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the problems drawn."),
+) -> None:
+    """Write chat-format prompt files (one user turn, a number as the reference) for a chat model."""
+    from pipelines.models.chat_tasks import write_task
+
+    with exit_codes():
+        train_path, eval_path = write_task(task, out, train=train, eval=eval, seed=seed)
+    console.print(f"wrote {train_path} ({train} prompts) and {eval_path} ({eval})")
