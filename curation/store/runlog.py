@@ -190,6 +190,8 @@ class RoundRecord:
     """Extra prompts sampled because filtering left too few kept groups ([run] refill)."""
     decay_steps: int | None = None
     """The cosine horizon the round trained with (a replay after a kill uses it again)."""
+    peak_rss_mib: float | None = None
+    """The loop process's peak resident memory so far (ru_maxrss), MiB: engine, trainer and all."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"event": "round", **dataclasses.asdict(self)}

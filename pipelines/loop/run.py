@@ -235,7 +235,7 @@ def finish_round(ctx: RoundContext, round: int) -> RoundRecord:
         gen_tokens_per_s=decimals(tokens / sample_seconds, 1) if sample_seconds else 0.0,
         train_tokens_per_s=decimals(sum(rates) / len(rates), 1) if rates else 0.0,
         phase_seconds=phases, model_seconds=decimals(ctx.clock.model, 4), refill_prompts=refilled,
-        decay_steps=decay_steps)
+        decay_steps=decay_steps, peak_rss_mib=peak_rss_mib())
 
 
 def save_record(ctx: RoundContext, record: RoundRecord) -> None:
@@ -262,7 +262,14 @@ def evaluate_start(ctx: RoundContext) -> RoundRecord:
     wall = round(wall, 2)
     return RoundRecord(round=0, eval_accuracy=accuracy, objective=ctx.spec.train.objective,
                        wall_seconds=wall, elapsed_seconds=wall, phase_seconds=phases,
-                       model_seconds=round(ctx.clock.model, 4))
+                       model_seconds=round(ctx.clock.model, 4), peak_rss_mib=peak_rss_mib())
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def evaluate(ctx: RoundContext, policy_version: int) -> float:

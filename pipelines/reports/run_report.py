@@ -106,6 +106,7 @@ def _run_totals(rounds: list[dict], steps: list[dict]) -> dict[str, Any]:
         "seconds": seconds,
         "mean_grad_norm": _mean(grad_norms),
         "mean_clip_frac": _mean([a + b for a, b in zip(low, high)]),
+        "peak_rss_mib": max((number(r, "peak_rss_mib") for r in rounds if number(r, "peak_rss_mib")), default=None),
     }
 
 
@@ -251,6 +252,8 @@ def _summary_markdown(name: str, rounds: list[dict], steps: list[dict], skipped:
         facts.append(f"{totals['samples']} samples generated")
     if totals["seconds"] is not None:
         facts.append(f"{totals['seconds']:.1f} s wall")
+    if totals["peak_rss_mib"] is not None:
+        facts.append(f"peak RSS {totals['peak_rss_mib'] / 1024:.1f} GiB")
     kept = best_line(best)
     parts = [f"# Run report: {name}", "", " · ".join(facts), "", _accuracy_line(acc), "",
              *([kept, ""] if kept else []), "## Rounds", ""]
