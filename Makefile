@@ -65,6 +65,14 @@ $(REAL_MODEL)/config.json: | install
 demo: toy
 	$(VENV)/bin/groupforge run pipelines/specs/toy-grpo.toml --set run.rounds=90
 
+# The round loop on a real chat model: SmolLM2-135M-Instruct (make real-model) on chat-format
+# multiplication ("What is 47 * 6? Reply with just the number."), a task not used to choose the
+# spec's settings: 8 rounds of 32 prompts x 8 on vLLM, eval of 64 held-out prompts every 2 rounds.
+.PHONY: demo-real
+demo-real: real-model
+	test -f runs/chat/multiply/train.parquet || $(VENV)/bin/groupforge model tasks --task multiply --out runs/chat/multiply
+	$(VENV)/bin/groupforge run pipelines/specs/smollm2-grpo.toml
+
 # The repository's own modules' .pyc, which Python does not write where PYTHONDONTWRITEBYTECODE is
 # set: the tests start a few hundred CLI processes.
 bytecode:
