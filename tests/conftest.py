@@ -25,7 +25,10 @@ from tests.helpers import REPO, build_lock  # noqa: E402  (after the environment
 # Files that take minutes: scheduled first, so that the other worker is not left waiting at
 # the end for one of them. The rest follow in collection order.
 LONG_FILES = (
+    "tests/pipelines/test_real_model.py",
     "tests/faults/test_faults.py",
+    "tests/pipelines/test_model_import.py",
+    "tests/training/test_sizing.py",
     "tests/pipelines/test_run_ray.py",
     "tests/pipelines/test_run.py",
     "tests/curation/test_generate_ray.py",
