@@ -70,7 +70,7 @@ class TrainConfig(BaseModel):
     memory_budget: float | None = Field(
         None, gt=0, description="GiB the training process may use (weights, gradients, AdamW, reference, an "
                                 "engine in the same process, activations); sizes token_budget and checkpointing. "
-                                "Default: 35% of the machine's RAM, or on a GPU 0.9 - gpu_memory_utilization of its "
+                                "Default: 30% of the machine's RAM, or on a GPU 0.9 - gpu_memory_utilization of its "
                                 "memory.")
     checkpointing: Literal["auto", "on", "off"] = Field(
         "auto", description="Activation checkpointing (recompute each decoder layer in backward: less memory, ~28% "
