@@ -11,7 +11,7 @@ the same background load; the fastest is kept, with its process CPU seconds (all
 
 engine, on one live in-process vLLM engine (the generate stage's settings) and one HF model:
     vllm bare            `LLM.generate` on that very engine, the same TokensPrompts and SamplingParams
-                         the generator builds (n=G, a seed per prompt, logprobs=0): the floor
+                         the generator builds (n=G, the stage's seed per prompt, logprobs=0): the floor
     vllm bare no seeds   the same without per-prompt seeds (vLLM samples seeded requests one by one)
     ... no seeds/logprobs and without logprobs either: what seeds and logprobs cost
     vllm sample()        VLLMGenerator.sample: + reading the sampled tokens' log-probs back
@@ -100,16 +100,23 @@ def alternate(calls: dict[str, callable], timings: dict[str, Timing], repeats: i
 
 # ---- engine -------------------------------------------------------------------------------------
 
-def engine_calls(vllm_gen, hf_gen, table: pa.Table, cfg: SamplingConfig, run_dir: Path) -> dict[str, callable]:
+def engine_calls(vllm_gen, hf_gen, table: pa.Table, cfg: SamplingConfig, run_dir: Path,
+                 only: tuple[str, ...] | None = None) -> dict[str, callable]:
+    """The engine's timed calls on `table`'s prompts (text or chat `messages`), each group seeded as
+    the generate stage seeds it (so the bare calls sample what the stage samples); `only`: these
+    names (hf_gen may then be None)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from curation.generate.base import load_prompts
     from curation.generate.stage import generate
 
     prompts_file = run_dir.parent / f"prompts-{table.num_rows}.parquet"
     pq.write_table(table, prompts_file)
-    ids = [vllm_gen.tokenize(p, None) for p in table.column("prompt").to_pylist()]
-    seeds = [prompt_seed(cfg.seed, 0, p) for p in table.column("prompt").to_pylist()]
+    prompts = load_prompts(prompts_file)  # as the stage reads it: its prompt ids seed the groups
+    ids = [vllm_gen.tokenize(p, m) for p, m in zip(prompts.column("prompt").to_pylist(),
+                                                    prompts.column("messages").to_pylist())]
+    seeds = [prompt_seed(cfg.seed, 0, i) for i in prompts.column("prompt_id").to_pylist()]
     engine = vllm_gen.llm.llm_engine
     step = engine.step
     counter = [0]
@@ -154,27 +161,33 @@ def engine_calls(vllm_gen, hf_gen, table: pa.Table, cfg: SamplingConfig, run_dir
         new = out[:, input_ids.shape[1]:]
         return int((new != hf_gen.pad_id).sum()), 0
 
-    return {"vllm bare": vllm_bare(True, True), "vllm bare no seeds": vllm_bare(False, True),
-            "vllm bare no seeds/logprobs": vllm_bare(False, False), "vllm sample()": sample(vllm_gen),
-            "vllm stage": stage(vllm_gen), "hf bare": hf_bare, "hf sample()": sample(hf_gen),
-            "hf stage": stage(hf_gen)}
+    calls = {"vllm bare": vllm_bare(True, True), "vllm bare no seeds": vllm_bare(False, True),
+             "vllm bare no seeds/logprobs": vllm_bare(False, False), "vllm sample()": sample(vllm_gen),
+             "vllm stage": stage(vllm_gen), "hf bare": hf_bare, "hf sample()": sample(hf_gen),
+             "hf stage": stage(hf_gen)}
+    return calls if only is None else {name: calls[name] for name in only}
 
 
 # ---- trainer ------------------------------------------------------------------------------------
 
 def trainer_calls(run_dir: Path, cfg, model_dir: Path, steps: int, scratch: Path) -> dict[str, callable]:
-    from curation.store.runlog import MetricsLog
+    """The bare and groupforge steps (step_calls) and the train() call, its steps and the whole of it."""
+    return {**step_calls(run_dir, cfg, model_dir),
+            **train_calls(run_dir, {"": cfg}, model_dir, steps, scratch, measures=("steps", "call"))}
+
+
+def step_calls(run_dir: Path, cfg, model_dir: Path, autocast: bool = False) -> dict[str, callable]:
+    """One optimizer step on the first step's rows of the run (cfg.token_budget micro-batches, no
+    share_prompts: the bare floor computes every row's prompt), each on its own model and AdamW:
+    "bare fwd+bwd" (HF cross-entropy on the response tokens) and "groupforge step"; `autocast`:
+    both forward passes under bf16 autocast over the fp32 weights (names end in " bf16")."""
     from training import checkpoint as ckpt
     from training.batching import policy_batches
     from training.data import load_training_data
     from training.objectives import get_policy_loss
+    from training.policy import longest_response_tokens
     from training.schedule import step_rows
-    from training.trainer import LoopOptions, TrainSession, train
-
-    try:
-        from training.step import StepContext, accumulate_gradients, policy_micro_step
-    except ImportError:  # before the step machinery moved out of trainer.py
-        from training.step import StepContext, accumulate_gradients, policy_micro_step
+    from training.step import StepContext, accumulate_gradients, policy_micro_step
 
     data = load_training_data(run_dir, cfg.objective, cfg.rounds)
     rows = data.table.take(pa.array(step_rows(data.table.num_rows, cfg.batch_size, cfg.seed, 0, 1)))
@@ -184,8 +197,9 @@ def trainer_calls(run_dir: Path, cfg, model_dir: Path, steps: int, scratch: Path
     batches = policy_batches(rows, cfg.token_budget, pad_id=pad_id)
     tokens = int(sum(int(mb.attention_mask.sum()) for mb in batches))
     ctx = StepContext(policy=policy, reference=None, loss=get_policy_loss(cfg.objective),
-                      objective=cfg.objective_config(longest_response=8), temperature=cfg.temperature or 1.0,
-                      pad_id=pad_id, device=torch.device("cpu"), autocast=False, measure_gap=False)
+                      objective=cfg.objective_config(longest_response=longest_response_tokens(data.table)),
+                      temperature=cfg.temperature or 1.0, pad_id=pad_id, device=torch.device("cpu"),
+                      autocast=autocast, measure_gap=False)
     optimizers = {"gf": torch.optim.AdamW(policy.parameters(), lr=cfg.lr),
                   "bare": torch.optim.AdamW(bare_model.parameters(), lr=cfg.lr)}
 
@@ -201,12 +215,25 @@ def trainer_calls(run_dir: Path, cfg, model_dir: Path, steps: int, scratch: Path
         n_response = sum(int(mb.target_mask.sum()) for mb in batches)
         for mb in batches:
             labels = mb.input_ids.masked_fill(~_label_mask(mb.target_mask), -100)
-            out = bare_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, labels=labels)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = bare_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, labels=labels)
             (out.loss * int(mb.target_mask.sum()) / n_response).backward()
         optimizers["bare"].step()
         return tokens, 1
 
-    def train_call(measure: str):
+    suffix = " bf16" if autocast else ""
+    return {f"bare fwd+bwd{suffix}": bare_step, f"groupforge step{suffix}": gf_step}
+
+
+def train_calls(run_dir: Path, configs: dict[str, object], model_dir: Path, steps: int, scratch: Path,
+                measures: tuple[str, ...] = ("steps",)) -> dict[str, callable]:
+    """`train(steps=steps, save=False)` from a fresh copy of the run, once per config: the call
+    "groupforge train(){label} steps" reports TrainResult.step_seconds (the optimizer steps,
+    batching included), "... call" the whole call (model load and data query included)."""
+    from curation.store.runlog import MetricsLog
+    from training.trainer import LoopOptions, TrainSession, train
+
+    def train_call(cfg, measure: str):
         def call():
             copy = Path(tempfile.mkdtemp(dir=scratch))
             shutil.copytree(run_dir, copy, dirs_exist_ok=True)
@@ -216,12 +243,26 @@ def trainer_calls(run_dir: Path, cfg, model_dir: Path, steps: int, scratch: Path
             whole = time.perf_counter() - started
             done = sum(int(s["tokens"]) for s in MetricsLog(copy).steps())
             shutil.rmtree(copy, ignore_errors=True)
-            # the caller times the whole call; "step" reports the share inside optimizer steps
-            return done, steps, (result.step_seconds if measure == "step" else whole)
+            return done, steps, (result.step_seconds if measure == "steps" else whole)
         return call
 
-    return {"bare fwd+bwd": bare_step, "groupforge step": gf_step,
-            "groupforge train() steps": train_call("step"), "groupforge train() call": train_call("whole")}
+    return {f"groupforge train(){label} {measure}": train_call(cfg, measure)
+            for label, cfg in configs.items() for measure in measures}
+
+
+def curated_round(run_dir: Path, prompts: pa.Table, spec, cfg: SamplingConfig, generator) -> None:
+    """Round 1 of `run_dir`: `prompts` sampled by the live generator, then scored, filtered and
+    labelled (and paired) as the spec says: the rows the trainer benches train on."""
+    from curation.generate.stage import generate
+    from curation.stages.runner import run_stage
+    from pipelines.loop.curate import STAGES, CurationSpec
+
+    round_file = run_dir.parent / f"{run_dir.name}-prompts.parquet"
+    pq.write_table(prompts, round_file)
+    generate(run_dir, round_file, cfg, generator=generator, round=1)
+    curation = CurationSpec(score=spec.score, filter=spec.filter, label=spec.label, pair=spec.pair)
+    for stage in STAGES:
+        run_stage(stage, run_dir, 1, getattr(curation, stage))
 
 
 def _label_mask(target_mask: torch.Tensor) -> torch.Tensor:
@@ -285,9 +326,7 @@ def main() -> None:
     from _gf_run import loop_spec
 
     import pipelines.toy.build as toy_module
-    from curation.generate.stage import generate, make_generator
-    from curation.stages.runner import run_stage
-    from pipelines.loop.curate import STAGES, CurationSpec
+    from curation.generate.stage import make_generator
     from training.config import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -326,12 +365,7 @@ def main() -> None:
 
         # one 512-sample round, curated as the spec says, is the trainer's data
         run_dir = tmp / "train-run"
-        round_file = tmp / "round-prompts.parquet"
-        pq.write_table(train_table.slice(0, 64), round_file)
-        generate(run_dir, round_file, cfg, generator=vllm_gen, round=1)
-        curation = CurationSpec(score=spec.score, filter=spec.filter, label=spec.label, pair=spec.pair)
-        for stage in STAGES:
-            run_stage(stage, run_dir, 1, getattr(curation, stage))
+        curated_round(run_dir, train_table.slice(0, 64), spec, cfg, vllm_gen)
         train_cfg = TrainConfig(**{**spec.train.model_dump(), "rounds": [1], "seed": 0,
                                    "temperature": spec.generator.temperature})
         print(f"trainer, {threads_vllm} thread(s):", flush=True)
