@@ -38,6 +38,7 @@ caller must replay those calls before training on anything new.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 
+from curation.generate.weights import count_parameters
 from curation.store.location import RunLocation, local_folder
 from curation.store.run_store import RunStore
 from curation.store.runlog import MetricsLog
@@ -240,10 +242,6 @@ def _sized(cfg: TrainConfig, base_model: str, table, place: distributed.Placemen
     to the trainer, and the plan that decided them (None when both were set)."""
     if cfg.token_budget is not None and cfg.checkpointing != "auto":
         return cfg, None
-    import json
-
-    from curation.generate.weights import count_parameters
-
     folder = local_folder(base_model)
     shape = ModelShape.from_config(json.loads((folder / "config.json").read_text()), count_parameters(folder))
     budget, source = None, ""
