@@ -24,10 +24,13 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import torch
 
 from curation.generate.base import Generator
 from curation.generate.stage import GenerateResult, generate
+from curation.generate.weights import count_parameters
 from curation.stages.runner import StageReport, run_stage
+from curation.store.location import local_folder
 from curation.store.run_store import RunStore
 from curation.store.runlog import BestCheckpoint, RoundRecord, save_best
 from pipelines.loop.context import RoundContext, live_generator
@@ -36,6 +39,8 @@ from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
 from training.data import NoTrainingData, count_training_rows
+from training.sizing import GIB
+from training.sizing import engine_bytes as engine_memory
 from training.trainer import LoopOptions, TrainResult, train
 
 if TYPE_CHECKING:
@@ -232,13 +237,6 @@ def engine_bytes(ctx: RoundContext) -> int:
     gen = ctx.spec.generator
     if ctx.generator is None or gen.uses_ray:
         return 0
-    import torch
-
-    from curation.generate.weights import count_parameters
-    from curation.store.location import local_folder
-    from training.sizing import GIB
-    from training.sizing import engine_bytes as engine_memory
-
     if torch.cuda.is_available():
         return int(gen.gpu_memory_utilization * torch.cuda.get_device_properties(0).total_memory) \
             if ctx.generator.name == "vllm" else 0
