@@ -164,7 +164,7 @@ def test_round_record_round_trip_and_line_format(tmp_path):
     assert set(as_dict) == {"event", "round", "eval_accuracy", "reward_mean", "samples", "groups", "kept_groups",
                             "pairs", "samples_total", "policy_version", "steps", "objective", "wall_seconds",
                             "elapsed_seconds", "gen_tokens_per_s", "train_tokens_per_s", "phase_seconds",
-                            "model_seconds", "refill_prompts", "decay_steps"}
+                            "model_seconds", "refill_prompts", "decay_steps", "peak_rss_mib"}
 
 
 def test_round_zero_record_defaults():
@@ -173,7 +173,7 @@ def test_round_zero_record_defaults():
         "event": "round", "round": 0, "eval_accuracy": 0.1, "reward_mean": None, "samples": 0, "groups": 0,
         "kept_groups": 0, "pairs": 0, "samples_total": 0, "policy_version": 0, "steps": 0, "objective": None,
         "wall_seconds": 0.0, "elapsed_seconds": 0.0, "gen_tokens_per_s": 0.0, "train_tokens_per_s": 0.0,
-        "phase_seconds": {}, "model_seconds": 0.0, "refill_prompts": 0, "decay_steps": None}
+        "phase_seconds": {}, "model_seconds": 0.0, "refill_prompts": 0, "decay_steps": None, "peak_rss_mib": None}
 
 
 def test_a_round_without_eval_and_its_phases_round_trip(tmp_path):
