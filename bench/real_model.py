@@ -375,32 +375,25 @@ def main() -> None:
             print(f"trainer: {kept} kept rows of {spec.prompts.per_round * G}; {micro_batches}", flush=True)
         if kept:
             print("step:", flush=True)
-            calls = step_calls(round_dir, sized, MODEL)
-            row = {name: Timing("trainer", name, spec.prompts.per_round, threads) for name in calls}
-            alternate(calls, row, repeats)
-            timings.update(row)
-            load["step"] = os.getloadavg()[0]
-            del calls
-            gc.collect()
-            if bf16_runs:
-                calls = step_calls(round_dir, sized, MODEL, autocast=True)
+            def timed(calls: dict) -> None:
+                """Time `calls` alternately into `timings`, then free what they hold."""
                 row = {name: Timing("trainer", name, spec.prompts.per_round, threads) for name in calls}
                 alternate(calls, row, repeats)
                 timings.update(row)
-                del calls
+                calls.clear()
                 gc.collect()
+
+            timed(step_calls(round_dir, sized, MODEL))
+            load["step"] = os.getloadavg()[0]
+            if bf16_runs:
+                timed(step_calls(round_dir, sized, MODEL, autocast=True))
 
             # ---- 3. share_prompts on vs off, the round's train() ----
             print("share_prompts:", flush=True)
             configs = {f" share_prompts {'on' if on else 'off'}": sized.model_copy(update={"share_prompts": on})
                        for on in (True, False)}
-            calls = train_calls(round_dir, configs, MODEL, spec.run.steps_per_round, tmp)
-            row = {name: Timing("trainer", name, spec.prompts.per_round, threads) for name in calls}
-            alternate(calls, row, repeats)
-            timings.update(row)
+            timed(train_calls(round_dir, configs, MODEL, spec.run.steps_per_round, tmp))
             load["share_prompts"] = os.getloadavg()[0]
-            del calls
-            gc.collect()
         vllm_gen.close()
         fp32_peaks.append(matmul_peak(torch.float32))
         if bf16_runs:
