@@ -26,8 +26,10 @@ budget cannot hold the longest training sequence without it, or less than MIN_TO
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 GIB = 1024 ** 3
@@ -75,6 +77,13 @@ class ModelShape:
                              "set [train] token_budget by hand")
         intermediate = text.get("intermediate_size") or text.get("n_inner") or 4 * hidden
         return cls(int(layers), int(hidden), int(intermediate), int(text.get("vocab_size", 0)), int(parameters))
+
+    @classmethod
+    def of_folder(cls, folder: Path) -> "ModelShape":
+        """From a model folder's config.json and its safetensors headers (no tensor is read)."""
+        from curation.generate.weights import count_parameters
+
+        return cls.from_config(json.loads((folder / "config.json").read_text()), count_parameters(folder))
 
 
 def machine_memory() -> int:

@@ -38,7 +38,6 @@ caller must replay those calls before training on anything new.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,6 @@ from typing import Any, Callable
 
 import torch
 
-from curation.generate.weights import count_parameters
 from curation.store.location import RunLocation, local_folder
 from curation.store.run_store import RunStore
 from curation.store.runlog import MetricsLog
@@ -243,7 +241,7 @@ def _sized(cfg: TrainConfig, base_model: str, table, place: distributed.Placemen
     if cfg.token_budget is not None and cfg.checkpointing != "auto":
         return cfg, None
     folder = local_folder(base_model)
-    shape = ModelShape.from_config(json.loads((folder / "config.json").read_text()), count_parameters(folder))
+    shape = ModelShape.of_folder(folder)
     budget, source = None, ""
     if cfg.memory_budget is not None:
         budget, source = int(cfg.memory_budget * GIB), "[train] memory_budget"

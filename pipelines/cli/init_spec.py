@@ -18,7 +18,6 @@ starting with "TODO" that `load_spec` refuses, naming the key, until it is fille
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,6 @@ class GreedyAnswers:
     """The model's greedy answers to PROBE_PROMPTS of the prompts (lengths in tokens)."""
 
     lengths: list[int]
-    seconds: float
 
     @property
     def cut(self) -> int:
@@ -89,21 +87,18 @@ def inspect_prompts(tokenizer, model: Path, prompts: Path) -> PromptFacts:
 def greedy_answers(model: Path, facts: PromptFacts) -> GreedyAnswers:
     """The model's greedy answers to the sampled prompts, up to PROBE_TOKENS tokens each
     (transformers, fp32: what the eval sees, not the tokens the references have)."""
-    import time
-
     from curation.generate.hf import HFGenerator
 
-    started = time.perf_counter()
     engine = HFGenerator(model, batch_size=PROBE_PROMPTS)
     texts = engine.greedy([list(ids) for ids in facts.probe_ids], PROBE_TOKENS)
     lengths = [len(engine.tokenizer(text, add_special_tokens=False).input_ids) for text in texts]
-    return GreedyAnswers(lengths, time.perf_counter() - started)
+    return GreedyAnswers(lengths)
 
 
 def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo",
                  eval_file: str | Path | None = None, out: str | Path = "spec.toml") -> str:
     """The text of a commented spec for `model` and `prompts` (see the module docstring)."""
-    from curation.generate.weights import check_model_folder
+    from curation.generate.weights import check_model_folder, count_parameters
 
     if objective not in OBJECTIVES:
         raise ValueError(f"--objective {objective!r}: one of {', '.join(OBJECTIVES)}")
@@ -117,7 +112,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
     if eval_facts is not None and not eval_facts.has_reference:
         raise ValueError(f"eval file {eval_file}: has no 'reference' values; eval scores greedy answers against them")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model.resolve().name}-{objective}").strip("-.") or objective
-    parameters = parameter_count(model)
+    parameters = count_parameters(model)
     per_round, round_note = _per_round(facts, parameters)
     max_tokens, length_note = _max_tokens(facts, greedy_answers(model, facts))
     eval_note, eval_line = _eval_entry(facts, eval_facts, prompts, eval_file)
@@ -242,7 +237,7 @@ def _memory_lines(model: Path, facts: PromptFacts, max_tokens: int, parameters: 
     faster = bf16 > 1.2 * fp32
     dtype = _line("dtype", '"bfloat16"' if faster else '"float32"',
                   f"this CPU's matmuls: {fp32:.0f} GFLOP/s in float32, {bf16:.1f} in bfloat16 (measured by init)")
-    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()), parameters)
+    shape = ModelShape.of_folder(model)
     engine = engine_bytes(parameters, 4, GIB) if resolve_backend("auto", model) == "vllm" else 0
     reference = TrainConfig(objective=objective, reference=objective == "pairwise").uses_reference()
     plan = plan_micro_batches(shape, longest_sequence=facts.prompt_tokens[1] + max_tokens, reference=reference,
@@ -275,18 +270,6 @@ def _toml(value) -> str:
 def _line(key: str, value, note: str) -> str:
     """`key = value` with its comment in the column the other comments use."""
     return f"{key} = {value}".ljust(25) + f" # {note}"
-
-
-def parameter_count(model: Path) -> int:
-    """Weights in the model folder's safetensors files, from their headers (no tensor read)."""
-    from safetensors import safe_open
-
-    total = 0
-    for path in sorted(model.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                total += math.prod(f.get_slice(name).get_shape())
-    return total
 
 
 def _train_lines(objective: str, parameters: int) -> list[str]:

@@ -106,18 +106,12 @@ def _measured_per_token(folder, length: int, small: int, large: int, checkpointi
     return json.loads(out.stdout.strip().splitlines()[-1])["per_token"]
 
 
-def _shape(folder) -> ModelShape:
-    from curation.generate.weights import count_parameters
-
-    return ModelShape.from_config(json.loads((folder / "config.json").read_text()), count_parameters(folder))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_planned_cost_a_token_covers_the_measured_one_on_smollm2(real_model, checkpointing):
     """The plan's bytes a token are at least what a forward + backward of the real model takes
     here, and not more than twice as much (a plan that wastes half the budget is wrong too)."""
-    plan = plan_micro_batches(_shape(real_model), longest_sequence=64, reference=False, autocast=False,
+    plan = plan_micro_batches(ModelShape.of_folder(real_model), longest_sequence=64, reference=False, autocast=False,
                               budget=64 * GIB, budget_source="test", checkpointing="on" if checkpointing else "off")
     measured = _measured_per_token(real_model, 64, 256, 1024, checkpointing)
     assert plan.token_bytes / 2 < measured <= plan.token_bytes, (measured, plan.token_bytes)
@@ -125,7 +119,7 @@ def test_planned_cost_a_token_covers_the_measured_one_on_smollm2(real_model, che
 
 def test_planned_cost_a_token_covers_the_measured_one_on_the_toy(toy_dir):
     model = toy_dir / "model"
-    plan = plan_micro_batches(_shape(model), longest_sequence=16, reference=False, autocast=False,
+    plan = plan_micro_batches(ModelShape.of_folder(model), longest_sequence=16, reference=False, autocast=False,
                               budget=64 * GIB, budget_source="test")
     measured = _measured_per_token(model, 16, 4096, 65536, False)
     assert measured <= plan.token_bytes, (measured, plan.token_bytes)
