@@ -110,6 +110,13 @@ bench-trl: toy
 	$(PY) -m pip install -q -c requirements/cpu.lock -e ".[bench]"
 	$(PY) bench/loop.py $(BENCH_ARGS)
 
+# groupforge vs TRL's GRPOTrainer on the real model (SmolLM2-135M-Instruct), leave-one-task-out on the chat tasks
+# (bench/real_loop.py; ~2 h 20 min on 2 cores, BENCH_ARGS=--quick for a ~20 min smoke run).
+.PHONY: bench-trl-real
+bench-trl-real: real-model
+	$(PY) -m pip install -q -c requirements/cpu.lock -e ".[bench]"
+	$(PY) bench/real_loop.py $(BENCH_ARGS)
+
 # Regenerate the lock after changing dependencies (run inside a working venv).
 lock:
 	$(PY) -m pip freeze --exclude-editable | grep -viE '^(torch|torchvision|torchaudio|torchcodec)==' > requirements/cpu.lock

@@ -92,7 +92,7 @@ def plot_variant(curves: list[Curve], target: float | None, path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("greedy eval accuracy")
     axes[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"groupforge vs TRL GRPOTrainer: toy {curves[0].variant}")
+    fig.suptitle(f"groupforge vs TRL GRPOTrainer: {curves[0].variant}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -1,11 +1,11 @@
 """Benchmark: the real model's work against its floors, and a short run of its spec, in one sitting.
 
-    .venv/bin/python bench/real_model.py            # 64 chat prompts x 8, 3 repeats, 3 rounds: ~1 h on 2 quiet cores
+    .venv/bin/python bench/real_model.py            # the spec's 16 chat prompts x 8, 3 repeats, 3 rounds
     .venv/bin/python bench/real_model.py --quick    # 16 x 4, 1 repeat, a 1-round run of 8 prompts x 4: ~20 min
     .venv/bin/python bench/real_model.py --append   # also append the section to BENCHMARKS.md
 
 SmolLM2-135M-Instruct (runs/models/SmolLM2-135M-Instruct, fp32) with the settings of
-pipelines/specs/smollm2-grpo.toml (G = 8, max_tokens 64, temperature 1, grpo, batch 128,
+pipelines/specs/smollm2-grpo.toml (16 prompts x G = 8, max_tokens 64, temperature 1, grpo, batch 64,
 share_prompts), on the addition task's chat prompts (runs/chat/addition, `groupforge model tasks`).
 --quick sets generator.group_size = 4, and prompts.per_round = 8 for the run (QUICK_RUN).
 
@@ -233,7 +233,7 @@ def spec_overrides(task: str, quick: bool) -> list[str]:
 
 
 QUICK_RUN = ["prompts.per_round=8"]
-"""--quick's run: rounds of 8 prompts (x 4). The trainer benches keep the spec's 32 a round: 8 x 4
+"""--quick's run: rounds of 8 prompts (x 4). The trainer benches keep the spec's 16 a round: 8 x 4
 samples of addition often leave no group with unequal rewards, so nothing to train on."""
 
 

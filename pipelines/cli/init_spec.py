@@ -113,7 +113,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         raise ValueError(f"eval file {eval_file}: has no 'reference' values; eval scores greedy answers against them")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model.resolve().name}-{objective}").strip("-.") or objective
     parameters = count_parameters(model)
-    per_round, round_note = _per_round(facts, parameters)
+    shape = _round_shape(facts, parameters)
     max_tokens, length_note = _max_tokens(facts, greedy_answers(model, facts))
     eval_note, eval_line = _eval_entry(facts, eval_facts, prompts, eval_file)
     limit = _line("eval_limit", min(200, (eval_facts or facts).rows), "greedy eval on the first N eval prompts")
@@ -134,7 +134,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         "[run]",
         f'name = "{name}"',
         "rounds = 20               # each round: sample, score, filter, label, train; round 0 evaluates the start",
-        "steps_per_round = 4",
+        _line("steps_per_round", shape.steps, shape.steps_note),
         "seed = 0",
         "checkpoint_every = 5      # and the last round",
         '# trackers = ["tensorboard"]  # also mlflow, trackio, wandb (offline, RUN/trackers/; groupforge[trackers])',
@@ -146,7 +146,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         f"train = [{_toml(prompts)}]",
         eval_note,
         eval_line,
-        _line("per_round", per_round, round_note),
+        _line("per_round", shape.per_round, shape.per_round_note),
         limit,
         "",
         "[generator]",
@@ -162,7 +162,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
         "drop_zero_variance = true # groups whose rewards are all equal carry no signal",
         "",
         "[train]",
-        *_train_lines(objective, parameters),
+        *_train_lines(objective, parameters, shape),
         *_memory_lines(model, facts, max_tokens, parameters, objective),
         "",
         "[eval]",
@@ -188,15 +188,30 @@ def _max_tokens(facts: PromptFacts, greedy: GreedyAnswers) -> tuple[int, str]:
     return value, note
 
 
-def _per_round(facts: PromptFacts, parameters: int) -> tuple[int, str]:
-    """[prompts] per_round and why: 128 for tiny models or on a GPU; on a CPU a model of 50M weights
-    or more trains at ~100-300 tokens/s, so 32 prompts (a round of a few minutes)."""
+@dataclass
+class RoundShape:
+    """[prompts] per_round, [run] steps_per_round and [train] batch_size, with their reasons."""
+
+    per_round: int
+    per_round_note: str
+    steps: int
+    steps_note: str
+    batch_size: int
+    share_prompts: bool
+
+
+def _round_shape(facts: PromptFacts, parameters: int) -> RoundShape:
+    """128 prompts and 4 steps of 256 for tiny models or on a GPU. On a CPU a model of 50M weights
+    or more trains at ~100-300 tokens/s: 16 prompts x 8 and 2 steps of 64 (each sample once, a
+    round of ~2 min for 0.1B), with the chat prompt trained once per group (share_prompts)."""
     import torch
 
     if parameters < 50_000_000 or torch.cuda.is_available():
-        return min(128, facts.rows), "x group_size = samples per round"
-    return min(32, facts.rows), (f"x group_size = samples per round; a {parameters / 1e9:.2f}B model trains at "
-                                 "~100-300 tokens/s on a CPU: a few minutes a round")
+        return RoundShape(min(128, facts.rows), "x group_size = samples per round", 4, "", 256, False)
+    per_round = min(16, facts.rows)
+    return RoundShape(per_round, f"x group_size = samples per round; a {parameters / 1e9:.2f}B model trains at "
+                                 "~100-300 tokens/s on a CPU: ~2 min a round",
+                      2, f"2 steps of {per_round * 4} samples: each sample once", per_round * 4, True)
 
 
 def _metric(facts: PromptFacts) -> tuple[str, str]:
@@ -268,24 +283,26 @@ def _toml(value) -> str:
 
 
 def _line(key: str, value, note: str) -> str:
-    """`key = value` with its comment in the column the other comments use."""
-    return f"{key} = {value}".ljust(25) + f" # {note}"
+    """`key = value` with its comment (if any) in the column the other comments use."""
+    return f"{key} = {value}".ljust(25) + f" # {note}" if note else f"{key} = {value}"
 
 
-def _train_lines(objective: str, parameters: int) -> list[str]:
+def _train_lines(objective: str, parameters: int, shape: RoundShape) -> list[str]:
     if parameters < 50_000_000:  # the toy's recipe (pipelines/specs/toy-grpo.toml) for tiny models
         lr = _line("lr", "2e-4", f"AdamW peak, for a {parameters / 1e6:.1f}M-weight model; "
                    "~1e-5 from ~1B weights")
     else:
         lr = _line("lr", "1e-5", f"AdamW peak, for a {parameters / 1e9:.2f}B-weight model; tiny models take ~2e-4")
     common = [lr, "warmup_steps = 10"]
+    batch = f"batch_size = {shape.batch_size}"
+    if shape.share_prompts and objective != "pairwise":
+        common.append(_line("share_prompts", "true", "each prompt trained once per group, its responses after it"))
     return {
-        "grpo": ['objective = "grpo"', "batch_size = 256", *common],
-        "gspo": ['objective = "gspo"        # sequence-level ratio; the paper\'s clip ranges by default',
-                 "batch_size = 256", *common],
+        "grpo": ['objective = "grpo"', batch, *common],
+        "gspo": ['objective = "gspo"        # sequence-level ratio; the paper\'s clip ranges by default', batch,
+                 *common],
         "pairwise": ['objective = "pairwise"    # best vs worst of each group, soft labels', "reference = true "
                      "         # log-ratios against the frozen start model (DPO)", "beta = 0.1",
-                     "batch_size = 128          # pairs per step", *common],
-        "sft": ['objective = "sft"         # fine-tune on samples better than their group mean',
-                "batch_size = 256", *common],
+                     _line("batch_size", shape.batch_size // 2, "pairs per step"), *common],
+        "sft": ['objective = "sft"         # fine-tune on samples better than their group mean', batch, *common],
     }[objective]

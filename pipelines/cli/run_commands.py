@@ -222,8 +222,9 @@ def init_command(
     out: Path = typer.Option(Path("spec.toml"), "--out", help="Where to write the spec."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
 ) -> None:
-    """Write a commented starter spec for your model and prompts: max_tokens from the answers' lengths, the
-    reward (exact_match with a reference column), the eval set; what it cannot decide is a TODO `run` refuses."""
+    """Write a commented starter spec for your model and prompts: max_tokens from the model's greedy answers, the
+    reward (math or exact_match with a reference column), the eval set, the round's size, lr and memory from the
+    model and this machine, each with its reason; what it cannot decide is a TODO `run` refuses."""
     from curation.store.runlog import write_atomic
     from pipelines.cli.init_spec import starter_spec
     from pipelines.spec import load_spec
@@ -231,6 +232,10 @@ def init_command(
     if out.exists() and not force:
         raise fail(f"{out} exists: give another --out, or --force to replace it", EXIT_BAD_INPUT)
     with exit_codes():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # init has no run folder for a log: transformers' notices are dropped
+        hf_logging.disable_progress_bar()
         text = starter_spec(model, prompts, objective, eval_file, out)
         write_atomic(out, text)
     console.print(f"wrote {out}")
