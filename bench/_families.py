@@ -174,7 +174,7 @@ def result_tables(verdicts: list[dict]) -> list[str]:
                      f"{_check(v['plateau_pass'])} | {v['target']:.3f} | {_f(v['trl_seconds'], '.0f')} | "
                      f"{_f(v['gf_seconds'], '.0f')} | {_f(v['ratio'], '.2f')} | {_check(v['time_pass'])} | "
                      f"{v['train_seconds'][0]:.0f} / {v['train_seconds'][1]:.0f} | "
-                     f"{v['samples_per_s'][0]:.0f} / {v['samples_per_s'][1]:.0f} |")
+                     f"{v['samples_per_s'][0]:.3g} / {v['samples_per_s'][1]:.3g} |")
     lines += ["", "| family-size | seeds | plateau TRL | plateau groupforge | ratio (mean) | plateau checks | "
               "time checks |", "|---|--:|--:|--:|--:|--:|--:|"]
     for cell in dict.fromkeys(v["cell"] for v in verdicts):

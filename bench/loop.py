@@ -146,6 +146,10 @@ def run_job(kind: str, job: dict, reuse: str | None) -> Curve:
 
 
 def worker(kind: str, job: dict) -> None:
+    """One run; vLLM's, transformers' and torch's own output goes to <result>.log, not the bench's console."""
+    from curation.library_logs import log_libraries_to
+
+    log_libraries_to(Path(job["result"]).with_suffix(".log"), f"bench/loop.py --worker {kind}")
     warnings.filterwarnings("ignore", message=".*TRL currently supports vLLM.*")
     if kind == "trl":
         from _trl_run import run_trl as run

@@ -201,10 +201,14 @@ def run_command(
     folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait, overrides, report=True)
     show_table(f"{folder}", _ROUND_COLUMNS, [_round_row(rec) for rec in records])
     evaluated = [rec["eval_accuracy"] for rec in records if rec.get("eval_accuracy") is not None]
+    peaks = [rec["peak_rss_mib"] for rec in records if rec.get("peak_rss_mib")]
+    peak = f"; peak RSS {max(peaks) / 1024:.1f} GiB" if peaks else ""
     if evaluated:
         start, final = evaluated[0], evaluated[-1]
         console.print(f"eval accuracy {100 * start:.1f}% -> {100 * final:.1f}% "
-                      f"({100 * (final - start):+.1f} points) in {records[-1].get('elapsed_seconds', 0):.0f} s")
+                      f"({100 * (final - start):+.1f} points) in {records[-1].get('elapsed_seconds', 0):.0f} s{peak}")
+    elif peak:
+        console.print(peak.removeprefix("; "))
     best = load_best(str(folder))
     if best is not None:
         console.print(f"best checkpoint: round {best.round}, eval accuracy {100 * best.eval_accuracy:.1f}% "

@@ -96,6 +96,9 @@ def test_a_killed_curriculum_run_chooses_as_an_unkilled_one_and_keeps_its_best(t
     assert f"**Best checkpoint** (`[run] keep_best`): round {best_round}," in \
         (whole / "report" / "summary.md").read_text()
     assert f"best checkpoint: round {best_round}, eval accuracy" in done.stdout
+    resumed = round_records(killed)  # the CLI's last line: accuracy, time and the process's peak RSS of its rounds
+    peak = max(r["peak_rss_mib"] for r in resumed)
+    assert f"points) in {resumed[-1]['elapsed_seconds']:.0f} s; peak RSS {peak / 1024:.1f} GiB" in done.stdout
     loaded = load_spec(spec)
     generator = make_generator("hf", whole / best["checkpoint"])
     prompts = eval_set(loaded, generator)
