@@ -42,28 +42,34 @@ run is not the one that wins the budget, so the selection runs as long as the te
 """
 
 
-def family_list(text: str, option: str) -> list[str]:
-    """"reverse,sort" -> ["reverse", "sort"]; a ValueError naming the option for an unknown or
-    long-response family, a repeated one or an empty list."""
+def name_list(text: str, option: str, known: list[str], kind: str = "family") -> list[str]:
+    """"reverse,sort" -> ["reverse", "sort"]; a ValueError naming the option for a name not in
+    `known`, a repeated one or an empty list."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise ValueError(f"{option}: no family given (one or more of {', '.join(BENCH_FAMILIES)})")
-    for name in names:
-        if name not in FAMILIES:
-            raise ValueError(f"{option}: unknown family {name!r}: one of {', '.join(BENCH_FAMILIES)}")
-        if name not in BENCH_FAMILIES:
-            raise ValueError(f"{option}: {name} has long responses and another reward, not a short-answer family: "
-                             f"one of {', '.join(BENCH_FAMILIES)}")
+        raise ValueError(f"{option}: no {kind} given (one or more of {', '.join(known)})")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"{option}: unknown {kind} {unknown[0]!r}: one of {', '.join(known)}")
     if len(set(names)) < len(names):
-        raise ValueError(f"{option}: a family is listed twice in {text!r}")
+        raise ValueError(f"{option}: a {kind} is listed twice in {text!r}")
     return names
 
 
-def check_split(selection: list[str], test: list[str]) -> None:
-    """A family is either tuned on or held out: a ValueError naming those in both."""
+def family_list(text: str, option: str) -> list[str]:
+    """name_list over the short-answer families; a long-response family is named as such."""
+    long = [name for name in text.split(",") if name.strip() in FAMILIES and name.strip() not in BENCH_FAMILIES]
+    if long:
+        raise ValueError(f"{option}: {long[0].strip()} has long responses and another reward, not a short-answer "
+                         f"family: one of {', '.join(BENCH_FAMILIES)}")
+    return name_list(text, option, BENCH_FAMILIES)
+
+
+def check_split(selection: list[str], test: list[str], kind: str = "family") -> None:
+    """A family (task) is either tuned on or held out: a ValueError naming those in both."""
     both = [name for name in selection if name in test]
     if both:
-        raise ValueError(f"{', '.join(both)} in both --selection and --test: a family the settings are chosen on "
+        raise ValueError(f"{', '.join(both)} in both --selection and --test: a {kind} the settings are chosen on "
                          "cannot test them")
 
 

@@ -42,6 +42,25 @@ def toy_loop_options(parser: argparse.ArgumentParser, threads_help: str) -> None
     parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
 
 
+def comparison_options(parser: argparse.ArgumentParser, plateau_evals: int) -> None:
+    """--smooth, --plateau-evals, --reuse / --reuse-trl and --append: what the TRL comparisons share."""
+    parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
+    parser.add_argument("--plateau-evals", type=int, default=plateau_evals,
+                        help="the plateau is the mean of the last N evals")
+    reuse = parser.add_mutually_exclusive_group()
+    reuse.add_argument("--reuse", action="store_const", const="all", help="summarise the saved runs, run nothing")
+    reuse.add_argument("--reuse-trl", dest="reuse", action="store_const", const="trl",
+                       help="reuse the saved TRL runs, run groupforge again")
+    parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
+
+
+def fill_defaults(args: argparse.Namespace, values: dict) -> None:
+    """Set each option of `values` (--quick's or the full run's) that was not given."""
+    for key, value in values.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
 def use_threads(threads: int) -> None:
     """torch / OMP threads for this process (0: leave torch's default, all cores)."""
     if threads:

@@ -91,7 +91,7 @@ from _families import (  # noqa: E402
     toy_config,
     verdict,
 )
-from _report import machine, plot_variant, write_section  # noqa: E402
+from _report import comparison_options, fill_defaults, machine, plot_variant, write_section  # noqa: E402
 
 OUT = ROOT / "runs" / "bench"
 LOOP = OUT / "loop"
@@ -324,20 +324,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--selection-jobs", type=int, default=1,
                         help="selection runs at a time (more: runs share the machine unevenly, an odd last one "
                              "runs alone and faster)")
-    parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
-    parser.add_argument("--plateau-evals", type=int, default=5, help="the plateau is the mean of the last N evals")
-    reuse = parser.add_mutually_exclusive_group()
-    reuse.add_argument("--reuse", action="store_const", const="all", help="summarise the saved runs, run nothing")
-    reuse.add_argument("--reuse-trl", dest="reuse", action="store_const", const="trl",
-                       help="reuse the saved TRL runs, run groupforge again")
-    parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
+    comparison_options(parser, plateau_evals=5)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.worker:
         return args
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    fill_defaults(args, QUICK if args.quick else DEFAULTS)
     try:
         args.selection = family_list(args.selection, "--selection")
         args.test = family_list(args.test, "--test")

@@ -56,8 +56,16 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # before bench/: bench/curation.py is not the package
 sys.path.append(str(Path(__file__).resolve().parent))
 from _curves import best, mean  # noqa: E402
-from _families import choose, parse_candidates, result_tables, selection_table, verdict  # noqa: E402
-from _report import machine, plot_variant, write_section  # noqa: E402
+from _families import (  # noqa: E402
+    check_split,
+    choose,
+    name_list,
+    parse_candidates,
+    result_tables,
+    selection_table,
+    verdict,
+)
+from _report import comparison_options, fill_defaults, machine, plot_variant, write_section  # noqa: E402
 from loop import ROOT, need_trl, run_jobs, sampling  # noqa: E402
 
 from pipelines.models.chat_tasks import TASKS, write_task  # noqa: E402
@@ -173,19 +181,6 @@ def markdown(args, chosen: dict, verdicts: list[dict], figures: list[Path]) -> s
     return "\n".join(lines) + "\n"
 
 
-def task_list(text: str, option: str) -> list[str]:
-    """"multiply,max" -> ["multiply", "max"]; a ValueError naming the option for an unknown,
-    repeated or missing task."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in TASKS]
-    if not names or unknown:
-        raise ValueError(f"{option}: {'unknown task ' + repr(unknown[0]) if unknown else 'no task given'}: "
-                         f"one or more of {', '.join(TASKS)}")
-    if len(set(names)) < len(names):
-        raise ValueError(f"{option}: a task is listed twice in {text!r}")
-    return names
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, --quick's values filled in for those not given, the tasks checked (one-line error)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -202,25 +197,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spec", default=str(SPEC), help="groupforge's spec; its round and sampling are TRL's too")
     parser.add_argument("--trl-micro", type=int, default=8, help="TRL completions per forward/backward")
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts both sides evaluate on")
-    parser.add_argument("--smooth", type=int, default=3, help="trailing mean over this many evals")
-    parser.add_argument("--plateau-evals", type=int, default=3, help="the plateau is the mean of the last N evals")
-    reuse = parser.add_mutually_exclusive_group()
-    reuse.add_argument("--reuse", action="store_const", const="all", help="summarise the saved runs, run nothing")
-    reuse.add_argument("--reuse-trl", dest="reuse", action="store_const", const="trl",
-                       help="reuse the saved TRL runs, run groupforge again")
-    parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
+    comparison_options(parser, plateau_evals=3)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    fill_defaults(args, QUICK if args.quick else DEFAULTS)
     try:
-        args.selection = task_list(args.selection, "--selection")
-        args.test = task_list(args.test, "--test")
-        both = [t for t in args.selection if t in args.test]
-        if both:
-            raise ValueError(f"{', '.join(both)} in both --selection and --test: a task the settings are chosen on "
-                             "cannot test them")
+        args.selection = name_list(args.selection, "--selection", list(TASKS), "task")
+        args.test = name_list(args.test, "--test", list(TASKS), "task")
+        check_split(args.selection, args.test, "task")
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         args.trl_lrs = [float(x) for x in args.trl_lrs.split(",") if x.strip()]
         args.gf_candidates = parse_candidates(args.gf_candidates)

@@ -275,7 +275,7 @@ def run_section(records: list[dict], run_dir: Path, spec, quick: bool) -> list[s
     lines.append(checkpoint_summary(run_dir, spec.train.keep_last))
     if quick:
         lines.append("- --quick: 8 prompts x 4 a round: the shares are of a much smaller round than the "
-                     "spec's 32 x 8, so they overstate reload, checkpoint and eval")
+                     "spec's 16 x 8, so they overstate reload, checkpoint and eval")
     return lines
 
 
