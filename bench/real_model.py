@@ -5,8 +5,8 @@
     .venv/bin/python bench/real_model.py --append   # also append the section to BENCHMARKS.md
 
 SmolLM2-135M-Instruct (runs/models/SmolLM2-135M-Instruct, fp32) with the settings of
-pipelines/specs/smollm2-grpo.toml (16 prompts x G = 8, max_tokens 64, temperature 1, grpo, batch 64,
-share_prompts), on the addition task's chat prompts (runs/chat/addition, `groupforge model tasks`).
+pipelines/specs/smollm2-grpo.toml (16 prompts x G = 8, max_tokens 64, temperature 1, grpo, batch
+64), on the addition task's chat prompts (runs/chat/addition, `groupforge model tasks`).
 --quick sets generator.group_size = 4, and prompts.per_round = 8 for the run (QUICK_RUN).
 
     run        `groupforge run` of the spec in a subprocess with its own run folder
@@ -310,6 +310,9 @@ def main() -> None:
                                                                  "all cores, as `groupforge run` has them)")
     parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
     args = parser.parse_args()
+    from curation.library_logs import log_libraries_to
+
+    log_libraries_to(OUT / "real_model.log", "bench/real_model.py")  # vLLM's and transformers' own output
     use_threads(args.threads)
     n_prompts = args.prompts or (16 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
