@@ -141,6 +141,33 @@ def _pack(lengths: np.ndarray, token_budget: int, seqs_per_item: int) -> list[np
     return groups
 
 
+def _pack_by_prompt(prompts: Ragged, responses: Ragged, token_budget: int, max_len: int) -> list[np.ndarray]:
+    """share_prompts: rows cut into micro-batches as pack_shared_prompts will lay them out, so
+    that a prompt's rows meet: rows ordered by prompt (first seen), then length; a micro-batch
+    takes rows while its packed sequences (a prompt, then responses, at most `max_len` tokens
+    each) padded to the longest fit `token_budget`; a row over the budget alone."""
+    rows = np.arange(prompts.lengths.size)
+    prompt_of = prompt_numbers(prompts, rows)
+    order = np.lexsort((rows, responses.lengths, prompt_of))
+    groups, current = [], []
+    sequences, longest, last, length = 0, 0, -1, 0
+    for j in order.tolist():
+        p, r = int(prompts.lengths[j]), int(responses.lengths[j])
+        opens = prompt_of[j] != last or length + r > max_len  # this row starts a new packed sequence
+        new_length = p + r if opens else length + r
+        cost = (sequences + opens) * max(longest, new_length)
+        if current and cost > token_budget:
+            groups.append(np.array(current, dtype=np.int64))
+            current, sequences, longest, opens, new_length = [], 0, 0, True, p + r
+        current.append(j)
+        sequences += opens
+        length, last = new_length, prompt_of[j]
+        longest = max(longest, length)
+    if current:
+        groups.append(np.array(current, dtype=np.int64))
+    return groups
+
+
 def _fill(prompts: Ragged, responses: Ragged, logprobs: Ragged | None, items: np.ndarray, first: int,
           ids: np.ndarray, attention: np.ndarray, targets: np.ndarray, old: np.ndarray | None) -> None:
     """Table rows `items` into buffer rows first, first+1, ...: the prompt then the response
@@ -211,7 +238,9 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
         staleness = rounds.max() - rounds
 
     batches = []
-    for group in _pack(prompts.lengths + responses.lengths, token_budget, seqs_per_item=1):
+    cuts = (_pack_by_prompt(prompts, responses, token_budget, shared_max_len) if share_prompts
+            else _pack(prompts.lengths + responses.lengths, token_budget, seqs_per_item=1))
+    for group in cuts:
         L = int((prompts.lengths[group] + responses.lengths[group]).max())
         ids, attention, targets, old_buf = _buffers(len(group), L, pad_id, old is not None)
         _fill(prompts, responses, old, group, 0, ids, attention, targets, old_buf)

@@ -198,13 +198,14 @@ class RoundShape:
     steps: int
     steps_note: str
     batch_size: int
+    share_prompts: bool = False
 
 
 def _round_shape(facts: PromptFacts, parameters: int) -> RoundShape:
     """128 prompts and 4 steps of 256 for tiny models or on a GPU. On a CPU a model of 50M weights
     or more trains at ~100-300 tokens/s: 16 prompts x 8 and 2 steps of 64 (each sample about
-    once, a round of ~2 min for 0.1B). share_prompts stays off: on SmolLM2's 47-token chat
-    prompts it trained at 0.89x the speed (BENCHMARKS, real model)."""
+    once, a round of ~2 min for 0.1B), each prompt trained once per group (share_prompts: 0.73x
+    the train time on SmolLM2's 47-token chat prompts, BENCHMARKS, real model)."""
     import torch
 
     if parameters < 50_000_000 or torch.cuda.is_available():
@@ -213,7 +214,7 @@ def _round_shape(facts: PromptFacts, parameters: int) -> RoundShape:
     batch = per_round * GROUP_SIZE // 2
     return RoundShape(per_round, f"x group_size = samples per round; a {parameters / 1e9:.2f}B model trains at "
                                  "~100-300 tokens/s on a CPU: ~2 min a round",
-                      2, f"2 steps of {batch} samples: each sample about once", batch)
+                      2, f"2 steps of {batch} samples: each sample about once", batch, True)
 
 
 def _metric(facts: PromptFacts) -> tuple[str, str]:
@@ -297,6 +298,8 @@ def _train_lines(objective: str, parameters: int, shape: RoundShape) -> list[str
         lr = _line("lr", "1e-5", f"AdamW peak, for a {parameters / 1e9:.2f}B-weight model; tiny models take ~2e-4")
     common = [lr, "warmup_steps = 10"]
     batch = f"batch_size = {shape.batch_size}"
+    if shape.share_prompts and objective != "pairwise":
+        common.append(_line("share_prompts", "true", "each prompt trained once per group, its responses after it"))
     return {
         "grpo": ['objective = "grpo"', batch, *common],
         "gspo": ['objective = "gspo"        # sequence-level ratio; the paper\'s clip ranges by default', batch,

@@ -127,6 +127,6 @@ def test_spec_overrides_point_the_spec_at_the_task_and_quick_shrinks_the_groups_
     quick_run = spec(real.spec_overrides("addition", True) + real.QUICK_RUN)
     assert full.prompts.train == [str(real.CHAT / "addition" / "train.parquet")]
     assert full.prompts.eval == str(real.CHAT / "addition" / "eval.parquet") and full.model.path == str(real.MODEL)
-    assert (full.prompts.per_round, full.generator.group_size, full.train.share_prompts) == (16, 8, False)
+    assert (full.prompts.per_round, full.generator.group_size, full.train.share_prompts) == (16, 8, True)
     assert (quick.prompts.per_round, quick.generator.group_size) == (16, 4)  # the trainer benches' round
     assert (quick_run.prompts.per_round, quick_run.generator.group_size) == (8, 4)  # the run's

@@ -367,7 +367,7 @@ def test_pairwise_split_invariance(toy64, cfg):
 def test_shared_prompts_layout_exact():
     table = _policy_table(prompts=[[1, 5], [1, 7, 8], [1, 5]], responses=[[9, 10], [11], [12, 13, 14]])
     (batch,) = policy_batches(table, 100, pad_id=0, share_prompts=True)
-    assert batch.rows.tolist() == [0, 1, 2]  # sorted by length (4, 4, 5 tokens), ties by row
+    assert batch.rows.tolist() == [0, 2, 1]  # a prompt's rows together (first seen first), by length within it
     shared = batch.shared
     # one packed sequence per prompt, in the order the prompts first appear in the micro-batch
     assert shared.input_ids.tolist() == [[1, 5, 9, 10, 12, 13, 14], [1, 7, 8, 11, 0, 0, 0]]
@@ -377,10 +377,22 @@ def test_shared_prompts_layout_exact():
     assert m[3] == [1, 1, 1, 1, 0, 0, 0]  # response 1, token 2: the prompt and its own tokens
     assert m[5] == [1, 1, 0, 0, 1, 1, 0]  # response 2, token 2: the prompt and its own tokens, not response 1
     assert shared.attention_mask[1, 0, 5].int().tolist() == [0, 0, 0, 0, 0, 1, 0]  # padding: itself only
-    # row 0's 9, 10 <- packed (0, 1), (0, 2); row 1's 11 <- (1, 2); row 2's 12, 13, 14 <- (0, 1), (0, 4), (0, 5)
+    # row 0's 9, 10 <- packed (0, 1), (0, 2); row 2's 12, 13, 14 <- (0, 1), (0, 4), (0, 5); row 1's 11 <- (1, 2)
     L = 7
-    assert shared.source.tolist() == [1, 2, L + 2, 1, 4, 5]
+    assert shared.source.tolist() == [1, 2, 1, 4, 5, L + 2]
     assert int(batch.target_mask.sum()) == shared.source.numel()
+
+
+def test_shared_prompts_micro_batches_keep_a_prompts_rows_together_and_count_packed_tokens():
+    # 3 prompts x 4 responses of 3 tokens after a 6-token prompt: a packed sequence is 6 + 4 x 3 = 18
+    # tokens, so a budget of 40 holds 2 prompts' sequences (2 x 18 = 36); unpacked, 40 holds 4 rows of 9
+    prompts = [[1, 2, 3, 4, 5, n] for n in (6, 7, 8) for _ in range(4)]
+    responses = [[9, 10, 11]] * 12
+    table = _policy_table(prompts=prompts, responses=responses)
+    batches = policy_batches(table, 40, pad_id=0, share_prompts=True)
+    assert [b.rows.tolist() for b in batches] == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [tuple(b.shared.input_ids.shape) for b in batches] == [(2, 18), (1, 18)]
+    assert len(policy_batches(table, 40, pad_id=0)) == 3  # unshared: 4 rows of 9 tokens a micro-batch
 
 
 def test_shared_prompts_split_layout_exact():
@@ -435,7 +447,9 @@ def test_shared_prompts_give_the_unpacked_logprobs_and_gradient(toy_dir, attn, m
                                shared=shared.shared)
     # eager attention takes its softmax in float32 whatever the model's dtype: rounding, not a bug
     atol, grad_atol = (1e-10, 1e-6) if attn == "sdpa" else (1e-5, 1e-4)
-    torch.testing.assert_close(lp_shared, lp_plain, atol=atol, rtol=0)
+    # row by row (share_prompts orders a micro-batch's rows by prompt, the plain batch by length)
+    torch.testing.assert_close(lp_shared[torch.argsort(shared.rows)], lp_plain[torch.argsort(plain.rows)],
+                               atol=atol, rtol=0)
     cfg = ObjectiveConfig(agg="token-mean")
 
     def loss_of(logp, batch, norm):
