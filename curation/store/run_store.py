@@ -3,18 +3,20 @@ each commit whole or not at all, on local disk and on object storage alike.
 
 Layout of a run RUN (a local folder or an object-store prefix, curation/store/storage.py):
 
-    RUN/_log/<seq>.json                              the commit log (curation/store/commit_log.py)
     RUN/prompts/part-<part>-<sha>.parquet            prompts (not partitioned by round)
     RUN/<table>/round=<n>/part-<part>-<sha>.parquet  samples | scores | groups | rejects | pairs |
                                                      prompt_stats
-    RUN/<table>/_delta_log/                          each table as a Delta Lake table (external readers)
+    RUN/<table>/_delta_log/                          each table's Delta log (curation/store/run_log.py)
+    RUN/_commits/                                    a Delta table, a row per commit: the commit points
     RUN/_staging/<stage>-round=<n>/                  resumable work-in-progress of a long stage
 
 A part file is named after its part (by default the stage that writes it) and the first 16 hex
 digits of its sha256, so a name is never reused for other bytes: a commit writes its files
-under their final names (no rename: object stores have none), and the commit log entry that
-lists them, written last, makes them live. The store reads the live files the log lists and
-nothing else; a file no entry lists (a killed commit's) is swept by the next writer.
+under their final names (no rename: object stores have none), then each table they belong to
+gets a Delta version adding them, and the commit's row in `_commits`, written last, makes those
+versions the ones groupforge reads. The store reads the live files of each table at the version
+the newest row records and nothing else; a file no commit lists (a killed commit's) is swept by
+the next writer.
 
 Several stages add rows to one table and round (`rejects` gets rows from generate, score and
 filter), so each stage writes its own parts. The `round=<n>` folder and the `round` column
@@ -34,25 +36,16 @@ import duckdb
 import pyarrow as pa
 
 from curation import schema
-from curation.store.commit_log import CommitLog, LoggedFile, RunState
 from curation.store.fingerprints import config_hash
 from curation.store.layout import check_name, check_round, round_of
 from curation.store.lock import writer_lock
 from curation.store.object_storage import ObjectStorage
+from curation.store.run_log import LoggedFile, RunLog, RunState
 from curation.store.storage import LocalStorage, Storage, check_location, open_storage
 from curation.store.table_reads import TableReads
 
 if TYPE_CHECKING:
     from curation.store.commit import Commit
-
-
-@dataclass
-class JobWrites:
-    """What the stores of one writing job share (`RunStore.sibling`): the lock that orders their
-    commits, and the newest commit log entry any of them wrote."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    seq: int = -1
 
 
 @dataclass(frozen=True)
@@ -64,6 +57,15 @@ class HeldPart:
     """The file's sha256 (its fingerprint as a stage input)."""
     table: pa.Table
     """The validated table the file holds."""
+
+
+@dataclass
+class JobWrites:
+    """What the stores of one writing job share (`RunStore.sibling`): the lock that orders their
+    commits, and the newest row any of them wrote to `_commits`."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = -1
 
 
 class RunStore(TableReads):
@@ -86,7 +88,7 @@ class RunStore(TableReads):
         """Keep the parts committed through this store in memory (`held`): the round loop."""
         self.held: dict[str, HeldPart] = {}
         """The parts committed through this store (with `hold`), by path relative to the run."""
-        self.log = CommitLog(self.storage)
+        self.log = RunLog(self.storage)
         self.job = JobWrites()
         """Shared with this store's siblings: their commits take turns and see each other's."""
         self._frozen = False  # a snapshot: the state is not read again
@@ -147,7 +149,7 @@ class RunStore(TableReads):
     def catch_up(self) -> None:
         """Read the commits this store's siblings made since it last looked."""
         if self.job.seq > self.log.state.seq:
-            self.log.catch_up(self.job.seq)
+            self.log.refresh()
 
     def snapshot(self) -> RunStore:
         """A reader's view of the run as of now: the commits made so far, and no later one,

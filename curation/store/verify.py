@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from curation import schema
-from curation.store.commit_log import LOG_DIR
+from curation.store.run_log import COMMITS
 from curation.store.layout import PART_FILE
 from curation.store.migrate import OLD_MANIFESTS
 from curation.store.storage import LocalStorage, Storage, open_storage
@@ -78,7 +78,7 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
     result = RunCheck()
     for (stage, round), manifest in sorted(state.manifests.items()):
         if store.logged:  # the log entry of the stage's newest commit for the round
-            where = f"{storage.where(f'{LOG_DIR}/{state.commits[(stage, round)]:020d}.json')} (the manifest of " \
+            where = f"{storage.where(COMMITS)}, row {state.commits[(stage, round)]} (the manifest of " \
                     f"{stage} round {round})"
         else:
             where = storage.where(f"{OLD_MANIFESTS}/{stage}-round={round}.json")

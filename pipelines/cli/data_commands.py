@@ -74,13 +74,13 @@ def generate_command(
                     generator_kwargs=settings.generator_kwargs(backend),
                 )
     if result.skipped:
-        from curation.store.commit_log import LOG_DIR
+        from curation.store.run_log import COMMITS
         from curation.store.run_store import RunStore
 
         m = result.manifest
         seq = RunStore(out).state.commits[("generate", round)]
         console.print(
-            f"round {round} is up to date (commit log entry {out}/{LOG_DIR}/{seq:020d}.json, "
+            f"round {round} is up to date (commit {seq} in {out}/{COMMITS}, "
             f"{m.get('rows_out')} samples from {m.get('created_at')}); nothing to do. Use --force to regenerate."
         )
         return
