@@ -210,8 +210,13 @@ class RunLog:
         from deltalake import DeltaTable
 
         uri, options = delta_location(self.storage, rel)
-        self._handles[rel] = DeltaTable.create(uri, arrow_schema, mode="ignore", configuration=TABLE_CONFIG,
-                                               storage_options=options)
+        try:
+            self._handles[rel] = DeltaTable.create(uri, arrow_schema, mode="ignore", configuration=TABLE_CONFIG,
+                                                   storage_options=options)
+        except Exception as exc:
+            if not _is_conflict(exc):  # another job created it first: it is there now
+                raise
+            self._handles[rel] = DeltaTable(uri, storage_options=options)
         return self._handles[rel]
 
     def _files_at(self, table: str, version: int) -> dict[str, tuple[int, int]]:
@@ -234,37 +239,47 @@ class RunLog:
                 state.files[rel] = LoggedFile(state.listed.get(rel, ""), size, rows)
 
     # -- the rows
-    def _new_entries(self) -> list[Entry]:
-        """The rows of `_commits` this object has not read, oldest first."""
+    def _read_rows(self) -> None:
+        """Read the rows of `_commits` this object has not read into `_entries` (by seq)."""
         table = self.handle(COMMITS)
         if table is None:
-            return []
+            return
         table.update_incremental()
-        paths = pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist()
         rows: list[dict] = []
-        for path in paths:
-            if path in self._read_paths:
-                continue
-            data = self.storage.read(f"{COMMITS}/{path}")
-            rows.extend(pq.read_table(pa.BufferReader(data)).to_pylist())
-            self._read_paths.add(path)
-        known = self._entries[-1].seq if self._entries else -1
-        fresh = sorted((Entry.from_row(r) for r in rows if r["seq"] > known), key=lambda e: e.seq)
-        self._entries.extend(fresh)
-        return fresh
+        for path in pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist():
+            if path not in self._read_paths:
+                rows.extend(pq.read_table(pa.BufferReader(self.storage.read(f"{COMMITS}/{path}"))).to_pylist())
+                self._read_paths.add(path)
+        for row in sorted((r for r in rows if r["seq"] >= len(self._entries)), key=lambda r: r["seq"]):
+            self._entries.append(Entry.from_row(row))
 
-    def refresh(self) -> RunState:
-        """Read the rows written since this object last looked; the state after the newest."""
+    def _pending(self) -> list[Entry]:
+        """The rows read that the state does not hold yet."""
+        return self._entries[self.state.seq + 1:]
+
+    def _apply(self, entries: list[Entry]) -> RunState:
         before = dict(self.state.versions)
-        for entry in self._new_entries():
+        for entry in entries:
             self.state.apply(entry)
         changed = {t for t in set(before) | set(self.state.versions) if before.get(t) != self.state.versions.get(t)}
         self._load_files(self.state, changed)
         return self.state
 
+    def refresh(self) -> RunState:
+        """Read the rows written since this object last looked; the state after the newest."""
+        self._read_rows()
+        return self._apply(self._pending())
+
+    def catch_up(self) -> RunState:
+        """A writer's refresh: the rows its job's other stores wrote (`RunStore.sibling`);
+        RunTakenOver when another job's row is among them."""
+        self._read_rows()
+        self.check_writer()
+        return self._apply(self._pending())
+
     def entries(self) -> list[Entry]:
         """Every row, oldest first."""
-        self._new_entries()
+        self._read_rows()
         return list(self._entries)
 
     def state_as_of(self, seq: int) -> RunState:
@@ -294,6 +309,8 @@ class RunLog:
                 raise self._taken_over() from None
             raise
         self._read_paths.update(pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist())
+        if len(self._entries) != entry.seq:
+            raise RuntimeError(f"{COMMITS}: row {entry.seq} appended after {len(self._entries) - 1}")
         self._entries.append(entry)
         self.state.apply(entry)
         if entry.seq and entry.seq % COMPACT_EVERY == 0:
@@ -308,13 +325,14 @@ class RunLog:
         self._append(Entry(self.state.seq + 1, "open", self.writer, _now(), versions=self.state.versions))
 
     def check_writer(self) -> None:
-        """Raise RunTakenOver when another job has appended a row since this job last did."""
+        """Raise RunTakenOver when another job has appended a row since this job's state (a newer
+        job opened the run). One read of the newest versions of `_commits`, however long it is."""
         if self.writer is None:
             return
-        for entry in self._new_entries():
+        self._read_rows()
+        for entry in self._pending():
             if entry.writer != self.writer:
                 raise self._taken_over(entry)
-            self.state.apply(entry)
 
     def commit(self, stage: str, round: int, manifest: Mapping[str, Any], files: Mapping[str, LoggedFile]
                ) -> list[str]:
@@ -324,6 +342,8 @@ class RunLog:
         files no longer live."""
         if self.writer is None:
             raise RuntimeError("RunLog.commit before open(): a writer opens the run first")
+        if self._pending():
+            self.catch_up()
         outputs = list(manifest.get("outputs", []))
         missing = [rel for rel in outputs if rel not in files]
         if missing:
@@ -388,8 +408,8 @@ class RunLog:
         expected = self.state.versions.get(table, 0)
         handle.update_incremental()
         if handle.version() != expected:
-            handle.restore(expected)
-            handle.update_incremental()
+            self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
+            self._restore(handle, expected)
         return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed}, info,
                                    app_id, seq)
 
@@ -409,7 +429,7 @@ class RunLog:
                      "maxValues": {} if round is None else {"round": round}}
             actions.append(AddAction(rel.split("/", 1)[1], meta.size, {}, now, True,
                                      json.dumps(stats, separators=(",", ":"))))
-        properties = CommitProperties(custom_metadata={"groupforge": json.dumps(dict(info), sort_keys=True)},
+        properties = CommitProperties(custom_metadata={"groupforge": dict(info)},
                                       app_transactions=[Transaction(app_id, seq)], max_commit_retries=0)
         try:
             handle.create_write_transaction(actions, mode="append", schema=handle.schema(),
@@ -432,15 +452,25 @@ class RunLog:
             handle.update_incremental()
             expected = self.state.versions.get(table, 0)
             if handle.version() != expected:
-                handle.restore(expected)
-                handle.update_incremental()
+                self._restore(handle, expected)
                 restored.append(table)
         return restored
 
+    def _restore(self, handle, version: int) -> None:
+        """The table back to `version` in a new version (RunTakenOver when another job commits
+        to it meanwhile)."""
+        try:
+            handle.restore(version)
+        except Exception as exc:
+            if _is_conflict(exc):
+                raise self._taken_over() from None
+            raise
+        handle.update_incremental()
+
     def _taken_over(self, entry: Entry | None = None) -> RunTakenOver:
         if entry is None:
-            fresh = [e for e in self._new_entries() if e.writer != self.writer]
-            entry = fresh[-1] if fresh else None
+            self._read_rows()
+            entry = next((e for e in reversed(self._entries) if e.writer != self.writer), None)
         who = f"job {entry.writer} ({entry.kind} at {entry.at})" if entry is not None else "another job"
         return RunTakenOver(f"{self.storage.where()}: run taken over: {who} wrote to this run after this job; "
                             "this job stops without writing more. Only one job may write a run: the newer one "

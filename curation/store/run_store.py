@@ -149,7 +149,7 @@ class RunStore(TableReads):
     def catch_up(self) -> None:
         """Read the commits this store's siblings made since it last looked."""
         if self.job.seq > self.log.state.seq:
-            self.log.refresh()
+            self.log.catch_up()
 
     def snapshot(self) -> RunStore:
         """A reader's view of the run as of now: the commits made so far, and no later one,

@@ -110,7 +110,7 @@ def test_commit_writes_parts_and_manifest(tmp_path):
     assert json.loads(rows[1]["manifest"]) == m and json.loads(rows[1]["versions"]) == {"rejects": 1, "samples": 1}
     for table in ("samples", "rejects"):
         history = DeltaTable(str(store.root / table)).history()
-        assert json.loads(history[0]["groupforge"]) == {"stage": "generate", "round": 0, "seq": 1}
+        assert history[0]["groupforge"] == {"stage": "generate", "round": 0, "seq": 1}
         assert DeltaTable(str(store.root / table)).transaction_version("generate@round=0") == 1
     assert sorted(p.name for p in store.root.iterdir()) == ["_commits", "_staging", "rejects", "samples"]
     # the staging folder is emptied; written files are zstd Parquet; each table is a Delta table
