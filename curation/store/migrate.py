@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 
 from curation import schema
 from curation.errors import first_line
-from curation.store.run_log import LoggedFile, RunState
 from curation.store.layout import PART_FILE, ROUND_DIR
+from curation.store.run_log import LoggedFile, RunState
 from curation.store.storage import Storage
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ class Found:
     commits: list[tuple[str, int, dict]] = field(default_factory=list)
     files: dict[str, LoggedFile] = field(default_factory=dict)
     imported: set[str] = field(default_factory=set)
+    retired: dict[str, LoggedFile] = field(default_factory=dict)
+    """Files an older commit listed that a later one replaced (kept for the old versions)."""
 
 
 def _old_log(storage: Storage) -> Found | None:
@@ -93,6 +95,7 @@ def _old_log(storage: Storage) -> Found | None:
         return None
     newest: dict[tuple[str, int], tuple[dict, dict[str, LoggedFile]]] = {}
     imported: dict[str, LoggedFile] = {}
+    every: dict[str, LoggedFile] = {}
     for rel in names:
         try:
             entry = json.loads(storage.read(rel))
@@ -100,6 +103,7 @@ def _old_log(storage: Storage) -> Found | None:
                      for path, f in (entry.get("add") or {}).items()}
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{storage.where(rel)}: not a commit log entry ({exc})") from None
+        every.update(files)
         if entry.get("kind") == "commit":
             key = (entry["stage"], int(entry["round"]))
             newest.pop(key, None)  # a later commit of the stage and round: it goes last
@@ -111,6 +115,7 @@ def _old_log(storage: Storage) -> Found | None:
     for (stage, round), (manifest, files) in newest.items():
         found.commits.append((stage, round, manifest))
         found.files.update(files)
+    found.retired.update({rel: f for rel, f in every.items() if rel not in found.files})
     return found
 
 
@@ -164,6 +169,6 @@ def import_unlisted(store: RunStore) -> int:
     found = unlisted(store.storage, skip_ours=store.log.state.seq > 0)
     if not found.commits and not found.files:
         return 0
-    store.log.take_in(found.commits, found.files, found.imported)
+    store.log.take_in(found.commits, found.files, found.imported, found.retired)
     store.storage.delete_all(e.rel for e in store.storage.list(OLD_LOG))
     return len(found.commits) + len(found.imported)

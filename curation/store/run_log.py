@@ -169,13 +169,13 @@ def delta_location(storage: Storage, rel: str) -> tuple[str, dict[str, str] | No
     """The table folder `rel` as deltalake opens it: a path or URL, and its storage options (an
     object store's non-secret settings; credentials come from the environment, as for obstore)."""
     if isinstance(storage, LocalStorage):
-        return str((storage.root / rel).absolute()), None
+        return str((storage.root / rel if rel else storage.root).absolute()), None
     options = {key: str(value).lower() if isinstance(value, bool) else str(value)
                for key, value in getattr(storage, "options", {}).items() if key != "retry_config"}
-    return f"{storage.url.rstrip('/')}/{rel}", options or None
+    return f"{storage.url.rstrip('/')}/{rel}" if rel else storage.url.rstrip("/"), options or None
 
 
-def _is_conflict(exc: BaseException) -> bool:
+def is_conflict(exc: BaseException) -> bool:
     from deltalake.exceptions import CommitFailedError
 
     return isinstance(exc, CommitFailedError)
@@ -214,7 +214,7 @@ class RunLog:
             self._handles[rel] = DeltaTable.create(uri, arrow_schema, mode="ignore", configuration=TABLE_CONFIG,
                                                    storage_options=options)
         except Exception as exc:
-            if not _is_conflict(exc):  # another job created it first: it is there now
+            if not is_conflict(exc):  # another job created it first: it is there now
                 raise
             self._handles[rel] = DeltaTable(uri, storage_options=options)
         return self._handles[rel]
@@ -245,13 +245,19 @@ class RunLog:
         if table is None:
             return
         table.update_incremental()
-        rows: list[dict] = []
+        rows: list[tuple[int, Entry]] = []
         for path in pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist():
-            if path not in self._read_paths:
-                rows.extend(pq.read_table(pa.BufferReader(self.storage.read(f"{COMMITS}/{path}"))).to_pylist())
-                self._read_paths.add(path)
-        for row in sorted((r for r in rows if r["seq"] >= len(self._entries)), key=lambda r: r["seq"]):
-            self._entries.append(Entry.from_row(row))
+            if path in self._read_paths:
+                continue
+            for row in pq.read_table(pa.BufferReader(self.storage.read(f"{COMMITS}/{path}"))).to_pylist():
+                if row["seq"] >= len(self._entries):
+                    try:
+                        rows.append((row["seq"], Entry.from_row(row)))
+                    except ValueError:
+                        raise ValueError(f"{self.storage.where(f'{COMMITS}/{path}')}: row {row['seq']}: its "
+                                         "manifest is not JSON (edited by hand?)") from None
+            self._read_paths.add(path)
+        self._entries.extend(entry for _, entry in sorted(rows, key=lambda r: r[0]))
 
     def _pending(self) -> list[Entry]:
         """The rows read that the state does not hold yet."""
@@ -305,7 +311,7 @@ class RunLog:
             write_deltalake(table, pa.Table.from_pylist([entry.row()], schema=ROWS), mode="append",
                             commit_properties=CommitProperties(max_commit_retries=0))
         except Exception as exc:
-            if _is_conflict(exc):
+            if is_conflict(exc):
                 raise self._taken_over() from None
             raise
         self._read_paths.update(pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist())
@@ -367,12 +373,12 @@ class RunLog:
         return gone
 
     def take_in(self, commits: Iterable[tuple[str, int, Mapping[str, Any]]], files: Mapping[str, LoggedFile],
-                imported: Iterable[str] = ()) -> None:
+                imported: Iterable[str] = (), retired: Mapping[str, LoggedFile] | None = None) -> None:
         """Take in a run written without `_commits` (an older groupforge, other tools): each
         table gets one Delta version that makes `files` its live files (none when its Delta log,
         an older groupforge's, lists them already), then a row per commit of `commits` (stage,
         round, manifest, oldest first) and an "import" row for `imported` (files no manifest
-        lists: live for good)."""
+        lists: live for good; `retired`: files of earlier versions, kept)."""
         if self.writer is None:
             raise RuntimeError("RunLog.take_in before open(): a writer opens the run first")
         versions = dict(self.state.versions)
@@ -390,11 +396,11 @@ class RunLog:
         for stage, round, manifest in commits:
             self._append(Entry(self.state.seq + 1, "commit", self.writer, _now(), stage, round, dict(manifest),
                                versions))
-        rest = sorted(imported)
-        if rest:
-            manifest = {"outputs": rest, "output_files": {rel: {"sha256": files[rel].sha256, "size": files[rel].size}
-                                                          for rel in rest},
-                        "output_rows": {rel: files[rel].rows for rel in rest}}
+        rest, kept = sorted(imported), {**(retired or {}), **{rel: files[rel] for rel in imported}}
+        if kept:
+            manifest = {"outputs": rest, "output_files": {rel: {"sha256": f.sha256, "size": f.size}
+                                                          for rel, f in sorted(kept.items())},
+                        "output_rows": {rel: f.rows for rel, f in sorted(kept.items())}}
             self._append(Entry(self.state.seq + 1, "import", self.writer, _now(), manifest=manifest,
                                versions=versions))
         self.state.files = dict(files)
@@ -435,7 +441,7 @@ class RunLog:
             handle.create_write_transaction(actions, mode="append", schema=handle.schema(),
                                             commit_properties=properties)
         except Exception as exc:
-            if _is_conflict(exc):
+            if is_conflict(exc):
                 raise self._taken_over() from None
             raise
         handle.update_incremental()
@@ -462,7 +468,7 @@ class RunLog:
         try:
             handle.restore(version)
         except Exception as exc:
-            if _is_conflict(exc):
+            if is_conflict(exc):
                 raise self._taken_over() from None
             raise
         handle.update_incremental()

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from curation import schema
-from curation.store.run_log import COMMITS
 from curation.store.layout import PART_FILE
 from curation.store.migrate import OLD_MANIFESTS
+from curation.store.run_log import COMMITS
 from curation.store.storage import LocalStorage, Storage, open_storage
 
 FORMAT_VERSION = 2

@@ -286,7 +286,7 @@ def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     store = RunStore(run)
     with exit_codes():
-        done = "already had a commit log" if store.logged else "migrated"
+        done = "already migrated" if store.logged else "migrated"
         if done == "migrated":  # a run with a log is left as it is: nothing written
             with store.lock(wait=not no_wait):
                 pass

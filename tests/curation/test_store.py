@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.schema import SCHEMAS, SchemaError
-from curation.store.run_log import LoggedFile
 from curation.store.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path
 from curation.store.lock import RunLockedError
+from curation.store.run_log import LoggedFile
 from curation.store.run_store import RunStore
 from curation.store.verify import check_run
 
