@@ -83,7 +83,8 @@ FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.ste
 # leaves them out (its time budget), `make test-exhaustive` runs them.
 EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.tables_written", 1),
               ("commit.tables_written", 3), ("commit.logged", 1), ("commit.files_published", 5),
-              ("commit.files_published", 7), ("stage.before_commit", 1), ("stage.before_commit", 3), ("train.step_logged", 1),
+              ("commit.files_published", 7), ("stage.before_commit", 1), ("stage.before_commit", 3),
+              ("train.step_logged", 1),
               ("train.step_logged", 4), ("checkpoint.weights_written", 1), ("loop.after_curate", 1),
               ("loop.reload", 2), ("loop.eval", 1),
               ("commit.tables_written", 8)}  # test_a_run_on_s3_resumes_after_kills_on_fresh_machines kills there
