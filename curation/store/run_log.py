@@ -194,6 +194,14 @@ class RunLog:
         self._read_paths: set[str] = set()  # `_commits` files whose rows this object has read
         self._entries: list[Entry] = []  # every row read, oldest first
 
+    def fork(self) -> RunLog:
+        """Another RunLog of this job on the run (a thread's: `RunStore.sibling`): the same writer,
+        a copy of the state and rows read, its own table handles."""
+        other = RunLog(self.storage)
+        other.writer, other.state = self.writer, self.state.copy()
+        other._entries, other._read_paths = list(self._entries), set(self._read_paths)
+        return other
+
     # -- the tables
     def handle(self, rel: str):
         """The DeltaTable at folder `rel` (None when there is none), opened once."""

@@ -143,7 +143,7 @@ class RunStore(TableReads):
         store's user (the round loop's next-round generate): the same writer in the commit log,
         commits in turn with this store's, no held parts. Call after the job opened the run."""
         other = RunStore(self.storage)
-        other.log.writer, other.log.state, other.job = self.log.writer, self.log.state.copy(), self.job
+        other.log, other.job = self.log.fork(), self.job
         return other
 
     def catch_up(self) -> None:
