@@ -341,6 +341,19 @@ def commit_rows(run_dir: Path) -> list[dict]:
     return [{**r, "manifest": json.loads(r["manifest"] or "{}"), "versions": json.loads(r["versions"])} for r in rows]
 
 
+def edit_commit_row(run_dir: Path, seq: int, edit) -> Path:
+    """Rewrite by hand the RUN/_commits file holding row `seq`: `edit(row)` returns the new row
+    (its manifest a JSON string). The file's path."""
+    for path in sorted((Path(run_dir) / "_commits").glob("*.parquet")):
+        table = pq.read_table(path)
+        rows = table.to_pylist()
+        if any(r["seq"] == seq for r in rows):
+            pq.write_table(pa.Table.from_pylist([edit(r) if r["seq"] == seq else r for r in rows],
+                                                schema=table.schema), path)
+            return path
+    raise AssertionError(f"no row {seq} in {run_dir}/_commits")
+
+
 def logged_files(run_dir: Path, table: str, rounds=None) -> list[Path]:
     """The live files of `table` (`rounds`: only those rounds') as the run's `_commits` rows
     list them, read without the store: the newest commit per (stage, round) and the files

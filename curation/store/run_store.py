@@ -92,11 +92,11 @@ class RunStore(TableReads):
         self.job = JobWrites()
         """Shared with this store's siblings: their commits take turns and see each other's."""
         self._frozen = False  # a snapshot: the state is not read again
-        self._unlisted: RunState | None = None  # the state of a run without a commit log (`refresh`)
+        self._unlisted: RunState | None = None  # the state of a run without _commits (`refresh`)
 
     @property
     def state(self) -> RunState:
-        """What the commit log says the run holds, as this store last read it. A run written
+        """What the run's log says the run holds, as this store last read it. A run written
         without a log (by other tools, or an older groupforge) reads as its files and old
         manifests say (`curation.store.migrate`) until a writer takes them into the log."""
         if self._unlisted is not None:
@@ -123,7 +123,7 @@ class RunStore(TableReads):
 
     @property
     def logged(self) -> bool:
-        """Whether the run's commit log holds its tables (False: nothing committed through a log
+        """Whether the run's log (_commits) holds its tables (False: nothing committed through a log
         yet; the run reads as its files and old manifests say until a writer takes them in)."""
         return self.state is not self._unlisted
 
@@ -140,7 +140,7 @@ class RunStore(TableReads):
 
     def sibling(self) -> RunStore:
         """Another store of this writing job on the run, for a thread that commits beside this
-        store's user (the round loop's next-round generate): the same writer in the commit log,
+        store's user (the round loop's next-round generate): the same writer in the log,
         commits in turn with this store's, no held parts. Call after the job opened the run."""
         other = RunStore(self.storage)
         other.log, other.job = self.log.fork(), self.job
@@ -287,7 +287,7 @@ class RunStore(TableReads):
         """Write the run: the writer lock of this machine (`curation.store.lock.writer_lock` on the
         run folder, or for a run on an object store on its folder in this machine's cache): a
         second job here waits, or exits 3 with `wait=False`; and everywhere an "open" entry in
-        the commit log, so that a job that opened the run earlier (on another machine) stops at
+        `_commits`, so that a job that opened the run earlier (on another machine) stops at
         its next write (exit 3). Files that no commit lists (a killed job's) are swept."""
         from curation.store.location import node_cache
 
@@ -297,7 +297,7 @@ class RunStore(TableReads):
             yield
 
     def open_for_writing(self) -> None:
-        """Start writing the run (once per store): an "open" entry in the commit log, then
+        """Start writing the run (once per store): an "open" row in `_commits`, then
         `curation.store.tidy.tidy`. A commit does it when the caller did not take `lock()`. A
         local run folder is checked first for links that lead out of it (and each commit checks
         the folders it writes to: `curation.store.tidy.check_inside`), so no write lands outside it."""

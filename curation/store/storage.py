@@ -2,7 +2,7 @@
 
 `open_storage("runs/x")` is a local folder; `open_storage("s3://bucket/runs/x")` (also `gs://`,
 `az://`, `abfss://`, `memory://`) an object store reached with obstore. The run store above
-this module (its tables, commits, the commit log and the Delta logs) reads and writes whole
+this module (its tables, commits and their Delta logs) reads and writes whole
 objects by a path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a
 local run and an object-store run share one format and one code path. The run's other files
 go through it too: its logs as whole objects (curation/store/runlog.py), the folders that must

@@ -1,5 +1,5 @@
 """What a job that starts writing a run does first, and the checks that keep its writes inside
-the run: taking in tables written without a commit log, bringing the Delta logs level, and
+the run: taking in tables written without `_commits`, restoring tables a killed commit left ahead, and
 removing what killed jobs left (table versions no commit recorded, part files no commit lists,
 local temporary files)."""
 

@@ -131,7 +131,7 @@ def local_run_folder(run: str | Path) -> None:
 
 
 def checked_run_folder(run: str | Path) -> str | Path:
-    """`run` (a folder or an object-store URL), checked against its commit log
+    """`run` (a folder or an object-store URL), checked against its log
     (curation/store/verify.py) before a command reads it."""
     local_run_folder(run)
     with exit_codes():

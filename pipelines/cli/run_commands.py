@@ -255,7 +255,7 @@ def init_command(
 def verify_command(run: str = typer.Argument(..., help="Run folder or object-store URL."),
                    deep: bool = typer.Option(False, "--deep",
                                              help="Also hash every file against its manifest's sha256.")) -> None:
-    """Check that a run folder is what its commit log says: every listed file there with its size
+    """Check that a run folder is what its log says: every listed file there with its size
     (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
     Parquet file in a table folder; files of killed commits are counted. Exit 0 when it is, 2
     with the first problem otherwise."""
@@ -277,7 +277,7 @@ def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
                     no_wait: bool = typer.Option(False, "--no-wait", help="Exit 3 if another job holds the run.")
                     ) -> None:
     """Take a run folder written by an older groupforge (RUN/_manifests/) or by another tool (Parquet
-    files in the table folders) into a commit log and Delta tables. Any writing command does the same
+    files in the table folders) into the run's log (Delta tables and `_commits`). Any writing command does the same
     on its own; this does only that. Exit 0 (also when there is nothing to do)."""
     from curation.store.run_store import RunStore
 
