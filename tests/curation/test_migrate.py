@@ -25,6 +25,7 @@ from curation.store.run_log import COMMITS, RunLog
 from curation.store.run_store import RunStore
 from curation.store.storage import LocalStorage
 from curation.store.verify import RunFolderError, check_run
+from tests.helpers import edit_commit_row
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -357,36 +358,24 @@ def test_check_run_names_a_truncated_or_changed_live_file(committed):
         check_run(committed)
 
 
-def _edit_row(run: Path, seq: int, edit) -> Path:
-    """Rewrite by hand the `_commits` file holding row `seq` (`edit` changes the row's dict)."""
-    for path in sorted((run / COMMITS).glob("*.parquet")):
-        table = pq.read_table(path)
-        rows = table.to_pylist()
-        if any(r["seq"] == seq for r in rows):
-            pq.write_table(pa.Table.from_pylist([edit(r) if r["seq"] == seq else r for r in rows],
-                                                schema=table.schema), path)
-            return path
-    raise AssertionError(f"no row {seq}")
-
-
 def test_check_run_names_an_edited_commit_row(committed):
     def rows_out(row):
         manifest = json.loads(row["manifest"])
         assert (row["kind"], manifest["round"]) == ("commit", 1)
         return {**row, "manifest": json.dumps({**manifest, "rows_out": 1000})}
 
-    _edit_row(committed, 2, rows_out)
+    edit_commit_row(committed, 2, rows_out)
     where = rf"{committed / COMMITS}, row 2 \(the manifest of generate round 1\)"
     with pytest.raises(RunFolderError, match=rf"{where}: edited after its commit"):
         check_run(committed)
-    _edit_row(committed, 2, lambda row: {**row, "manifest": json.dumps({**json.loads(row["manifest"]),
+    edit_commit_row(committed, 2, lambda row: {**row, "manifest": json.dumps({**json.loads(row["manifest"]),
                                                                          "format_version": 99})})
     with pytest.raises(RunFolderError, match=rf"{where}: written by a newer groupforge \(run format 99"):
         check_run(committed)
 
 
 def test_check_run_names_a_row_whose_manifest_is_not_json(committed):
-    path = _edit_row(committed, 1, lambda row: {**row, "manifest": '{"stage": "gen'})
+    path = edit_commit_row(committed, 1, lambda row: {**row, "manifest": '{"stage": "gen'})
     with pytest.raises(RunFolderError, match=rf"{path}: row 1: its manifest is not JSON"):
         check_run(committed)
 
