@@ -328,8 +328,12 @@ class RunLog:
         self._entries.append(entry)
         self.state.apply(entry)
         if entry.seq and entry.seq % COMPACT_EVERY == 0:
-            table.optimize.compact()
-            self._read_paths = set(pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist())
+            try:
+                table.optimize.compact()
+            except Exception as exc:
+                if not is_conflict(exc):  # another job's row came first: compacted at a later row
+                    raise
+            self._read_rows()  # the compacted file (rows known: skipped), and any row since
 
     # -- writing
     def open(self) -> None:
