@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -171,4 +172,7 @@ def import_unlisted(store: RunStore) -> int:
         return 0
     store.log.take_in(found.commits, found.files, found.imported, found.retired)
     store.storage.delete_all(e.rel for e in store.storage.list(OLD_LOG))
+    folder = store.storage.local_path(OLD_LOG)
+    if folder is not None and folder.is_dir():  # a local folder stays behind its files
+        shutil.rmtree(folder, ignore_errors=True)
     return len(found.commits) + len(found.imported)

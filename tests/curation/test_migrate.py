@@ -337,7 +337,7 @@ def test_check_run_names_a_foreign_parquet_file(committed):
     foreign = committed / "samples" / "round=0" / "part-x.parquet"
     pq.write_table(samples(0), foreign)
     with pytest.raises(RunFolderError, match=rf"{foreign}: a Parquet file in the samples table folder that the "
-                                             "run's commit log does not list"):
+                                             "run's log does not list"):
         check_run(committed)
     assert RunStore(committed).read("samples").num_rows == 8  # readers leave it out
 
@@ -354,7 +354,7 @@ def test_check_run_names_a_truncated_or_changed_live_file(committed):
     with pytest.raises(RunFolderError, match=rf"{committed / rel}: its sha256 differs"):
         check_run(committed, deep=True)
     (committed / rel).unlink()
-    with pytest.raises(RunFolderError, match=rf"{committed / rel}: listed by the run's commit log but missing"):
+    with pytest.raises(RunFolderError, match=rf"{committed / rel}: listed by the run's log but missing"):
         check_run(committed)
 
 

@@ -343,7 +343,7 @@ def test_a_corrupt_part_file_is_named(tmp_path):
         store.read("samples")
     assert store.read("samples", rounds=0).num_rows == 4
     bad.unlink()
-    with pytest.raises(SchemaError, match=rf"samples table \({bad}\): file not found \(listed by the commit log\)"):
+    with pytest.raises(SchemaError, match=rf"samples table \({bad}\): file not found \(listed by the run's log\)"):
         store.read("samples")
 
 
