@@ -67,7 +67,8 @@ demo: toy
 
 # The round loop on a real chat model: SmolLM2-135M-Instruct (make real-model) on chat-format
 # multiplication ("What is 47 * 6? Reply with just the number."), a task not used to choose the
-# spec's settings: 5 rounds of 32 prompts x 8 on vLLM (~20 min on 2 cores), eval of 64 held-out prompts each round.
+# spec's lr (chosen on addition and subtraction): 8 rounds of 16 prompts x 8 on vLLM (~11 min on 2 cores),
+# eval of 64 held-out prompts every 2 rounds.
 .PHONY: demo-real
 demo-real: real-model
 	test -f runs/chat/multiply/train.parquet || $(VENV)/bin/groupforge model tasks --task multiply --out runs/chat/multiply

@@ -30,7 +30,7 @@ import torch
 
 from training.objectives import Normalizer
 from training.ragged import Ragged, read_ragged, spans
-from training.shared_prompts import SHARED_MAX_LEN, SharedPrompts, pack_shared_prompts, prompt_numbers
+from training.shared_prompts import SHARED_MAX_LEN, SharedPrompts, opens_sequence, pack_shared_prompts, prompt_numbers
 
 __all__ = ["MicroBatch", "pair_batches", "policy_batches", "prompt_groups", "step_normalizer"]
 
@@ -153,7 +153,7 @@ def _pack_by_prompt(prompts: Ragged, responses: Ragged, token_budget: int, max_l
     sequences, longest, last, length = 0, 0, -1, 0
     for j in order.tolist():
         p, r = int(prompts.lengths[j]), int(responses.lengths[j])
-        opens = prompt_of[j] != last or length + r > max_len  # this row starts a new packed sequence
+        opens = opens_sequence(int(prompt_of[j]), last, length, r, max_len)
         new_length = p + r if opens else length + r
         cost = (sequences + opens) * max(longest, new_length)
         if current and cost > token_budget:

@@ -61,6 +61,12 @@ def prompt_numbers(prompts: Ragged, rows: np.ndarray) -> np.ndarray:
     return pc.dictionary_encode(keys).indices.to_numpy().astype(np.int64)
 
 
+def opens_sequence(prompt: int, last: int, length: int, response: int, max_len: int) -> bool:
+    """Whether a row starts a new packed sequence after one of `length` tokens holding prompt
+    `last`: its prompt is another, or its response would take the sequence past `max_len`."""
+    return prompt != last or length + response > max_len
+
+
 def pack_shared_prompts(prompts: Ragged, responses: Ragged, group: np.ndarray, pad_id: int,
                     max_len: int) -> SharedPrompts:
     """The micro-batch of rows `group` (in this order) packed prompt by prompt (SharedPrompts):
@@ -73,7 +79,7 @@ def pack_shared_prompts(prompts: Ragged, responses: Ragged, group: np.ndarray, p
     firsts, q, length, last = [], -1, 0, -1
     order = np.argsort(prompt_of, kind="stable")
     for j, prompt, p, r in zip(order.tolist(), prompt_of[order].tolist(), p_of[order].tolist(), r_of[order].tolist()):
-        if prompt != last or length + r > max_len:  # a new prompt, or this response would not fit
+        if opens_sequence(prompt, last, length, r, max_len):
             q, length, last = q + 1, p, prompt
             firsts.append(j)
         seq[j], start[j] = q, length
