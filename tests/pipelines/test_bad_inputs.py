@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from curation.store.run_log import COMMITS
 from tests.helpers import FAULTS_SPEC, REPO, edit_commit_row, groupforge_in_process
 
 
@@ -86,7 +87,7 @@ def test_a_bad_model_folder_gets_one_line_naming_it(name, damage, file, fragment
     line = _one_error_line(cli("generate", "--model", str(model), "--prompts", str(toy_dir / "eval.parquet"),
                                 "--out", str(out), "--backend", backend, "--max-tokens", "4"))
     assert str(model) in line and file in line and fragment in line, line
-    assert not (out / "_log").exists() and not list(out.rglob("*.parquet")) if out.exists() else True  # nothing written
+    assert not (out / COMMITS).exists() and not list(out.rglob("*.parquet")) if out.exists() else True  # none written
 
 
 def test_a_tied_embedding_model_samples_the_same_on_both_backends(toy_dir, tmp_path):
