@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from curation.errors import first_line
-from curation.store.storage import Data, Entry, Storage, check_rel, write_local_file
+from curation.store.storage import Data, Entry, Storage, check_rel, write_atomic
 from curation.store.store_errors import retry_config, store_error
 
 
@@ -102,7 +102,7 @@ class ObjectStorage(Storage):
 
         path = Path(path)
         result = self._call(rel, "reading", obstore.get, check_rel(rel))
-        write_local_file(path, (bytes(chunk) for chunk in result.stream()))
+        write_atomic(path, (bytes(chunk) for chunk in result.stream()))
 
     def list(self, prefix: str = "", after: str | None = None) -> list[Entry]:
         import obstore

@@ -229,7 +229,7 @@ def init_command(
     """Write a commented starter spec for your model and prompts: max_tokens from the model's greedy answers, the
     reward (math or exact_match with a reference column), the eval set, the round's size, lr and memory from the
     model and this machine, each with its reason; what it cannot decide is a TODO `run` refuses."""
-    from curation.store.runlog import write_atomic
+    from curation.store.storage import write_atomic
     from pipelines.cli.init_spec import starter_spec
     from pipelines.spec import load_spec
 
