@@ -48,6 +48,7 @@ TEMP_PREFIX = ".gf-tmp-"
 
 Data = bytes | bytearray | memoryview
 WriteData = str | Data | Iterable[Data] | Callable[[IO[bytes]], object]
+"""What write_atomic takes: text, bytes or any buffer, chunks of bytes, or a function writing to the file."""
 
 
 @dataclass(frozen=True)
@@ -324,14 +325,22 @@ def _temp_name(path: Path) -> Path:
     return path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
 
 
+def _is_buffer(data: object) -> bool:
+    try:
+        memoryview(data)
+    except TypeError:
+        return False
+    return True
+
+
 def _write_synced(tmp: Path, data: WriteData, mode: int | None) -> None:
     with open(tmp, "wb") as f:
         if callable(data):
             data(f)
         elif isinstance(data, str):
             f.write(data.encode("utf-8"))
-        elif isinstance(data, (bytes, bytearray, memoryview)):
-            f.write(data)
+        elif _is_buffer(data):
+            f.write(data)  # bytes, or any buffer (a pyarrow Buffer)
         else:
             for chunk in data:
                 f.write(chunk)
