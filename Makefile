@@ -89,7 +89,7 @@ test: install lint bytecode real-model
 # Everything, the exhaustive cases too (15 more fault kills, a full disk late in the run, trainer ranks by c10d
 # rendezvous, by ddp and FSDP2 in float32, vLLM engines and the round loop on two Ray nodes, the toy variants'
 # builds, both engines on every bad model folder, the bf16 GGUF import, the GPU check's dry run with vLLM on
-# Ray; ~20 min more).
+# Ray; ~16 min more).
 test-exhaustive: install lint bytecode real-model
 	$(PY) -m pytest -q --durations=30 $(PARALLEL)
 
