@@ -86,9 +86,10 @@ PARALLEL ?= -n 2 --dist loadgroup --no-loadscope-reorder
 test: install lint bytecode real-model
 	$(PY) -m pytest -q --durations=30 -m "not exhaustive" $(PARALLEL)
 
-# Everything, the exhaustive cases too (15 more fault kills, a full disk late in the run, trainer ranks by c10d
-# rendezvous and FSDP2 in float32, vLLM engines on two Ray nodes, the toy variants' builds, both engines on
-# every bad model folder, the GPU check's dry run with vLLM on Ray; ~15 min more).
+# Everything, the exhaustive cases too (15 more fault kills, a full disk late in the run, trainer ranks by ddp,
+# by c10d rendezvous and by FSDP2 in float32, vLLM engines and the round loop on two Ray nodes, the toy
+# variants' builds, both engines on every bad model folder, the bf16 GGUF import, the GPU check's dry run with
+# vLLM on Ray; ~16 min more).
 test-exhaustive: install lint bytecode real-model
 	$(PY) -m pytest -q --durations=30 $(PARALLEL)
 

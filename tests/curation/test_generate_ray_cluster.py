@@ -8,7 +8,7 @@ node's environment), the model and the run only on the S3 endpoint (moto's serve
 - The round loop with two engines and two ddp trainer ranks spread over the nodes, run by the
   CLI with the run on S3, one rank killed, then rerun: each node holds its own copy of the
   model and of the checkpoint its rank resumed from, only rank 0's node the ones it wrote, and
-  the bucket holds a whole run.
+  the bucket holds a whole run (`make test-exhaustive`).
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ rank_cpus = 0.5
 """
 
 
+@pytest.mark.exhaustive  # a deployment of paths make test checks one by one: Ray engines killed and resumed
+# (test_run_ray.py, test_generate_ray.py), runs on S3 after kills (tests/faults), trainer ranks (test_ddp.py)
 def test_the_loop_on_two_nodes_with_the_run_only_on_s3_and_a_killed_rank(cluster, model_url, s3_server, toy_dir,
                                                                         tmp_path):
     """2 engines and 2 ddp trainer ranks (Ray actors, half a CPU each) spread over the two

@@ -47,35 +47,41 @@ def gguf_file(real_model: Path) -> Path:
     return path
 
 
+def start_import(gguf_file: Path, out: Path, dtype: str) -> subprocess.Popen:
+    """The installed CLI importing `gguf_file` into `out`/`dtype` in `dtype`; its stderr goes to
+    `out`/`dtype`.stderr."""
+    with open(out / f"{dtype}.stderr", "w") as stderr:
+        return subprocess.Popen([GROUPFORGE, "model", "import-gguf", str(gguf_file), "--out", str(out / dtype),
+                                 "--dtype", dtype], stdout=subprocess.PIPE, stderr=stderr, text=True, env=cli_env())
+
+
+def finished_import(proc: subprocess.Popen, out: Path, dtype: str) -> Path:
+    """The folder `proc` (start_import) wrote, checked to have exited 0 and to have shown its progress."""
+    stdout, _ = proc.communicate(timeout=600)
+    stderr = (out / f"{dtype}.stderr").read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"model folder ready in {out / dtype}" in stdout
+    assert "writing model.safetensors: 134.5M weights in " + dtype in stderr  # the progress lines
+    return out / dtype
+
+
 @pytest.fixture(scope="module")
 def imports(gguf_file: Path, tmp_path_factory):
-    """The installed CLI importing the GGUF twice, in float32 and in bfloat16, both started at once
-    (the reference loads meanwhile); `imported` waits for them. Their stderr goes to files."""
+    """The installed CLI importing the GGUF in float32, started at once (the reference loads
+    meanwhile); `imported` waits for it."""
     out = tmp_path_factory.mktemp("imports")
-    procs = {}
-    for dtype in ("float32", "bfloat16"):
-        with open(out / f"{dtype}.stderr", "w") as stderr:
-            procs[dtype] = subprocess.Popen([GROUPFORGE, "model", "import-gguf", str(gguf_file), "--out",
-                                             str(out / dtype), "--dtype", dtype],
-                                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=cli_env())
-    yield out, procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc = start_import(gguf_file, out, "float32")
+    yield out, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
-def imported(imports) -> dict[str, Path]:
-    """The two imported folders by dtype, each import checked to have exited 0."""
-    out, procs = imports
-    for dtype, proc in procs.items():
-        stdout, _ = proc.communicate(timeout=600)
-        stderr = (out / f"{dtype}.stderr").read_text()
-        assert proc.returncode == 0, stderr[-3000:]
-        assert f"model folder ready in {out / dtype}" in stdout
-        assert "writing model.safetensors: 134.5M weights in " + dtype in stderr  # the progress lines
-    return {dtype: out / dtype for dtype in procs}
+def imported(imports) -> Path:
+    """The float32 import's folder."""
+    out, proc = imports
+    return finished_import(proc, out, "float32")
 
 
 def greedy(model, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
@@ -118,9 +124,8 @@ def test_greedy_answers_equal_the_in_memory_gguf_load(reference, imported):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = imported["float32"]
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(imported)
+    model = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32).eval()
     ids, tokens = greedy(model, tokenizer)
     ref_ids, ref_tokens, ref_tokenizer = reference
     assert ids == ref_ids  # the same chat template and tokenizer
@@ -136,7 +141,7 @@ def test_the_folder_is_a_plain_hugging_face_model_folder(imported, real_model):
 
     from curation.generate.weights import check_model_folder
 
-    folder = imported["float32"]
+    folder = imported
     check_model_folder(folder)
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config and "_model_name_or_path" not in config
@@ -155,16 +160,16 @@ def test_the_folder_is_a_plain_hugging_face_model_folder(imported, real_model):
 
 
 @pytest.mark.slow
-def test_bfloat16_writes_bfloat16_weights(imported):
-    folder = imported["bfloat16"]
+@pytest.mark.exhaustive  # another dtype of the import checked above; make test-exhaustive runs it
+def test_bfloat16_writes_bfloat16_weights(imported, gguf_file, tmp_path):
+    folder = finished_import(start_import(gguf_file, tmp_path, "bfloat16"), tmp_path, "bfloat16")
     with open(folder / "model.safetensors", "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
     dtypes = {entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
     assert dtypes == {"BF16"}
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
-    sizes = [imported[dtype] / "model.safetensors" for dtype in ("bfloat16", "float32")]
-    assert sizes[0].stat().st_size < 0.51 * sizes[1].stat().st_size
+    assert (folder / "model.safetensors").stat().st_size < 0.51 * (imported / "model.safetensors").stat().st_size
 
 
 def tiny_gguf(path: Path, architecture: str, tensor, raw_dtype=None) -> Path:

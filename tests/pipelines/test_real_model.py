@@ -1,8 +1,8 @@
 """The real model end to end: SmolLM2-135M-Instruct (`make real-model`) through `groupforge run` on
 chat-format prompts, on vLLM and on transformers: one round of 8 prompts x 4 samples with one
-train step; on vLLM a second process resumes it, reloads the checkpoint into a fresh engine and
-samples round 2 with it. The trainer's log-probs of the samples at the weights that drew them
-agree with the engine's."""
+train step (on 8 of them: a step's cost is its rows', and one step shows the path); on vLLM a
+second process resumes it, reloads the checkpoint into a fresh engine and samples round 2 with
+it. The trainer's log-probs of the samples at the weights that drew them agree with the engine's."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ name = "math"
 drop_zero_variance = false
 
 [train]
-batch_size = 32
+batch_size = 8
 lr = 1e-5
 
 [eval]

@@ -47,7 +47,11 @@ def torchrun_train(run_dir, toy_dir, steps, self_launched=False, strategy="ddp")
     return done
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", [
+    # fsdp2 checks all ddp does and more; ddp ranks also train in test_trainer.py's grad-noise check
+    pytest.param("ddp", marks=pytest.mark.exhaustive),
+    "fsdp2",
+])
 def test_two_gloo_ranks_take_the_single_process_steps_and_resume_as_one(curated_run, toy_dir, tmp_path, strategy):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     shutil.copytree(curated_run, single)
