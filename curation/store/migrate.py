@@ -167,7 +167,7 @@ def unlisted_state(storage: Storage, skip_ours: bool = False) -> RunState:
 def import_unlisted(store: RunStore) -> int:
     """Take a run written without `_commits` into it (`RunLog.take_in`); how many commits and
     files it took in. The old commit log (RUN/_log/) is removed once its commits are rows."""
-    found = unlisted(store.storage, skip_ours=store.log.state.seq > 0)
+    found = unlisted(store.storage, skip_ours=any(e.writer != store.log.writer for e in store.log.entries()))
     if not found.commits and not found.files:
         return 0
     store.log.take_in(found.commits, found.files, found.imported, found.retired)

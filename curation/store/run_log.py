@@ -19,8 +19,10 @@ itself (Polars, Spark, DuckDB) sees the table's newest version, which may be a s
 whose other tables are not written yet (docs/reliability.md).
 
 Two writers: every append to `_commits` is conditional on the version this job last read
-(`max_commit_retries=0`). A job starts writing with an "open" row, so an older job's next append
-fails and it stops with `RunTakenOver` (exit 3): the newest job to open a run writes it.
+(`max_commit_retries=0`). A job's first write to the log (a commit, an import or a restore) is
+preceded by an "open" row, so an older job's next append fails and it stops with `RunTakenOver`
+(exit 3): the newest job to write a run goes on. A job that writes nothing to a run that has
+rows leaves no row.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -39,8 +42,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from curation import schema
+from curation.errors import JobError, is_no_space, no_space_error
 from curation.store.lock import RunLockedError
 from curation.store.storage import LocalStorage, Storage
+from curation.store.store_errors import retry_config, store_error
 
 COMMITS = "_commits"
 COMPACT_EVERY = 100
@@ -172,13 +177,35 @@ def delta_location(storage: Storage, rel: str) -> tuple[str, dict[str, str] | No
         return str((storage.root / rel if rel else storage.root).absolute()), None
     options = {key: str(value).lower() if isinstance(value, bool) else str(value)
                for key, value in getattr(storage, "options", {}).items() if key != "retry_config"}
-    return f"{storage.url.rstrip('/')}/{rel}" if rel else storage.url.rstrip("/"), options or None
+    retry = retry_config()  # the same bounded retries as obstore's requests
+    options["retry_timeout"] = f"{retry['retry_timeout'].total_seconds()}s"
+    options["backoff_config.max_backoff"] = f"{retry['backoff']['max_backoff'].total_seconds()}s"
+    return f"{storage.url.rstrip('/')}/{rel}" if rel else storage.url.rstrip("/"), options
 
 
 def is_conflict(exc: BaseException) -> bool:
     from deltalake.exceptions import CommitFailedError
 
     return isinstance(exc, CommitFailedError)
+
+
+@contextmanager
+def delta_errors(storage: Storage, rel: str, action: str) -> Iterator[None]:
+    """deltalake's failures as the storage's own (its errors carry the store's text): a full disk
+    is a NoSpaceError, an object store's refusal one StorageError line; a conflict and anything
+    else pass through."""
+    start = time.monotonic()
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, (JobError, RunLockedError)) or is_conflict(exc):
+            raise
+        local = storage.local_path(rel)
+        if is_no_space(exc):
+            raise no_space_error(local) from exc
+        if local is None:
+            raise store_error(storage.url, storage.where(rel), action, exc, took=time.monotonic() - start) from exc
+        raise
 
 
 class RunLog:
@@ -190,16 +217,20 @@ class RunLog:
         self.state = RunState()
         self.writer: str | None = None
         """This job's id once it has opened the run (`open`)."""
+        self.opened = False
+        """Whether this job's "open" row is in `_commits` (written before its first write)."""
         self._handles: dict[str, Any] = {}  # table folder -> DeltaTable at the newest version known
         self._read_paths: set[str] = set()  # `_commits` files whose rows this object has read
         self._entries: list[Entry] = []  # every row read, oldest first
+        self._row_files: dict[int, str] = {}  # seq -> the `_commits` file it was read from
 
     def fork(self) -> RunLog:
         """Another RunLog of this job on the run (a thread's: `RunStore.sibling`): the same writer,
         a copy of the state and rows read, its own table handles."""
         other = RunLog(self.storage)
-        other.writer, other.state = self.writer, self.state.copy()
+        other.writer, other.state, other.opened = self.writer, self.state.copy(), self.opened
         other._entries, other._read_paths = list(self._entries), set(self._read_paths)
+        other._row_files = dict(self._row_files)
         return other
 
     # -- the tables
@@ -209,9 +240,10 @@ class RunLog:
 
         if rel not in self._handles:
             uri, options = delta_location(self.storage, rel)
-            if not DeltaTable.is_deltatable(uri, storage_options=options):
-                return None
-            self._handles[rel] = DeltaTable(uri, storage_options=options)
+            with delta_errors(self.storage, rel, "listing"):  # is_deltatable lists the table's log
+                if not DeltaTable.is_deltatable(uri, storage_options=options):
+                    return None
+                self._handles[rel] = DeltaTable(uri, storage_options=options)
         return self._handles[rel]
 
     def _create(self, rel: str, arrow_schema: pa.Schema):
@@ -219,7 +251,8 @@ class RunLog:
 
         uri, options = delta_location(self.storage, rel)
         try:
-            self._handles[rel] = DeltaTable.create(uri, arrow_schema, mode="ignore", configuration=TABLE_CONFIG,
+            with delta_errors(self.storage, rel, "writing"):
+                self._handles[rel] = DeltaTable.create(uri, arrow_schema, mode="ignore", configuration=TABLE_CONFIG,
                                                    storage_options=options)
         except Exception as exc:
             if not is_conflict(exc):  # another job created it first: it is there now
@@ -232,7 +265,8 @@ class RunLog:
         from deltalake import DeltaTable
 
         uri, options = delta_location(self.storage, table)
-        actions = pa.table(DeltaTable(uri, version=version, storage_options=options).get_add_actions(flatten=True))
+        with delta_errors(self.storage, table, "reading"):
+            actions = pa.table(DeltaTable(uri, version=version, storage_options=options).get_add_actions(flatten=True))
         return {f"{table}/{path}": (int(size), int(rows or 0)) for path, size, rows in zip(
             actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(),
             actions.column("num_records").to_pylist())}
@@ -252,7 +286,8 @@ class RunLog:
         table = self.handle(COMMITS)
         if table is None:
             return
-        table.update_incremental()
+        with delta_errors(self.storage, COMMITS, "reading"):
+            table.update_incremental()
         rows: list[tuple[int, Entry]] = []
         for path in pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist():
             if path in self._read_paths:
@@ -261,6 +296,7 @@ class RunLog:
                 if row["seq"] >= len(self._entries):
                     try:
                         rows.append((row["seq"], Entry.from_row(row)))
+                        self._row_files[row["seq"]] = f"{COMMITS}/{path}"
                     except ValueError:
                         raise ValueError(f"{self.storage.where(f'{COMMITS}/{path}')}: row {row['seq']}: its "
                                          "manifest is not JSON (edited by hand?)") from None
@@ -296,6 +332,11 @@ class RunLog:
         self._read_rows()
         return list(self._entries)
 
+    def row_file(self, seq: int) -> str:
+        """The `_commits` file (relative to the run) that holds row `seq`, as this object read it."""
+        self._read_rows()
+        return self._row_files.get(seq, COMMITS)
+
     def state_as_of(self, seq: int) -> RunState:
         """The run after row `seq` (an earlier version of the run)."""
         state = RunState()
@@ -316,20 +357,25 @@ class RunLog:
 
         table = self.handle(COMMITS) or self._create(COMMITS, ROWS)
         try:
-            write_deltalake(table, pa.Table.from_pylist([entry.row()], schema=ROWS), mode="append",
-                            commit_properties=CommitProperties(max_commit_retries=0))
+            with delta_errors(self.storage, COMMITS, "writing"):
+                write_deltalake(table, pa.Table.from_pylist([entry.row()], schema=ROWS), mode="append",
+                                commit_properties=CommitProperties(max_commit_retries=0))
         except Exception as exc:
             if is_conflict(exc):
                 raise self._taken_over() from None
             raise
-        self._read_paths.update(pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist())
+        paths = set(pa.table(table.get_add_actions(flatten=True)).column("path").to_pylist())
+        for path in paths - self._read_paths:
+            self._row_files[entry.seq] = f"{COMMITS}/{path}"
+        self._read_paths.update(paths)
         if len(self._entries) != entry.seq:
             raise RuntimeError(f"{COMMITS}: row {entry.seq} appended after {len(self._entries) - 1}")
         self._entries.append(entry)
         self.state.apply(entry)
         if entry.seq and entry.seq % COMPACT_EVERY == 0:
             try:
-                table.optimize.compact()
+                with delta_errors(self.storage, COMMITS, "writing"):
+                    table.optimize.compact()
             except Exception as exc:
                 if not is_conflict(exc):  # another job's row came first: compacted at a later row
                     raise
@@ -337,15 +383,41 @@ class RunLog:
 
     # -- writing
     def open(self) -> None:
-        """Start writing: read the log, then append an "open" row naming this job."""
+        """Start writing: read the log and name this job. Its "open" row is appended before its
+        first write to the log (`_write_open_row`); in a run with no row yet, now: the row marks
+        the run as written through the log, so a reader takes part files no commit lists for a
+        killed or unfinished commit's, not for a run written without a log."""
         self.refresh()
         self.writer = self.writer or new_writer_id()
+        if self.state.seq < 0:
+            self._write_open_row()
+
+    def _write_open_row(self) -> None:
+        """Append this job's "open" row once, after the rows written before it (its own job's
+        other stores' rows count as its open)."""
+        if self.writer is None:
+            raise RuntimeError("RunLog: a write before open(): a writer opens the run first")
+        if self.opened:
+            return
+        self._read_rows()
+        if any(entry.writer == self.writer for entry in self._pending()):
+            self.opened = True  # a sibling store of this job opened it
+            return
+        self._apply(self._pending())
         self._append(Entry(self.state.seq + 1, "open", self.writer, _now(), versions=self.state.versions))
+        self.opened = True
+
+    def fence(self) -> None:
+        """Before any other write of this job to a run on an object store: its "open" row (so an
+        older job stops at its next write), then `check_writer`."""
+        self._write_open_row()
+        self.check_writer()
 
     def check_writer(self) -> None:
         """Raise RunTakenOver when another job has appended a row since this job's state (a newer
-        job opened the run). One read of the newest versions of `_commits`, however long it is."""
-        if self.writer is None:
+        job opened the run). One read of the newest versions of `_commits`, however long it is.
+        Before this job's first row there is nothing of its own to fence."""
+        if not self.opened:
             return
         self._read_rows()
         for entry in self._pending():
@@ -358,8 +430,7 @@ class RunLog:
         part files added, its earlier ones for the round removed), then its row (the commit
         point). `files`: the manifest's outputs with their sha256, size and rows. Returns the
         files no longer live."""
-        if self.writer is None:
-            raise RuntimeError("RunLog.commit before open(): a writer opens the run first")
+        self._write_open_row()
         if self._pending():
             self.catch_up()
         outputs = list(manifest.get("outputs", []))
@@ -391,20 +462,21 @@ class RunLog:
         an older groupforge's, lists them already), then a row per commit of `commits` (stage,
         round, manifest, oldest first) and an "import" row for `imported` (files no manifest
         lists: live for good; `retired`: files of earlier versions, kept)."""
-        if self.writer is None:
-            raise RuntimeError("RunLog.take_in before open(): a writer opens the run first")
+        self._write_open_row()
         versions = dict(self.state.versions)
         for table in sorted({rel.split("/", 1)[0] for rel in files} | {t for t in schema.SCHEMAS if self.handle(t)}):
             handle = self.handle(table) or self._create(table, schema.SCHEMAS[table])
-            handle.update_incremental()
+            with delta_errors(self.storage, table, "reading"):
+                handle.update_incremental()
             present = {rel: size for rel, (size, _) in self._files_at(table, handle.version()).items()}
             wanted = {rel: f for rel, f in files.items() if rel.startswith(table + "/")}
             added = {rel: f for rel, f in wanted.items() if present.get(rel) != f.size}
             removed = {rel: size for rel, size in present.items() if rel not in wanted}
             versions[table] = handle.version()
             if added or removed:
-                versions[table] = self._write_version(handle, added, removed, {"import": True}, "import",
-                                                      self.state.seq + 1)
+                with delta_errors(self.storage, table, "writing"):
+                    versions[table] = self._write_version(handle, added, removed, {"import": True}, "import",
+                                                          self.state.seq + 1)
         for stage, round, manifest in commits:
             self._append(Entry(self.state.seq + 1, "commit", self.writer, _now(), stage, round, dict(manifest),
                                versions))
@@ -424,12 +496,13 @@ class RunLog:
         the run from) are restored away first."""
         handle = self.handle(table) or self._create(table, schema.SCHEMAS[table])
         expected = self.state.versions.get(table, 0)
-        handle.update_incremental()
-        if handle.version() != expected:
-            self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
-            self._restore(handle, expected)
-        return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed}, info,
-                                   app_id, seq)
+        with delta_errors(self.storage, table, "writing"):
+            handle.update_incremental()
+            if handle.version() != expected:
+                self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
+                self._restore(handle, expected)
+            return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed}, info,
+                                       app_id, seq)
 
     def _write_version(self, handle, added: Mapping[str, LoggedFile], removed: Mapping[str, int], info: Mapping,
                        app_id: str, seq: int) -> int:
@@ -467,10 +540,15 @@ class RunLog:
             handle = self.handle(table)
             if handle is None:
                 continue
-            handle.update_incremental()
+            with delta_errors(self.storage, table, "reading"):
+                handle.update_incremental()
+            if handle.version() == self.state.versions.get(table, 0):
+                continue
+            self._write_open_row()  # a restore is a write: this job's row first (its state may move)
             expected = self.state.versions.get(table, 0)
             if handle.version() != expected:
-                self._restore(handle, expected)
+                with delta_errors(self.storage, table, "writing"):
+                    self._restore(handle, expected)
                 restored.append(table)
         return restored
 

@@ -297,7 +297,8 @@ class RunStore(TableReads):
             yield
 
     def open_for_writing(self) -> None:
-        """Start writing the run (once per store): an "open" row in `_commits`, then
+        """Start writing the run (once per store): name this job in the log (its "open" row is
+        written before its first write: `RunLog`), then
         `curation.store.tidy.tidy`. A commit does it when the caller did not take `lock()`. A
         local run folder is checked first for links that lead out of it (and each commit checks
         the folders it writes to: `curation.store.tidy.check_inside`), so no write lands outside it."""
@@ -308,7 +309,7 @@ class RunStore(TableReads):
                 check_links(self.root)
             self.log.open()
             if isinstance(self.storage, ObjectStorage):  # no lock reaches another machine: fence each write
-                self.storage.fence_writes(self.log.check_writer)
+                self.storage.fence_writes(self.log.fence)
             self._unlisted = None
             from curation.store.tidy import tidy
 

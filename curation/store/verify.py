@@ -32,7 +32,6 @@ from pathlib import Path
 from curation import schema
 from curation.store.layout import PART_FILE
 from curation.store.migrate import OLD_MANIFESTS
-from curation.store.run_log import COMMITS
 from curation.store.storage import LocalStorage, Storage, open_storage
 
 FORMAT_VERSION = 3
@@ -79,8 +78,8 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
     result = RunCheck()
     for (stage, round), manifest in sorted(state.manifests.items()):
         if store.logged:  # the log entry of the stage's newest commit for the round
-            where = f"{storage.where(COMMITS)}, row {state.commits[(stage, round)]} (the manifest of " \
-                    f"{stage} round {round})"
+            seq = state.commits[(stage, round)]
+            where = f"{storage.where(store.log.row_file(seq))}, row {seq} (the manifest of {stage} round {round})"
         else:
             where = storage.where(f"{OLD_MANIFESTS}/{stage}-round={round}.json")
         result.manifests += 1

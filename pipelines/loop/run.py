@@ -155,7 +155,9 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
         if newest is not None:
             check_checkpoint(newest)  # and the checkpoint it resumes from is whole
         target = _target_rounds(location.storage, spec, extra_rounds)
-        location.storage.write(SPEC_FILE, resolved_toml(spec).encode("utf-8"))
+        resolved = resolved_toml(spec).encode("utf-8")
+        if not location.storage.exists(SPEC_FILE) or location.storage.read(SPEC_FILE) != resolved:
+            location.storage.write(SPEC_FILE, resolved)  # a rerun of the same spec writes nothing
         metrics = MetricsLog(location.storage)
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log, prompt_files=prompt_files,
                            records={record["round"]: record for record in metrics.rounds()} if metrics.exists() else {})
@@ -341,5 +343,6 @@ def _target_rounds(storage: Storage, spec: PipelineSpec, extra_rounds: int | Non
     if extra_rounds:
         done = max([record["round"] for record in MetricsLog(storage).rounds()], default=0)
         target = max(target, done) + extra_rounds
-    save_pipeline_state(storage, {**state, "target_rounds": target})
+    if state.get("target_rounds") != target:  # a rerun to the same target writes nothing
+        save_pipeline_state(storage, {**state, "target_rounds": target})
     return target

@@ -81,7 +81,8 @@ def test_the_older_of_two_writers_stops_at_its_next_commit(storage):
     first, second = RunLog(storage), RunLog(storage)
     first.open()
     _commit(first, storage, "generate", 1, ["samples/round=1/part-generate-a.parquet"])
-    second.open()  # a second job opens the run: it writes from now on
+    second.open()  # a second job opens the run and writes (its first write appends its "open" row)
+    second.fence()
     with pytest.raises(RunTakenOver, match="wrote to this run after this job"):
         _commit(first, storage, "generate", 2, ["samples/round=2/part-generate-a.parquet"])
     _commit(second, storage, "generate", 2, ["samples/round=2/part-generate-b.parquet"])
@@ -95,6 +96,8 @@ def test_check_writer_passes_the_job_s_own_rows_and_stops_it_after_a_newer_open(
     _commit(first, storage, "generate", 1, ["samples/round=1/part-generate-a.parquet"])
     first.check_writer()  # its own rows only
     second.open()
+    first.check_writer()  # a job that opened the run and wrote nothing has not taken it over
+    second.fence()
     with pytest.raises(RunTakenOver, match=r"run taken over: job \S+ \(open at "):
         first.check_writer()
     second.check_writer()
@@ -120,7 +123,7 @@ def test_a_killed_commit_s_table_versions_are_restored_away_by_the_next_writer(s
 def test_a_fenced_object_store_refuses_every_write_of_the_older_job(s3_server):
     """On an object store, `RunStore.lock` fences the storage: once a newer job has opened the
     run, the older one's next write of any kind (a metrics line, a checkpoint file, a delete)
-    stops it, with nothing written."""
+    stops it, with nothing written. A newer job that writes nothing does not stop it."""
     from curation.store.run_store import RunStore
     from curation.store.storage import open_storage
 
@@ -128,8 +131,11 @@ def test_a_fenced_object_store_refuses_every_write_of_the_older_job(s3_server):
     older = RunStore(url)
     with older.lock():
         older.storage.write("metrics.jsonl", b"{}\n")
-        with RunStore(url).lock():  # a newer job (elsewhere: its own storage and cache lock)
+        with RunStore(url).lock():  # a newer job that writes nothing (a no-op rerun)
             pass
+        older.storage.write("metrics.jsonl", b"{}\n")
+        with (newer := RunStore(url)).lock():  # a newer job (elsewhere: its own storage and cache lock)
+            newer.storage.write("spec.toml", b"")
         for write in (lambda: older.storage.write("metrics.jsonl", b"{}\n{}\n"),
                       lambda: older.storage.upload("checkpoints/step-2/config.json", REPO / "pyproject.toml"),
                       lambda: older.storage.delete("metrics.jsonl")):
