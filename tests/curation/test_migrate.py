@@ -364,8 +364,9 @@ def test_check_run_names_an_edited_commit_row(committed):
         assert (row["kind"], manifest["round"]) == ("commit", 1)
         return {**row, "manifest": json.dumps({**manifest, "rows_out": 1000})}
 
-    edit_commit_row(committed, 2, rows_out)
-    where = rf"{committed / COMMITS}, row 2 \(the manifest of generate round 1\)"
+    held = edit_commit_row(committed, 2, rows_out)  # the `_commits` file that holds row 2
+    assert held.parent == committed / COMMITS and held.suffix == ".parquet"
+    where = rf"{held}, row 2 \(the manifest of generate round 1\)"
     with pytest.raises(RunFolderError, match=rf"{where}: edited after its commit"):
         check_run(committed)
     edit_commit_row(committed, 2, lambda row: {**row, "manifest": json.dumps({**json.loads(row["manifest"]),
