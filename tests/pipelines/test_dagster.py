@@ -7,8 +7,6 @@ sensor asks for round 2, and a round whose previous round is not done is refused
 
 from __future__ import annotations
 
-import json
-
 import pyarrow.parquet as pq
 import pytest
 
