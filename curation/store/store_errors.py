@@ -100,7 +100,8 @@ def store_error(root: str, where: str, action: str, exc: BaseException, took: fl
     if code in BAD_CREDENTIAL_CODES or status == "401":
         return StoreAccessError(f"{where}: {action} refused: invalid credentials ({said}): check "
                                 f"{CREDENTIAL_VARS[family]}, then rerun the same command")
-    if any(sign in first for sign in METADATA_SIGNS) or "credential" in first.lower():
+    if any(sign in first for sign in METADATA_SIGNS) or "credential" in first.lower() or \
+            "while loading credentials" in text:  # deltalake's words, below its first line
         return StoreAccessError(f"{where}: {action} failed: no credentials found (set {CREDENTIAL_VARS[family]}; "
                                 f"without them the instance-metadata service was asked): {_short(first)}")
     if status == "403" or type(exc).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
