@@ -1,7 +1,7 @@
 """Same run: does a code change keep the toy round loop's behaviour byte for byte?
 
     python bench/same_run.py record --out DIGEST.json --work DIR [--repo R] [--python PY] [--pythonpath P]
-    python bench/same_run.py compare A.json B.json
+    python bench/same_run.py compare A.json B.json [--ignore REGEX]
 
 `record` runs pipelines/specs/toy-grpo.toml and toy-gspo.toml of the checkout REPO (default: the
 current directory; the toy is built there as runs/toy if missing) for 12 small rounds (SETTINGS) with
@@ -19,6 +19,9 @@ the digest's `meta`. Then it digests every file of each run folder and the toy:
 - report/summary.md: its text without the time section and the wall/tokens-per-second figures;
 - SKIPPED files (the writer lock, temp files and folders named by pid, the Delta logs' Parquet checkpoints, which
   hold the times of the JSON versions they sum up) are only listed (compared by name, digits masked).
+
+Each run's live tables are digested too (`LIVE`: rows read by the code under test), so a change of the
+log's format is compared by what it holds: `compare --ignore REGEX` leaves the log's own files out.
 
 `compare` prints every difference (a file on one side only, another hash, another field value with
 both values) and exits 1 if there is any, else 0. `meta` (paths, commit, CLI file) is shown, not compared.
@@ -50,6 +53,13 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TO
 DROPPED = {"created_at", "at", "writer", "mtime_ns", "code_version", "seal", "timestamp", "modificationTime",
            "deletionTimestamp", "createdTime"}
 SKIPPED = re.compile(r"(^|/)(\.lock|\.gf-tmp-.*|\.tmp-.*|_delta_log/(_last_checkpoint|.*\.checkpoint\.parquet))$")
+LIVE = ("import hashlib, json, sys; from curation import schema; from curation.store.run_store import RunStore; "
+        "store = RunStore(sys.argv[1]); rows = lambda t: sorted(json.dumps(r, sort_keys=True, default=str) "
+        "for r in store.read(t).to_pylist()); "
+        "print(json.dumps({t: {'rows': len(r), 'sha256': hashlib.sha256('\\n'.join(r).encode()).hexdigest()} "
+        "for t in schema.SCHEMAS for r in [rows(t)]}))")
+"""Each table's live rows as the run's own reader (the code under test) reads them: their count
+and the sha256 of the rows, sorted, one JSON object a line; the same whatever the log's format."""
 CLI = ("import importlib, sys; m = importlib.import_module(sys.argv.pop(1)); f = sys.argv.pop(1); "
        "print('groupforge-cli-file:', m.__file__, file=sys.stderr, flush=True); "
        "sys.argv[0] = 'groupforge'; sys.exit(getattr(m, f)())")
@@ -135,6 +145,17 @@ def groupforge(args: argparse.Namespace, argv: list[str], log: Path, fault: str 
     return rc, cli_file
 
 
+def live_tables(args: argparse.Namespace, run_dir: Path) -> dict:
+    """`LIVE` run with the code under test (`--pythonpath`)."""
+    path = os.pathsep.join(filter(None, [str(args.pythonpath), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run([args.python, "-P", "-c", LIVE, str(run_dir)], cwd=args.repo, env=env, capture_output=True,
+                          text=True)
+    if done.returncode:
+        sys.exit(f"reading {run_dir}'s tables failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
 def record(args: argparse.Namespace) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     files, skipped, meta = {}, [], {"repo": str(args.repo), "pythonpath": str(args.pythonpath),
@@ -164,6 +185,7 @@ def record(args: argparse.Namespace) -> None:
                 files[f"{name}/killed-at"] = {"last_round": max(r["round"] for r in records if r["event"] == "round"),
                                              "steps": [r["step"] for r in records if r["event"] == "step"]}
         digest_tree(run_dir, name, files, skipped)
+        files[f"{name}/live-tables"] = live_tables(args, run_dir)
     print(f"cli module: {meta['cli_file']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "skipped": skipped, "files": files}, indent=1, sort_keys=True) + "\n")
@@ -191,7 +213,10 @@ def compare(args: argparse.Namespace) -> None:
         for name in sorted(mine - other):
             print(f"skipped only in {side}: {name}")
             diffs += 1
+    ignored = re.compile(args.ignore) if args.ignore else None
     for name in sorted(a["files"].keys() | b["files"].keys()):
+        if ignored is not None and ignored.search(name):
+            continue
         if name not in b["files"] or name not in a["files"]:
             print(f"only in {'A' if name in a['files'] else 'B'}: {name}")
             diffs += 1
@@ -219,6 +244,8 @@ def main() -> None:
     cmp = sub.add_parser("compare")
     cmp.add_argument("a")
     cmp.add_argument("b")
+    cmp.add_argument("--ignore", help="a regex: files whose name it matches are not compared (e.g. a log whose "
+                                      "format changed: '/(_log|_commits|[a-z_]+/_delta_log)/')")
     args = parser.parse_args()
     if args.mode == "record":
         args.repo = args.repo.resolve()

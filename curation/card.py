@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from curation.errors import JobError
 from curation.store.fingerprints import code_version
 from curation.store.run_store import RunStore
-from curation.store.runlog import write_atomic
+from curation.store.storage import write_atomic
 
 CARD_FILE = "README.md"
 CARD_MARKER = "<!-- written by groupforge export: rewritten on every export into this folder -->"

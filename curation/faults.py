@@ -9,8 +9,10 @@ comma-separated. Unset (always, outside tests), a point costs one dictionary loo
 points, where they sit and what a kill there leaves behind:
 
     generate.chunk_staged      a chunk of a multi-chunk round is staged (RUN/_staging)
-    commit.files_published     a commit's part files are written, its commit log entry is not
-    commit.logged              its commit log entry is written, the Delta logs and stale parts are not
+    commit.files_published     a commit's part files are written, no table has its Delta version
+    commit.tables_written      its tables have their Delta versions, its row in RUN/_commits (the
+                               commit point) is not
+    commit.logged              its row is written (the commit is made), its staging folder not removed
     stage.before_commit        a curation stage computed its tables, nothing written
     train.step_logged          an optimizer step's metrics line is written
     checkpoint.weights_written a checkpoint's weights are in its temp folder, no optimizer state
@@ -22,8 +24,8 @@ points, where they sit and what a kill there leaves behind:
     report.before_write        the report's numbers are computed, no file written
     location.file_uploaded     a local file (a checkpoint's, the report's, a round's prompts) is
                                uploaded to an object-store run, the files after it are not
-    dataset.file_written       an append's data file is in the dataset's folder, its Delta version is
-                               not (curation/stages/dataset.py)
+    dataset.rows_built         an append's rows are built, nothing written to the dataset
+                               (curation/stages/dataset.py)
 
 `GROUPFORGE_PAUSE=<point>:<count>:<folder>` stops there instead: the process writes
 `<folder>/paused` and waits until `<folder>/resume` exists (concurrency tests: a reader runs
@@ -42,10 +44,11 @@ from pathlib import Path
 FAULT_ENV = "GROUPFORGE_FAULT"
 PAUSE_ENV = "GROUPFORGE_PAUSE"
 
-POINTS = ("generate.chunk_staged", "commit.files_published", "commit.logged", "stage.before_commit",
+POINTS = ("generate.chunk_staged", "commit.files_published", "commit.tables_written", "commit.logged",
+          "stage.before_commit",
           "train.step_logged", "checkpoint.weights_written", "checkpoint.optimizer_written", "loop.after_curate",
           "loop.reload", "loop.eval", "export.before_rename", "report.before_write",
-          "location.file_uploaded", "dataset.file_written")
+          "location.file_uploaded", "dataset.rows_built")
 KINDS = ("kill", "raise")
 
 _passed: dict[str, int] = {}

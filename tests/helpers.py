@@ -332,21 +332,39 @@ def step_records(run_dir):
     return [r for r in map(json.loads, lines) if r["event"] == "step"]
 
 
+def commit_rows(run_dir: Path) -> list[dict]:
+    """The rows of RUN/_commits read with deltalake, not the store, oldest first; each row's
+    manifest and versions decoded."""
+    from deltalake import DeltaTable
+
+    rows = DeltaTable(str(Path(run_dir) / "_commits")).to_pyarrow_table().sort_by("seq").to_pylist()
+    return [{**r, "manifest": json.loads(r["manifest"] or "{}"), "versions": json.loads(r["versions"])} for r in rows]
+
+
+def edit_commit_row(run_dir: Path, seq: int, edit) -> Path:
+    """Rewrite by hand the RUN/_commits file holding row `seq`: `edit(row)` returns the new row
+    (its manifest a JSON string). The file's path."""
+    for path in sorted((Path(run_dir) / "_commits").glob("*.parquet")):
+        table = pq.read_table(path)
+        rows = table.to_pylist()
+        if any(r["seq"] == seq for r in rows):
+            pq.write_table(pa.Table.from_pylist([edit(r) if r["seq"] == seq else r for r in rows],
+                                                schema=table.schema), path)
+            return path
+    raise AssertionError(f"no row {seq} in {run_dir}/_commits")
+
+
 def logged_files(run_dir: Path, table: str, rounds=None) -> list[Path]:
-    """The live files of `table` (`rounds`: only those rounds') as the run's commit log lists
-    them, read without the store: the "commit" entries of RUN/_log/ folded per (stage, round),
-    the newest winning, and the files "import" entries take in. Unlike a glob of the table
-    folder, this leaves out files of earlier versions, killed commits' files and the Delta
-    log's own files."""
+    """The live files of `table` (`rounds`: only those rounds') as the run's `_commits` rows
+    list them, read without the store: the newest commit per (stage, round) and the files
+    imports take in. Unlike a glob of the table folder, this leaves out files of earlier
+    versions, killed commits' files and the Delta log's own files."""
     newest, imported = {}, set()
-    for path in sorted((Path(run_dir) / "_log").glob("*.json")):
-        if path.name.endswith(".state.json"):
-            continue
-        entry = json.loads(path.read_text())
-        if entry["kind"] == "commit":
-            newest[(entry["stage"], entry["round"])] = set(entry["add"])
-        elif entry["kind"] == "import":
-            imported |= set(entry["add"])
+    for row in commit_rows(run_dir):
+        if row["kind"] == "commit":
+            newest[(row["stage"], row["round"])] = set(row["manifest"].get("outputs", []))
+        elif row["kind"] == "import":
+            imported |= set(row["manifest"].get("outputs", []))
     live = imported.union(*newest.values())
     folders = None if rounds is None else {f"round={r}" for r in rounds}
     return sorted(Path(run_dir) / rel for rel in live if rel.split("/")[0] == table
@@ -382,33 +400,36 @@ def check_tables(run_dir):
 
 def check_invariants(run_dir: Path) -> None:
     """A finished (or stopped) run folder, read without the store: `check_tables`; every file
-    a commit log entry lists there with the sha256, size and rows it records; no part file in
-    a table folder that no entry lists; each table's Delta log listing the live files; each
-    round and step once in metrics.jsonl; every checkpoint loading with transformers."""
+    a row of `_commits` lists there with the sha256, size and rows its manifest records; no part
+    file in a table folder that no row lists; each table's Delta version that the newest row
+    records listing the live files; each round and step once in metrics.jsonl; every checkpoint
+    loading with transformers."""
     from deltalake import DeltaTable
 
     check_tables(run_dir)
     listed = set()
-    for path in sorted((run_dir / "_log").glob("*.json")):
-        entry = json.loads(path.read_text())
-        for rel, meta in ({} if path.name.endswith(".state.json") else entry.get("add", {})).items():
-            file = run_dir / rel
-            assert file.is_file(), f"{path.name} lists {rel}, which is missing"
-            assert file.stat().st_size == meta["size"], f"{rel}: size differs from {path.name}"
+    rows = commit_rows(run_dir)
+    for row in rows:
+        manifest = row["manifest"]
+        for rel, meta in (manifest.get("output_files") or {}).items():
+            file, where = run_dir / rel, f"row {row['seq']} of _commits"
+            assert file.is_file(), f"{where} lists {rel}, which is missing"
+            assert file.stat().st_size == meta["size"], f"{rel}: size differs from {where}"
             assert hashlib.sha256(file.read_bytes()).hexdigest() == meta["sha256"], f"{rel}: sha256 differs"
-            assert pq.read_metadata(file).num_rows == meta["rows"], f"{rel}: rows differ"
+            assert pq.read_metadata(file).num_rows == manifest["output_rows"][rel], f"{rel}: rows differ"
             listed.add(rel)
     for table in ("samples", "scores", "groups", "rejects", "pairs", "prompts"):
         folder = run_dir / table
         files = [f for f in folder.rglob("*.parquet") if "_delta_log" not in f.parts] if folder.is_dir() else []
         for file in files:
             rel = file.relative_to(run_dir).as_posix()
-            assert rel in listed, f"{rel} is in a table folder but no log entry lists it"
+            assert rel in listed, f"{rel} is in a table folder but no row of _commits lists it"
         if files:
             live = {f.relative_to(folder).as_posix() for f in logged_files(run_dir, table)}
+            version = rows[-1]["versions"][table]
             uris = {Path(uri.removeprefix("file://")).relative_to(folder.resolve()).as_posix()
-                    for uri in DeltaTable(str(folder)).file_uris()}
-            assert uris == live, f"{table}: the Delta log and the commit log differ"
+                    for uri in DeltaTable(str(folder), version=version).file_uris()}
+            assert uris == live, f"{table}: its Delta version {version} and the _commits rows differ"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = [r["round"] for r in records if r["event"] == "round"]
     steps = [r["step"] for r in records if r["event"] == "step"]

@@ -36,11 +36,11 @@ from curation.store.runlog import (
     CHECKPOINTS_DIR,
     OPTIMIZER_FILE,
     TRAINER_STATE_FILE,
-    fsync_dir,
     load_best,
     read_json,
     write_json_atomic,
 )
+from curation.store.storage import fsync_dir
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 # Files of a model folder that are not weights: copied so every checkpoint is loadable alone.

@@ -6,7 +6,7 @@
     generator.sample(chunk of prompts, per-prompt seeds, n=G) ──> RUN/_staging/generate-round=<n>/chunk-*.parquet
         ▼ (all chunks done)
     one atomic commit: samples/round=<n>/part-generate-<sha>.parquet, rejects/...,
-    prompts/part-<fp>-<sha>.parquet, then its commit log entry (RUN/_log/, with the manifest)
+    prompts/part-<fp>-<sha>.parquet, then its Delta versions and its row in RUN/_commits (with the manifest)
 
 A round may sample several prompts files: the first as stage "generate", more (the round
 loop's refills) under their own stage names, each with its own commits and part files

@@ -4,9 +4,9 @@ Delta Lake table, one version per append, with the append's provenance in the ve
     groupforge export RUN --format preference --append-to s3://bucket/datasets/pairs
     [export] append_to = "s3://bucket/datasets/pairs"      (a spec: `groupforge run` appends at its end)
 
-The table is an ordinary Delta table (a folder or an object-store prefix): Parquet files with
-the export's columns (curation/stages/export.py), and `_delta_log/<version>.json` written by
-curation/store/delta_log.py. Version v's commitInfo["groupforge"] is its provenance:
+The table is an ordinary Delta table (a folder or an object-store prefix) written by deltalake:
+Parquet files with the export's columns (curation/stages/export.py). Version v's commitInfo
+"groupforge" is its provenance:
 
     run              the run (its resolved folder or its URL)
     rounds, rows     the rounds this version added and their rows (a round may have none)
@@ -21,11 +21,13 @@ commit for preference, label's for unpaired and sft), that the run finished (a r
 RUN/metrics.jsonl, when the run has one), minus the rounds of this run that the table's
 provenance lists. So a rerun after a kill, or a second refresh, never adds a round twice.
 
-The version is written with `Storage.create` (If-None-Match) at the version number read before
-the export was built: of two appenders, one wins; the other deletes its data file, reads the
-table again and appends what is still missing (usually nothing). A kill between the data file
-and the version leaves a file no version lists, which readers ignore (`DeltaTable.vacuum`
-removes it). A Parquet checkpoint of the log every `delta_log.CHECKPOINT_EVERY` versions keeps
+Each version carries an app transaction whose id is the run (Delta's `txn` action, for
+exactly-once writes by an application): of two appenders of one run, the one that commits
+second finds the other's transaction among the versions written since it read the table, its
+commit fails, and it reads the table again and appends what is still missing (usually nothing).
+Appenders of other runs do not conflict: deltalake commits them one after the other. A kill
+before the commit leaves at most a data file that no version lists, which readers ignore
+(`DeltaTable.vacuum` removes it). A Parquet checkpoint of the log every 10 versions keeps
 opening the table cheap; the JSON versions, which hold the provenance, stay.
 """
 
@@ -33,29 +35,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import Schema as DeltaSchema
 
 from curation.card import METADATA_KEY
-from curation.errors import JobError
 from curation.faults import fault_point
 from curation.stages.export import ExportConfig, export_rows
-from curation.store import delta_log
 from curation.store.fingerprints import code_version
 from curation.store.location import RunLocation
+from curation.store.run_log import TABLE_CONFIG, delta_location, is_conflict
 from curation.store.run_store import RunStore
 from curation.store.runlog import SPEC_FILE, MetricsLog, load_pipeline_state
 from curation.store.storage import Storage, open_storage
 
 ROUNDS_FROM = {"preference": "pair", "unpaired": "label", "sft": "label"}
 """Per format, the stage whose commit makes a round exportable."""
-ATTEMPTS = 5
-"""Appends tried before giving up when other appenders keep writing the next version first."""
 
 
 @dataclass(frozen=True)
@@ -72,31 +70,29 @@ class Appended:
 
 @dataclass(frozen=True)
 class DatasetLog:
-    """What an appender reads of the table's log: its next version, its schema, and the rounds
-    each run has in it (from every version's provenance)."""
+    """What an appender reads of the table: the table at its newest version (None before the
+    first append) and the rounds each run has in it (from every version's provenance)."""
 
-    next_version: int
-    schema: dict | None
-    """The table's schema (Delta's JSON form), None before version 0."""
+    table: DeltaTable | None
     rounds: dict[str, set[int]]
 
+    @property
+    def next_version(self) -> int:
+        return 0 if self.table is None else self.table.version() + 1
 
-def read_dataset_log(table: Storage) -> DatasetLog:
-    """The table's log read from its JSON versions (see `DatasetLog`)."""
-    schema, rounds, newest = None, {}, -1
-    for entry in table.list(delta_log.LOG_DIR):
-        name = entry.rel.rsplit("/", 1)[-1]
-        if not (name.endswith(".json") and len(name) == 25 and name[:20].isdigit()):
-            continue
-        newest = max(newest, int(name[:20]))
-        for line in table.read(entry.rel).decode().splitlines():
-            action = json.loads(line) if line.strip() else {}
-            if "metaData" in action:
-                schema = json.loads(action["metaData"]["schemaString"])
-            info = action.get("commitInfo", {}).get("groupforge") or {}
-            if "run" in info:
-                rounds.setdefault(info["run"], set()).update(info.get("rounds") or [])
-    return DatasetLog(newest + 1, schema, rounds)
+
+def read_dataset_log(target: str) -> DatasetLog:
+    """The dataset at `target` as `DatasetLog` says."""
+    uri, options = delta_location(open_storage(target), "")
+    if not DeltaTable.is_deltatable(uri, storage_options=options):
+        return DatasetLog(None, {})
+    table = DeltaTable(uri, storage_options=options)
+    rounds: dict[str, set[int]] = {}
+    for commit in table.history():
+        info = commit.get("groupforge") or {}
+        if isinstance(info, dict) and "run" in info:
+            rounds.setdefault(info["run"], set()).update(info.get("rounds") or [])
+    return DatasetLog(table, rounds)
 
 
 def finished_rounds(store: RunStore, cfg: ExportConfig) -> list[int]:
@@ -121,46 +117,39 @@ def append_export(run: str | Path | Storage, cfg: ExportConfig, target: str | No
     if cfg.format not in ROUNDS_FROM:
         raise ValueError(f"--append-to {target}: format {cfg.format} has no rounds to append; use one of "
                          + ", ".join(ROUNDS_FROM))
-    table = open_storage(target)
     store = RunStore(run).snapshot()  # whole commits only
     run_key = RunLocation.of(store.storage).key
-    for _ in range(ATTEMPTS):
-        log = read_dataset_log(table)
+    for attempt in range(2):  # the second: after losing to an appender of this run (module docstring)
+        log = read_dataset_log(target)
         new = [r for r in finished_rounds(store, cfg) if r not in log.rounds.get(run_key, set())]
         if not new:
             return Appended(target, None)
         rows = export_rows(store, cfg.model_copy(update={"rounds": new}), allow_empty=True)
         schema = rows.schema.remove_metadata()
-        if not rows.num_rows and log.schema is None:
+        if not rows.num_rows and log.table is None:
             return Appended(target, None)  # no rows to make the table from yet: those rounds are looked at again
-        if rows.num_rows and log.schema is not None and log.schema != json.loads(delta_log.schema_string(schema)):
+        if log.table is not None and DeltaSchema.from_arrow(schema).to_json() != log.table.schema().to_json():
             raise ValueError(f"--append-to {target}: the table's columns differ from this {cfg.format} "
                              f"({cfg.style}) export's; append to another table")
-        added = _write_file(table, rows, RunLocation.of(store.storage).name, new) if rows.num_rows else []
-        fault_point("dataset.file_written")
+        fault_point("dataset.rows_built")
         info = _provenance(store, run_key, cfg, new, rows)
+        done = (log.table.transaction_version(run_key) if log.table is not None else None)
+        properties = CommitProperties(custom_metadata={"groupforge": info},
+                                      app_transactions=[Transaction(run_key, 0 if done is None else done + 1)])
+        uri, options = delta_location(open_storage(target), "")
         try:
-            version = delta_log.commit(table, schema, add=added, info=info, version=log.next_version)
-        except delta_log.DeltaConflict:
-            table.delete_all(f.path for f in added)  # named by a uuid: no other version lists it
+            if log.table is None:  # the first append makes the table; it fails when another made it first
+                write_deltalake(uri, rows, mode="error", storage_options=options,
+                                configuration=TABLE_CONFIG, commit_properties=properties)
+            else:
+                write_deltalake(log.table, rows, mode="append",
+                                commit_properties=properties)
+        except Exception as exc:
+            if attempt or not (is_conflict(exc) or (log.table is None and read_dataset_log(target).table)):
+                raise
             continue
-        if version and version % delta_log.CHECKPOINT_EVERY == 0:
-            delta_log.checkpoint(table)
-        return Appended(target, version, new, rows.num_rows)
-    raise JobError(f"--append-to {target}: {ATTEMPTS} appends in a row lost to other writers of the table; "
-                   "rerun to append what is still missing")
-
-
-def _write_file(table: Storage, rows: pa.Table, run_name: str, rounds: list[int]) -> list[delta_log.DeltaFile]:
-    """`rows` as one Parquet file of the table, named by the run, its rounds and a uuid."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(rows, sink, compression="zstd")
-    data = sink.getvalue()
-    path = f"part-{run_name}-rounds-{rounds[0]}-{rounds[-1]}-{uuid.uuid4().hex[:16]}.parquet"
-    table.write(path, data)
-    span = pc.min_max(rows.column("round")).as_py()
-    low, high = {"round": span["min"]}, {"round": span["max"]}
-    return [delta_log.DeltaFile(path, data.size, rows.num_rows, low, high)]
+        return Appended(target, read_dataset_log(target).next_version - 1, new, rows.num_rows)
+    raise AssertionError("unreachable")
 
 
 def _provenance(store: RunStore, run_key: str, cfg: ExportConfig, rounds: list[int], rows: pa.Table) -> dict:

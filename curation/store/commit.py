@@ -3,16 +3,18 @@
     with store.commit(stage, round, inputs, config) as commit:
         commit.write("rejects", table)          # validated, written under its final name
         commit.record(rows_in=..., drops=...)   # counts for the manifest
-    # here: the commit log entry is written (the commit point); the stage's earlier parts
-    # for the round leave the live files (kept for earlier versions of the run)
+    # here: each table written got a Delta version, then the commit's row in _commits (the
+    # commit point); the stage's earlier parts for the round left the live files (kept for
+    # earlier versions of the run)
 
 Each part file is written under a name no other bytes can have (`part-<part>-<sha>.parquet`,
 curation/store/layout.py), straight to the run's storage: no temporary file and no rename,
-which object stores do not have. Nothing lists it until the commit log entry is written (with
-If-None-Match: curation/store/commit_log.py), so a reader sees the commit whole or not at all;
-a kill before that point leaves files that nobody lists, which the next writer sweeps.
+which object stores do not have. Nothing lists it until its table's Delta version and the
+commit's row in `_commits` are written (curation/store/run_log.py), so a reader sees the commit
+whole or not at all; a kill before that point leaves files that nobody lists, which the next
+writer sweeps, and table versions that no row records, which it restores away.
 
-The manifest in the entry records each output's sha256, size and rows, so the next stage
+The manifest in the row records each output's sha256, size and rows, so the next stage
 fingerprints its inputs without reading them again. A commit through a `RunStore(...,
 hold=True)` (the round loop's) leaves each part it wrote in `store.held` (its sha256 and
 table), so the next stage and the trainer read it from memory.
@@ -36,10 +38,9 @@ import pyarrow.parquet as pq
 
 from curation import schema
 from curation.faults import fault_point
-from curation.store.commit_log import LoggedFile
-from curation.store.delta_mirror import mirror_commit
 from curation.store.fingerprints import canonical_json, code_version, config_hash
 from curation.store.layout import ROUND_TABLES, check_name, check_round, part_name, part_rel
+from curation.store.run_log import LoggedFile
 from curation.store.run_store import HeldPart, RunStore
 from curation.store.runlog import to_json
 from curation.store.tidy import check_inside
@@ -97,10 +98,9 @@ def encode_part(stage: str, table: str, data: pa.Table, part: str | None = None,
 class Commit:
     """Writes one stage's outputs for one round; nothing is visible until the `with` block ends.
 
-    On success: the commit log entry lists the files written (the commit point), the stage's
-    earlier files for the round leave the live files (they stay on storage for earlier versions
-    of the run), the stage's staging folder is removed, and every touched table's Delta log gets
-    a version. On an exception:
+    On success: every touched table gets a Delta version and `_commits` a row (the commit
+    point), the stage's earlier files for the round leave the live files (they stay on storage
+    for earlier versions of the run), and the stage's staging folder is removed. On an exception:
     the files written are deleted (best effort; nothing lists them) and it re-raises.
     """
 
@@ -218,10 +218,7 @@ class Commit:
         fault_point("commit.files_published")
         with store.job.lock:  # a sibling store of this job (another thread) commits in turn
             store.catch_up()
-            before = store.state.copy()
-            earlier = (store.load_manifest(self.stage, self.round) or {}).get("outputs", [])
-            tables = tuple(sorted({rel.split("/", 1)[0] for rel in (*outputs, *earlier)}))
-            gone = store.log.commit(self.stage, self.round, manifest, self._files, tables)  # the commit point
+            gone = store.log.commit(self.stage, self.round, manifest, self._files)  # the commit point
             store.job.seq = store.log.state.seq
             fault_point("commit.logged")
             for rel in outputs:
@@ -229,7 +226,6 @@ class Commit:
                     store.held[rel] = HeldPart(self._files[rel].sha256, self._tables[rel])
                 else:
                     store.held.pop(rel, None)
-            mirror_commit(store, before, gone)
         for rel in gone:  # kept on storage for earlier versions of the run (RunState.retired)
             store.held.pop(rel, None)
         staging = store.staging(self.stage, self.round)

@@ -3,7 +3,7 @@
     fingerprint_file(path)     sha256 of a file's bytes (a table part, a prompts file)
     known_fingerprint(path)    the same, without reading the bytes again when a manifest recorded
                                them and the file's size and mtime_ns still match
-    part_fingerprints(store, rels)   the sha256 of a run's part files: held, or as the commit log recorded
+    part_fingerprints(store, rels)   the sha256 of a run's part files: held, or as the log recorded
     fingerprint_path(path)     sha256 of a file, or of a folder's relative paths and file hashes
     config_hash(config)        sha256 of a config's canonical JSON (sorted keys)
     code_version()             'groupforge <version> (<commit>[-dirty])', recorded in manifests
@@ -58,7 +58,7 @@ def _vouches(path: str | Path, recorded: Mapping[str, object]) -> bool:
 
 def part_fingerprints(store: RunStore, rels: Sequence[str]) -> dict[str, str]:
     """{rel: sha256} of live part files of the run: a held part's own, else what its commit
-    recorded in the commit log (no file is read)."""
+    recorded in the run's log (no file is read)."""
     found = {}
     for rel in rels:
         held = store.held_part(rel)

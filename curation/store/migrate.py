@@ -1,16 +1,20 @@
-"""Runs written without a commit log: tables another tool wrote into a run folder, and run
-folders of an older groupforge (`RUN/_manifests/<stage>-round=<n>.json` beside part files).
+"""Runs written without `_commits` (curation/store/run_log.py): tables another tool wrote into a
+run folder, and run folders of an older groupforge: its own commit log (`RUN/_log/<seq>.json`
+beside hand-written Delta logs, run format 2) or, older still, `RUN/_manifests/<stage>-round=<n>.json`.
 
-A reader sees them as their files and manifests say (`unlisted_state`, nothing written); the
-first job that writes the run takes them into its commit log (`import_unlisted`: one entry per
-old manifest, then one "import" entry for the table files no manifest lists), and from then on
-the run is like any other. `groupforge migrate RUN` does only that step.
+A reader sees them as their files and logs or manifests say (`unlisted_state`, nothing written);
+the first job that writes the run takes them in (`import_unlisted`: each table's Delta log made
+to list the live files, a row per old commit, an "import" row for the table files no manifest
+lists), and from then on the run is like any other. `groupforge migrate RUN` does only that step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import shutil
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -18,14 +22,15 @@ import pyarrow.parquet as pq
 
 from curation import schema
 from curation.errors import first_line
-from curation.store.commit_log import Entry, LoggedFile, RunState
 from curation.store.layout import PART_FILE, ROUND_DIR
+from curation.store.run_log import LoggedFile, RunState
 from curation.store.storage import Storage
 
 if TYPE_CHECKING:
     from curation.store.run_store import RunStore
 
 OLD_MANIFESTS = "_manifests"
+OLD_LOG = "_log"
 
 
 def _describe(storage: Storage, rel: str) -> LoggedFile:
@@ -70,23 +75,62 @@ def _old_manifests(storage: Storage) -> list[dict]:
     return sorted(manifests, key=lambda m: (m["round"], m["stage"]))
 
 
-def unlisted_entries(storage: Storage, writer: str = "import", start: int = 0, skip_ours: bool = False
-                     ) -> list[Entry]:
-    """The commit log entries that take in a run written without one: its old manifests' commits,
-    then an "import" of the table files no manifest lists (none when there are none).
-    `skip_ours`: leave out the files no old manifest lists that are named as groupforge names
-    its parts (`part-<part>-<sha>.parquet`): in a run whose log holds no commit yet, a killed
-    commit's files, which the next writer sweeps."""
+@dataclass(frozen=True)
+class Found:
+    """What a run written without `_commits` holds: its commits (stage, round, manifest), its
+    live files, and those of them no manifest lists (taken in for good)."""
+
+    commits: list[tuple[str, int, dict]] = field(default_factory=list)
+    files: dict[str, LoggedFile] = field(default_factory=dict)
+    imported: set[str] = field(default_factory=set)
+    retired: dict[str, LoggedFile] = field(default_factory=dict)
+    """Files an older commit listed that a later one replaced (kept for the old versions)."""
+
+
+def _old_log(storage: Storage) -> Found | None:
+    """A run of groupforge's run format 2 (RUN/_log/<seq>.json, one entry per commit, each
+    listing its files): the newest commit of each stage and round, oldest first, and the live
+    files. None when there is no such log."""
+    names = sorted(e.rel for e in storage.list(OLD_LOG) if re.fullmatch(rf"{OLD_LOG}/\d{{20}}\.json", e.rel))
+    if not names:
+        return None
+    newest: dict[tuple[str, int], tuple[dict, dict[str, LoggedFile]]] = {}
+    imported: dict[str, LoggedFile] = {}
+    every: dict[str, LoggedFile] = {}
+    for rel in names:
+        try:
+            entry = json.loads(storage.read(rel))
+            files = {path: LoggedFile(f["sha256"], int(f["size"]), int(f["rows"]))
+                     for path, f in (entry.get("add") or {}).items()}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{storage.where(rel)}: not a commit log entry ({exc})") from None
+        every.update(files)
+        if entry.get("kind") == "commit":
+            key = (entry["stage"], int(entry["round"]))
+            newest.pop(key, None)  # a later commit of the stage and round: it goes last
+            newest[key] = (entry.get("manifest") or {}, files)
+        elif entry.get("kind") == "import":
+            imported.update(files)
+    found = Found(imported=set(imported))
+    found.files.update(imported)
+    for (stage, round), (manifest, files) in newest.items():
+        found.commits.append((stage, round, manifest))
+        found.files.update(files)
+    found.retired.update({rel: f for rel, f in every.items() if rel not in found.files})
+    return found
+
+
+def unlisted(storage: Storage, skip_ours: bool = False) -> Found:
+    """What a run without `_commits` holds: its format-2 commit log's commits, or else its old
+    manifests' commits and an import of the table files no manifest lists. `skip_ours`: leave out
+    the files no old manifest lists that are named as groupforge names its parts
+    (`part-<part>-<sha>.parquet`): in a run whose log holds no commit yet, a killed commit's
+    files, which the next writer sweeps."""
+    old = _old_log(storage)
+    if old is not None:
+        return old
     files = _table_files(storage)
-    described: dict[str, LoggedFile] = {}
-
-    def describe(rel: str) -> LoggedFile:
-        if rel not in described:
-            described[rel] = _describe(storage, rel)
-        return described[rel]
-
-    entries: list[Entry] = []
-    listed: set[str] = set()
+    found = Found()
     present = set(files)
     for manifest in _old_manifests(storage):
         outputs = manifest.get("outputs", [])
@@ -94,13 +138,14 @@ def unlisted_entries(storage: Storage, writer: str = "import", start: int = 0, s
         if missing:
             raise ValueError(f"{storage.where(missing[0])}: listed by {OLD_MANIFESTS}/{manifest['stage']}-round="
                              f"{manifest['round']}.json but missing (the run folder is damaged)")
-        entries.append(Entry(start + len(entries), "commit", writer, str(manifest.get("created_at", "")),
-                             manifest["stage"], manifest["round"], manifest, {rel: describe(rel) for rel in outputs}))
-        listed.update(outputs)
-    rest = [rel for rel in files if rel not in listed and not (skip_ours and _ours(rel))]
-    if rest:
-        entries.append(Entry(start + len(entries), "import", writer, "", add={rel: describe(rel) for rel in rest}))
-    return entries
+        found.commits.append((manifest["stage"], manifest["round"], manifest))
+        for rel in outputs:
+            found.files.setdefault(rel, _describe(storage, rel))
+    for rel in files:
+        if rel not in found.files and not (skip_ours and _ours(rel)):
+            found.files[rel] = _describe(storage, rel)
+            found.imported.add(rel)
+    return found
 
 
 def _ours(rel: str) -> bool:
@@ -109,26 +154,25 @@ def _ours(rel: str) -> bool:
 
 
 def unlisted_state(storage: Storage, skip_ours: bool = False) -> RunState:
-    """The state a reader sees of a run with no commit in its log (nothing written; `skip_ours`
-    as for `unlisted_entries`)."""
-    state = RunState()
-    for entry in unlisted_entries(storage, skip_ours=skip_ours):
-        state.apply(entry)
+    """The state a reader sees of a run with no commit in `_commits` (nothing written;
+    `skip_ours` as for `unlisted`)."""
+    found = unlisted(storage, skip_ours=skip_ours)
+    state = RunState(files=dict(found.files), imported=set(found.imported))
+    for stage, round, manifest in found.commits:
+        state.manifests[(stage, round)] = dict(manifest)
+    state.listed = {rel: f.sha256 for rel, f in found.files.items()}
     return state
 
 
 def import_unlisted(store: RunStore) -> int:
-    """Append to the run's (new) commit log the entries `unlisted_entries` gives; how many."""
-    # this job's "open" is the log's first entry: no earlier job can have left a killed commit
-    entries = unlisted_entries(store.storage, store.log.writer or "import", store.log.state.seq + 1,
-                               skip_ours=store.log.state.seq > 0)
-    for entry in entries:
-        if entry.kind == "commit":
-            store.log.commit(entry.stage, entry.round, entry.manifest, entry.add)
-        else:
-            store.log.take_in(entry.add)
-    if entries:
-        from curation.store.delta_mirror import sync_tables
-
-        sync_tables(store)
-    return len(entries)
+    """Take a run written without `_commits` into it (`RunLog.take_in`); how many commits and
+    files it took in. The old commit log (RUN/_log/) is removed once its commits are rows."""
+    found = unlisted(store.storage, skip_ours=any(e.writer != store.log.writer for e in store.log.entries()))
+    if not found.commits and not found.files:
+        return 0
+    store.log.take_in(found.commits, found.files, found.imported, found.retired)
+    store.storage.delete_all(e.rel for e in store.storage.list(OLD_LOG))
+    folder = store.storage.local_path(OLD_LOG)
+    if folder is not None and folder.is_dir():  # a local folder stays behind its files
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(found.commits) + len(found.imported)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from curation.errors import first_line
-from curation.store.storage import Data, Entry, Storage, check_rel, write_local_file
+from curation.store.storage import Data, Entry, Storage, check_rel, write_atomic
 from curation.store.store_errors import retry_config, store_error
 
 
@@ -42,8 +42,8 @@ class ObjectStorage(Storage):
         return ObjectStorage(f"{self.url}/{check_rel(rel).rstrip('/')}", self.options)
 
     def fence_writes(self, check: Callable[[], None]) -> None:
-        """Call `check` before each write, create and delete from now on: the commit log's test
-        that no newer job has opened the run (`CommitLog.check_writer`), which raises to stop
+        """Call `check` before each write, create and delete from now on: the log's "open"
+        row of this job and its test that no newer job has opened the run (`RunLog.fence`), which raises to stop
         this job before it writes over the newer one's files. One at a time (a thread of the
         job may write beside it)."""
         self._fence = check
@@ -102,7 +102,7 @@ class ObjectStorage(Storage):
 
         path = Path(path)
         result = self._call(rel, "reading", obstore.get, check_rel(rel))
-        write_local_file(path, (bytes(chunk) for chunk in result.stream()))
+        write_atomic(path, (bytes(chunk) for chunk in result.stream()))
 
     def list(self, prefix: str = "", after: str | None = None) -> list[Entry]:
         import obstore

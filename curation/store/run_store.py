@@ -3,18 +3,20 @@ each commit whole or not at all, on local disk and on object storage alike.
 
 Layout of a run RUN (a local folder or an object-store prefix, curation/store/storage.py):
 
-    RUN/_log/<seq>.json                              the commit log (curation/store/commit_log.py)
     RUN/prompts/part-<part>-<sha>.parquet            prompts (not partitioned by round)
     RUN/<table>/round=<n>/part-<part>-<sha>.parquet  samples | scores | groups | rejects | pairs |
                                                      prompt_stats
-    RUN/<table>/_delta_log/                          each table as a Delta Lake table (external readers)
+    RUN/<table>/_delta_log/                          each table's Delta log (curation/store/run_log.py)
+    RUN/_commits/                                    a Delta table, a row per commit: the commit points
     RUN/_staging/<stage>-round=<n>/                  resumable work-in-progress of a long stage
 
 A part file is named after its part (by default the stage that writes it) and the first 16 hex
 digits of its sha256, so a name is never reused for other bytes: a commit writes its files
-under their final names (no rename: object stores have none), and the commit log entry that
-lists them, written last, makes them live. The store reads the live files the log lists and
-nothing else; a file no entry lists (a killed commit's) is swept by the next writer.
+under their final names (no rename: object stores have none), then each table they belong to
+gets a Delta version adding them, and the commit's row in `_commits`, written last, makes those
+versions the ones groupforge reads. The store reads the live files of each table at the version
+the newest row records and nothing else; a file no commit lists (a killed commit's) is swept by
+the next writer.
 
 Several stages add rows to one table and round (`rejects` gets rows from generate, score and
 filter), so each stage writes its own parts. The `round=<n>` folder and the `round` column
@@ -34,25 +36,16 @@ import duckdb
 import pyarrow as pa
 
 from curation import schema
-from curation.store.commit_log import CommitLog, LoggedFile, RunState
 from curation.store.fingerprints import config_hash
 from curation.store.layout import check_name, check_round, round_of
 from curation.store.lock import writer_lock
 from curation.store.object_storage import ObjectStorage
+from curation.store.run_log import LoggedFile, RunLog, RunState
 from curation.store.storage import LocalStorage, Storage, check_location, open_storage
 from curation.store.table_reads import TableReads
 
 if TYPE_CHECKING:
     from curation.store.commit import Commit
-
-
-@dataclass
-class JobWrites:
-    """What the stores of one writing job share (`RunStore.sibling`): the lock that orders their
-    commits, and the newest commit log entry any of them wrote."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    seq: int = -1
 
 
 @dataclass(frozen=True)
@@ -64,6 +57,15 @@ class HeldPart:
     """The file's sha256 (its fingerprint as a stage input)."""
     table: pa.Table
     """The validated table the file holds."""
+
+
+@dataclass
+class JobWrites:
+    """What the stores of one writing job share (`RunStore.sibling`): the lock that orders their
+    commits, and the newest row any of them wrote to `_commits`."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    seq: int = -1
 
 
 class RunStore(TableReads):
@@ -86,15 +88,15 @@ class RunStore(TableReads):
         """Keep the parts committed through this store in memory (`held`): the round loop."""
         self.held: dict[str, HeldPart] = {}
         """The parts committed through this store (with `hold`), by path relative to the run."""
-        self.log = CommitLog(self.storage)
+        self.log = RunLog(self.storage)
         self.job = JobWrites()
         """Shared with this store's siblings: their commits take turns and see each other's."""
         self._frozen = False  # a snapshot: the state is not read again
-        self._unlisted: RunState | None = None  # the state of a run without a commit log (`refresh`)
+        self._unlisted: RunState | None = None  # the state of a run without _commits (`refresh`)
 
     @property
     def state(self) -> RunState:
-        """What the commit log says the run holds, as this store last read it. A run written
+        """What the run's log says the run holds, as this store last read it. A run written
         without a log (by other tools, or an older groupforge) reads as its files and old
         manifests say (`curation.store.migrate`) until a writer takes them into the log."""
         if self._unlisted is not None:
@@ -121,7 +123,7 @@ class RunStore(TableReads):
 
     @property
     def logged(self) -> bool:
-        """Whether the run's commit log holds its tables (False: nothing committed through a log
+        """Whether the run's log (_commits) holds its tables (False: nothing committed through a log
         yet; the run reads as its files and old manifests say until a writer takes them in)."""
         return self.state is not self._unlisted
 
@@ -138,16 +140,16 @@ class RunStore(TableReads):
 
     def sibling(self) -> RunStore:
         """Another store of this writing job on the run, for a thread that commits beside this
-        store's user (the round loop's next-round generate): the same writer in the commit log,
+        store's user (the round loop's next-round generate): the same writer in the log,
         commits in turn with this store's, no held parts. Call after the job opened the run."""
         other = RunStore(self.storage)
-        other.log.writer, other.log.state, other.job = self.log.writer, self.log.state.copy(), self.job
+        other.log, other.job = self.log.fork(), self.job
         return other
 
     def catch_up(self) -> None:
         """Read the commits this store's siblings made since it last looked."""
         if self.job.seq > self.log.state.seq:
-            self.log.catch_up(self.job.seq)
+            self.log.catch_up()
 
     def snapshot(self) -> RunStore:
         """A reader's view of the run as of now: the commits made so far, and no later one,
@@ -285,7 +287,7 @@ class RunStore(TableReads):
         """Write the run: the writer lock of this machine (`curation.store.lock.writer_lock` on the
         run folder, or for a run on an object store on its folder in this machine's cache): a
         second job here waits, or exits 3 with `wait=False`; and everywhere an "open" entry in
-        the commit log, so that a job that opened the run earlier (on another machine) stops at
+        `_commits`, so that a job that opened the run earlier (on another machine) stops at
         its next write (exit 3). Files that no commit lists (a killed job's) are swept."""
         from curation.store.location import node_cache
 
@@ -295,7 +297,8 @@ class RunStore(TableReads):
             yield
 
     def open_for_writing(self) -> None:
-        """Start writing the run (once per store): an "open" entry in the commit log, then
+        """Start writing the run (once per store): name this job in the log (its "open" row is
+        written before its first write: `RunLog`), then
         `curation.store.tidy.tidy`. A commit does it when the caller did not take `lock()`. A
         local run folder is checked first for links that lead out of it (and each commit checks
         the folders it writes to: `curation.store.tidy.check_inside`), so no write lands outside it."""
@@ -306,7 +309,7 @@ class RunStore(TableReads):
                 check_links(self.root)
             self.log.open()
             if isinstance(self.storage, ObjectStorage):  # no lock reaches another machine: fence each write
-                self.storage.fence_writes(self.log.check_writer)
+                self.storage.fence_writes(self.log.fence)
             self._unlisted = None
             from curation.store.tidy import tidy
 

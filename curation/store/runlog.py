@@ -22,14 +22,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from curation.errors import disk_write
-from curation.store.storage import Storage, open_storage, process_alive
+from curation.store.storage import Storage, open_storage, write_atomic
 
 SPEC_FILE = "spec.toml"
 PIPELINE_FILE = "pipeline.json"
@@ -45,63 +43,7 @@ EXPORTS_DIR = "exports"
 LOGS_DIR = "logs"
 
 
-# ---- atomic writes ----------------------------------------------------------------------
-
-
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename or a new file in folder `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_dead_temps(folder: Path, name: str) -> None:
-    """Delete the temporary files a killed writer of `name` left in `folder` (their names
-    carry the writer's pid: `.<name>.<pid>.<random>.tmp`); a live writer's are kept."""
-    prefix = f".{name}."
-    try:
-        entries = [e for e in os.scandir(folder) if e.name.startswith(prefix) and e.name.endswith(".tmp")]
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        pid = entry.name[len(prefix):].split(".", 1)[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            Path(entry.path).unlink(missing_ok=True)
-
-
-def write_atomic(path: str | Path, data: str | bytes | Callable[[IO[bytes]], None], *,
-                 tmp_dir: str | Path | None = None, mode: int | None = 0o644) -> Path:
-    """Write `data` (text, bytes, or a function that writes to a binary file) to `path`
-    so that a reader sees the old file or the whole new one, never a part: a temporary file
-    in `tmp_dir` (default: next to `path`; it must be on the same filesystem) is written,
-    fsynced and renamed into place, then the folder is fsynced. The parent folder is
-    created. `mode` (default 0644: run files are for everyone who can read the run; None
-    keeps mkstemp's 0600) is applied before the rename. A failed write leaves no temporary
-    file behind and re-raises."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tmp_dir or path.parent)
-    _remove_dead_temps(folder, path.name)
-    with disk_write(path):
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                if callable(data):
-                    data(f)
-                else:
-                    f.write(data.encode("utf-8") if isinstance(data, str) else data)
-                f.flush()
-                os.fsync(f.fileno())
-            if mode is not None:
-                os.chmod(tmp, mode)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    fsync_dir(path.parent)
-    return path
+# ---- JSON files -----------------------------------------------------------------------
 
 
 def to_json(obj: object) -> str:

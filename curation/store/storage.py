@@ -2,7 +2,7 @@
 
 `open_storage("runs/x")` is a local folder; `open_storage("s3://bucket/runs/x")` (also `gs://`,
 `az://`, `abfss://`, `memory://`) an object store reached with obstore. The run store above
-this module (its tables, commits, the commit log and the Delta logs) reads and writes whole
+this module (its tables, commits and their Delta logs) reads and writes whole
 objects by a path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a
 local run and an object-store run share one format and one code path. The run's other files
 go through it too: its logs as whole objects (curation/store/runlog.py), the folders that must
@@ -21,20 +21,21 @@ GOOGLE_SERVICE_ACCOUNT / GOOGLE_APPLICATION_CREDENTIALS; AZURE_STORAGE_ACCOUNT_N
 AZURE_STORAGE_ACCOUNT_KEY, ...), read by obstore when a request is made; `options` adds
 non-secret settings (endpoint, region, allow_http). Nothing here writes a credential anywhere.
 
-The local backend is plain files (no obstore): writes go to a temporary file, are fsynced and
-renamed into place, so a kill or a power cut leaves the old object or the new one; `create`
-links the temporary file to its name, which fails when the name exists. A full disk is a
-NoSpaceError naming the object (curation.errors).
+The local backend is plain files, not obstore's LocalStore (which, in 0.12, has no fsync): every
+write goes through `write_atomic`, a temporary file fsynced and renamed into place, so a kill or
+a power cut leaves the old object or the new one; `create` links the temporary file to its name,
+which fails when the name exists. A full disk is a NoSpaceError naming the object
+(curation.errors).
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import IO, Any
 
 from curation.errors import disk_write
 from curation.store.store_errors import StorageError
@@ -46,6 +47,8 @@ TEMP_PREFIX = ".gf-tmp-"
 """Local temporary files start with this; listings leave them out."""
 
 Data = bytes | bytearray | memoryview
+WriteData = str | Data | Iterable[Data] | Callable[[IO[bytes]], object]
+"""What write_atomic takes: text, bytes or any buffer, chunks of bytes, or a function writing to the file."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ class Storage:
     def download(self, rel: str, path: Path) -> None:
         """The object `rel` into the local file `path`, written beside it and renamed into place:
         a kill leaves no part of a file under `path`."""
-        write_local_file(Path(path), self.read(rel))
+        write_atomic(Path(path), self.read(rel))
 
     def local_path(self, rel: str = "") -> Path | None:
         """The local file of `rel` (local storage), None on an object store: callers that need a
@@ -222,42 +225,24 @@ class LocalStorage(Storage):
         except IsADirectoryError:
             raise FileNotFoundError(f"{path} is a folder, not a file") from None
 
-    def _staged(self, path: Path, data: Data) -> Path:
-        """`data` in a synced temporary file beside `path` (same filesystem: a rename or link is atomic)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        try:
-            with disk_write(path), open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return tmp
-
     def write(self, rel: str, data: Data) -> None:
-        path = self.root / check_rel(rel)
-        tmp = self._staged(path, data)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
+        write_atomic(self.root / check_rel(rel), data)
 
     def create(self, rel: str, data: Data) -> bool:
         path = self.root / check_rel(rel)
         if path.exists():
             return False
-        tmp = self._staged(path, data)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_name(path)
         try:
+            with disk_write(path):
+                _write_synced(tmp, data, 0o644)
             os.link(tmp, path)  # fails if the name exists: the local If-None-Match
         except FileExistsError:
             return False
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         return True
 
     def append(self, rel: str, data: Data, sync: bool = True) -> None:
@@ -306,18 +291,9 @@ class LocalStorage(Storage):
         (self.root / check_rel(rel)).unlink(missing_ok=True)
 
     def remove_dead_temps(self) -> int:
-        """Delete the temporary files of writes whose process is gone (a kill mid-write; their
-        names carry the writer's pid); how many. A live process's are kept."""
-        removed = 0
-        for folder, _, files in os.walk(self.root):
-            for name in files:
-                if not name.startswith(TEMP_PREFIX):
-                    continue
-                pid = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-                if pid.isdigit() and not process_alive(int(pid)):
-                    Path(folder, name).unlink(missing_ok=True)
-                    removed += 1
-        return removed
+        """Delete the temporary files of writes whose process is gone (a kill mid-write); how
+        many. A live process's are kept."""
+        return sum(remove_dead_temps(Path(folder)) for folder, _, _ in os.walk(self.root))
 
     def exists(self, rel: str) -> bool:
         return (self.root / check_rel(rel)).is_file()
@@ -334,7 +310,8 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or a new file in folder `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -342,18 +319,74 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_local_file(path: Path, data: Data | Iterable[Data]) -> None:
-    """`data` (bytes, or chunks of them) into the local file `path`: a temporary file beside it,
-    fsynced and renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+def _temp_name(path: Path) -> Path:
+    """A temporary file beside `path` (same filesystem: the rename or link is atomic), named
+    with the writer's pid so that a sweep tells a killed writer's from a live one's."""
+    return path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+
+def _is_buffer(data: object) -> bool:
     try:
-        with disk_write(path), open(tmp, "wb") as f:
-            for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+        memoryview(data)
+    except TypeError:
+        return False
+    return True
+
+
+def _write_synced(tmp: Path, data: WriteData, mode: int | None) -> None:
+    with open(tmp, "wb") as f:
+        if callable(data):
+            data(f)
+        elif isinstance(data, str):
+            f.write(data.encode("utf-8"))
+        elif _is_buffer(data):
+            f.write(data)  # bytes, or any buffer (a pyarrow Buffer)
+        else:
+            for chunk in data:
                 f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(tmp, mode)
+
+
+def remove_dead_temps(folder: Path, name: str | None = None) -> int:
+    """Delete from `folder` the temporary files (of the file `name`, or of any) whose writer is
+    gone; how many. A live writer's are kept."""
+    prefix = TEMP_PREFIX + (f"{name}." if name else "")
+    try:
+        temps = [e.name for e in os.scandir(folder) if e.name.startswith(prefix) and e.is_file()]
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    for temp in temps:
+        parts = temp.rsplit(".", 2)
+        if len(parts) == 3 and parts[1].isdigit() and not process_alive(int(parts[1])):
+            (folder / temp).unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def write_atomic(path: str | Path, data: WriteData, *, mode: int | None = 0o644) -> Path:
+    """Write `data` (text, bytes, chunks of bytes, or a function that writes to a binary file)
+    to the local file `path` so that a reader sees the old file or the whole new one, never a
+    part: a temporary file beside it is written, fsynced and renamed into place, then the
+    folder is fsynced. The parent folder is created; a killed writer's temporary files of
+    `path` are removed first. `mode` (default 0644: run files are for everyone who can read the
+    run; None: the umask's) is applied before the rename. A failed write leaves no temporary
+    file and re-raises; a full disk is a NoSpaceError naming `path`. The one atomic write of
+    local files (obstore 0.12's LocalStore also writes through a temporary file, but offers no
+    fsync and leaves a killed writer's temporary files)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temps(path.parent, path.name)
+    tmp = _temp_name(path)
+    try:
+        with disk_write(path):
+            _write_synced(tmp, data, mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+    return path

@@ -81,9 +81,11 @@ def retry_config() -> dict:
             "backoff": {"max_backoff": timedelta(seconds=min(MAX_BACKOFF_SECONDS, seconds))}}
 
 
-def store_error(root: str, where: str, action: str, exc: BaseException) -> StorageError:
-    """The error for obstore's `exc` raised while `action` ("reading", "writing", "listing",
-    ...) the object `where` of the storage at URL `root` (see the module docstring)."""
+def store_error(root: str, where: str, action: str, exc: BaseException, took: float | None = None
+                ) -> StorageError:
+    """The error for obstore's (or deltalake's) `exc` raised while `action` ("reading",
+    "writing", "listing", ...) the object `where` of the storage at URL `root` (see the module
+    docstring); `took`: the seconds the failed call took, where its message does not say."""
     text = str(exc)
     first = first_line(exc)
     code = _match(r"<Code>([^<]+)</Code>", text)
@@ -98,7 +100,8 @@ def store_error(root: str, where: str, action: str, exc: BaseException) -> Stora
     if code in BAD_CREDENTIAL_CODES or status == "401":
         return StoreAccessError(f"{where}: {action} refused: invalid credentials ({said}): check "
                                 f"{CREDENTIAL_VARS[family]}, then rerun the same command")
-    if any(sign in first for sign in METADATA_SIGNS) or "credential" in first.lower():
+    if any(sign in first for sign in METADATA_SIGNS) or "credential" in first.lower() or \
+            "while loading credentials" in text:  # deltalake's words, below its first line
         return StoreAccessError(f"{where}: {action} failed: no credentials found (set {CREDENTIAL_VARS[family]}; "
                                 f"without them the instance-metadata service was asked): {_short(first)}")
     if status == "403" or type(exc).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
@@ -107,7 +110,7 @@ def store_error(root: str, where: str, action: str, exc: BaseException) -> Stora
                                 "then rerun the same command, which resumes")
     if any(sign in text for sign in UNREACHABLE_SIGNS):
         return StoreUnreachableError(f"{where}: {action} failed: cannot reach the object store{_at(text, family)}: "
-                                     f"{_why_unreachable(text)}, {_retried(first)}; check the endpoint and the "
+                                     f"{_why_unreachable(text)}, {_retried(first, took)}; check the endpoint and the "
                                      "network, then rerun the same command, which resumes")
     return StorageError(f"{where}: {action} failed: {_short(first)}")
 
@@ -138,10 +141,10 @@ def _why_unreachable(text: str) -> str:
     return "no answer"
 
 
-def _retried(first: str) -> str:
-    """"gave up after 20.1 s and 9 retries" from obstore's first line."""
-    took = re.search(r" in ([0-9.]+)(ms|s)\b", first)
-    seconds = float(took[1]) / (1000 if took[2] == "ms" else 1) if took else None
+def _retried(first: str, took: float | None = None) -> str:
+    """"gave up after 20.1 s and 9 retries" from obstore's first line (or `took`)."""
+    said = re.search(r" in ([0-9.]+)(ms|s)\b", first)
+    seconds = float(said[1]) / (1000 if said[2] == "ms" else 1) if said else took
     retries = _match(r"after (\d+) retries", first)
     return (f"gave up after {seconds:.1f} s" if seconds is not None else "gave up") + \
         (f" and {retries} retries" if retries else "") + f" ({RETRY_ENV} sets how long)"

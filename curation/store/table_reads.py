@@ -4,8 +4,8 @@ validated against `curation.schema`.
 
 `TableReads` is a part of `RunStore` (curation/store/run_store.py), which provides what these
 reads stand on: `root` and `storage` (where the files are), `files` (the live files of a table
-and rounds, as the commit log lists them), `held_part`, `where` (a file for messages) and
-`state` (the commit log's records of the files).
+and rounds, as the run's log lists them), `held_part`, `where` (a file for messages) and
+`state` (the log's records of the files).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class TableReads:
         try:
             data = pq.read_table(self.source(rel))
         except FileNotFoundError:
-            raise schema.SchemaError(f"{table} table ({where}): file not found (listed by the commit log)") from None
+            raise schema.SchemaError(f"{table} table ({where}): file not found (listed by the run's log)") from None
         except (pa.ArrowInvalid, OSError) as exc:
             raise schema.SchemaError(f"{table} table ({where}): not a readable Parquet file "
                                      f"({first_line(exc)})") from None
@@ -137,7 +137,7 @@ class TableReads:
                                                          f"{field.name!r} has {nulls} null value(s)")
                     yield part
             except FileNotFoundError:
-                raise schema.SchemaError(f"{table} table ({where}): file not found (listed by the commit log)"
+                raise schema.SchemaError(f"{table} table ({where}): file not found (listed by the run's log)"
                                          ) from None
             except (pa.ArrowInvalid, OSError) as exc:
                 raise schema.SchemaError(f"{table} table ({where}): not a readable Parquet file "

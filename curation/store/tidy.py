@@ -1,6 +1,7 @@
 """What a job that starts writing a run does first, and the checks that keep its writes inside
-the run: taking in tables written without a commit log, bringing the Delta logs level, and
-removing what killed jobs left (part files no commit lists, local temporary files)."""
+the run: taking in tables written without `_commits`, restoring tables a killed commit left ahead, and
+removing what killed jobs left (table versions no commit recorded, part files no commit lists,
+local temporary files)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,14 @@ if TYPE_CHECKING:
 
 
 def tidy(store: RunStore) -> None:
-    """Take in the tables of a run written without a commit log (`curation.store.migrate`),
-    bring the Delta logs level with the commit log, and remove what killed jobs left
-    (`orphans`, local temporary files)."""
-    from curation.store.delta_mirror import lagging_tables, sync_tables
+    """Take in the tables of a run written without `_commits` (`curation.store.migrate`),
+    restore each table to the version the newest commit recorded (a killed commit's versions
+    undone), and remove what killed jobs left (`orphans`, local temporary files)."""
     from curation.store.migrate import import_unlisted
 
     if not store.state.manifests and not store.state.files:  # nothing committed yet
         import_unlisted(store)
-    lagging = lagging_tables(store)
-    if lagging:
-        sync_tables(store, lagging)
+    store.log.restore_tables()
     store.storage.delete_all(orphans(store))
     if isinstance(store.storage, LocalStorage):
         store.storage.remove_dead_temps()
@@ -37,7 +35,7 @@ def orphans(store: RunStore) -> list[str]:
     with bytes that hash to that name, and never listed by a commit (neither live nor
     retired). A file that only looks like one (its bytes hash to another name) is not
     touched: `verify` names it as a foreign file."""
-    known = store.state.files.keys() | store.state.retired.keys()
+    known = store.state.files.keys() | store.state.listed.keys()
     found = []
     for table in schema.SCHEMAS:
         for entry in store.storage.list(table):

@@ -1,4 +1,4 @@
-"""Is a run what its commit log says? `check_run(RUN)` before a command reads or extends it.
+"""Is a run what its log says? `check_run(RUN)` before a command reads or extends it.
 
 A run is shared with people and tools: a part file can be cut short by a copy, a log entry
 edited by hand, a Parquet file dropped into a table folder (every reader that globs
@@ -17,7 +17,7 @@ problem, raised before anything is read or written:
                kept for earlier versions) and that is not a killed commit's (those are named
                `part-<part>-<sha>.parquet` after their bytes; the next writer sweeps them)
 
-A run written without a commit log (other tools, an older groupforge) is checked as
+A run written without `_commits` (other tools, an older groupforge) is checked as
 curation/store/migrate.py reads it. Cost: one listing per table folder, one JSON read per log
 entry (`deep` reads and hashes every live file).
 """
@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from curation import schema
-from curation.store.commit_log import LOG_DIR
 from curation.store.layout import PART_FILE
 from curation.store.migrate import OLD_MANIFESTS
 from curation.store.storage import LocalStorage, Storage, open_storage
 
-FORMAT_VERSION = 2
-"""The run format this groupforge writes and reads (manifests' `format_version`): 2 is the
-commit log; 1 (RUN/_manifests/, or no `format_version`) is read through curation/store/migrate.py."""
+FORMAT_VERSION = 3
+"""The run format this groupforge writes and reads (manifests' `format_version`): 3 is the
+tables' Delta logs and `_commits`; 2 (an older groupforge's RUN/_log/) and 1 (RUN/_manifests/,
+or no `format_version`) are read through curation/store/migrate.py."""
 
 SEAL_FIELD = "seal"
 
@@ -78,8 +78,8 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
     result = RunCheck()
     for (stage, round), manifest in sorted(state.manifests.items()):
         if store.logged:  # the log entry of the stage's newest commit for the round
-            where = f"{storage.where(f'{LOG_DIR}/{state.commits[(stage, round)]:020d}.json')} (the manifest of " \
-                    f"{stage} round {round})"
+            seq = state.commits[(stage, round)]
+            where = f"{storage.where(store.log.row_file(seq))}, row {seq} (the manifest of {stage} round {round})"
         else:
             where = storage.where(f"{OLD_MANIFESTS}/{stage}-round={round}.json")
         result.manifests += 1
@@ -94,7 +94,7 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
     for rel, meta in sorted(state.files.items()):
         where = storage.where(rel)
         if rel not in listed:
-            raise RunFolderError(f"{where}: listed by the run's commit log but missing")
+            raise RunFolderError(f"{where}: listed by the run's log but missing")
         if listed[rel] != meta.size:
             raise RunFolderError(f"{where}: {listed[rel]:,} bytes, but its commit recorded {meta.size:,} "
                                  "(truncated or replaced after its commit)")
@@ -115,7 +115,7 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
             result.orphans += 1
             continue
         raise RunFolderError(f"{storage.where(rel)}: a Parquet file in the {rel.split('/', 1)[0]} table folder "
-                             "that the run's commit log does not list (a foreign file: a reader that globs the "
+                             "that the run's log does not list (a foreign file: a reader that globs the "
                              "table folder would count its rows); move it out of the run folder")
     return result
 

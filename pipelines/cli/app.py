@@ -131,7 +131,7 @@ def local_run_folder(run: str | Path) -> None:
 
 
 def checked_run_folder(run: str | Path) -> str | Path:
-    """`run` (a folder or an object-store URL), checked against its commit log
+    """`run` (a folder or an object-store URL), checked against its log
     (curation/store/verify.py) before a command reads it."""
     local_run_folder(run)
     with exit_codes():
@@ -143,9 +143,11 @@ def checked_run_folder(run: str | Path) -> str | Path:
     return run
 
 
-def writer_lock(run: str | Path, no_wait: bool):
-    """The run's writer lock, waiting (and saying so) unless --no-wait."""
-    return RunStore(run).lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}"))
+def writer_lock(run: str | Path | RunStore, no_wait: bool):
+    """The run's writer lock, waiting (and saying so) unless --no-wait; a RunStore given writes
+    under it as this job."""
+    store = run if isinstance(run, RunStore) else RunStore(run)
+    return store.lock(wait=not no_wait, on_wait=lambda msg: err_console.print(f"[yellow]waiting:[/] {msg}"))
 
 
 def show_table(title: str, columns: list[str], rows: list[list[str]], left: tuple[str, ...] = ()) -> None:

@@ -74,13 +74,13 @@ def generate_command(
                     generator_kwargs=settings.generator_kwargs(backend),
                 )
     if result.skipped:
-        from curation.store.commit_log import LOG_DIR
+        from curation.store.run_log import COMMITS
         from curation.store.run_store import RunStore
 
         m = result.manifest
         seq = RunStore(out).state.commits[("generate", round)]
         console.print(
-            f"round {round} is up to date (commit log entry {out}/{LOG_DIR}/{seq:020d}.json, "
+            f"round {round} is up to date (commit {seq} in {out}/{COMMITS}, "
             f"{m.get('rows_out')} samples from {m.get('created_at')}); nothing to do. Use --force to regenerate."
         )
         return
@@ -113,6 +113,7 @@ def _curate(stages: tuple[str, ...], run: str, only_round: Optional[int], config
             no_wait: bool) -> None:
     """Run curation stages over rounds under the run's lock, then print one summary table."""
     from curation.stages.runner import run_stage
+    from curation.store.run_store import RunStore
     from pipelines.loop.curate import load_curation_spec, rounds_to_process
 
     checked_run_folder(run)
@@ -125,13 +126,13 @@ def _curate(stages: tuple[str, ...], run: str, only_round: Optional[int], config
             if is_object_url(run):
                 err_console.print(f"[dim]logs: {command_log_path(run, command)}[/]", highlight=False, soft_wrap=True)
             command_log(run, command)  # the reward model's transformers and torch
-        with writer_lock(run, no_wait):
+        with writer_lock(store := RunStore(run), no_wait):  # one job: one writer in the run's log
             with progress_bar() as bar:
                 task = bar.add_task("curate", total=len(rounds) * len(stages))
                 for round in rounds:
                     for stage in stages:
                         bar.update(task, description=f"{stage} round {round}")
-                        reports.append(run_stage(stage, run, round, getattr(spec, stage), force=force))
+                        reports.append(run_stage(stage, store, round, getattr(spec, stage), force=force))
                         bar.advance(task)
     rows = []
     for rep in reports:

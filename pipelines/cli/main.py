@@ -22,6 +22,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the engine's INFO lines out of the tables
+    os.environ.setdefault("RUST_LOG", "error")  # deltalake's Rust log: no WARN lines of its credential lookups
     try:
         app()
     except KeyboardInterrupt:

@@ -229,7 +229,7 @@ def init_command(
     """Write a commented starter spec for your model and prompts: max_tokens from the model's greedy answers, the
     reward (math or exact_match with a reference column), the eval set, the round's size, lr and memory from the
     model and this machine, each with its reason; what it cannot decide is a TODO `run` refuses."""
-    from curation.store.runlog import write_atomic
+    from curation.store.storage import write_atomic
     from pipelines.cli.init_spec import starter_spec
     from pipelines.spec import load_spec
 
@@ -255,7 +255,7 @@ def init_command(
 def verify_command(run: str = typer.Argument(..., help="Run folder or object-store URL."),
                    deep: bool = typer.Option(False, "--deep",
                                              help="Also hash every file against its manifest's sha256.")) -> None:
-    """Check that a run folder is what its commit log says: every listed file there with its size
+    """Check that a run folder is what its log says: every listed file there with its size
     (and with --deep its sha256), no manifest edited or from a newer groupforge, no foreign
     Parquet file in a table folder; files of killed commits are counted. Exit 0 when it is, 2
     with the first problem otherwise."""
@@ -277,7 +277,7 @@ def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
                     no_wait: bool = typer.Option(False, "--no-wait", help="Exit 3 if another job holds the run.")
                     ) -> None:
     """Take a run folder written by an older groupforge (RUN/_manifests/) or by another tool (Parquet
-    files in the table folders) into a commit log and Delta tables. Any writing command does the same
+    files in the table folders) into the run's log (Delta tables and `_commits`). Any writing command does the same
     on its own; this does only that. Exit 0 (also when there is nothing to do)."""
     from curation.store.run_store import RunStore
 
@@ -286,7 +286,7 @@ def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
         raise fail(f"run folder {run} does not exist", EXIT_BAD_INPUT)
     store = RunStore(run)
     with exit_codes():
-        done = "already had a commit log" if store.logged else "migrated"
+        done = "already migrated" if store.logged else "migrated"
         if done == "migrated":  # a run with a log is left as it is: nothing written
             with store.lock(wait=not no_wait):
                 pass

@@ -85,8 +85,8 @@ def curate(run_dir: str | Path, config: CurationSpec | str | Path | None = None,
     asked = [None] if rounds is None else [rounds] if isinstance(rounds, int) else rounds
     todo = [round for one in asked for round in rounds_to_process(run_dir, one)]  # checks each asked round
     reports = []
-    with RunStore(run_dir).lock():
+    with (store := RunStore(run_dir)).lock():  # one job: one writer in the run's log
         for round in todo:
             for stage in STAGES:
-                reports.append(run_stage(stage, run_dir, round, getattr(spec, stage), force=force))
+                reports.append(run_stage(stage, store, round, getattr(spec, stage), force=force))
     return reports

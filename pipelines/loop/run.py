@@ -127,7 +127,7 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
              wait: bool = True, log: Callable[[str], None] = print) -> Iterator[RoundContext]:
     """The run of `spec` opened for writing (the loop's, and each Dagster step's,
     pipelines/orchestrate/dagster.py): its train prompt files listed and checked against the
-    model's chat template, the run checked against its commit log, locked, its Ray session up,
+    model's chat template, the run checked against its log, locked, its Ray session up,
     the checkpoint it resumes from checked, its target rounds and RUN/spec.toml written, its round
     records read. Yields its RoundContext; on the way out waits for a prefetch and closes the
     engine, the trainer ranks and the trainer session."""
@@ -143,7 +143,7 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
     prompt_files = expand_prompt_files(spec.prompts.train)
     # conversations the model cannot render (no chat template): refused before anything is written
     check_chat_template([*prompt_files, spec.prompts.eval], spec.model.path, spec.model.trust_remote_code)
-    # a resumed run is what its commit log says, before the lock writes the log's "open" entry
+    # a resumed run is what its log says, before the lock writes the log's "open" row
     # (a damaged run, a missing bucket, refused credentials: nothing written) and before a round reads it
     check_run(location.storage)
     location.work.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,9 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
         if newest is not None:
             check_checkpoint(newest)  # and the checkpoint it resumes from is whole
         target = _target_rounds(location.storage, spec, extra_rounds)
-        location.storage.write(SPEC_FILE, resolved_toml(spec).encode("utf-8"))
+        resolved = resolved_toml(spec).encode("utf-8")
+        if not location.storage.exists(SPEC_FILE) or location.storage.read(SPEC_FILE) != resolved:
+            location.storage.write(SPEC_FILE, resolved)  # a rerun of the same spec writes nothing
         metrics = MetricsLog(location.storage)
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log, prompt_files=prompt_files,
                            records={record["round"]: record for record in metrics.rounds()} if metrics.exists() else {})
@@ -341,5 +343,6 @@ def _target_rounds(storage: Storage, spec: PipelineSpec, extra_rounds: int | Non
     if extra_rounds:
         done = max([record["round"] for record in MetricsLog(storage).rounds()], default=0)
         target = max(target, done) + extra_rounds
-    save_pipeline_state(storage, {**state, "target_rounds": target})
+    if state.get("target_rounds") != target:  # a rerun to the same target writes nothing
+        save_pipeline_state(storage, {**state, "target_rounds": target})
     return target

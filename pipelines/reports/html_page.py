@@ -27,8 +27,7 @@ import pyarrow.compute as pc
 from curation import schema
 from curation.store.layout import connect
 from curation.store.run_store import RunStore
-from curation.store.runlog import write_atomic
-from curation.store.storage import Storage
+from curation.store.storage import Storage, write_atomic
 
 GROUPS_PER_PAGE = 40
 MAX_PAGES = 25

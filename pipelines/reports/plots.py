@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from curation.store.runlog import write_atomic
+from curation.store.storage import write_atomic
 from pipelines.reports.run_report import number, series
 
 DPI = 120

@@ -33,8 +33,8 @@ from typing import Any, Iterable
 
 from curation.faults import fault_point
 from curation.store.location import RunLocation
-from curation.store.runlog import METRICS_FILE, PHASES, REPORT_DIR, BestCheckpoint, MetricsLog, load_best, write_atomic
-from curation.store.storage import Storage
+from curation.store.runlog import METRICS_FILE, PHASES, REPORT_DIR, BestCheckpoint, MetricsLog, load_best
+from curation.store.storage import Storage, write_atomic
 from pipelines.reports.markdown import markdown_table
 
 # ---------------------------------------------------------------------------------------------

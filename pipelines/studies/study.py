@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from curation.store.runlog import SPEC_FILE, MetricsLog, read_json, write_atomic, write_json_atomic
+from curation.store.runlog import SPEC_FILE, MetricsLog, read_json, write_json_atomic
+from curation.store.storage import write_atomic
 from pipelines.reports.run_report import number
 from pipelines.spec import PipelineSpec, load_spec, read_toml, resolved_toml
 from pipelines.studies.compare_spec import CompareSection, budget_difference, check_comparable, compare_overrides

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from curation.store.runlog import MetricsLog, write_atomic
+from curation.store.runlog import MetricsLog
+from curation.store.storage import write_atomic
 from pipelines.reports.markdown import markdown_table
 from pipelines.reports.run_report import number
 from pipelines.studies.study_stats import AXES, Interval, at, band, mean_ci, seed_curves, step_bands, step_summary

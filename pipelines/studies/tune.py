@@ -336,7 +336,8 @@ def comment_lines(result: TuneResult) -> list[str]:
 def write_tuned(result: TuneResult) -> tuple[Path, Path]:
     """OUT: the spec's own text with [train] lr = the choice and the comment block above
     [train]; OUT.tune.json. Both written atomically; the tuned spec must load."""
-    from curation.store.runlog import write_atomic, write_json_atomic
+    from curation.store.runlog import write_json_atomic
+    from curation.store.storage import write_atomic
     from pipelines.studies.spec_text import put_comment_block, set_key
 
     request = result.request

@@ -160,7 +160,7 @@ def test_a_huge_prompt_is_rejected_as_too_long_not_a_crash(toy_dir, tmp_path):
 
     from curation.store.run_store import RunStore
 
-    store = RunStore(run)  # the live files of the run's commit log
+    store = RunStore(run)  # the live files of the run's log
     reasons = Counter(store.read("rejects").column("reason").to_pylist())
     samples = store.read("samples").num_rows
     assert reasons == {"prompt_too_long": 1} and samples == 2  # one reject row for the prompt, its group unsampled

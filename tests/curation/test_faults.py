@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from curation import faults
-from curation.store.runlog import write_atomic
+from curation.store.storage import TEMP_PREFIX, write_atomic
 from tests.helpers import REPO
 
 
@@ -43,9 +43,9 @@ def test_a_raise_fault_raises_once_at_the_counted_pass(monkeypatch):
 def test_write_atomic_removes_temps_of_dead_writers_only(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    stale = tmp_path / f".out.json.{dead}.abc.tmp"
-    live = tmp_path / f".out.json.{os.getpid()}.xyz.tmp"
-    other = tmp_path / f".other.json.{dead}.abc.tmp"
+    stale = tmp_path / f"{TEMP_PREFIX}out.json.{dead}.abc12345"
+    live = tmp_path / f"{TEMP_PREFIX}out.json.{os.getpid()}.abc12345"
+    other = tmp_path / f"{TEMP_PREFIX}other.json.{dead}.abc12345"
     for path in (stale, live, other):
         path.write_text("partial")
     write_atomic(tmp_path / "out.json", "{}")

@@ -1,7 +1,7 @@
-"""Runs written without a commit log (an older groupforge's run folder, tables another tool
-wrote) read as their files say and are taken into the log by the first writer
-(curation/store/migrate.py, `groupforge migrate`); kills between a commit's steps
-(`commit.files_published`, `commit.logged`) as real processes; and what `check_run` names."""
+"""Runs written without `_commits` (an older groupforge's run folder: its own commit log, or
+older manifests; tables another tool wrote) read as their files say and are taken in by the
+first writer (curation/store/migrate.py, `groupforge migrate`); kills between a commit's steps
+(`commit.files_published`, `commit.tables_written`) as real processes; and what `check_run` names."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from deltalake import DeltaTable
 
 from curation.faults import FAULT_ENV
 from curation.schema import SCHEMAS
-from curation.store.commit_log import CommitLog
+from curation.store.run_log import COMMITS, RunLog
 from curation.store.run_store import RunStore
 from curation.store.storage import LocalStorage
 from curation.store.verify import RunFolderError, check_run
+from tests.helpers import edit_commit_row
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,7 +106,7 @@ def delta_matches(run: Path) -> None:
 
 def kinds(run: Path) -> list[str]:
     return [f"{e.kind}:{e.stage}:{e.round}" if e.kind == "commit" else e.kind
-            for e in CommitLog(LocalStorage(run)).entries()]
+            for e in RunLog(LocalStorage(run)).entries()]
 
 
 def run_killed(code: str, run: Path, fault: str) -> subprocess.CompletedProcess:
@@ -184,16 +185,16 @@ def test_groupforge_migrate_takes_an_old_run_in_once(tmp_path):
     assert check_run(run).files == 5
     after = folder_state(run)
     second = migrate()
-    assert f"{run}: already had a commit log: 3 manifests, 5 files live" in second.stdout
+    assert f"{run}: already migrated: 3 manifests, 5 files live" in second.stdout
     assert folder_state(run) == after  # nothing written
 
 
 def test_a_writer_killed_before_taking_an_old_run_in_leaves_it_as_it_was(tmp_path):
-    """A job that opened the run (its "open" entry written) and died before it took the old
+    """A job that opened the run (its "open" row written) and died before it took the old
     files in: readers still see the old run, and the next writer takes it in."""
     run = tmp_path / "run"
     manifests = old_run(run)
-    CommitLog(LocalStorage(run)).open()  # what the killed job left
+    RunLog(LocalStorage(run)).open()  # what the killed job left
     store = RunStore(run)
     assert store.read("samples").num_rows == 10 and store.load_manifest("filter", 0) == manifests["filter-round=0"]
     assert check_run(run).files == 5
@@ -219,13 +220,13 @@ def test_hand_written_tables_are_taken_in_by_an_import_entry(tmp_path):
 
     with store.lock():
         pass
-    [opened, entry] = CommitLog(LocalStorage(run)).entries()
+    [opened, entry] = RunLog(LocalStorage(run)).entries()
     assert (opened.kind, entry.kind, entry.stage) == ("open", "import", None)
-    assert sorted(entry.add) == sorted(written)
+    assert entry.manifest["outputs"] == sorted(written)
     for rel in written:
         data = (run / rel).read_bytes()
-        assert entry.add[rel].to_json() == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                            "rows": written[rel].num_rows}
+        assert entry.manifest["output_files"][rel] == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        assert entry.manifest["output_rows"][rel] == written[rel].num_rows
         assert (run / rel).stat().st_mtime_ns == before[rel][1]
     later = RunStore(run)
     assert later.logged and later.read("samples").num_rows == 6 and later.read("prompts").num_rows == 2
@@ -258,7 +259,7 @@ def test_a_kill_at_files_published_leaves_files_that_readers_ignore_and_the_next
     live = sorted(store.state.files)
     run_killed(KILLED.format(round=1), run, "commit.files_published:1")
 
-    orphans = sorted(str(p.relative_to(run)) for p in run.rglob("*.parquet")
+    orphans = sorted(str(p.relative_to(run)) for table in SCHEMAS for p in (run / table).rglob("*.parquet")
                      if "_delta_log" not in p.parts and str(p.relative_to(run)) not in live)
     assert [p.split("/")[:2] for p in orphans] == [["rejects", "round=1"], ["samples", "round=1"]]
     assert check_run(run).orphans == 2
@@ -267,7 +268,7 @@ def test_a_kill_at_files_published_leaves_files_that_readers_ignore_and_the_next
         assert reader.read("rejects").num_rows == 0 and reader.load_manifest("generate", 1) is None
         assert not reader.is_up_to_date("generate", 1, {}, {"attempt": 2})
     assert delta_rows(run, "samples") == 4
-    assert kinds(run) == ["open", "commit:generate:0", "open"]
+    assert kinds(run) == ["open", "commit:generate:0"]  # the killed job wrote nothing to the log
 
     with RunStore(run).lock():  # the next writer
         pass
@@ -276,34 +277,46 @@ def test_a_kill_at_files_published_leaves_files_that_readers_ignore_and_the_next
     assert RunStore(run).read("samples").num_rows == 4
 
 
-def test_a_kill_at_commit_logged_leaves_the_delta_log_behind_until_the_next_writer(tmp_path):
-    """The commit is made (its log entry is written); its Delta versions and the removal of the
-    parts it replaced are not: Delta readers see the run as before it, until the next writer."""
+def test_a_kill_at_tables_written_is_invisible_to_groupforge_and_restored_away_by_the_next_writer(tmp_path):
+    """The commit's tables got their Delta versions; its row in `_commits` (the commit point)
+    was not written: groupforge reads the run as before it, a Delta reader of one table sees
+    the new version, and the next writer restores the tables to the versions the rows record."""
     run = tmp_path / "run"
     store = RunStore(run)
     with store.commit("generate", 0, {}, {"attempt": 1}) as c:
         c.write("samples", samples(0, tag="first"))
-    replaced = store.files("samples")
-    versions = len(list((run / "samples" / "_delta_log").glob("*.json")))
-    run_killed(KILLED.format(round=0), run, "commit.logged:1")
+    first = {f"first{p}-{i}" for p in range(2) for i in range(2)}
+    run_killed(KILLED.format(round=0), run, "commit.tables_written:1")
 
+    after = RunStore(run)
+    assert after.load_manifest("generate", 0)["config"] == {"attempt": 1}
+    assert set(after.read("samples")["response"].to_pylist()) == first and after.read("rejects").num_rows == 0
+    assert set(DeltaTable(str(run / "samples")).to_pyarrow_table()["response"].to_pylist()) == {
+        f"killed{p}-{i}" for p in range(3) for i in range(2)}  # one table ahead of the run
+    assert kinds(run) == ["open", "commit:generate:0", "open"]
+
+    with RunStore(run).lock():  # the next writer restores the tables
+        pass
+    assert set(DeltaTable(str(run / "samples")).to_pyarrow_table()["response"].to_pylist()) == first
+    assert delta_rows(run, "rejects") == 0
+    delta_matches(run)
+    found = check_run(run)
+    assert (found.files, found.orphans) == (1, 0)  # the killed commit's files are swept
+
+
+def test_a_kill_at_logged_leaves_a_whole_commit(tmp_path):
+    """Killed after its row: the commit is made; only its staging folder is left, which the
+    next commit of the stage and round removes."""
+    run = tmp_path / "run"
+    with RunStore(run).commit("generate", 0, {}, {"attempt": 1}) as c:
+        c.write("samples", samples(0, tag="first"))
+    run_killed(KILLED.format(round=0), run, "commit.logged:1")
     after = RunStore(run)
     assert after.load_manifest("generate", 0)["config"] == {"attempt": 2}
     assert set(after.read("samples")["response"].to_pylist()) == {f"killed{p}-{i}" for p in range(3) for i in range(2)}
     assert after.read("rejects").num_rows == 1
-    assert (run / replaced[0]).exists() and (check_run(run).retired, check_run(run).orphans) == (1, 0)
-    assert len(list((run / "samples" / "_delta_log").glob("*.json"))) == versions  # one version behind
-    assert set(DeltaTable(str(run / "samples")).to_pyarrow_table()["response"].to_pylist()) == {
-        f"first{p}-{i}" for p in range(2) for i in range(2)}
-    assert not (run / "rejects" / "_delta_log").exists()
-
-    with RunStore(run).lock():  # the next writer brings the Delta logs level
-        pass
-    assert len(list((run / "samples" / "_delta_log").glob("*.json"))) == versions + 1
-    assert delta_rows(run, "samples") == after.read("samples").num_rows == 6
-    assert delta_rows(run, "rejects") == 1
     delta_matches(run)
-    assert (run / replaced[0]).exists() and (check_run(run).retired, check_run(run).orphans) == (1, 0)
+    assert (check_run(run).retired, check_run(run).orphans) == (1, 0)
 
 
 # ---- what check_run names -------------------------------------------------------------------
@@ -324,7 +337,7 @@ def test_check_run_names_a_foreign_parquet_file(committed):
     foreign = committed / "samples" / "round=0" / "part-x.parquet"
     pq.write_table(samples(0), foreign)
     with pytest.raises(RunFolderError, match=rf"{foreign}: a Parquet file in the samples table folder that the "
-                                             "run's commit log does not list"):
+                                             "run's log does not list"):
         check_run(committed)
     assert RunStore(committed).read("samples").num_rows == 8  # readers leave it out
 
@@ -341,30 +354,30 @@ def test_check_run_names_a_truncated_or_changed_live_file(committed):
     with pytest.raises(RunFolderError, match=rf"{committed / rel}: its sha256 differs"):
         check_run(committed, deep=True)
     (committed / rel).unlink()
-    with pytest.raises(RunFolderError, match=rf"{committed / rel}: listed by the run's commit log but missing"):
+    with pytest.raises(RunFolderError, match=rf"{committed / rel}: listed by the run's log but missing"):
         check_run(committed)
 
 
-def test_check_run_names_an_edited_log_entry(committed):
-    entry = committed / "_log" / f"{2:020d}.json"
-    data = json.loads(entry.read_text())
-    assert (data["kind"], data["round"]) == ("commit", 1)
-    data["manifest"]["rows_out"] = 1000
-    entry.write_text(json.dumps(data))
-    with pytest.raises(RunFolderError, match=rf"{entry} \(the manifest of generate round 1\): edited after its "
-                                             "commit"):
+def test_check_run_names_an_edited_commit_row(committed):
+    def rows_out(row):
+        manifest = json.loads(row["manifest"])
+        assert (row["kind"], manifest["round"]) == ("commit", 1)
+        return {**row, "manifest": json.dumps({**manifest, "rows_out": 1000})}
+
+    held = edit_commit_row(committed, 2, rows_out)  # the `_commits` file that holds row 2
+    assert held.parent == committed / COMMITS and held.suffix == ".parquet"
+    where = rf"{held}, row 2 \(the manifest of generate round 1\)"
+    with pytest.raises(RunFolderError, match=rf"{where}: edited after its commit"):
         check_run(committed)
-    data["manifest"]["format_version"] = 99
-    entry.write_text(json.dumps(data))
-    with pytest.raises(RunFolderError, match=rf"{entry} \(the manifest of generate round 1\): written by a newer "
-                                             r"groupforge \(run format 99"):
+    edit_commit_row(committed, 2, lambda row: {**row, "manifest": json.dumps({**json.loads(row["manifest"]),
+                                                                         "format_version": 99})})
+    with pytest.raises(RunFolderError, match=rf"{where}: written by a newer groupforge \(run format 99"):
         check_run(committed)
 
 
-def test_check_run_names_a_log_entry_that_is_not_json(committed):
-    entry = committed / "_log" / f"{1:020d}.json"
-    entry.write_text('{"seq": 1, "kind": "comm')
-    with pytest.raises(RunFolderError, match=rf"{entry}: not a commit log entry"):
+def test_check_run_names_a_row_whose_manifest_is_not_json(committed):
+    path = edit_commit_row(committed, 1, lambda row: {**row, "manifest": '{"stage": "gen'})
+    with pytest.raises(RunFolderError, match=rf"{path}: row 1: its manifest is not JSON"):
         check_run(committed)
 
 
@@ -375,4 +388,39 @@ def test_check_run_names_an_old_manifest_from_a_newer_groupforge(tmp_path):
     path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 99}))
     with pytest.raises(RunFolderError, match=rf"{path}: written by a newer groupforge \(run format 99"):
         check_run(run)
+    assert not (run / COMMITS).exists()
+
+
+def test_a_run_of_groupforge_s_own_commit_log_is_taken_in_with_its_delta_history(tmp_path):
+    """tests/data/run-format2: a run written by groupforge's run format 2 (RUN/_log/ beside
+    hand-written Delta logs): read as its log says, taken in by `groupforge migrate` (its Delta
+    history kept, the old log removed), then written on like any run."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(REPO / "tests" / "data" / "run-format2", run)
+    store = RunStore(run)
+    assert not store.logged
+    assert store.read("samples").num_rows == 10 and store.read("prompts").num_rows == 5
+    assert store.read("scores").num_rows == 2  # the second score commit replaced the first
+    assert sorted(store.read("rejects")["stage"].to_pylist()) == ["filter", "generate"]
+    assert store.load_manifest("score", 0)["config"] == {"try": 2}
+    versions_before = {t: DeltaTable(str(run / t)).version() for t in ("samples", "scores", "rejects", "prompts")}
+
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "migrate", str(run)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{run}: migrated: 4 manifests, 7 files live" in done.stdout
     assert not (run / "_log").exists()
+    assert kinds(run) == ["open", "commit:generate:0", "commit:score:0", "commit:filter:0", "commit:generate:1",
+                          "import"]
+    assert {t: DeltaTable(str(run / t)).version() for t in versions_before} == versions_before  # level already
+    delta_matches(run)
+    found = check_run(run, deep=True)
+    assert (found.manifests, found.files, found.retired, found.orphans) == (4, 7, 1, 0)
+    assert DeltaTable(str(run / "scores"), version=0).to_pyarrow_table().num_rows == 4  # its history kept
+    later = RunStore(run)
+    with later.commit("score", 1, {}, {}) as commit:
+        commit.write("scores", scores(1, n_prompts=3))
+    assert RunStore(run).read("scores").num_rows == 8
+    delta_matches(run)

@@ -19,9 +19,9 @@ from curation.store.runlog import (
     round_prompts_rel,
     save_pipeline_state,
     to_json,
-    write_atomic,
     write_json_atomic,
 )
+from curation.store.storage import write_atomic
 
 # ---- write_atomic --------------------------------------------------------------------------
 
@@ -44,12 +44,12 @@ def test_write_atomic_mode(tmp_path):
     try:
         write_atomic(tmp_path / "shared.txt", "x")
         write_atomic(tmp_path / "private.txt", "x", mode=0o600)
-        write_atomic(tmp_path / "mkstemp.txt", "x", mode=None)
+        write_atomic(tmp_path / "umask.txt", "x", mode=None)
     finally:
         os.umask(old_umask)
     assert (tmp_path / "shared.txt").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "private.txt").stat().st_mode & 0o777 == 0o600
-    assert (tmp_path / "mkstemp.txt").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "umask.txt").stat().st_mode & 0o777 == 0o600
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(tmp_path):
@@ -63,12 +63,6 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(tmp_path):
         write_atomic(path, fails)
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
-
-
-def test_write_atomic_in_another_temporary_folder(tmp_path):
-    (tmp_path / "tmp").mkdir()
-    write_atomic(tmp_path / "out" / "f.txt", "x", tmp_dir=tmp_path / "tmp")
-    assert (tmp_path / "out" / "f.txt").read_text() == "x" and not any((tmp_path / "tmp").iterdir())
 
 
 # ---- JSON files ----------------------------------------------------------------------------

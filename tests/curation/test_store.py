@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.schema import SCHEMAS, SchemaError
-from curation.store.commit_log import LoggedFile
 from curation.store.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path
 from curation.store.lock import RunLockedError
+from curation.store.run_log import LoggedFile
 from curation.store.run_store import RunStore
 from curation.store.verify import check_run
 
@@ -101,12 +101,18 @@ def test_commit_writes_parts_and_manifest(tmp_path):
         assert m["output_files"][rel]["sha256"][:16] == PART.fullmatch(rel.rsplit("/", 1)[1])["sha"]
     assert (m["rows_in"], m["rows_out"], m["drops"], m["seconds"]) == (2, 4, {"too_long": 3}, 1.5)
     assert m["code_version"] == code_version() and m["created_at"].endswith("+00:00")
-    # the manifest is in the commit log's entry (after the writer's "open"); no other folder
-    log = sorted(p.name for p in (store.root / "_log").iterdir())
-    assert log == ["00000000000000000000.json", "00000000000000000001.json"]
-    entry = json.loads((store.root / "_log" / log[1]).read_text())
-    assert entry["kind"] == "commit" and entry["manifest"] == m and sorted(entry["add"]) == files
-    assert sorted(p.name for p in store.root.iterdir()) == ["_log", "_staging", "rejects", "samples"]
+    # the manifest is in the commit's row of _commits (after the writer's "open"), and each
+    # table's Delta version names the commit; no other folder
+    from deltalake import DeltaTable
+
+    rows = DeltaTable(str(store.root / "_commits")).to_pyarrow_table().sort_by("seq").to_pylist()
+    assert [(r["seq"], r["kind"]) for r in rows] == [(0, "open"), (1, "commit")]
+    assert json.loads(rows[1]["manifest"]) == m and json.loads(rows[1]["versions"]) == {"rejects": 1, "samples": 1}
+    for table in ("samples", "rejects"):
+        history = DeltaTable(str(store.root / table)).history()
+        assert history[0]["groupforge"] == {"stage": "generate", "round": 0, "seq": 1}
+        assert DeltaTable(str(store.root / table)).transaction_version("generate@round=0") == 1
+    assert sorted(p.name for p in store.root.iterdir()) == ["_commits", "_staging", "rejects", "samples"]
     # the staging folder is emptied; written files are zstd Parquet; each table is a Delta table
     assert store.staging("generate", 0).list() == []
     meta = pq.read_metadata(store.root / m["outputs"][1])
@@ -337,7 +343,7 @@ def test_a_corrupt_part_file_is_named(tmp_path):
         store.read("samples")
     assert store.read("samples", rounds=0).num_rows == 4
     bad.unlink()
-    with pytest.raises(SchemaError, match=rf"samples table \({bad}\): file not found \(listed by the commit log\)"):
+    with pytest.raises(SchemaError, match=rf"samples table \({bad}\): file not found \(listed by the run's log\)"):
         store.read("samples")
 
 

@@ -48,8 +48,10 @@ CASES = [
     ("generate.chunk_staged", 1, "run"),       # round 1: the first of two chunks staged
     ("generate.chunk_staged", 2, "run"),       # round 1: both chunks staged, not committed
     ("generate.chunk_staged", 3, "run"),       # round 2: the first chunk staged
-    ("commit.logged", 1, "run"),               # round 1's generate commit: log entry, no Delta version
-    ("commit.logged", 3, "run"),               # round 1's filter commit
+    ("commit.tables_written", 1, "run"),       # round 1's generate commit: Delta versions, no row
+    ("commit.tables_written", 3, "run"),       # round 1's filter commit
+    ("commit.tables_written", 8, "run"),       # round 2's label commit
+    ("commit.logged", 1, "run"),               # round 1's generate commit: its row written
     ("commit.logged", 8, "run"),               # round 2's label commit
     ("commit.files_published", 2, "run"),      # round 1's score: part files written, no log entry
     ("commit.files_published", 5, "run"),      # round 2's generate
@@ -71,7 +73,7 @@ CASES = [
     ("loop.eval", 2, "run"),                   # round 1's
     ("export.before_rename", 1, "export"),
     ("report.before_write", 1, "report"),
-    ("dataset.file_written", 1, "append"),     # export --append-to: the data file written, no Delta version
+    ("dataset.rows_built", 1, "append"),       # export --append-to: the rows built, nothing written
 ]
 FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.step_logged", 3),
         ("checkpoint.weights_written", 2), ("loop.reload", 1), ("export.before_rename", 1)}
@@ -79,12 +81,13 @@ FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.ste
 
 # Kills at a point another case already covers (in the other round or stage, or on S3): `make test`
 # leaves them out (its time budget), `make test-exhaustive` runs them.
-EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.logged", 1),
-              ("commit.logged", 3), ("commit.files_published", 5), ("commit.files_published", 7),
-              ("stage.before_commit", 1), ("stage.before_commit", 3), ("train.step_logged", 1),
+EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.tables_written", 1),
+              ("commit.tables_written", 3), ("commit.logged", 1), ("commit.files_published", 5),
+              ("commit.files_published", 7), ("stage.before_commit", 1), ("stage.before_commit", 3),
+              ("train.step_logged", 1),
               ("train.step_logged", 4), ("checkpoint.weights_written", 1), ("loop.after_curate", 1),
               ("loop.reload", 2), ("loop.eval", 1),
-              ("commit.logged", 8)}  # test_a_run_on_s3_resumes_after_kills_on_fresh_machines kills there
+              ("commit.tables_written", 8)}  # test_a_run_on_s3_resumes_after_kills_on_fresh_machines kills there
 
 
 def _marks(case: tuple) -> tuple:
@@ -192,10 +195,10 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
         assert pq.read_table(out).num_rows > 0 and not list(out.parent.glob("*.tmp*"))
     if command == "report":
         assert (run_dir / "report" / "summary.md").is_file()
-    if command == "append":  # one version with both rounds once; the killed append's file listed by none
+    if command == "append":  # one version with both rounds once; the killed append wrote no file
         dataset = DeltaTable(str(run_dir.parent / "dataset"))
         assert dataset.version() == 0 and sorted(set(dataset.to_pyarrow_table()["round"].to_pylist())) == [1, 2]
-        assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris()) + 1
+        assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris())
 
 
 def test_the_readme_lists_every_point():
@@ -212,8 +215,8 @@ def test_the_readme_lists_every_point():
 # ---- a run on object storage ------------------------------------------------------------------
 
 S3_KILLS = [  # one after another on one run, each process on a fresh machine (an empty cache)
-    ("commit.files_published", 2),      # round 1's score commit: part files on S3, no log entry
-    ("commit.logged", 1),               # the rerun's first commit (round 1's score): log entry, no Delta version
+    ("commit.files_published", 2),      # round 1's score commit: part files on S3, no Delta version
+    ("commit.tables_written", 1),       # the rerun's first commit (round 1's score): Delta versions, no row
     ("location.file_uploaded", 3),      # round 1's checkpoint half uploaded (no trainer_state.json)
     ("train.step_logged", 2),           # a step line in S3's metrics.jsonl, no checkpoint after it
     ("checkpoint.weights_written", 1),  # a checkpoint in the cache only, nothing uploaded

@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import FAULTS_SPEC, REPO, groupforge_in_process
+from curation.store.run_log import COMMITS
+from tests.helpers import FAULTS_SPEC, REPO, edit_commit_row, groupforge_in_process
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -86,7 +87,7 @@ def test_a_bad_model_folder_gets_one_line_naming_it(name, damage, file, fragment
     line = _one_error_line(cli("generate", "--model", str(model), "--prompts", str(toy_dir / "eval.parquet"),
                                 "--out", str(out), "--backend", backend, "--max-tokens", "4"))
     assert str(model) in line and file in line and fragment in line, line
-    assert not (out / "_log").exists() and not list(out.rglob("*.parquet")) if out.exists() else True  # nothing written
+    assert not (out / COMMITS).exists() and not list(out.rglob("*.parquet")) if out.exists() else True  # none written
 
 
 def test_a_tied_embedding_model_samples_the_same_on_both_backends(toy_dir, tmp_path):
@@ -231,25 +232,29 @@ def test_a_bad_checkpoint_stops_the_resumed_run_with_its_name(name, damage, frag
 
 
 def _live_part(run: Path, table: str, round: int) -> Path:
-    """The one live part file of `table` for `round`, as the run's commit log lists it."""
+    """The one live part file of `table` for `round`, as the run's log lists it."""
     from curation.store.run_store import RunStore
 
     (rel,) = RunStore(run).files(table, round)
     return run / rel
 
 
-def _log_entry(run: Path, stage: str, round: int) -> Path:
-    """The commit log entry of the stage's newest commit for `round`."""
-    from curation.store.commit_log import LOG_DIR
+def _commit_seq(run: Path, stage: str, round: int) -> int:
+    """The row of `_commits` of the stage's newest commit for `round`."""
     from curation.store.run_store import RunStore
 
-    return run / LOG_DIR / f"{RunStore(run).state.commits[(stage, round)]:020d}.json"
+    return RunStore(run).state.commits[(stage, round)]
 
 
-def _edit_entry(path: Path, edit) -> None:
-    entry = json.loads(path.read_text())
-    edit(entry)
-    path.write_text(json.dumps(entry))
+def _edit_manifest_of(run: Path, stage: str, round: int, edit) -> Path:
+    """`edit(manifest)` on the `_commits` row of the stage's newest commit for `round`; the
+    file that holds the row."""
+    def row(r: dict) -> dict:
+        manifest = json.loads(r["manifest"])
+        edit(manifest)
+        return {**r, "manifest": json.dumps(manifest)}
+
+    return edit_commit_row(run, _commit_seq(run, stage, round), row)
 
 
 def _reseal(manifest: dict) -> None:
@@ -266,16 +271,12 @@ def _truncate_part(run: Path) -> Path:
 
 
 def _edit_manifest(run: Path) -> Path:
-    """A log entry's manifest changed by hand: its seal no longer matches."""
-    path = _log_entry(run, "score", 1)
-    _edit_entry(path, lambda entry: entry["manifest"].update(rows_out=entry["manifest"]["rows_out"] + 1))
-    return path
+    """A commit's manifest changed by hand: its seal no longer matches."""
+    return _edit_manifest_of(run, "score", 1, lambda m: m.update(rows_out=m["rows_out"] + 1))
 
 
 def _not_json(run: Path) -> Path:
-    path = _log_entry(run, "filter", 1)
-    path.write_text(path.read_text()[:40])  # cut short by a copy
-    return path
+    return edit_commit_row(run, _commit_seq(run, "filter", 1), lambda r: {**r, "manifest": r["manifest"][:40]})
 
 
 def _foreign_part(run: Path) -> Path:
@@ -285,14 +286,12 @@ def _foreign_part(run: Path) -> Path:
 
 
 def _newer_format(run: Path) -> Path:
-    """A manifest a newer groupforge wrote: sealed as it should be, of run format 3."""
-    def newer(entry: dict) -> None:
-        entry["manifest"]["format_version"] = 3
-        _reseal(entry["manifest"])
+    """A manifest a newer groupforge wrote: sealed as it should be, of run format 4."""
+    def newer(manifest: dict) -> None:
+        manifest["format_version"] = 4
+        _reseal(manifest)
 
-    path = _log_entry(run, "label", 2)
-    _edit_entry(path, newer)
-    return path
+    return _edit_manifest_of(run, "label", 2, newer)
 
 
 def _renamed_column(run: Path) -> Path:
@@ -307,12 +306,19 @@ def _renamed_column(run: Path) -> Path:
     rel = part.relative_to(run).as_posix()
     record = {"sha256": hashlib.sha256(part.read_bytes()).hexdigest(), "size": part.stat().st_size}
 
-    def match(entry: dict) -> None:
-        entry["add"][rel].update(record)
-        entry["manifest"]["output_files"][rel] = record
-        _reseal(entry["manifest"])
+    def match(manifest: dict) -> None:
+        manifest["output_files"][rel] = record
+        _reseal(manifest)
 
-    _edit_entry(_log_entry(run, "label", 1), match)
+    _edit_manifest_of(run, "label", 1, match)
+    for version in (run / "groups" / "_delta_log").glob("*.json"):  # the Delta log's add, by hand too
+        lines = version.read_text().splitlines()
+        for i, line in enumerate(lines):
+            action = json.loads(line)
+            if action.get("add", {}).get("path") == rel.split("/", 1)[1]:
+                action["add"]["size"] = record["size"]
+                lines[i] = json.dumps(action)
+        version.write_text("\n".join(lines) + "\n")
     return part
 
 
@@ -333,9 +339,9 @@ def _linked_round(run: Path) -> Path:
 RUN_CASES = [
     ("truncated-part", _truncate_part, "bytes, but its commit recorded"),
     ("edited-manifest", _edit_manifest, "edited after its commit"),
-    ("log-entry-not-json", _not_json, "not a commit log entry"),
-    ("foreign-part", _foreign_part, "that the run's commit log does not list (a foreign file"),
-    ("newer-format", _newer_format, "written by a newer groupforge (run format 3;"),
+    ("log-entry-not-json", _not_json, "its manifest is not JSON"),
+    ("foreign-part", _foreign_part, "that the run's log does not list (a foreign file"),
+    ("newer-format", _newer_format, "written by a newer groupforge (run format 4;"),
     ("renamed-column", _renamed_column, "missing column 'advantage'"),
     ("exports-symlinked-out", _linked_exports, "outside the run folder"),
     ("round-symlinked-out", _linked_round, "outside the run folder"),

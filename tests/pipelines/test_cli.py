@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.faults import FAULT_ENV
-from curation.store.commit_log import LOG_DIR
+from curation.store.run_log import COMMITS
 from curation.store.run_store import RunStore
-from tests.helpers import ENV, GROUPFORGE, error_line, groupforge, groupforge_in_process, make_toy_run
+from tests.helpers import ENV, GROUPFORGE, commit_rows, error_line, groupforge, groupforge_in_process, make_toy_run
 
 
 def write_bad_prompt_files(folder: Path) -> dict[str, tuple[Path, str]]:
@@ -46,7 +46,7 @@ def test_generate_rejects_wrong_prompt_tables(tmp_path, toy_dir, kind):
     assert proc.returncode == 2, proc.stderr
     line = error_line(proc)
     assert phrase in line and str(path) in line
-    assert not list((tmp_path / "run").rglob("*.parquet")) and not (tmp_path / "run" / "_log").exists()
+    assert not list((tmp_path / "run").rglob("*.parquet")) and not (tmp_path / "run" / COMMITS).exists()
 
 
 def test_inspect_rejects_wrong_run_tables(tmp_path):
@@ -111,12 +111,14 @@ def test_generate_killed_midway_then_resumed_then_noop(tmp_path, toy_dir):
     assert not staging.exists()
 
     mtimes = {p: p.stat().st_mtime_ns for p in run.rglob("*.parquet")}
-    entry = run / LOG_DIR / f"{store.state.commits[('generate', 0)]:020d}.json"
+    seq = store.state.commits[("generate", 0)]
     again = groupforge_in_process(*args)
     assert again.returncode == 0 and "up to date" in again.stdout
-    assert str(entry) in "".join(again.stdout.split())  # the message names the commit (a long line may wrap)
+    # the message names the commit (a long line may wrap)
+    assert f"(commit {seq} in {run / COMMITS}," in " ".join(again.stdout.split())
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*.parquet")} == mtimes
-    assert json.loads(entry.read_text())["manifest"] == manifest
+    row = next(r for r in commit_rows(run) if r["seq"] == seq)
+    assert row["manifest"] == json.loads(json.dumps(manifest))
     assert RunStore(run).state.commits[("generate", 0)] == store.state.commits[("generate", 0)]  # no new commit
 
     shown = groupforge_in_process("inspect", run)

@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation.store.runlog import MetricsLog, write_atomic
+from curation.store.runlog import MetricsLog
+from curation.store.storage import write_atomic
 from pipelines.studies.compare_spec import load_compare, load_compare_section
 from pipelines.studies.ratio_spread import pooled_spread
 from pipelines.studies.study import Setting, grid, pick_setting, split_prompts, validation_ids, validation_score

@@ -7,7 +7,7 @@ import duckdb
 import pytest
 
 from curation.store.run_store import RunStore
-from pipelines.loop.curate import CurationSpec, curate, load_curation_spec
+from pipelines.loop.curate import STAGES, CurationSpec, curate, load_curation_spec
 from tests.helpers import REPO, error_line, groupforge, hand_made_run, make_toy_run, parquet_sql
 
 
@@ -143,3 +143,44 @@ def test_curate_inspect_and_export_a_run_on_s3(s3_server, tmp_path):
     exported = groupforge_in_process("export", url, "--out", tmp_path / "pairs")
     assert exported.returncode == 0, exported.stderr
     assert list((tmp_path / "pairs").glob("*.parquet")) and not (tmp_path / "s3:").exists()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_every_table_reads_at_every_version_with_one_commit_per_stage_and_round(where, s3_server, tmp_path):
+    """A curated run's tables are plain Delta tables: no `_log/`; each table's history holds one
+    commit per (stage, round), with the stage, round and commit number; Polars, deltalake and
+    DuckDB (through pyarrow) read every version of every table alike, locally and on S3."""
+    import polars as pl
+    from deltalake import DeltaTable
+
+    from curation.store.run_log import COMMITS, delta_location
+
+    run = f"s3://{s3_server.bucket()}/runs/versions" if where == "s3" else tmp_path / "run"
+    from tests.helpers import groupforge_in_process
+
+    hand_made_run(run, rounds=(0, 1))
+    done = groupforge_in_process("curate", run)
+    assert done.returncode == 0, done.stderr
+    storage = RunStore(run).storage
+    assert not storage.list("_log") and storage.list(COMMITS)
+    seen = {}
+    for table in ("samples", "rejects", "prompts", "scores", "groups", "pairs"):
+        uri, options = delta_location(storage, table)
+        commits = [h["groupforge"] for h in DeltaTable(uri, storage_options=options).history() if "groupforge" in h]
+        keys = [(c["stage"], c["round"]) for c in commits]
+        assert len(keys) == len(set(keys)) and all(isinstance(c["seq"], int) for c in commits), (table, commits)
+        seen[table] = set(keys)
+        newest = DeltaTable(uri, storage_options=options).version()
+        for version in range(newest + 1):
+            delta = DeltaTable(uri, version=version, storage_options=options)
+            rows = delta.to_pyarrow_table().num_rows
+            polars = pl.scan_delta(uri, version=version, storage_options=options).select(pl.len()).collect().item()
+            dataset = delta.to_pyarrow_dataset()  # noqa: F841 (DuckDB reads the Python variable)
+            ddb = duckdb.sql("SELECT count(*) FROM dataset").fetchall()[0][0]
+            assert rows == polars == ddb, (table, version, rows, polars, ddb)
+    rows = [r for r in RunStore(run).log.entries() if r.kind == "commit"]
+    for row in rows:  # each commit is a version of each table it wrote the round's files of
+        for table in {rel.split("/", 1)[0] for rel in row.manifest["outputs"] if f"/round={row.round}/" in rel}:
+            assert (row.stage, row.round) in seen[table], (row.stage, row.round, table)
+    assert {(r.stage, r.round) for r in rows} == {(s, r) for s in ("generate", *STAGES) for r in (0, 1)}
+    assert len({r.writer for r in rows if r.stage != "generate"}) == 1  # one curate job, one writer

@@ -7,8 +7,6 @@ sensor asks for round 2, and a round whose previous round is not done is refused
 
 from __future__ import annotations
 
-import json
-
 import pyarrow.parquet as pq
 import pytest
 
@@ -98,7 +96,7 @@ def test_rounds_as_partitions_with_a_retry_on_s3(bucket_run, s3_server, tmp_path
     again = _materialize(defs, 1, instance)
     assert again.success and DeltaTable(dataset, storage_options=options).version() == 0
     added = set(s3_server.download(bucket, "runs/dagster", tmp_path / "again")) - set(keys)
-    assert all(json.loads((tmp_path / "again" / key).read_text())["kind"] == "open" for key in added)  # the job's
+    assert not added, added  # a job that writes nothing leaves no row in the run's log
     assert (tmp_path / "again" / "metrics.jsonl").read_bytes() == (mirror / "metrics.jsonl").read_bytes()
     sensor = defs.resolve_sensor_def("dagster_refresh")
     result = sensor(dg.build_sensor_context(instance=instance, definitions=defs))

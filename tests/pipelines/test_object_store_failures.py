@@ -107,7 +107,7 @@ def test_debug_shows_the_traceback_of_a_store_error(spec, s3_server, tmp_path):
     crash = cli("--debug", "run", spec, "--run-dir", "s3://bucket/runs/x", env=env, cwd=tmp_path)
     assert crash.returncode == 1 and "Traceback" in crash.stderr, crash.stderr[-3000:]
     text = " ".join(crash.stderr.split())  # the traceback is drawn to the terminal's width
-    assert "StoreUnreachableError: s3://bucket/runs/x/_log: listing failed: cannot reach the object store" in text
+    assert "StoreUnreachableError: s3://bucket/runs/x/_commits: listing failed: cannot reach the object store" in text
 
 
 @pytest.mark.slow
