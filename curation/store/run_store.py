@@ -286,9 +286,10 @@ class RunStore(TableReads):
              on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
         """Write the run: the writer lock of this machine (`curation.store.lock.writer_lock` on the
         run folder, or for a run on an object store on its folder in this machine's cache): a
-        second job here waits, or exits 3 with `wait=False`; and everywhere an "open" entry in
-        `_commits`, so that a job that opened the run earlier (on another machine) stops at
-        its next write (exit 3). Files that no commit lists (a killed job's) are swept."""
+        second job here waits, or exits 3 with `wait=False`; and everywhere an "open" row in
+        `_commits` before this job's first write, so that a job that opened the run earlier (on
+        another machine) stops at its next write (exit 3). Files that no commit lists (a killed
+        job's) are swept."""
         from curation.store.location import node_cache
 
         folder = self.root if self.root is not None else node_cache(self.storage.url)
