@@ -57,3 +57,16 @@ def test_architecture_lists_the_rules_the_tests_check():
     used = set().union(*imports_of("training").values())
     for allowed in TRAINING_MAY_IMPORT:  # each allowance is in use: the list does not go stale
         assert any(_allowed(n, {allowed}) for n in used), f"{allowed}: allowed, but training does not import it"
+
+
+def test_the_store_has_no_import_circle_hidden_in_a_function():
+    """No module of curation/store imports another of them inside a function: the store's
+    modules are layered (ARCHITECTURE's list, from the bottom up), not tied in a circle."""
+    hidden = []
+    for path in sorted((REPO / "curation" / "store").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("curation.store"):
+                    hidden.append(f"{path.name}:{node.lineno} {node.module}")
+    assert not hidden, f"function-local imports between store modules: {hidden}"
