@@ -326,25 +326,26 @@ class RunStore(TableReads):
         """Write the run: the writer lock of this machine (`curation.store.lock.writer_lock` on the
         run folder, or for a run on an object store on its folder in this machine's cache): a
         second job here waits, or exits 3 with `wait=False`; and everywhere an "open" row in
-        `_commits` before this job's first write, so that a job that opened the run earlier (on
-        another machine) stops at its next write (exit 3). Files that no commit lists (a killed
-        job's) are swept."""
+        `_commits` (on an object store at once, on local disk before this job's first write), so
+        that a job that opened the run earlier (on another machine) stops at its next write
+        (exit 3). Files that no commit lists (a killed job's) are swept."""
         folder = self.root if self.root is not None else node_cache(self.storage.url)
         with writer_lock(folder, wait=wait, timeout=timeout, on_wait=on_wait, name=self.location):
             self.open_for_writing()
             yield
 
     def open_for_writing(self) -> None:
-        """Start writing the run (once per store): name this job in the log (its "open" row is
-        written before its first write: `RunLog`), then `_tidy`. A commit does it when the
+        """Start writing the run (once per store): name this job in the log (its "open" row:
+        now on an object store, else before its first write: `RunLog.open`), then `_tidy`. A commit does it when the
         caller did not take `lock()`. A local run folder is checked first for links that lead out
         of it (and each commit checks the folders it writes to: `layout.check_inside`), so no
         write lands outside it."""
         if self.log.writer is None:
             if self.root is not None:
                 check_links(self.root)
-            self.log.open()
-            if isinstance(self.storage, ObjectStorage):  # no lock reaches another machine: fence each write
+            remote = isinstance(self.storage, ObjectStorage)  # no lock reaches another machine:
+            self.log.open(claim=remote)  # claim the run now, and fence each write
+            if remote:
                 self.storage.fence_writes(self.log.fence)
             self._unlisted = None
             self._tidy()
