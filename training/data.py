@@ -27,7 +27,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation import schema
-from curation.store.fingerprints import part_fingerprints
 from curation.store.layout import contract_columns
 from curation.store.run_store import RunStore
 
@@ -264,7 +263,7 @@ def load_training_data(run: RunStore | str | Path, objective: str, rounds: list[
             _policy_rows(store, files, objective, sft_min_reward)
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
-        for rel, digest in part_fingerprints(store, files[table_name]).items():
+        for rel, digest in store.part_fingerprints(files[table_name]).items():
             h.update(f"{rel}={digest}\n".encode())
     if table is None or table.num_rows == 0:
         raise NoTrainingData(f"{store.location}: nothing to train on for objective {objective!r} in rounds "

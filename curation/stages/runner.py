@@ -30,7 +30,7 @@ and, where it needs them, three hooks (score has the first two, label the third)
                    contract); parts the store holds (`RunStore(..., hold=True)`, the loop's
                    store: what the stages before committed) come from memory
     transform      pure
-    commit         the tables validated and written, the manifest last (curation/store/commit.py)
+    commit         the tables validated and written, the manifest last (curation/store/run_store.py `Commit`)
 
 A stage that also reads a table it writes (filter reads rejects) leaves its own part files out
 of both its fingerprints and its read, so its own commit never makes it out of date. A part
@@ -70,7 +70,6 @@ from curation import schema
 from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.stages.common import drop_counts
-from curation.store.fingerprints import part_fingerprints
 from curation.store.layout import part_name
 from curation.store.run_store import RunStore
 
@@ -138,9 +137,9 @@ def input_fingerprints(store: RunStore, tables: tuple[str, ...], round: int,
                        exclude_parts: tuple[str, ...] = ()) -> dict[str, str]:
     """{relative path: sha256} of every part file of `tables` for `round` (prompts: the parts
     the round's samples came from), leaving out the parts named in `exclude_parts`
-    (`curation.store.fingerprints.part_fingerprints`: held parts and manifests vouch for most)."""
+    (`RunStore.part_fingerprints`: held parts and manifests vouch for most)."""
     rels = [rel for table in tables for rel in _files(store, table, round) if not _own_part(rel, exclude_parts)]
-    return part_fingerprints(store, rels)
+    return store.part_fingerprints(rels)
 
 
 @dataclass(frozen=True)

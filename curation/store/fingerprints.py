@@ -3,7 +3,6 @@
     fingerprint_file(path)     sha256 of a file's bytes (a table part, a prompts file)
     known_fingerprint(path)    the same, without reading the bytes again when a manifest recorded
                                them and the file's size and mtime_ns still match
-    part_fingerprints(store, rels)   the sha256 of a run's part files: held, or as the log recorded
     fingerprint_path(path)     sha256 of a file, or of a folder's relative paths and file hashes
     config_hash(config)        sha256 of a config's canonical JSON (sorted keys)
     code_version()             'groupforge <version> (<commit>[-dirty])', recorded in manifests
@@ -20,12 +19,8 @@ import importlib.metadata
 import json
 import os
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from curation.store.run_store import RunStore
 
 
 def fingerprint_file(path: str | Path) -> str:
@@ -54,16 +49,6 @@ def _vouches(path: str | Path, recorded: Mapping[str, object]) -> bool:
     stat = file_stat(path)
     return (isinstance(recorded.get("sha256"), str)
             and (recorded.get("size"), recorded.get("mtime_ns")) == (stat["size"], stat["mtime_ns"]))
-
-
-def part_fingerprints(store: RunStore, rels: Sequence[str]) -> dict[str, str]:
-    """{rel: sha256} of live part files of the run: a held part's own, else what its commit
-    recorded in the run's log (no file is read)."""
-    found = {}
-    for rel in rels:
-        held = store.held_part(rel)
-        found[rel] = held.sha256 if held is not None else store.file_record(rel).sha256
-    return found
 
 
 def fingerprint_path(path: str | Path) -> str:

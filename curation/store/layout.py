@@ -1,10 +1,15 @@
-"""The run folder's names: its round tables, part and round folder names, and the small
-helpers every store module shares (a part file's name and path, a part's contract columns, DuckDB)."""
+"""The run folder's names and format: its round tables, part and round folder names, the run
+format's version and a manifest's seal, the checks that keep every write inside the run folder,
+and the small helpers every store module shares (a part file's name and path, a part's contract
+columns, DuckDB)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
@@ -65,3 +70,47 @@ def check_round(round: int) -> int:
     if isinstance(round, bool) or not isinstance(round, int) or round < 0:
         raise ValueError(f"invalid round {round!r}: expected an integer >= 0")
     return round
+
+
+FORMAT_VERSION = 3
+"""The run format this groupforge writes and reads (manifests' `format_version`): 3 is the
+tables' Delta logs and `_commits`; 2 (an older groupforge's RUN/_log/) and 1 (RUN/_manifests/,
+or no `format_version`) are read through curation/store/migrate.py."""
+
+SEAL_FIELD = "seal"
+
+
+class RunFolderError(ValueError):
+    """A run folder that does not match its manifests; the message names the file."""
+
+
+def seal_of(manifest: dict) -> str:
+    """sha256 of a manifest's fields other than the seal, as canonical JSON."""
+    body = {key: value for key, value in manifest.items() if key != SEAL_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_links(root: Path) -> None:
+    """No entry of the run folder (nor a table's round folder) is a symlink that leads out of
+    it: every write of a job stays inside the run folder."""
+    inside = root.resolve()
+    entries = list(root.iterdir()) if root.is_dir() else []
+    entries += [sub for table in schema.SCHEMAS if (root / table).is_dir() and not (root / table).is_symlink()
+                for sub in (root / table).iterdir()]
+    for entry in entries:
+        if entry.is_symlink() and not entry.resolve().is_relative_to(inside):
+            raise RunFolderError(f"{entry}: a symlink to {entry.resolve()}, outside the run folder {root}; "
+                                 "groupforge writes only inside the run folder: replace the link with a folder")
+
+
+def check_inside(root: Path | None, rel: str) -> None:
+    """Refuse a write to `rel` when its folder of a local run resolves outside the run folder
+    (a symlink): a RunFolderError naming it."""
+    if root is None:
+        return
+    folder = (root / rel).parent
+    while not folder.exists() and folder != root:
+        folder = folder.parent  # the nearest folder there is: it decides where the write lands
+    if not folder.resolve().is_relative_to(root.resolve()):
+        raise RunFolderError(f"{folder}: resolves to {folder.resolve()}, outside the run folder {root} "
+                             "(a symlink?); groupforge writes only inside the run folder")

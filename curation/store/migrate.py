@@ -15,7 +15,6 @@ import json
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,11 +22,8 @@ import pyarrow.parquet as pq
 from curation import schema
 from curation.errors import first_line
 from curation.store.layout import PART_FILE, ROUND_DIR
-from curation.store.run_log import LoggedFile, RunState
+from curation.store.run_log import LoggedFile, RunLog, RunState
 from curation.store.storage import Storage
-
-if TYPE_CHECKING:
-    from curation.store.run_store import RunStore
 
 OLD_MANIFESTS = "_manifests"
 OLD_LOG = "_log"
@@ -164,15 +160,15 @@ def unlisted_state(storage: Storage, skip_ours: bool = False) -> RunState:
     return state
 
 
-def import_unlisted(store: RunStore) -> int:
-    """Take a run written without `_commits` into it (`RunLog.take_in`); how many commits and
-    files it took in. The old commit log (RUN/_log/) is removed once its commits are rows."""
-    found = unlisted(store.storage, skip_ours=any(e.writer != store.log.writer for e in store.log.entries()))
+def import_unlisted(log: RunLog, storage: Storage) -> int:
+    """Take a run written without `_commits` into its log (`RunLog.take_in`); how many commits
+    and files it took in. The old commit log (RUN/_log/) is removed once its commits are rows."""
+    found = unlisted(storage, skip_ours=any(e.writer != log.writer for e in log.entries()))
     if not found.commits and not found.files:
         return 0
-    store.log.take_in(found.commits, found.files, found.imported, found.retired)
-    store.storage.delete_all(e.rel for e in store.storage.list(OLD_LOG))
-    folder = store.storage.local_path(OLD_LOG)
+    log.take_in(found.commits, found.files, found.imported, found.retired)
+    storage.delete_all(e.rel for e in storage.list(OLD_LOG))
+    folder = storage.local_path(OLD_LOG)
     if folder is not None and folder.is_dir():  # a local folder stays behind its files
         shutil.rmtree(folder, ignore_errors=True)
     return len(found.commits) + len(found.imported)

@@ -19,10 +19,11 @@ itself (Polars, Spark, DuckDB) sees the table's newest version, which may be a s
 whose other tables are not written yet (docs/reliability.md).
 
 Two writers: every append to `_commits` is conditional on the version this job last read
-(`max_commit_retries=0`). A job's first write to the log (a commit, an import or a restore) is
-preceded by an "open" row, so an older job's next append fails and it stops with `RunTakenOver`
-(exit 3): the newest job to write a run goes on. A job that writes nothing to a run that has
-rows leaves no row.
+(`max_commit_retries=0`). A job appends an "open" row when it opens a run on an object store
+(`open(claim=True)`: no lock reaches the other machines), else before its first write to the log
+(a commit, an import or a restore), so an older job's next append fails and it stops with
+`RunTakenOver` (exit 3): the newest job goes on. A job on local disk that writes nothing to a
+run that has rows leaves no row.
 """
 
 from __future__ import annotations
@@ -386,14 +387,15 @@ class RunLog:
             self._read_rows()  # the compacted file (rows known: skipped), and any row since
 
     # -- writing
-    def open(self) -> None:
+    def open(self, claim: bool = False) -> None:
         """Start writing: read the log and name this job. Its "open" row is appended before its
-        first write to the log (`_write_open_row`); in a run with no row yet, now: the row marks
-        the run as written through the log, so a reader takes part files no commit lists for a
-        killed or unfinished commit's, not for a run written without a log."""
+        first write to the log (`_write_open_row`), or now with `claim` (a run that jobs on
+        other machines may write: the older one stops at once, before this job plans from what
+        it read) or when the run has no row yet (the row marks the run as written through the
+        log, so a reader takes part files no commit lists for a killed or unfinished commit's)."""
         self.refresh()
         self.writer = self.writer or new_writer_id()
-        if self.state.seq < 0:
+        if claim or self.state.seq < 0:
             self._write_open_row()
 
     def _write_open_row(self) -> None:

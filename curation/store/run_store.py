@@ -21,31 +21,65 @@ the next writer.
 Several stages add rows to one table and round (`rejects` gets rows from generate, score and
 filter), so each stage writes its own parts. The `round=<n>` folder and the `round` column
 inside the file always agree (docs/guide-data.md, "Read the tables yourself").
+
+A stage's commit (`Commit`): its outputs for one round appear all at once, or not at all.
+
+    with store.commit(stage, round, inputs, config) as commit:
+        commit.write("rejects", table)          # validated, written under its final name
+        commit.record(rows_in=..., drops=...)   # counts for the manifest
+    # here: each table written got a Delta version, then the commit's row in _commits (the
+    # commit point); the stage's earlier parts for the round left the live files (kept for
+    # earlier versions of the run)
+
+The manifest in the row records each output's sha256, size and rows, so the next stage
+fingerprints its inputs without reading them again. A commit through a `RunStore(...,
+hold=True)` (the round loop's) leaves each part it wrote in `store.held` (its sha256 and
+table), so the next stage and the trainer read it from memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from curation import schema
-from curation.store.fingerprints import config_hash
-from curation.store.layout import check_name, check_round, round_of
+from curation.faults import fault_point
+from curation.store.fingerprints import canonical_json, code_version, config_hash
+from curation.store.layout import (
+    FORMAT_VERSION,
+    PART_FILE,
+    ROUND_TABLES,
+    SEAL_FIELD,
+    check_inside,
+    check_links,
+    check_name,
+    check_round,
+    part_name,
+    part_rel,
+    round_of,
+    seal_of,
+)
+from curation.store.location import node_cache
 from curation.store.lock import writer_lock
-from curation.store.object_storage import ObjectStorage
+from curation.store.migrate import import_unlisted, unlisted_state
 from curation.store.run_log import LoggedFile, RunLog, RunState
-from curation.store.storage import LocalStorage, Storage, check_location, open_storage
+from curation.store.runlog import to_json
+from curation.store.storage import LocalStorage, ObjectStorage, Storage, check_location, open_storage
 from curation.store.table_reads import TableReads
-
-if TYPE_CHECKING:
-    from curation.store.commit import Commit
 
 
 @dataclass(frozen=True)
@@ -115,8 +149,6 @@ class RunStore(TableReads):
             # nothing committed yet (no log, or only jobs that opened it): what the files and any
             # old manifests say; with a log, files named as groupforge names them are a killed
             # commit's, not the run's
-            from curation.store.migrate import unlisted_state
-
             self._unlisted = unlisted_state(self.storage, skip_ours=state.seq >= 0)
             return self._unlisted
         return state
@@ -265,6 +297,15 @@ class RunStore(TableReads):
                 prompts |= listed
         return None if samples else sorted(prompts)
 
+    def part_fingerprints(self, rels: Sequence[str]) -> dict[str, str]:
+        """{rel: sha256} of live part files of the run: a held part's own, else what its commit
+        recorded in the run's log (no file is read)."""
+        found = {}
+        for rel in rels:
+            held = self.held_part(rel)
+            found[rel] = held.sha256 if held is not None else self.file_record(rel).sha256
+        return found
+
     def is_up_to_date(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> bool:
         """True when the stage's newest commit for the round had these inputs and config, and its
         outputs all exist."""
@@ -276,9 +317,7 @@ class RunStore(TableReads):
 
     # -- writing
     def commit(self, stage: str, round: int, inputs: dict[str, str], config: Mapping) -> Commit:
-        """A context manager that writes a stage's outputs atomically (see `curation.store.commit.Commit`)."""
-        from curation.store.commit import Commit
-
+        """A context manager that writes a stage's outputs atomically (`Commit`)."""
         return Commit(self, stage, round, inputs, config)
 
     @contextlib.contextmanager
@@ -286,31 +325,249 @@ class RunStore(TableReads):
              on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
         """Write the run: the writer lock of this machine (`curation.store.lock.writer_lock` on the
         run folder, or for a run on an object store on its folder in this machine's cache): a
-        second job here waits, or exits 3 with `wait=False`; and everywhere an "open" entry in
-        `_commits`, so that a job that opened the run earlier (on another machine) stops at
-        its next write (exit 3). Files that no commit lists (a killed job's) are swept."""
-        from curation.store.location import node_cache
-
+        second job here waits, or exits 3 with `wait=False`; and everywhere an "open" row in
+        `_commits` (on an object store at once, on local disk before this job's first write), so
+        that a job that opened the run earlier (on another machine) stops at its next write
+        (exit 3). Files that no commit lists (a killed job's) are swept."""
         folder = self.root if self.root is not None else node_cache(self.storage.url)
         with writer_lock(folder, wait=wait, timeout=timeout, on_wait=on_wait, name=self.location):
             self.open_for_writing()
             yield
 
     def open_for_writing(self) -> None:
-        """Start writing the run (once per store): name this job in the log (its "open" row is
-        written before its first write: `RunLog`), then
-        `curation.store.tidy.tidy`. A commit does it when the caller did not take `lock()`. A
-        local run folder is checked first for links that lead out of it (and each commit checks
-        the folders it writes to: `curation.store.tidy.check_inside`), so no write lands outside it."""
+        """Start writing the run (once per store): name this job in the log (its "open" row:
+        now on an object store, else before its first write: `RunLog.open`), then `_tidy`. A commit does it when the
+        caller did not take `lock()`. A local run folder is checked first for links that lead out
+        of it (and each commit checks the folders it writes to: `layout.check_inside`), so no
+        write lands outside it."""
         if self.log.writer is None:
             if self.root is not None:
-                from curation.store.verify import check_links
-
                 check_links(self.root)
-            self.log.open()
-            if isinstance(self.storage, ObjectStorage):  # no lock reaches another machine: fence each write
+            remote = isinstance(self.storage, ObjectStorage)  # no lock reaches another machine:
+            self.log.open(claim=remote)  # claim the run now, and fence each write
+            if remote:
                 self.storage.fence_writes(self.log.fence)
             self._unlisted = None
-            from curation.store.tidy import tidy
+            self._tidy()
 
-            tidy(self)
+    def _tidy(self) -> None:
+        """What a job that starts writing does first: take in the tables of a run written without
+        `_commits` (`curation.store.migrate`), restore each table to the version the newest
+        commit recorded (a killed commit's versions undone), and remove what killed jobs left
+        (`orphans`, local temporary files)."""
+        if not self.state.manifests and not self.state.files:  # nothing committed yet
+            import_unlisted(self.log, self.storage)
+        self.log.restore_tables()
+        self.storage.delete_all(self.orphans())
+        if isinstance(self.storage, LocalStorage):
+            self.storage.remove_dead_temps()
+
+    def orphans(self) -> list[str]:
+        """Part files of killed commits: in a table folder, named `part-<part>-<sha16>.parquet`
+        with bytes that hash to that name, and never listed by a commit (neither live nor
+        retired). A file that only looks like one (its bytes hash to another name) is not
+        touched: `verify` names it as a foreign file."""
+        known = self.state.files.keys() | self.state.listed.keys()
+        found = []
+        for table in schema.SCHEMAS:
+            for entry in self.storage.list(table):
+                m = PART_FILE.fullmatch(entry.rel.rsplit("/", 1)[-1])
+                if entry.rel in known or not m or not m["sha"] or "/_delta_log/" in f"/{entry.rel}":
+                    continue
+                if hashlib.sha256(self.storage.read(entry.rel)).hexdigest()[:16] == m["sha"]:
+                    found.append(entry.rel)
+        return found
+
+
+_MANIFEST_FIELDS = {"stage", "round", "inputs", "config", "config_hash", "code_version", "outputs",
+                    "output_rows", "output_files", "rows_in", "rows_out", "drops", "created_at",
+                    "format_version", SEAL_FIELD}
+_COMMIT_ROUND: Any = object()  # default of Commit.write(round=...): the commit's round
+SKIPPED_WHEN_EMPTY = frozenset({"rejects"})
+"""Tables of which an empty write leaves no part file (no rows dropped: nothing to keep, and a
+file fewer to write and fingerprint)."""
+
+
+@dataclass(frozen=True)
+class EncodedPart:
+    """One part file's table, validated against its contract and encoded as Parquet (zstd)
+    in memory: what a commit writes, known (bytes, rows, sha256) before anything is written."""
+
+    table: str
+    rel: str
+    """Where the commit puts it, relative to the run: <table>/round=<n>/part-<part>-<sha>.parquet."""
+    data: pa.Table
+    payload: pa.Buffer
+    sha256: str
+
+
+def encode_part(stage: str, table: str, data: pa.Table, part: str | None = None,
+                round: int | None = None) -> EncodedPart | None:
+    """`data` validated as `table` and encoded for stage `stage`'s part `part` (default: the
+    stage's name) of `round` (None: prompts); None for an empty table of SKIPPED_WHEN_EMPTY."""
+    if table in ROUND_TABLES and round is None:
+        raise ValueError(f"the {table} table is partitioned by round; give a round")
+    if table not in ROUND_TABLES and round is not None:
+        raise ValueError(f"the {table} table is not partitioned by round; give round=None")
+    part = check_name(part or stage, "part")
+    where = f"{table}/{'' if round is None else f'round={round}/'}part-{part}"
+    data = data if isinstance(data, pa.Table) else pa.table(data)
+    data = schema.validate(data, table, source=f"{where}, written by stage {stage!r}")
+    if table in SKIPPED_WHEN_EMPTY and data.num_rows == 0:
+        return None
+    if round is not None and data.num_rows:
+        bounds = pc.min_max(data["round"])
+        lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+        if (lo, hi) != (round, round):
+            raise schema.SchemaError(f"{table} table ({where}): column 'round' holds {lo}..{hi}, "
+                                     f"but it is written to round={round}")
+    encoded = pa.BufferOutputStream()
+    pq.write_table(data, encoded, compression="zstd")
+    payload = encoded.getvalue()
+    sha256 = hashlib.sha256(payload).hexdigest()
+    return EncodedPart(table, part_rel(table, round, part, sha256), data, payload, sha256)
+
+
+class Commit:
+    """Writes one stage's outputs for one round; nothing is visible until the `with` block ends.
+
+    On success: every touched table gets a Delta version and `_commits` a row (the commit
+    point), the stage's earlier files for the round leave the live files (they stay on storage
+    for earlier versions of the run), and the stage's staging folder is removed. On an exception:
+    the files written are deleted (best effort; nothing lists them) and it re-raises.
+    """
+
+    def __init__(self, store: RunStore, stage: str, round: int, inputs: Mapping[str, str], config: Mapping):
+        self.store, self.stage, self.round = store, check_name(stage, "stage"), check_round(round)
+        self.inputs = dict(inputs)
+        self.config = json.loads(canonical_json(config))  # fails early if not JSON-serialisable
+        self._files: dict[str, LoggedFile] = {}
+        self._written: list[str] = []  # files this commit wrote (not those it found live already)
+        self._tables: dict[str, pa.Table] = {}  # the tables to hold in the store (RunStore.hold)
+        self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
+        self._scratch: Path | None = None
+        self._open = False  # inside the `with` block: writes are taken
+        self._folders: set[str] = set()  # folders checked to lie inside a local run folder
+
+    def __enter__(self) -> Commit:
+        self.store.open_for_writing()
+        self._open = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._open = False
+        try:
+            if exc_type is None:
+                self._publish()
+            else:
+                self.store.storage.delete_all(self._written)
+        finally:
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
+        return False
+
+    def write(self, table: str, data: pa.Table, part: str | None = None,
+              round: int | None = _COMMIT_ROUND, hold: bool = True) -> None:
+        """Validate `data` as `table` and write it as part `part` (default: the stage's name).
+
+        `data` is a pyarrow Table or anything `pa.table` accepts (a polars DataFrame, a dict).
+        An empty table of `SKIPPED_WHEN_EMPTY` (rejects) is validated and writes no file.
+        `hold=False`: the table is not kept in the store's `held` parts even when the store
+        holds them (a stage writing a large round slice by slice, so memory holds one slice).
+        """
+        if not self._open:
+            raise RuntimeError("Commit.write must be called inside `with store.commit(...)`")
+        if round is _COMMIT_ROUND:
+            round = None if table == "prompts" else self.round
+        encoded = encode_part(self.stage, table, data, part, round)
+        if encoded is None:
+            return
+        named = _unhashed(encoded.rel)
+        if any(_unhashed(rel) == named for rel in self._files):
+            raise ValueError(f"part {named} is written twice in one commit of stage {self.stage!r}")
+        owner = self._owner(named, round)
+        if owner is not None:
+            raise ValueError(f"part {named} belongs to stage {owner!r}; stage {self.stage!r} must write another "
+                             "part name")
+        if _unhashed(encoded.rel).rpartition("/")[0] not in self._folders:
+            check_inside(self.store.root, encoded.rel)
+            self._folders.add(_unhashed(encoded.rel).rpartition("/")[0])
+        if encoded.rel not in self.store.state.files:
+            self.store.storage.write(encoded.rel, encoded.payload)
+            self._written.append(encoded.rel)
+        elif not self.store.storage.exists(encoded.rel):  # live, but lost since: written again
+            self.store.storage.write(encoded.rel, encoded.payload)
+        self._files[encoded.rel] = LoggedFile(encoded.sha256, encoded.payload.size, encoded.data.num_rows)
+        if hold and self.store.hold:
+            self._tables[encoded.rel] = encoded.data
+
+    def _owner(self, named: str, round: int | None) -> str | None:
+        """The other stage whose newest commit lists a file of the part `named` (folder and
+        part name, e.g. `rejects/round=0/part-filter`): of the same round for a round table,
+        of any round for prompts. A stage's parts are told apart by their name (a stage that
+        reads a table it writes leaves its own parts out), so two stages never share one."""
+        for (stage, r), manifest in self.store.state.manifests.items():
+            if stage == self.stage or (round is not None and r != round):
+                continue
+            if any(_unhashed(rel) == named for rel in manifest.get("outputs", [])):
+                return stage
+        return None
+
+    def scratch(self, name: str) -> Path:
+        """A local path (removed with the commit, whatever happens) for files a stage needs
+        while it writes, e.g. a large round split into slices."""
+        if not self._open:
+            raise RuntimeError("Commit.scratch must be called inside `with store.commit(...)`")
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix=f"gf-{self.stage}-{self.round}-"))
+        return self._scratch / check_name(name, "scratch")
+
+    def record(self, rows_in: int | None = None, rows_out: int | None = None,
+               drops: Mapping[str, int] | None = None, **extra) -> None:
+        """Row counts, drop counts per reason, and any extra JSON fields for the manifest."""
+        clash = _MANIFEST_FIELDS & extra.keys()
+        if clash:
+            raise ValueError(f"extra manifest keys clash with standard fields: {sorted(clash)}")
+        if rows_in is not None:
+            self._record["rows_in"] = int(rows_in)
+        if rows_out is not None:
+            self._record["rows_out"] = int(rows_out)
+        if drops is not None:
+            self._record["drops"] = {str(k): int(v) for k, v in drops.items()}
+        self._record.update(json.loads(to_json(extra)))  # fails here, not while publishing
+
+    def _publish(self) -> None:
+        store = self.store
+        outputs = sorted(self._files)
+        content = json.loads(to_json({
+            "stage": self.stage, "round": self.round, "inputs": self.inputs, "config": self.config,
+            "config_hash": config_hash(self.config), "code_version": code_version(), "format_version": FORMAT_VERSION,
+            "outputs": outputs, "output_rows": {rel: f.rows for rel, f in self._files.items()},
+            "output_files": {rel: {"sha256": f.sha256, "size": f.size} for rel, f in self._files.items()},
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self._record,
+        }))
+        manifest = {**content, SEAL_FIELD: seal_of(content)}  # a hand edit shows (store/verify.py)
+        fault_point("commit.files_published")
+        with store.job.lock:  # a sibling store of this job (another thread) commits in turn
+            store.catch_up()
+            gone = store.log.commit(self.stage, self.round, manifest, self._files)  # the commit point
+            store.job.seq = store.log.state.seq
+            fault_point("commit.logged")
+            for rel in outputs:
+                if rel in self._tables:
+                    store.held[rel] = HeldPart(self._files[rel].sha256, self._tables[rel])
+                else:
+                    store.held.pop(rel, None)
+        for rel in gone:  # kept on storage for earlier versions of the run (RunState.retired)
+            store.held.pop(rel, None)
+        staging = store.staging(self.stage, self.round)
+        staging.delete_all(e.rel for e in staging.list())
+        folder = staging.local_path()
+        if folder is not None:  # a local folder stays behind its files
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _unhashed(rel: str) -> str:
+    """A part file's folder and part name, without its hash: `samples/round=0/part-generate`."""
+    return f"{rel.rpartition('/')[0]}/part-{part_name(rel)}"

@@ -25,31 +25,14 @@ entry (`deep` reads and hashes every live file).
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from curation import schema
-from curation.store.layout import PART_FILE
+from curation.store.layout import FORMAT_VERSION, PART_FILE, SEAL_FIELD, RunFolderError, check_links, seal_of
 from curation.store.migrate import OLD_MANIFESTS
+from curation.store.run_store import RunStore
 from curation.store.storage import LocalStorage, Storage, open_storage
-
-FORMAT_VERSION = 3
-"""The run format this groupforge writes and reads (manifests' `format_version`): 3 is the
-tables' Delta logs and `_commits`; 2 (an older groupforge's RUN/_log/) and 1 (RUN/_manifests/,
-or no `format_version`) are read through curation/store/migrate.py."""
-
-SEAL_FIELD = "seal"
-
-
-class RunFolderError(ValueError):
-    """A run folder that does not match its manifests; the message names the file."""
-
-
-def seal_of(manifest: dict) -> str:
-    """sha256 of a manifest's fields other than the seal, as canonical JSON."""
-    body = {key: value for key, value in manifest.items() if key != SEAL_FIELD}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass
@@ -65,8 +48,6 @@ class RunCheck:
 
 def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
     """Check the run at `root` (see the module docstring); what was checked, or a RunFolderError."""
-    from curation.store.run_store import RunStore
-
     storage = root if isinstance(root, Storage) else open_storage(root)
     if isinstance(storage, LocalStorage):
         check_links(storage.root)
@@ -118,16 +99,3 @@ def check_run(root: str | Path | Storage, deep: bool = False) -> RunCheck:
                              "that the run's log does not list (a foreign file: a reader that globs the "
                              "table folder would count its rows); move it out of the run folder")
     return result
-
-
-def check_links(root: Path) -> None:
-    """No entry of the run folder (nor a table's round folder) is a symlink that leads out of
-    it: every write of a job stays inside the run folder."""
-    inside = root.resolve()
-    entries = list(root.iterdir()) if root.is_dir() else []
-    entries += [sub for table in schema.SCHEMAS if (root / table).is_dir() and not (root / table).is_symlink()
-                for sub in (root / table).iterdir()]
-    for entry in entries:
-        if entry.is_symlink() and not entry.resolve().is_relative_to(inside):
-            raise RunFolderError(f"{entry}: a symlink to {entry.resolve()}, outside the run folder {root}; "
-                                 "groupforge writes only inside the run folder: replace the link with a folder")

@@ -160,7 +160,6 @@ def test_a_store_that_holds_its_commits_feeds_the_next_stage_from_memory(tmp_pat
     it from memory, its fingerprints from the held sha256, and its output is the files' output."""
     from curation.stages import filter as filter_stage
     from curation.store import fingerprints
-    from curation.store.fingerprints import part_fingerprints
 
     store = RunStore(tmp_path / "run", hold=True)
     samples, scores = samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0], "c": [1, 1]}))
@@ -175,7 +174,7 @@ def test_a_store_that_holds_its_commits_feeds_the_next_stage_from_memory(tmp_pat
     plain = RunStore(store.root)
     [part] = [rel for rel in plain.files("rejects", 0) if part_name(rel) == "filter"]
     from_files = pq.read_table(store.root / part)
-    expected_sha = part_fingerprints(plain, [part])[part]
+    expected_sha = plain.part_fingerprints([part])[part]
     assert expected_sha == fingerprint_file(store.root / part)
     store.refresh()
     for reader in ("read_table", "read_schema", "read_metadata", "ParquetFile"):

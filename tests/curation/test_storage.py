@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from curation.store.object_storage import ObjectStorage
 from curation.store.storage import (
     LocalStorage,
+    ObjectStorage,
     StorageError,
     check_location,
     is_object_url,

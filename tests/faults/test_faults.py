@@ -87,7 +87,9 @@ EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("comm
               ("train.step_logged", 1),
               ("train.step_logged", 4), ("checkpoint.weights_written", 1), ("loop.after_curate", 1),
               ("loop.reload", 2), ("loop.eval", 1),
-              ("commit.tables_written", 8)}  # test_a_run_on_s3_resumes_after_kills_on_fresh_machines kills there
+              ("commit.tables_written", 8),  # test_a_run_on_s3_resumes_after_kills_on_fresh_machines kills there
+              ("commit.logged", 8),  # tests/curation/test_migrate.py kills a commit there and resumes it
+              ("loop.after_curate", 2)}  # tests/pipelines/test_curriculum_run.py kills a run there and resumes it
 
 
 def _marks(case: tuple) -> tuple:

@@ -179,7 +179,7 @@ def test_conversations_for_a_model_without_a_chat_template_are_refused_before_th
     assert line == (f"error: prompts file {prompts}: the tokenizer of model folder {toy_dir}/model has no chat "
                     "template, so prompts given as 'messages' cannot be rendered: give a 'prompt' column, or a model "
                     "whose tokenizer has one")
-    assert not run.exists()  # no run folder, so no RUN/_log "open" entry
+    assert not run.exists()  # no run folder, so no RUN/_commits "open" row
 
 
 # ---- checkpoints and run folders ----------------------------------------------------------------

@@ -18,7 +18,7 @@ from deltalake import DeltaTable  # noqa: E402
 from curation import faults  # noqa: E402
 from pipelines.orchestrate.dagster import groupforge_definitions  # noqa: E402
 from tests.faults.test_faults import check_invariants  # noqa: E402
-from tests.helpers import OPTIONS_SPEC  # noqa: E402
+from tests.helpers import OPTIONS_SPEC, commit_rows  # noqa: E402
 
 STEPS = ["prompts", "generate", "score", "filter", "label", "pair", "train", "export"]
 
@@ -96,7 +96,9 @@ def test_rounds_as_partitions_with_a_retry_on_s3(bucket_run, s3_server, tmp_path
     again = _materialize(defs, 1, instance)
     assert again.success and DeltaTable(dataset, storage_options=options).version() == 0
     added = set(s3_server.download(bucket, "runs/dagster", tmp_path / "again")) - set(keys)
-    assert not added, added  # a job that writes nothing leaves no row in the run's log
+    assert all(key.startswith("_commits/") for key in added), added  # the job's "open" row only
+    before = {row["seq"] for row in commit_rows(mirror)}
+    assert [row["kind"] for row in commit_rows(tmp_path / "again") if row["seq"] not in before] == ["open"]
     assert (tmp_path / "again" / "metrics.jsonl").read_bytes() == (mirror / "metrics.jsonl").read_bytes()
     sensor = defs.resolve_sensor_def("dagster_refresh")
     result = sensor(dg.build_sensor_context(instance=instance, definitions=defs))

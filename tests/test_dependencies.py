@@ -1,0 +1,72 @@
+"""The dependency rules of docs/ARCHITECTURE.md hold: every import of the source tree (at module
+level and inside functions) is walked with `ast`, and the section lists exactly the modules
+the rules allow across packages."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("groupforge", "curation", "training", "pipelines")
+
+TRAINING_MAY_IMPORT = {  # the curation modules training imports, each for a reason ARCHITECTURE gives
+    "curation.errors", "curation.faults", "curation.ray_cluster", "curation.schema", "curation.store",
+    "curation.generate.weights",
+}
+"""`curation.store` stands for every module under it."""
+
+
+def imports_of(package: str) -> dict[str, set[str]]:
+    """{module: the modules of the other packages it imports}, module-level and function-level."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((REPO / package).rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        found[module] = {n for n in names if n.split(".")[0] in PACKAGES and n.split(".")[0] != package}
+    return found
+
+
+def _allowed(name: str, allowed: set[str]) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in allowed) or name == "curation"
+
+
+def test_curation_imports_no_other_package():
+    wrong = {module: names for module, names in imports_of("curation").items() if names}
+    assert not wrong, f"curation imports training, pipelines or groupforge: {wrong}"
+
+
+def test_training_imports_only_the_curation_modules_the_rules_name():
+    wrong = {module: sorted(n for n in names if not _allowed(n, TRAINING_MAY_IMPORT))
+             for module, names in imports_of("training").items()}
+    wrong = {module: names for module, names in wrong.items() if names}
+    assert not wrong, f"training imports modules the dependency rules do not allow: {wrong}"
+
+
+def test_architecture_lists_the_rules_the_tests_check():
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("### Dependency rules"):].split("\n### ", 1)[0]
+    named = set(re.findall(r"`(curation(?:\.[a-z_]+)+)(?:\.\*)?`", section))
+    assert TRAINING_MAY_IMPORT <= named, f"not in ARCHITECTURE's dependency rules: {TRAINING_MAY_IMPORT - named}"
+    used = set().union(*imports_of("training").values())
+    for allowed in TRAINING_MAY_IMPORT:  # each allowance is in use: the list does not go stale
+        assert any(_allowed(n, {allowed}) for n in used), f"{allowed}: allowed, but training does not import it"
+
+
+def test_the_store_has_no_import_circle_hidden_in_a_function():
+    """No module of curation/store imports another of them inside a function: the store's
+    modules are layered (ARCHITECTURE's list, from the bottom up), not tied in a circle."""
+    hidden = []
+    for path in sorted((REPO / "curation" / "store").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("curation.store"):
+                    hidden.append(f"{path.name}:{node.lineno} {node.module}")
+    assert not hidden, f"function-local imports between store modules: {hidden}"
