@@ -377,7 +377,7 @@ def weight_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
 
 def step_tokens(run: Path, after: int, upto: int) -> int:
     """Tokens of the step records (after, upto] of the run's metrics.jsonl."""
-    from curation.store.runlog import MetricsLog
+    from curation.store.run_files import MetricsLog
 
     return sum(int(s["tokens"]) for s in MetricsLog(run).steps() if after < s["step"] <= upto)
 

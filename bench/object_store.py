@@ -120,7 +120,7 @@ def loop(run: str, rounds: int) -> list[dict]:
     from _gf_run import loop_spec
 
     import pipelines.toy.build as toy_module
-    from curation.store.runlog import MetricsLog
+    from curation.store.run_files import MetricsLog
     from curation.store.storage import open_storage
     from pipelines.loop.run import run_pipeline
 

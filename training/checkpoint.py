@@ -14,7 +14,7 @@ the next save. A run on an object store then uploads the folder, `trainer_state.
 checkpoint counts once its trainer_state.json is in the storage (`checkpoint_steps`).
 
 Optimizer state is stored as tensors (safetensors) and JSON (param groups), so loading a
-checkpoint from elsewhere never unpickles anything. The file names are `curation.store.runlog`'s.
+checkpoint from elsewhere never unpickles anything. The file names are `curation.store.run_files`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from curation.errors import disk_write
 from curation.faults import fault_point
 from curation.store.location import RunLocation, local_folder
-from curation.store.runlog import (
+from curation.store.run_files import (
     CHECKPOINTS_DIR,
     OPTIMIZER_FILE,
     TRAINER_STATE_FILE,

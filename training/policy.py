@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from curation.store.runlog import TRAIN_CACHE_DIR
+from curation.store.run_files import TRAIN_CACHE_DIR
 from curation.store.storage import Storage
 from training import checkpoint as ckpt
 from training import lora

@@ -17,7 +17,7 @@ import torch
 
 from curation.faults import fault_point
 from curation.store.location import RunLocation
-from curation.store.runlog import MetricsLog
+from curation.store.run_files import MetricsLog
 from training import checkpoint as ckpt
 from training import distributed
 from training.batching import prompt_groups

@@ -47,9 +47,9 @@ from curation.faults import fault_point
 from curation.stages.export import ExportConfig, export_rows
 from curation.store.fingerprints import code_version
 from curation.store.location import RunLocation
+from curation.store.run_files import SPEC_FILE, MetricsLog, load_pipeline_state
 from curation.store.run_log import TABLE_CONFIG, delta_location, is_conflict
 from curation.store.run_store import RunStore
-from curation.store.runlog import SPEC_FILE, MetricsLog, load_pipeline_state
 from curation.store.storage import Storage, open_storage
 
 ROUNDS_FROM = {"preference": "pair", "unpaired": "label", "sft": "label"}

@@ -76,8 +76,8 @@ from curation.store.layout import (
 from curation.store.location import node_cache
 from curation.store.lock import writer_lock
 from curation.store.migrate import import_unlisted, unlisted_state
+from curation.store.run_files import to_json
 from curation.store.run_log import LoggedFile, RunLog, RunState
-from curation.store.runlog import to_json
 from curation.store.storage import LocalStorage, ObjectStorage, Storage, check_location, open_storage
 from curation.store.table_reads import TableReads
 

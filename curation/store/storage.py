@@ -5,7 +5,7 @@
 this module (its tables, commits and their Delta logs) reads and writes whole
 objects by a path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a
 local run and an object-store run share one format and one code path. The run's other files
-go through it too: its logs as whole objects (curation/store/runlog.py), the folders that must
+go through it too: its logs as whole objects (curation/store/run_files.py), the folders that must
 be local files to be used (checkpoints, the report) through `RunLocation`
 (curation/store/location.py).
 

@@ -78,7 +78,7 @@ def command_log_path(run: str | Path, command: str) -> Path:
     """RUN/logs/<command>.log; for a run on an object store, in this machine's work folder of the
     run (curation/store/location.py)."""
     from curation.store.location import RunLocation
-    from curation.store.runlog import LOGS_DIR
+    from curation.store.run_files import LOGS_DIR
 
     return RunLocation.of(run).work / LOGS_DIR / f"{command}.log"
 

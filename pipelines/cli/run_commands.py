@@ -196,7 +196,7 @@ def run_command(
     no_wait: bool = NO_WAIT,
 ) -> None:
     """Run the round loop (generate -> curate -> train -> evaluate); rerun to resume after a kill."""
-    from curation.store.runlog import REPORT_DIR, load_best
+    from curation.store.run_files import REPORT_DIR, load_best
 
     folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait, overrides, report=True)
     show_table(f"{folder}", _ROUND_COLUMNS, [_round_row(rec) for rec in records])

@@ -26,8 +26,8 @@ from curation.generate.base import Generator
 from curation.generate.prompt_files import expand_prompt_files
 from curation.generate.stage import GenerateResult, make_generator, resolve_backend
 from curation.store.location import RunLocation
+from curation.store.run_files import PHASES, MetricsLog, RoundRecord
 from curation.store.run_store import RunStore
-from curation.store.runlog import PHASES, MetricsLog, RoundRecord
 from pipelines.loop.prompts import PromptBook
 from pipelines.spec import PipelineSpec
 from training import checkpoint as ckpt
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 class Phases:
-    """A round's stopwatch: wall seconds per phase (`curation.store.runlog.PHASES`), a phase inside
+    """A round's stopwatch: wall seconds per phase (`curation.store.run_files.PHASES`), a phase inside
     another counted once (the engine reload inside evaluation is reload, not eval), and the
     seconds of model work (engine sampling and greedy calls, trainer optimizer steps)."""
 

@@ -60,8 +60,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from curation.generate.base import load_prompts
 from curation.store.location import RunLocation
+from curation.store.run_files import load_pipeline_state, round_prompts_rel, save_pipeline_state
 from curation.store.run_store import RunStore
-from curation.store.runlog import load_pipeline_state, round_prompts_rel, save_pipeline_state
 from curation.store.storage import write_atomic
 from pipelines.loop.curriculum import PromptHistory, curriculum_rules, default_rest_rounds
 

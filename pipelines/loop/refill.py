@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import pyarrow.parquet as pq
 
 from curation.stages.runner import StageReport
-from curation.store.runlog import round_prompts_rel
+from curation.store.run_files import round_prompts_rel
 from curation.store.storage import write_atomic
 from pipelines.loop.context import RoundContext
 from pipelines.loop.prompts import ranked_prompts

@@ -33,7 +33,7 @@ committed so the next stage and the trainer read them from memory.
 
 The run is a local folder or an object-store prefix (`RunLocation`, curation/store/location.py):
 tables go through the run store, the other files (spec.toml, pipeline.json, metrics.jsonl,
-_rounds/, checkpoints/, report/) are named by curation/store/runlog.py and written through the
+_rounds/, checkpoints/, report/) are named by curation/store/run_files.py and written through the
 run's storage or its work folder on this machine; a round's record is its `RoundRecord`. The
 loop is described in docs/ARCHITECTURE.md.
 """
@@ -53,14 +53,14 @@ from curation.generate.prompt_files import check_chat_template, expand_prompt_fi
 from curation.rewards.registry import get_reward
 from curation.stages.dataset import Appended, append_export
 from curation.store.location import RunLocation
-from curation.store.run_store import RunStore
-from curation.store.runlog import (
+from curation.store.run_files import (
     SPEC_FILE,
     MetricsLog,
     RoundRecord,
     load_pipeline_state,
     save_pipeline_state,
 )
+from curation.store.run_store import RunStore
 from curation.store.storage import Storage
 from curation.store.verify import check_run
 from pipelines.loop.context import EvalSet, Phases, RoundContext, RoundStart, live_generator

@@ -31,8 +31,8 @@ from curation.generate.stage import GenerateResult, generate
 from curation.generate.weights import count_parameters
 from curation.stages.runner import StageReport, run_stage
 from curation.store.location import local_folder
+from curation.store.run_files import BestCheckpoint, RoundRecord, save_best
 from curation.store.run_store import RunStore
-from curation.store.runlog import BestCheckpoint, RoundRecord, save_best
 from pipelines.loop.context import RoundContext, live_generator
 from pipelines.loop.curate import STAGES
 from pipelines.spec import PipelineSpec

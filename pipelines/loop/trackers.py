@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from curation.errors import JobError
-from curation.store.runlog import read_json, write_json_atomic
+from curation.store.run_files import read_json, write_json_atomic
 
 TRACKERS_DIR = "trackers"
 STATE_FILE = "state.json"

@@ -48,7 +48,7 @@ from curation.generate import stage as generate_stage
 from curation.stages.export import READS as EXPORT_READS
 from curation.stages.runner import run_stage, stage_module
 from curation.store.location import RunLocation
-from curation.store.runlog import MetricsLog, load_pipeline_state, save_pipeline_state
+from curation.store.run_files import MetricsLog, load_pipeline_state, save_pipeline_state
 from pipelines.loop.context import RoundContext
 from pipelines.loop.prompts import choose_prompts
 from pipelines.loop.refill import refill

@@ -19,8 +19,8 @@ the markdown here (its tables: pipelines/reports/markdown.py), the figures in pi
                                    gain, samples, wall seconds, mean grad norm, mean clip
                                    fraction) and the figure, linked relatively
 
-The records are read with `curation.store.runlog.MetricsLog` (cut lines skipped and counted, the
-last record of a number wins). Every file is written with `curation.store.runlog.write_atomic`
+The records are read with `curation.store.run_files.MetricsLog` (cut lines skipped and counted, the
+last record of a number wins). Every file is written with `curation.store.run_files.write_atomic`
 (mode 0644: a report is for everyone who can read the run), so a reader never sees half a
 PNG. Importing this module loads neither matplotlib nor torch: pipelines.reports.plots is imported
 when a figure is drawn.
@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 from curation.faults import fault_point
 from curation.store.location import RunLocation
-from curation.store.runlog import METRICS_FILE, PHASES, REPORT_DIR, BestCheckpoint, MetricsLog, load_best
+from curation.store.run_files import METRICS_FILE, PHASES, REPORT_DIR, BestCheckpoint, MetricsLog, load_best
 from curation.store.storage import Storage, write_atomic
 from pipelines.reports.markdown import markdown_table
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from curation.store.runlog import SPEC_FILE, MetricsLog, read_json, write_json_atomic
+from curation.store.run_files import SPEC_FILE, MetricsLog, read_json, write_json_atomic
 from curation.store.storage import write_atomic
 from pipelines.reports.run_report import number
 from pipelines.spec import PipelineSpec, load_spec, read_toml, resolved_toml
@@ -252,7 +252,7 @@ def run_plan(spec: PipelineSpec, run_dir: Path, wait: bool, log_file: Path | Non
         run_pipeline(spec, run_dir=run_dir, wait=wait, log=log, on_round=on_round)
         return
     from curation.library_logs import log_libraries_to
-    from curation.store.runlog import LOGS_DIR
+    from curation.store.run_files import LOGS_DIR
 
     log_libraries_to(run_dir / LOGS_DIR / "run.log", "groupforge run (a study's worker)")  # as `groupforge run`'s
     log_file.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from curation.store.runlog import MetricsLog
+from curation.store.run_files import MetricsLog
 from curation.store.storage import write_atomic
 from pipelines.reports.markdown import markdown_table
 from pipelines.reports.run_report import number

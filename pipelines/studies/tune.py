@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from curation.generate.prompt_files import expand_prompt_files
-from curation.store.runlog import MetricsLog
+from curation.store.run_files import MetricsLog
 from pipelines.spec import PipelineSpec, load_spec
 from pipelines.studies.spec_text import format_float
 from pipelines.studies.study import RunPlan, Setting, Split, execute, plan_spec, split_prompts, validation_score
@@ -336,7 +336,7 @@ def comment_lines(result: TuneResult) -> list[str]:
 def write_tuned(result: TuneResult) -> tuple[Path, Path]:
     """OUT: the spec's own text with [train] lr = the choice and the comment block above
     [train]; OUT.tune.json. Both written atomically; the tuned spec must load."""
-    from curation.store.runlog import write_json_atomic
+    from curation.store.run_files import write_json_atomic
     from curation.store.storage import write_atomic
     from pipelines.studies.spec_text import put_comment_block, set_key
 

@@ -10,8 +10,8 @@ import pytest
 
 from curation.card import CARD_MARKER
 from curation.stages.export import ExportConfig, export_path, run
+from curation.store.run_files import EXPORTS_DIR
 from curation.store.run_store import RunStore
-from curation.store.runlog import EXPORTS_DIR
 from tests.helpers import ENV, GROUPFORGE, error_line
 
 PROMPTS = {"p1": "12+30=", "p2": "40+2="}
@@ -66,7 +66,7 @@ def test_preference_standard_and_conversational(tmp_path):
     path, rows = run(tmp_path / "run", ExportConfig(format="preference"))
     ds = load(path)
     assert rows == 2 and ds.num_rows == 2
-    # written atomically (runlog.write_atomic): no temporary file left, readable by everyone
+    # written atomically (storage.write_atomic): no temporary file left, readable by everyone
     assert path == tmp_path / "run" / EXPORTS_DIR / "preference-standard.parquet"
     assert [p.name for p in path.parent.iterdir()] == [path.name] and path.stat().st_mode & 0o777 == 0o644
     assert ds[0]["prompt"] == "12+30=" and ds[0]["chosen"] == "42" and ds[0]["rejected"] == "40"

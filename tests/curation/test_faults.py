@@ -1,5 +1,5 @@
 """curation/faults.py: GROUPFORGE_FAULT parsing and counting (the kills themselves: tests/faults/);
-curation/store/runlog.py's write_atomic removes the temporary files of killed writers."""
+curation/store/run_files.py's write_atomic removes the temporary files of killed writers."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from curation.generate.base import prompt_id_of
-from curation.store.runlog import load_pipeline_state, round_prompts_rel, save_pipeline_state
+from curation.store.run_files import load_pipeline_state, round_prompts_rel, save_pipeline_state
 from pipelines.loop.prompts import choose_prompts, prompt_keys, tiebreak
 from tests.helpers import PROMPTS, by_tiebreak, chosen, context, prompt_file, sampled, sha64, splitmix64
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation.store.runlog import MetricsLog
+from curation.store.run_files import MetricsLog
 from curation.store.storage import write_atomic
 from pipelines.studies.compare_spec import load_compare, load_compare_section
 from pipelines.studies.ratio_spread import pooled_spread

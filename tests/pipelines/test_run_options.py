@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.faults import FAULT_ENV
+from curation.store.run_files import PHASES, MetricsLog
 from curation.store.run_store import RunStore
-from curation.store.runlog import PHASES, MetricsLog
 from pipelines.loop.refill import refill_size
 from pipelines.loop.run import run_pipeline
 from pipelines.reports.run_report import report_run

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.generate.base import load_prompts
-from curation.store.runlog import MetricsLog
+from curation.store.run_files import MetricsLog
 from pipelines.spec import load_spec
 from pipelines.studies.spec_text import format_float, put_comment_block, set_key
 from pipelines.studies.study import split_prompts

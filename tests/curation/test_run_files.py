@@ -1,4 +1,4 @@
-"""curation/store/runlog.py: the atomic write, JSON files, the metrics log and the round record, on real files."""
+"""curation/store/run_files.py: the atomic write, JSON files, the metrics log and the round record, on real files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from curation.store.runlog import (
+from curation.store.run_files import (
     METRICS_FILE,
     PHASES,
     MetricsLog,
