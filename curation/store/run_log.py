@@ -413,12 +413,6 @@ class RunLog:
         self._append(Entry(self.state.seq + 1, "open", self.writer, _now(), versions=self.state.versions))
         self.opened = True
 
-    def fence(self) -> None:
-        """Before any other write of this job to a run on an object store: its "open" row (so an
-        older job stops at its next write), then `check_writer`."""
-        self._write_open_row()
-        self.check_writer()
-
     def check_writer(self) -> None:
         """Raise RunTakenOver when another job has appended a row since this job's state (a newer
         job opened the run). One read of the newest versions of `_commits`, however long it is.

@@ -336,17 +336,17 @@ class RunStore(TableReads):
 
     def open_for_writing(self) -> None:
         """Start writing the run (once per store): name this job in the log (its "open" row:
-        now on an object store, else before its first write: `RunLog.open`), then `_tidy`. A commit does it when the
-        caller did not take `lock()`. A local run folder is checked first for links that lead out
-        of it (and each commit checks the folders it writes to: `layout.check_inside`), so no
-        write lands outside it."""
+        now on an object store, else before its first write: `RunLog.open`), then `_tidy`. A
+        commit does it when the caller did not take `lock()`. A local run folder is checked
+        first for links that lead out of it (and each commit checks the folders it writes to:
+        `layout.check_inside`), so no write lands outside it."""
         if self.log.writer is None:
             if self.root is not None:
                 check_links(self.root)
             remote = isinstance(self.storage, ObjectStorage)  # no lock reaches another machine:
             self.log.open(claim=remote)  # claim the run now, and fence each write
             if remote:
-                self.storage.fence_writes(self.log.fence)
+                self.storage.fence_writes(self.log.check_writer)
             self._unlisted = None
             self._tidy()
 

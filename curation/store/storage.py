@@ -424,9 +424,9 @@ class ObjectStorage(Storage):
         return ObjectStorage(f"{self.url}/{check_rel(rel).rstrip('/')}", self.options)
 
     def fence_writes(self, check: Callable[[], None]) -> None:
-        """Call `check` before each write, create and delete from now on: the log's "open"
-        row of this job and its test that no newer job has opened the run (`RunLog.fence`), which raises to stop
-        this job before it writes over the newer one's files. One at a time (a thread of the
+        """Call `check` before each write, create and delete from now on: the log's test that
+        no newer job has opened the run (`RunLog.check_writer`), which raises to stop this job
+        before it writes over the newer one's files. One at a time (a thread of the
         job may write beside it)."""
         self._fence = check
 

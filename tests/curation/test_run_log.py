@@ -81,8 +81,7 @@ def test_the_older_of_two_writers_stops_at_its_next_commit(storage):
     first, second = RunLog(storage), RunLog(storage)
     first.open()
     _commit(first, storage, "generate", 1, ["samples/round=1/part-generate-a.parquet"])
-    second.open()  # a second job opens the run and writes (its first write appends its "open" row)
-    second.fence()
+    second.open(claim=True)  # a second job opens the run and claims it: it writes from now on
     with pytest.raises(RunTakenOver, match="wrote to this run after this job"):
         _commit(first, storage, "generate", 2, ["samples/round=2/part-generate-a.parquet"])
     _commit(second, storage, "generate", 2, ["samples/round=2/part-generate-b.parquet"])
@@ -97,7 +96,7 @@ def test_check_writer_passes_the_job_s_own_rows_and_stops_it_after_a_newer_open(
     first.check_writer()  # its own rows only
     second.open()
     first.check_writer()  # a job that opened the run and wrote nothing has not taken it over
-    second.fence()
+    second.open(claim=True)  # it claims the run (as a job on an object store does when it opens it)
     with pytest.raises(RunTakenOver, match=r"run taken over: job \S+ \(open at "):
         first.check_writer()
     second.check_writer()
