@@ -156,7 +156,7 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
             check_checkpoint(newest)  # and the checkpoint it resumes from is whole
         target = _target_rounds(location.storage, spec, extra_rounds)
         resolved = resolved_toml(spec).encode("utf-8")
-        if not location.storage.exists(SPEC_FILE) or location.storage.read(SPEC_FILE) != resolved:
+        if location.storage.read_if_exists(SPEC_FILE) != resolved:
             location.storage.write(SPEC_FILE, resolved)  # a rerun of the same spec writes nothing
         metrics = MetricsLog(location.storage)
         ctx = RoundContext(spec=spec, store=store, target_rounds=target, log=log, prompt_files=prompt_files,

@@ -154,10 +154,9 @@ def test_every_table_reads_at_every_version_with_one_commit_per_stage_and_round(
     from deltalake import DeltaTable
 
     from curation.store.run_log import COMMITS, delta_location
-
-    run = f"s3://{s3_server.bucket()}/runs/versions" if where == "s3" else tmp_path / "run"
     from tests.helpers import groupforge_in_process
 
+    run = f"s3://{s3_server.bucket()}/runs/versions" if where == "s3" else tmp_path / "run"
     hand_made_run(run, rounds=(0, 1))
     done = groupforge_in_process("curate", run)
     assert done.returncode == 0, done.stderr
@@ -166,18 +165,18 @@ def test_every_table_reads_at_every_version_with_one_commit_per_stage_and_round(
     seen = {}
     for table in ("samples", "rejects", "prompts", "scores", "groups", "pairs"):
         uri, options = delta_location(storage, table)
-        commits = [h["groupforge"] for h in DeltaTable(uri, storage_options=options).history() if "groupforge" in h]
+        newest = DeltaTable(uri, storage_options=options)
+        commits = [h["groupforge"] for h in newest.history() if "groupforge" in h]
         keys = [(c["stage"], c["round"]) for c in commits]
         assert len(keys) == len(set(keys)) and all(isinstance(c["seq"], int) for c in commits), (table, commits)
         seen[table] = set(keys)
-        newest = DeltaTable(uri, storage_options=options).version()
-        for version in range(newest + 1):
+        for version in range(newest.version() + 1):
             delta = DeltaTable(uri, version=version, storage_options=options)
-            rows = delta.to_pyarrow_table().num_rows
+            count = delta.to_pyarrow_table().num_rows
             polars = pl.scan_delta(uri, version=version, storage_options=options).select(pl.len()).collect().item()
             dataset = delta.to_pyarrow_dataset()  # noqa: F841 (DuckDB reads the Python variable)
             ddb = duckdb.sql("SELECT count(*) FROM dataset").fetchall()[0][0]
-            assert rows == polars == ddb, (table, version, rows, polars, ddb)
+            assert count == polars == ddb, (table, version, count, polars, ddb)
     rows = [r for r in RunStore(run).log.entries() if r.kind == "commit"]
     for row in rows:  # each commit is a version of each table it wrote the round's files of
         for table in {rel.split("/", 1)[0] for rel in row.manifest["outputs"] if f"/round={row.round}/" in rel}:
