@@ -77,7 +77,7 @@ demo-real: real-model
 # The repository's own modules' .pyc, which Python does not write where PYTHONDONTWRITEBYTECODE is
 # set: the tests start a few hundred CLI processes.
 bytecode:
-	$(PY) -m compileall -q curation training pipelines >/dev/null
+	$(PY) -m compileall -q store curation training pipelines >/dev/null
 
 # ruff first (seconds), then every test; pytest exits non-zero when no test ran (exit 5).
 # Two pytest-xdist workers, a test file at a time each, the long files first (tests/conftest.py);

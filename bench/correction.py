@@ -69,7 +69,7 @@ def worker(job: dict) -> None:
 
 
 def summarise(run_dir: Path) -> dict:
-    from curation.store.run_files import MetricsLog
+    from store.run_files import MetricsLog
 
     rounds, steps, _ = MetricsLog(run_dir).read()
     accuracy = [r["eval_accuracy"] for r in rounds if r.get("eval_accuracy") is not None]

@@ -83,7 +83,7 @@ def char_tokens(strings: pa.Array, special: int, first: bool) -> pa.ListArray:
 def make_run(folder: Path, n: int, group_size: int = 8, seed: int = 0) -> dict:
     """Write a schema-valid round 0 of `n` samples (+ its prompts) under `folder`."""
     from curation.generate.base import prompt_id_of
-    from curation.schema import validate
+    from store.schema import validate
 
     rng = np.random.default_rng(seed)
     groups = n // group_size
@@ -188,7 +188,7 @@ def gf_memory(run: Path, drop_duplicates: bool | None) -> None:
 def gf_parquet(run: Path, drop_duplicates: bool | None, only: str | None = None) -> None:
     """The stages through run_stage, as the CLI calls them; `only`: cProfile that stage and report its top calls."""
     from curation.stages.runner import CURATION_STAGES, run_stage
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     rows = pq.ParquetFile(run / SAMPLES).metadata.num_rows
     profile = cProfile.Profile()

@@ -286,7 +286,7 @@ def prompts_file(ctx: Context, n: int, name: str) -> Path:
 def sample_round(ctx: Context, engine, run: Path, prompts: Path, max_tokens: int, round: int):
     """One round of the generate stage on a live engine, under the run's lock: a GenerateResult."""
     from curation.generate.stage import generate
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     sampling = SamplingConfig(group_size=ctx.sizes.group_size, max_tokens=max_tokens, temperature=1.0, seed=round)
     with RunStore(run).lock():
@@ -377,7 +377,7 @@ def weight_diffs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
 
 def step_tokens(run: Path, after: int, upto: int) -> int:
     """Tokens of the step records (after, upto] of the run's metrics.jsonl."""
-    from curation.store.run_files import MetricsLog
+    from store.run_files import MetricsLog
 
     return sum(int(s["tokens"]) for s in MetricsLog(run).steps() if after < s["step"] <= upto)
 
@@ -396,7 +396,7 @@ def curate_llama_round(run: Path) -> None:
 
 def train_bf16(ctx: Context) -> TrainFigures:
     from curation.generate.weights import load_state_dict
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
     from training.trainer import LoopOptions, TrainSession, train
 
     tic = time.perf_counter()
@@ -438,7 +438,7 @@ def logprob_gaps(model, samples, compare_dtype: str) -> torch.Tensor:
 
 
 def weight_reload(ctx: Context) -> ReloadFigures:
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
     from training.checkpoint import load_model
 
     version = ctx.trained.end_step
@@ -464,7 +464,7 @@ def weight_reload(ctx: Context) -> ReloadFigures:
 
 
 def two_ranks(ctx: Context) -> RanksFigures:
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
     from training.ray_ranks import TrainerRanks
     from training.trainer import LoopOptions
 

@@ -230,7 +230,7 @@ def train_calls(run_dir: Path, configs: dict[str, object], model_dir: Path, step
     """`train(steps=steps, save=False)` from a fresh copy of the run, once per config: the call
     "groupforge train(){label} steps" reports TrainResult.step_seconds (the optimizer steps,
     batching included), "... call" the whole call (model load and data query included)."""
-    from curation.store.run_files import MetricsLog
+    from store.run_files import MetricsLog
     from training.trainer import LoopOptions, TrainSession, train
 
     def train_call(cfg, measure: str):

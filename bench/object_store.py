@@ -67,7 +67,7 @@ def _round_tables(rows: int, scratch: Path) -> tuple[pa.Table, pa.Table]:
 
 
 def _commit_generate(store, round: int, samples: pa.Table, prompts: pa.Table) -> None:
-    from curation.schema import empty
+    from store.schema import empty
 
     with store.commit("generate", round, inputs={"prompts": "bench"}, config={}) as commit:
         commit.write("samples", samples.set_column(samples.schema.get_field_index("round"), "round",
@@ -82,7 +82,7 @@ def _commit_generate(store, round: int, samples: pa.Table, prompts: pa.Table) ->
 def curation(run: str, samples: pa.Table, prompts: pa.Table) -> dict[str, float]:
     """Seconds of generate's commit and of each curation stage on `run`."""
     from curation.stages.runner import CURATION_STAGES, run_stage
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     cfgs = BENCH_CURATION.configs(None)
     out = {}
@@ -101,7 +101,7 @@ def commits(run: str, samples: pa.Table, prompts: pa.Table, rounds: int) -> list
     """Seconds of each round's four commits (generate, then the curation stages but pair) through
     one store kept open, as the round loop keeps it."""
     from curation.stages.runner import CURATION_STAGES, run_stage
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     cfgs = dict(zip(CURATION_STAGES, BENCH_CURATION.configs(None)))
     store = RunStore(run)
@@ -120,9 +120,9 @@ def loop(run: str, rounds: int) -> list[dict]:
     from _gf_run import loop_spec
 
     import pipelines.toy.build as toy_module
-    from curation.store.run_files import MetricsLog
-    from curation.store.storage import open_storage
     from pipelines.loop.run import run_pipeline
+    from store.run_files import MetricsLog
+    from store.storage import open_storage
 
     toy = toy_module.build_toy(ROOT / "runs" / "toy", progress=False)
     spec = loop_spec(ROOT / "pipelines" / "specs" / "toy-grpo.toml", toy, "object-store", 0, LOOP_SETTINGS,

@@ -58,7 +58,7 @@ from _report import command, machine, use_threads, write_section  # noqa: E402
 from model_work import Timing, alternate, curated_round, engine_calls, step_calls, train_calls  # noqa: E402
 from train import matmul_peak  # noqa: E402  (bench/train.py)
 
-from curation.store.run_files import PHASES  # noqa: E402
+from store.run_files import PHASES  # noqa: E402
 
 OUT = ROOT / "runs" / "bench"
 SPEC = ROOT / "pipelines" / "specs" / "smollm2-grpo.toml"
@@ -240,7 +240,7 @@ samples of addition often leave no group with unequal rewards, so nothing to tra
 def run_loop(spec: Path, overrides: list[str], rounds: int, run_dir: Path) -> tuple[list[dict], float, int, Path]:
     """`groupforge run` in a subprocess from a fresh run folder: (its round records, wall seconds,
     exit code, the log file of its output)."""
-    from curation.store.run_files import MetricsLog
+    from store.run_files import MetricsLog
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)

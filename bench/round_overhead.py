@@ -44,7 +44,7 @@ PARTS = ["generate", "score", "filter", "label", "pair", "train", "reload", "che
 def round_parts(run_dir: Path, skip: int = 2) -> list[dict[str, float]]:
     """Per round after the first `skip`: wall, model and overhead seconds, and each phase's
     overhead (generate, train and eval without their model work)."""
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     store = RunStore(run_dir)  # the stages' manifests, from the run's commit log
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -53,7 +53,7 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TO
 DROPPED = {"created_at", "at", "writer", "mtime_ns", "code_version", "seal", "timestamp", "modificationTime",
            "deletionTimestamp", "createdTime"}
 SKIPPED = re.compile(r"(^|/)(\.lock|\.gf-tmp-.*|\.tmp-.*|_delta_log/(_last_checkpoint|.*\.checkpoint\.parquet))$")
-LIVE = ("import hashlib, json, sys; from curation import schema; from curation.store.run_store import RunStore; "
+LIVE = ("import hashlib, json, sys; from store import schema; from store.run_store import RunStore; "
         "store = RunStore(sys.argv[1]); rows = lambda t: sorted(json.dumps(r, sort_keys=True, default=str) "
         "for r in store.read(t).to_pylist()); "
         "print(json.dumps({t: {'rows': len(r), 'sha256': hashlib.sha256('\\n'.join(r).encode()).hexdigest()} "

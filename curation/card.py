@@ -27,10 +27,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from curation.errors import JobError
-from curation.store.fingerprints import code_version
-from curation.store.run_store import RunStore
-from curation.store.storage import write_atomic
+from store.errors import JobError
+from store.fingerprints import code_version
+from store.run_store import RunStore
+from store.storage import write_atomic
 
 CARD_FILE = "README.md"
 CARD_MARKER = "<!-- written by groupforge export: rewritten on every export into this folder -->"

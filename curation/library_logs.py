@@ -33,7 +33,7 @@ LIBRARY_LOGGERS = ("vllm", "transformers", "torch", "math_verify", "py.warnings"
 CLI's own record of what it printed as one line (an engine's traceback)."""
 
 OWN_PACKAGES = tuple(str(Path(__file__).resolve().parents[1] / name) + os.sep
-                     for name in ("curation", "training", "pipelines", "groupforge"))
+                     for name in ("store", "curation", "training", "pipelines", "groupforge"))
 """Where groupforge's own code lives: the warnings it raises stay on the console."""
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -39,14 +39,14 @@ def check_room(asks: list[tuple[str, int, float, float]], settings: str) -> None
 
 
 KILL_RANK_ENV = "GROUPFORGE_KILL_RANK"
-"""Fault injection for tests: with curation.faults.FAULT_ENV, only this trainer rank runs its kill points."""
+"""Fault injection for tests: with store.faults.FAULT_ENV, only this trainer rank runs its kill points."""
 
 
 def actor_env() -> dict[str, str]:
     """Environment of the actors: vLLM in-process with a small CPU KV cache (as for one engine
     in this process), quiet logs; whatever the user set wins. The fault-injection variables,
     when this process has them, go along, so a kill point fires in an actor on any node."""
-    from curation.faults import FAULT_ENV
+    from store.faults import FAULT_ENV
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}

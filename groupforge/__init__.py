@@ -1,7 +1,7 @@
 """groupforge: offline, table-first GRPO/GSPO post-training.
 
 The front door: the dozen names a user needs, each re-exported from the module that owns it
-(`curation/`, `training/`, `pipelines/`; see docs/ARCHITECTURE.md). Deep imports keep working.
+(`store/`, `curation/`, `training/`, `pipelines/`; see docs/ARCHITECTURE.md). Deep imports keep working.
 
     import groupforge as gf
 
@@ -30,7 +30,7 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
 
 # public name -> the module that owns it
 _EXPORTS = {
-    "RunStore": "curation.store.run_store",
+    "RunStore": "store.run_store",
     "SamplingConfig": "curation.generate.base",
     "generate": "curation.generate.stage",
     "make_generator": "curation.generate.stage",
@@ -53,10 +53,10 @@ if TYPE_CHECKING:
     from curation.generate.base import SamplingConfig
     from curation.generate.stage import generate, make_generator
     from curation.rewards.registry import register_reward
-    from curation.store.run_store import RunStore
     from pipelines.loop.curate import curate
     from pipelines.loop.run import run_pipeline
     from pipelines.spec import load_spec
+    from store.run_store import RunStore
     from training.config import TrainConfig
     from training.objectives import get_pair_loss, get_policy_loss
     from training.trainer import train

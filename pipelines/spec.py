@@ -21,8 +21,8 @@ from curation.stages.filter import FilterConfig
 from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
 from curation.stages.score import ScoreConfig
-from curation.store.storage import is_object_url, open_storage
 from pipelines.loop.prompts import PromptChoice
+from store.storage import is_object_url, open_storage
 from training.config import TrainConfig
 
 M = TypeVar("M", bound=BaseModel)

@@ -109,7 +109,7 @@ def s3_server(tmp_path_factory):
 @pytest.fixture(params=["local", "s3"])
 def run_storage(request, tmp_path):
     """A run's storage, once as a local folder and once under a new bucket of the S3 server."""
-    from curation.store.storage import open_storage
+    from store.storage import open_storage
 
     if request.param == "local":
         return open_storage(tmp_path / "run")
@@ -134,7 +134,7 @@ def one_engine_samples(toy_dir, ray_prompts_file, tmp_path_factory):
     files (one xdist worker runs them all) start that engine once."""
     from curation.generate.stage import generate
     from curation.generate.vllm import VLLMGenerator
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
     from tests.helpers import RAY_SAMPLING
 
     run = tmp_path_factory.mktemp("one-engine") / "run"

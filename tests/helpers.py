@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.generate.base import SamplingConfig, prompt_id_of
-from curation.schema import SCHEMAS, empty
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
+from store.schema import SCHEMAS, empty
 
 if TYPE_CHECKING:
     from pipelines.loop.run import RoundContext

@@ -29,8 +29,8 @@ def test_example_imports_only_groupforge():
     imports = re.findall(r"^(?:from (\S+) import|import (\S+))", readme_example(), re.M)
     modules = {a or b for a, b in imports}
     assert "groupforge" in modules
-    # polars only prepares the input file; nothing reaches into curation/training/pipelines
-    assert not {m for m in modules if m.split(".")[0] in {"curation", "training", "pipelines"}}
+    # polars only prepares the input file; nothing reaches into store/curation/training/pipelines
+    assert not {m for m in modules if m.split(".")[0] in {"store", "curation", "training", "pipelines"}}
 
 
 def test_readme_example_runs(toy_dir: Path, tmp_path: Path):
@@ -72,7 +72,7 @@ def test_all_lists_every_export():
     for name in groupforge.__all__[1:]:
         value = getattr(groupforge, name)
         assert getattr(importlib.import_module(value.__module__), name) is value, name
-    owners = ("curation", "training", "pipelines")
+    owners = ("store", "curation", "training", "pipelines")
     offered = {name for name in dir(groupforge) if not name.startswith("_")
                and str(getattr(getattr(groupforge, name), "__module__", "")).split(".")[0] in owners}
     assert offered == set(groupforge.__all__[1:])

@@ -8,13 +8,13 @@
 
 k is the optimizer step, which is also the `policy_version` of samples generated from it.
 A checkpoint is written into `checkpoints/.tmp-step-<k>-<pid>/` of the run's work folder
-(curation/store/location.py) and renamed into place, `trainer_state.json` last, so a folder
+(store/location.py) and renamed into place, `trainer_state.json` last, so a folder
 named step-<k> is always complete; a kill while saving leaves only a `.tmp-*` folder, removed by
 the next save. A run on an object store then uploads the folder, `trainer_state.json` last: a
 checkpoint counts once its trainer_state.json is in the storage (`checkpoint_steps`).
 
 Optimizer state is stored as tensors (safetensors) and JSON (param groups), so loading a
-checkpoint from elsewhere never unpickles anything. The file names are `curation.store.run_files`'s.
+checkpoint from elsewhere never unpickles anything. The file names are `store.run_files`'s.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from curation.errors import disk_write
-from curation.faults import fault_point
-from curation.store.location import RunLocation, local_folder
-from curation.store.run_files import (
+from store.errors import disk_write
+from store.faults import fault_point
+from store.location import RunLocation, local_folder
+from store.run_files import (
     CHECKPOINTS_DIR,
     OPTIMIZER_FILE,
     TRAINER_STATE_FILE,
@@ -40,7 +40,7 @@ from curation.store.run_files import (
     read_json,
     write_json_atomic,
 )
-from curation.store.storage import fsync_dir
+from store.storage import fsync_dir
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 # Files of a model folder that are not weights: copied so every checkpoint is loadable alone.

@@ -5,7 +5,7 @@
     sft                      samples JOIN groups  WHERE advantage > 0          (or reward >= sft_min_reward)
     pairwise                 pairs JOIN samples (chosen) JOIN samples (rejected)   one row per pair
 
-Every part file's schema is checked against `curation.schema` before it is read, so a wrong
+Every part file's schema is checked against `store.schema` before it is read, so a wrong
 table fails with a message naming the file and column. Rows come out in key order (round,
 prompt_id, sample_idx / chosen_idx, rejected_idx; ties in row order), so the same tables
 always give the same dataset, and `fingerprint` names it.
@@ -26,9 +26,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from curation import schema
-from curation.store.layout import contract_columns
-from curation.store.run_store import RunStore
+from store import schema
+from store.layout import contract_columns
+from store.run_store import RunStore
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token", "cispo")
 OBJECTIVES = POLICY_OBJECTIVES + ("pairwise", "sft")

@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from curation.store.run_files import TRAIN_CACHE_DIR
-from curation.store.storage import Storage
+from store.run_files import TRAIN_CACHE_DIR
+from store.storage import Storage
 from training import checkpoint as ckpt
 from training import lora
 from training.batching import policy_batches

@@ -16,7 +16,7 @@ group: the others are killed too (they would wait in a collective) and the call 
 Ray is imported only here and in curation/ray_cluster.py (the connection and the room check,
 shared with the engines). The ranks need no shared disk when the run and the model are on an
 object store: every rank opens the run by its URL, reads the tables from it and keeps the
-checkpoint it resumes from and the model in its node's cache (curation/store/location.py);
+checkpoint it resumes from and the model in its node's cache (store/location.py);
 rank 0 alone writes checkpoints, to the store. A run in a local folder must be a path every
 rank can reach (on several machines: a shared file system).
 """
@@ -29,8 +29,8 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from curation.errors import JobError
 from curation.ray_cluster import KILL_RANK_ENV, check_room, connect_ray
+from store.errors import JobError
 
 if TYPE_CHECKING:
     from training.trainer import LoopOptions
@@ -64,7 +64,7 @@ class _Rank:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def join(self, rank: int, world: int, address: str, port: int, one_gpu: bool) -> int:
-        from curation.faults import FAULT_ENV
+        from store.faults import FAULT_ENV
 
         # A rank sees only its own GPU (Ray sets CUDA_VISIBLE_DEVICES): it is cuda:0 there.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0" if one_gpu else str(rank),

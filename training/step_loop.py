@@ -15,9 +15,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from curation.faults import fault_point
-from curation.store.location import RunLocation
-from curation.store.run_files import MetricsLog
+from store.faults import fault_point
+from store.location import RunLocation
+from store.run_files import MetricsLog
 from training import checkpoint as ckpt
 from training import distributed
 from training.batching import prompt_groups

@@ -15,7 +15,7 @@ reads in this order:
              micro-batches, gradient accumulation normalised by the step's totals (so any
              split gives the one-batch gradient; training/step.py), warmup then constant or
              cosine lr, grad clipping, one optimizer step, one line in RUN/metrics.jsonl
-             (curation.store.run_files.MetricsLog; what the step measures beside its gradient:
+             (store.run_files.MetricsLog; what the step measures beside its gradient:
              training/measurements.py)
     save     RUN/checkpoints/step-<k>/ every `save_every` steps and at the end (unless
              LoopOptions.save is False)
@@ -45,10 +45,10 @@ from typing import Any, Callable
 
 import torch
 
-from curation.store.location import RunLocation, local_folder
-from curation.store.run_files import MetricsLog
-from curation.store.run_store import RunStore
-from curation.store.storage import is_object_url, open_storage
+from store.location import RunLocation, local_folder
+from store.run_files import MetricsLog
+from store.run_store import RunStore
+from store.storage import is_object_url, open_storage
 from training import checkpoint as ckpt
 from training import distributed
 from training.batching import pair_batches, policy_batches

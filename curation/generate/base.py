@@ -29,8 +29,8 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from curation.generate.prompt_files import JSON_SUFFIXES, read_prompt_table
-from curation.schema import SchemaError, validate
-from curation.store.storage import StorageError, is_object_url
+from store.schema import SchemaError, validate
+from store.storage import StorageError, is_object_url
 
 
 class SamplingSettings(BaseModel):

@@ -41,7 +41,7 @@ class HFGenerator:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from curation.store.location import local_folder
+        from store.location import local_folder
 
         self.model_path = local_folder(model)  # an object-store URL: this machine's copy
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,7 +12,7 @@ turns a spec's `[prompts] train` entries into files and reads one of them.
 `expand_prompt_files` lists what each entry names now, so a run started later (a scheduled
 refresh) sees the partitions added since. A glob is split at its first segment with a
 wildcard: the part before it is listed (a folder, or a prefix of the bucket) through
-`curation.store.storage.Storage`, and each object below it is matched segment by segment.
+`store.storage.Storage`, and each object below it is matched segment by segment.
 An object is taken when the pattern matches its whole path, or a folder above it; in a
 folder or a glob, only *.parquet and *.jsonl files are taken, and none below the listed root
 whose path has a name starting with `_` or `.` (Spark's `_SUCCESS`, a `_delta_log/`, hidden
@@ -35,8 +35,8 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from curation.errors import JobError, first_line
-from curation.store.storage import Storage, is_object_url, open_storage
+from store.errors import JobError, first_line
+from store.storage import Storage, is_object_url, open_storage
 
 PROMPT_SUFFIXES = (".parquet", ".jsonl")
 """The files a folder or a glob contributes."""
@@ -131,7 +131,7 @@ def check_chat_template(files: Sequence[str], model: str | Path, trust_remote_co
     from transformers import AutoTokenizer
 
     from curation.generate.base import require_chat_template  # (base imports this module)
-    from curation.store.location import local_folder
+    from store.location import local_folder
 
     tokenizer = AutoTokenizer.from_pretrained(local_folder(model), trust_remote_code=trust_remote_code)
     try:

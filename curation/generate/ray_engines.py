@@ -16,7 +16,7 @@
   there; each engine answers with the fingerprint of what it loaded, and a mismatch is an error.
 - No engine reads a path of this machine: the model goes to the engines as the spec names it,
   and a model on an object store (`s3://...`) is fetched by each node into its own cache
-  (`curation.store.location.local_folder`), so the nodes need no shared disk.
+  (`store.location.local_folder`), so the nodes need no shared disk.
 - Ray: `ray_address` None starts a private local instance (`ray.init(address="local")`: a
   stray cluster is never joined), "auto" joins the cluster `ray start` runs on this machine
   (or RAY_ADDRESS), anything else is the address of a cluster. When this process has called
@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from curation.errors import JobError
 from curation.generate.base import Completion, SamplingConfig, tokenize_prompt
 from curation.generate.weights import load_state_dict
 from curation.ray_cluster import actor_env, check_room, connect_ray
+from store.errors import JobError
 
 MAX_RESTARTS = 2
 """Fresh actors one call may start for one engine before the call fails."""
@@ -106,7 +106,7 @@ class RayGenerator:
 
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
-        from curation.store.location import local_folder
+        from store.location import local_folder
 
         self._owns_ray = connect_ray(ray_address)
         self.model = str(model)

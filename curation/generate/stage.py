@@ -34,15 +34,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from curation.errors import JobError
-from curation.faults import fault_point
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
 from curation.generate.weights import check_model_folder, count_parameters, weights_fingerprint
-from curation.schema import SCHEMAS, SchemaError, validate
 from curation.stages.common import rejects_table
-from curation.store.fingerprints import config_hash, known_fingerprint
-from curation.store.run_store import RunStore
-from curation.store.storage import Storage
+from store.errors import JobError
+from store.faults import fault_point
+from store.fingerprints import config_hash, known_fingerprint
+from store.run_store import RunStore
+from store.schema import SCHEMAS, SchemaError, validate
+from store.storage import Storage
 
 STAGE = "generate"
 READS = ("prompts file", "model weights")
@@ -86,7 +86,7 @@ def resolve_backend(backend: str, model: str | Path) -> str:
         return backend
     import torch
 
-    from curation.store.location import local_folder
+    from store.location import local_folder
 
     if torch.cuda.is_available():
         return "vllm"
@@ -103,7 +103,7 @@ def make_generator(backend: str, model: str | Path, **kwargs) -> Generator:
     from a spec's settings). With `engines` > 1 or a `ray_address` it is a
     `curation.generate.ray_engines.RayGenerator` over that many engines of `backend`. `model`
     may be an object-store URL: each engine reads its node's copy (`local_folder`)."""
-    from curation.store.location import local_folder
+    from store.location import local_folder
 
     check_model_folder(local_folder(model), trust_remote_code=kwargs.get("trust_remote_code", False))
     backend = resolve_backend(backend, model)

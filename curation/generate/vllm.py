@@ -26,9 +26,9 @@ from typing import Sequence
 
 import torch
 
-from curation.errors import engine_failures
 from curation.generate.base import GENERATOR_DEFAULTS, Completion, SamplingConfig, tokenize_prompt
 from curation.generate.weights import load_state_dict, weights_fingerprint
+from store.errors import engine_failures
 
 
 def _set_cpu_defaults() -> None:
@@ -60,7 +60,7 @@ class VLLMGenerator:
         from vllm.platforms import current_platform
 
         from curation.library_logs import native_output_to_log
-        from curation.store.location import local_folder
+        from store.location import local_folder
 
         self.model_path = local_folder(model)  # an object-store URL: this machine's copy
         kwargs = dict(

@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from curation.store.run_files import read_json
+from store.run_files import read_json
 
 if TYPE_CHECKING:
     import torch

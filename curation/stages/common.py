@@ -18,7 +18,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from curation.schema import KEYS, SCHEMAS
+from store.schema import KEYS, SCHEMAS
 
 GROUP = ("run_id", "round", "prompt_id")
 

@@ -43,14 +43,14 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake import Schema as DeltaSchema
 
 from curation.card import METADATA_KEY
-from curation.faults import fault_point
 from curation.stages.export import ExportConfig, export_rows
-from curation.store.fingerprints import code_version
-from curation.store.location import RunLocation
-from curation.store.run_files import SPEC_FILE, MetricsLog, load_pipeline_state
-from curation.store.run_log import TABLE_CONFIG, delta_location, is_conflict
-from curation.store.run_store import RunStore
-from curation.store.storage import Storage, open_storage
+from store.faults import fault_point
+from store.fingerprints import code_version
+from store.location import RunLocation
+from store.run_files import SPEC_FILE, MetricsLog, load_pipeline_state
+from store.run_log import TABLE_CONFIG, delta_location, is_conflict
+from store.run_store import RunStore
+from store.storage import Storage, open_storage
 
 ROUNDS_FROM = {"preference": "pair", "unpaired": "label", "sft": "label"}
 """Per format, the stage whose commit makes a round exportable."""

@@ -37,10 +37,10 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from curation.card import provenance, with_provenance, write_card
-from curation.faults import fault_point
-from curation.store.run_files import EXPORTS_DIR
-from curation.store.run_store import RunStore
-from curation.store.storage import OBJECT_SCHEMES, is_object_url, write_atomic
+from store.faults import fault_point
+from store.run_files import EXPORTS_DIR
+from store.run_store import RunStore
+from store.storage import OBJECT_SCHEMES, is_object_url, write_atomic
 
 
 class ExportConfig(BaseModel):

@@ -35,10 +35,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from curation import schema
-from curation.schema import KEYS
 from curation.stages.common import group_moments, nullable_indices, rows_of, unrejected
 from curation.stages.runner import StageOutput
+from store import schema
+from store.schema import KEYS
 
 STAGE = "filter"
 READS = ("samples", "scores", "rejects")  # rejects: the earlier stages' parts, not its own

@@ -58,10 +58,10 @@ import polars as pl
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from curation import schema
-from curation.schema import KEYS
 from curation.stages.common import group_ids, group_moments, rows_of, unrejected
 from curation.stages.runner import StageOutput
+from store import schema
+from store.schema import KEYS
 
 STAGE = "label"
 READS = ("samples", "scores", "rejects")

@@ -32,10 +32,10 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from curation import schema
 from curation.stages.common import group_ids
 from curation.stages.runner import StageOutput
-from curation.store.layout import connect
+from store import schema
+from store.layout import connect
 
 STAGE = "pair"
 READS = ("groups",)

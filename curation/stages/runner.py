@@ -30,7 +30,7 @@ and, where it needs them, three hooks (score has the first two, label the third)
                    contract); parts the store holds (`RunStore(..., hold=True)`, the loop's
                    store: what the stages before committed) come from memory
     transform      pure
-    commit         the tables validated and written, the manifest last (curation/store/run_store.py `Commit`)
+    commit         the tables validated and written, the manifest last (store/run_store.py `Commit`)
 
 A stage that also reads a table it writes (filter reads rejects) leaves its own part files out
 of both its fingerprints and its read, so its own commit never makes it out of date. A part
@@ -66,12 +66,12 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from curation import schema
-from curation.errors import disk_write
-from curation.faults import fault_point
 from curation.stages.common import drop_counts
-from curation.store.layout import part_name
-from curation.store.run_store import RunStore
+from store import schema
+from store.errors import disk_write
+from store.faults import fault_point
+from store.layout import part_name
+from store.run_store import RunStore
 
 CURATION_STAGES = ("score", "filter", "label", "pair")
 SLICE_ROWS_ENV = "GROUPFORGE_SLICE_ROWS"

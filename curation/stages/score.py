@@ -34,11 +34,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation.rewards.pool import default_workers, run_inline, run_isolated
 from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
-from curation.schema import KEYS, SCHEMAS, SchemaError, empty, validate
 from curation.stages.common import rejects_table, rows_of
 from curation.stages.runner import StageOutput, as_dict
-from curation.store.layout import part_name
-from curation.store.run_store import RunStore
+from store.layout import part_name
+from store.run_store import RunStore
+from store.schema import KEYS, SCHEMAS, SchemaError, empty, validate
 
 STAGE = "score"
 READS = ("samples", "prompts")

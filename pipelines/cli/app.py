@@ -19,11 +19,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from curation.errors import EngineFailure, JobError, NoSpaceError, is_no_space, no_space_error
-from curation.store.lock import RunLockedError
-from curation.store.run_store import RunStore
-from curation.store.storage import check_location, is_object_url
-from curation.store.verify import check_run
+from store.errors import EngineFailure, JobError, NoSpaceError, is_no_space, no_space_error
+from store.lock import RunLockedError
+from store.run_store import RunStore
+from store.storage import check_location, is_object_url
+from store.verify import check_run
 
 EXIT_BAD_INPUT = 2
 EXIT_LOCKED = 3
@@ -52,7 +52,7 @@ def fail(message: str, code: int) -> "typer.Exit":
 def exit_codes() -> Iterator[None]:
     """Bad input (a table, file, flag or spec: SchemaError and pydantic's ValidationError are
     ValueErrors) -> one error line, exit 2; a run locked by another job -> exit 3; a job that
-    cannot go on (curation.errors.JobError) -> one error line, exit 1 (an engine's own error: its
+    cannot go on (store.errors.JobError) -> one error line, exit 1 (an engine's own error: its
     traceback into the command's log, which the line names); a full disk -> one error line naming
     the folder, exit 4. With --debug (GROUPFORGE_DEBUG) every error keeps its traceback."""
     try:
@@ -76,9 +76,9 @@ def exit_codes() -> Iterator[None]:
 
 def command_log_path(run: str | Path, command: str) -> Path:
     """RUN/logs/<command>.log; for a run on an object store, in this machine's work folder of the
-    run (curation/store/location.py)."""
-    from curation.store.location import RunLocation
-    from curation.store.run_files import LOGS_DIR
+    run (store/location.py)."""
+    from store.location import RunLocation
+    from store.run_files import LOGS_DIR
 
     return RunLocation.of(run).work / LOGS_DIR / f"{command}.log"
 
@@ -132,7 +132,7 @@ def local_run_folder(run: str | Path) -> None:
 
 def checked_run_folder(run: str | Path) -> str | Path:
     """`run` (a folder or an object-store URL), checked against its log
-    (curation/store/verify.py) before a command reads it."""
+    (store/verify.py) before a command reads it."""
     local_run_folder(run)
     with exit_codes():
         check_location(str(run), run=True)  # a mistyped URL is named as one, not as a missing folder

@@ -15,7 +15,6 @@ import typer
 from rich.markup import escape
 
 from curation.generate.base import GeneratorConfig, SamplingConfig
-from curation.store.storage import is_object_url
 from pipelines.cli.app import (
     EXIT_BAD_INPUT,
     NO_WAIT,
@@ -33,6 +32,7 @@ from pipelines.cli.app import (
     writer_lock,
 )
 from pipelines.cli.options import OVERRIDES, build, model_options
+from store.storage import is_object_url
 
 
 @app.command("generate")
@@ -74,8 +74,8 @@ def generate_command(
                     generator_kwargs=settings.generator_kwargs(backend),
                 )
     if result.skipped:
-        from curation.store.run_log import COMMITS
-        from curation.store.run_store import RunStore
+        from store.run_log import COMMITS
+        from store.run_store import RunStore
 
         m = result.manifest
         seq = RunStore(out).state.commits[("generate", round)]
@@ -113,8 +113,8 @@ def _curate(stages: tuple[str, ...], run: str, only_round: Optional[int], config
             no_wait: bool) -> None:
     """Run curation stages over rounds under the run's lock, then print one summary table."""
     from curation.stages.runner import run_stage
-    from curation.store.run_store import RunStore
     from pipelines.loop.curate import load_curation_spec, rounds_to_process
+    from store.run_store import RunStore
 
     checked_run_folder(run)
     reports = []
@@ -204,7 +204,7 @@ def export_command(
     from curation.card import foreign_card
     from curation.stages.export import ExportConfig
     from curation.stages.export import run_with_card as run_export
-    from curation.store.storage import is_object_url
+    from store.storage import is_object_url
 
     checked_run_folder(run)
     try:

@@ -17,8 +17,6 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from curation.store.storage import check_location, is_object_url
-from curation.store.verify import check_run
 from pipelines.cli.app import (
     EXIT_BAD_INPUT,
     NO_WAIT,
@@ -36,6 +34,8 @@ from pipelines.cli.app import (
     writer_lock,
 )
 from pipelines.cli.options import OVERRIDES, model_options
+from store.storage import check_location, is_object_url
+from store.verify import check_run
 from training.config import TrainConfig
 
 
@@ -196,7 +196,7 @@ def run_command(
     no_wait: bool = NO_WAIT,
 ) -> None:
     """Run the round loop (generate -> curate -> train -> evaluate); rerun to resume after a kill."""
-    from curation.store.run_files import REPORT_DIR, load_best
+    from store.run_files import REPORT_DIR, load_best
 
     folder, records = _run_one(spec, run_dir, _parse_extra_rounds(rounds), no_wait, overrides, report=True)
     show_table(f"{folder}", _ROUND_COLUMNS, [_round_row(rec) for rec in records])
@@ -229,9 +229,9 @@ def init_command(
     """Write a commented starter spec for your model and prompts: max_tokens from the model's greedy answers, the
     reward (math or exact_match with a reference column), the eval set, the round's size, lr and memory from the
     model and this machine, each with its reason; what it cannot decide is a TODO `run` refuses."""
-    from curation.store.storage import write_atomic
     from pipelines.cli.init_spec import starter_spec
     from pipelines.spec import load_spec
+    from store.storage import write_atomic
 
     if out.exists() and not force:
         raise fail(f"{out} exists: give another --out, or --force to replace it", EXIT_BAD_INPUT)
@@ -279,7 +279,7 @@ def migrate_command(run: Path = typer.Argument(..., help="Run folder."),
     """Take a run folder written by an older groupforge (RUN/_manifests/) or by another tool (Parquet
     files in the table folders) into the run's log (Delta tables and `_commits`). Any writing command does the same
     on its own; this does only that. Exit 0 (also when there is nothing to do)."""
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     local_run_folder(run)
     if not run.is_dir():

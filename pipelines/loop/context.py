@@ -21,15 +21,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from curation.faults import fault_point
 from curation.generate.base import Generator
 from curation.generate.prompt_files import expand_prompt_files
 from curation.generate.stage import GenerateResult, make_generator, resolve_backend
-from curation.store.location import RunLocation
-from curation.store.run_files import PHASES, MetricsLog, RoundRecord
-from curation.store.run_store import RunStore
 from pipelines.loop.prompts import PromptBook
 from pipelines.spec import PipelineSpec
+from store.faults import fault_point
+from store.location import RunLocation
+from store.run_files import PHASES, MetricsLog, RoundRecord
+from store.run_store import RunStore
 from training import checkpoint as ckpt
 from training.trainer import TrainSession
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 class Phases:
-    """A round's stopwatch: wall seconds per phase (`curation.store.run_files.PHASES`), a phase inside
+    """A round's stopwatch: wall seconds per phase (`store.run_files.PHASES`), a phase inside
     another counted once (the engine reload inside evaluation is reload, not eval), and the
     seconds of model work (engine sampling and greedy calls, trainer optimizer steps)."""
 

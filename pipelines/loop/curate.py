@@ -27,8 +27,8 @@ from curation.stages.label import LabelConfig
 from curation.stages.pair import PairConfig
 from curation.stages.runner import CURATION_STAGES, StageReport, run_stage
 from curation.stages.score import ScoreConfig
-from curation.store.run_store import RunStore
 from pipelines.spec import PipelineSpec, read_toml, validate_model
+from store.run_store import RunStore
 
 STAGES = CURATION_STAGES  # score, filter, label, pair: the order they run in
 

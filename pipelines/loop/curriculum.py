@@ -43,9 +43,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from curation.schema import SCHEMAS
 from curation.stages.runner import input_fingerprints
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
+from store.schema import SCHEMAS
 
 __all__ = ["PromptHistory", "PromptStat", "STAGE", "curriculum_rules", "history_rows", "record_history",
            "round_counts"]

@@ -59,11 +59,11 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
 from curation.generate.base import load_prompts
-from curation.store.location import RunLocation
-from curation.store.run_files import load_pipeline_state, round_prompts_rel, save_pipeline_state
-from curation.store.run_store import RunStore
-from curation.store.storage import write_atomic
 from pipelines.loop.curriculum import PromptHistory, curriculum_rules, default_rest_rounds
+from store.location import RunLocation
+from store.run_files import load_pipeline_state, round_prompts_rel, save_pipeline_state
+from store.run_store import RunStore
+from store.storage import write_atomic
 
 __all__ = ["PromptBook", "PromptChoice", "choose_prompts", "pass_rates", "prompt_keys", "ranked_prompts", "tiebreak"]
 
@@ -116,7 +116,7 @@ class _Context(Protocol):
 def choose_prompts(ctx: _Context, round: int) -> Path:
     """The prompts of `round` (see the module docstring), written once to
     RUN/_rounds/round=<n>/prompts.parquet; returns that file (in this machine's work folder:
-    curation/store/location.py)."""
+    store/location.py)."""
     location, rel = ctx.location, round_prompts_rel(round)
     if location.storage.exists(rel):
         return location.fetch(rel)

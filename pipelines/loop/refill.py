@@ -17,11 +17,11 @@ from collections.abc import Sequence
 import pyarrow.parquet as pq
 
 from curation.stages.runner import StageReport
-from curation.store.run_files import round_prompts_rel
-from curation.store.storage import write_atomic
 from pipelines.loop.context import RoundContext
 from pipelines.loop.prompts import ranked_prompts
 from pipelines.loop.steps import curate_round, kept_groups, sample
+from store.run_files import round_prompts_rel
+from store.storage import write_atomic
 
 
 def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str, StageReport],

@@ -31,9 +31,9 @@ and its use counts (`PromptBook`), and the tables the round committed: each stag
 before the next runs, and the run's store (`RunStore(..., hold=True)`) keeps the parts it
 committed so the next stage and the trainer read them from memory.
 
-The run is a local folder or an object-store prefix (`RunLocation`, curation/store/location.py):
+The run is a local folder or an object-store prefix (`RunLocation`, store/location.py):
 tables go through the run store, the other files (spec.toml, pipeline.json, metrics.jsonl,
-_rounds/, checkpoints/, report/) are named by curation/store/run_files.py and written through the
+_rounds/, checkpoints/, report/) are named by store/run_files.py and written through the
 run's storage or its work folder on this machine; a round's record is its `RoundRecord`. The
 loop is described in docs/ARCHITECTURE.md.
 """
@@ -46,23 +46,10 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from curation.errors import JobError
-from curation.faults import fault_point
 from curation.generate.base import Generator, load_prompts
 from curation.generate.prompt_files import check_chat_template, expand_prompt_files
 from curation.rewards.registry import get_reward
 from curation.stages.dataset import Appended, append_export
-from curation.store.location import RunLocation
-from curation.store.run_files import (
-    SPEC_FILE,
-    MetricsLog,
-    RoundRecord,
-    load_pipeline_state,
-    save_pipeline_state,
-)
-from curation.store.run_store import RunStore
-from curation.store.storage import Storage
-from curation.store.verify import check_run
 from pipelines.loop.context import EvalSet, Phases, RoundContext, RoundStart, live_generator
 from pipelines.loop.curriculum import record_history
 from pipelines.loop.prompts import choose_prompts
@@ -81,6 +68,19 @@ from pipelines.loop.steps import (
 )
 from pipelines.loop.trackers import Trackers, check_installed, spec_params
 from pipelines.spec import PipelineSpec, load_spec, resolved_toml
+from store.errors import JobError
+from store.faults import fault_point
+from store.location import RunLocation
+from store.run_files import (
+    SPEC_FILE,
+    MetricsLog,
+    RoundRecord,
+    load_pipeline_state,
+    save_pipeline_state,
+)
+from store.run_store import RunStore
+from store.storage import Storage
+from store.verify import check_run
 
 __all__ = ["RoundContext", "append_dataset", "begin_round", "choose_prompts", "evaluate", "evaluate_start",
            "finish_round", "open_run", "run_pipeline", "run_round", "save_record"]
@@ -139,7 +139,7 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
         if run_dir.is_symlink() and not run_dir.resolve().is_relative_to(Path("runs").resolve()):
             raise ValueError(f"run folder {run_dir} (run.name {spec.run.name!r}) is a symlink to {run_dir.resolve()}, "
                              "outside runs/: refused; give --run-dir to write there on purpose")
-    location = RunLocation.of(run_dir)  # a folder, or an object-store URL (curation/store/location.py)
+    location = RunLocation.of(run_dir)  # a folder, or an object-store URL (store/location.py)
     prompt_files = expand_prompt_files(spec.prompts.train)
     # conversations the model cannot render (no chat template): refused before anything is written
     check_chat_template([*prompt_files, spec.prompts.eval], spec.model.path, spec.model.trust_remote_code)

@@ -42,8 +42,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from curation.errors import JobError
-from curation.store.run_files import read_json, write_json_atomic
+from store.errors import JobError
+from store.run_files import read_json, write_json_atomic
 
 TRACKERS_DIR = "trackers"
 STATE_FILE = "state.json"

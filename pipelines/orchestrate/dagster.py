@@ -47,8 +47,6 @@ import dagster as dg
 from curation.generate import stage as generate_stage
 from curation.stages.export import READS as EXPORT_READS
 from curation.stages.runner import run_stage, stage_module
-from curation.store.location import RunLocation
-from curation.store.run_files import MetricsLog, load_pipeline_state, save_pipeline_state
 from pipelines.loop.context import RoundContext
 from pipelines.loop.prompts import choose_prompts
 from pipelines.loop.refill import refill
@@ -62,6 +60,8 @@ from pipelines.loop.run import (
 )
 from pipelines.loop.steps import loop_stages, sample
 from pipelines.spec import PipelineSpec, load_spec
+from store.location import RunLocation
+from store.run_files import MetricsLog, load_pipeline_state, save_pipeline_state
 
 RESOURCE = "groupforge"
 """The resource key of the run's RoundContext."""

@@ -24,10 +24,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from curation import schema
-from curation.store.layout import connect
-from curation.store.run_store import RunStore
-from curation.store.storage import Storage, write_atomic
+from store import schema
+from store.layout import connect
+from store.run_store import RunStore
+from store.storage import Storage, write_atomic
 
 GROUPS_PER_PAGE = 40
 MAX_PAGES = 25

@@ -9,9 +9,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from curation.schema import SCHEMAS, empty
 from curation.stages.runner import CURATION_STAGES, stage_module
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
+from store.schema import SCHEMAS, empty
 
 _SHOWN_COLUMNS = {
     "prompts": ["prompt_id", "prompt", "reference"],

@@ -27,8 +27,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from curation.store.storage import write_atomic
 from pipelines.reports.run_report import number, series
+from store.storage import write_atomic
 
 DPI = 120
 

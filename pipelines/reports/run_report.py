@@ -19,8 +19,8 @@ the markdown here (its tables: pipelines/reports/markdown.py), the figures in pi
                                    gain, samples, wall seconds, mean grad norm, mean clip
                                    fraction) and the figure, linked relatively
 
-The records are read with `curation.store.run_files.MetricsLog` (cut lines skipped and counted, the
-last record of a number wins). Every file is written with `curation.store.run_files.write_atomic`
+The records are read with `store.run_files.MetricsLog` (cut lines skipped and counted, the
+last record of a number wins). Every file is written with `store.run_files.write_atomic`
 (mode 0644: a report is for everyone who can read the run), so a reader never sees half a
 PNG. Importing this module loads neither matplotlib nor torch: pipelines.reports.plots is imported
 when a figure is drawn.
@@ -31,11 +31,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable
 
-from curation.faults import fault_point
-from curation.store.location import RunLocation
-from curation.store.run_files import METRICS_FILE, PHASES, REPORT_DIR, BestCheckpoint, MetricsLog, load_best
-from curation.store.storage import Storage, write_atomic
 from pipelines.reports.markdown import markdown_table
+from store.faults import fault_point
+from store.location import RunLocation
+from store.run_files import METRICS_FILE, PHASES, REPORT_DIR, BestCheckpoint, MetricsLog, load_best
+from store.storage import Storage, write_atomic
 
 # ---------------------------------------------------------------------------------------------
 # Reading metrics.jsonl
@@ -202,8 +202,8 @@ def table_counts_markdown(run_dir: str | Path | Storage) -> str:
     stage and reason, read from the run's Parquet tables ("" when the run has no tables)."""
     import duckdb
 
-    from curation.store.layout import ROUND_TABLES
-    from curation.store.run_store import RunStore
+    from store.layout import ROUND_TABLES
+    from store.run_store import RunStore
 
     store = RunStore(run_dir).snapshot()  # whole commits only, while a job may be writing
     tables = [table for table in ROUND_TABLES if store.files(table)]

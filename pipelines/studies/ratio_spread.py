@@ -257,8 +257,8 @@ def ratio_spread_for_run(run_dir: str | Path, rounds: Sequence[int] | None = Non
     chosen rounds, the same for every round. Reads a snapshot of the committed tables, so it
     can run beside a job.
     """
-    from curation.store.run_files import MetricsLog
-    from curation.store.run_store import RunStore
+    from store.run_files import MetricsLog
+    from store.run_store import RunStore
     from training.checkpoint import checkpoint_dir, checkpoint_steps
     from training.data import round_sampling  # the trainer's reading of the generate manifests
 

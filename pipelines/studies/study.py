@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from curation.store.run_files import SPEC_FILE, MetricsLog, read_json, write_json_atomic
-from curation.store.storage import write_atomic
 from pipelines.reports.run_report import number
 from pipelines.spec import PipelineSpec, load_spec, read_toml, resolved_toml
 from pipelines.studies.compare_spec import CompareSection, budget_difference, check_comparable, compare_overrides
+from store.run_files import SPEC_FILE, MetricsLog, read_json, write_json_atomic
+from store.storage import write_atomic
 
 DATA_DIR, SWEEP_DIR, FINAL_DIR, STUDY_FILE = "data", "sweep", "final", "study.json"
 VALIDATION_SALT = "groupforge-validation:"
@@ -85,7 +85,7 @@ def split_prompts(train_files: list[str], eval_file: str, size: int, out_dir: Pa
     import pyarrow.parquet as pq
 
     from curation.generate.base import first_of_each_prompt, load_prompts
-    from curation.store.fingerprints import fingerprint_file
+    from store.fingerprints import fingerprint_file
 
     folder = out_dir / DATA_DIR
     split = Split(folder / "train.parquet", folder / "validation.parquet", {
@@ -252,7 +252,7 @@ def run_plan(spec: PipelineSpec, run_dir: Path, wait: bool, log_file: Path | Non
         run_pipeline(spec, run_dir=run_dir, wait=wait, log=log, on_round=on_round)
         return
     from curation.library_logs import log_libraries_to
-    from curation.store.run_files import LOGS_DIR
+    from store.run_files import LOGS_DIR
 
     log_libraries_to(run_dir / LOGS_DIR / "run.log", "groupforge run (a study's worker)")  # as `groupforge run`'s
     log_file.parent.mkdir(parents=True, exist_ok=True)

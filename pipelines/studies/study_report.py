@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from curation.store.run_files import MetricsLog
-from curation.store.storage import write_atomic
 from pipelines.reports.markdown import markdown_table
 from pipelines.reports.run_report import number
 from pipelines.studies.study_stats import AXES, Interval, at, band, mean_ci, seed_curves, step_bands, step_summary
@@ -40,6 +38,8 @@ from pipelines.studies.study_text import (
     spread_sentence,
     tie_note,
 )
+from store.run_files import MetricsLog
+from store.storage import write_atomic
 
 if TYPE_CHECKING:
     from pipelines.studies.study import StudyResult

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Callable
 
 from curation.generate.prompt_files import expand_prompt_files
-from curation.store.run_files import MetricsLog
 from pipelines.spec import PipelineSpec, load_spec
 from pipelines.studies.spec_text import format_float
 from pipelines.studies.study import RunPlan, Setting, Split, execute, plan_spec, split_prompts, validation_score
+from store.run_files import MetricsLog
 
 SCORE_LAST = 3
 """A candidate's score: the mean of its last this many validation evals."""
@@ -336,9 +336,9 @@ def comment_lines(result: TuneResult) -> list[str]:
 def write_tuned(result: TuneResult) -> tuple[Path, Path]:
     """OUT: the spec's own text with [train] lr = the choice and the comment block above
     [train]; OUT.tune.json. Both written atomically; the tuned spec must load."""
-    from curation.store.run_files import write_json_atomic
-    from curation.store.storage import write_atomic
     from pipelines.studies.spec_text import put_comment_block, set_key
+    from store.run_files import write_json_atomic
+    from store.storage import write_atomic
 
     request = result.request
     text = set_key(request.spec_file.read_text(), "train", "lr", result.chosen.lr, str(request.spec_file))

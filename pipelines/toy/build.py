@@ -66,10 +66,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from curation.errors import disk_write
 from curation.rewards.scratchpad import WELL_FORMED
-from curation.store.fingerprints import config_hash
-from curation.store.storage import process_alive
 from pipelines.toy.families import FAMILIES
 from pipelines.toy.task import (
     TASK_DESCRIPTIONS,
@@ -82,6 +79,9 @@ from pipelines.toy.task import (
     variant_config,
     warm_start_problems,
 )
+from store.errors import disk_write
+from store.fingerprints import config_hash
+from store.storage import process_alive
 
 # torch, transformers and pipelines.toy.model are imported by the build only: importing
 # this module stays as light as pipelines.toy.task.

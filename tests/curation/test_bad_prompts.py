@@ -158,7 +158,7 @@ def test_a_huge_prompt_is_rejected_as_too_long_not_a_crash(toy_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     from collections import Counter
 
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     store = RunStore(run)  # the live files of the run's log
     reasons = Counter(store.read("rejects").column("reason").to_pylist())

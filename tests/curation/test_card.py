@@ -14,7 +14,7 @@ import yaml
 
 from curation.card import CARD_MARKER, METADATA_KEY
 from curation.stages.runner import CURATION_STAGES, run_stage
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
 from tests.helpers import ENV, GROUPFORGE, make_toy_run
 
 

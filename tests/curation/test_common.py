@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from curation.schema import KEYS
 from curation.stages.common import DuplicateKeys, SampleIndex, group_ids, group_moments, unrejected
+from store.schema import KEYS
 
 GROUPS = [("r", 0, "p"), ("r", 0, "q"), ("r", 1, "p"), ("s", 0, "p"), ("r", 0, "x" * 64)]
 

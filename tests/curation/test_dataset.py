@@ -13,11 +13,11 @@ import polars as pl
 import pytest
 from deltalake import DeltaTable
 
-from curation.faults import PAUSE_ENV
 from curation.stages.dataset import append_export, read_dataset_log
 from curation.stages.export import ExportConfig
-from curation.store.location import RunLocation
 from pipelines.loop.curate import curate
+from store.faults import PAUSE_ENV
+from store.location import RunLocation
 from tests.helpers import ENV, REPO, error_line, groupforge_in_process, hand_made_run
 
 

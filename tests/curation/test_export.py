@@ -10,8 +10,8 @@ import pytest
 
 from curation.card import CARD_MARKER
 from curation.stages.export import ExportConfig, export_path, run
-from curation.store.run_files import EXPORTS_DIR
-from curation.store.run_store import RunStore
+from store.run_files import EXPORTS_DIR
+from store.run_store import RunStore
 from tests.helpers import ENV, GROUPFORGE, error_line
 
 PROMPTS = {"p1": "12+30=", "p2": "40+2="}

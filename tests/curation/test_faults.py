@@ -1,5 +1,5 @@
-"""curation/faults.py: GROUPFORGE_FAULT parsing and counting (the kills themselves: tests/faults/);
-curation/store/run_files.py's write_atomic removes the temporary files of killed writers."""
+"""store/faults.py: GROUPFORGE_FAULT parsing and counting (the kills themselves: tests/faults/);
+store/run_files.py's write_atomic removes the temporary files of killed writers."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from curation import faults
-from curation.store.storage import TEMP_PREFIX, write_atomic
+from store import faults
+from store.storage import TEMP_PREFIX, write_atomic
 from tests.helpers import REPO
 
 
@@ -24,7 +24,7 @@ def test_a_bad_fault_spec_names_the_points(monkeypatch):
 
 
 def test_the_kill_comes_at_the_counted_pass():
-    code = ("from curation.faults import fault_point\n"
+    code = ("from store.faults import fault_point\n"
             "for i in range(5):\n    print(i, flush=True)\n    fault_point('loop.eval')\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                           env={**os.environ, faults.FAULT_ENV: "loop.reload:1,loop.eval:3"})

@@ -9,14 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from curation.schema import KEYS, SCHEMAS, SchemaError, empty
 from curation.stages import filter as filter_stage
 from curation.stages.common import group_ids
 from curation.stages.filter import FilterConfig
 from curation.stages.runner import run_stage
-from curation.store.fingerprints import fingerprint_file
-from curation.store.layout import part_name
-from curation.store.run_store import RunStore
+from store.fingerprints import fingerprint_file
+from store.layout import part_name
+from store.run_store import RunStore
+from store.schema import KEYS, SCHEMAS, SchemaError, empty
 from tests.helpers import commit_inputs, group_rows, rejects_of, samples_and_scores
 
 # ---- builders (label and pair tests use them too) -----------------------------------------

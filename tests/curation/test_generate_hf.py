@@ -9,7 +9,7 @@ import torch
 
 from curation.generate.base import SamplingConfig
 from curation.generate.stage import generate
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
 from tests import helpers
 from tests.helpers import (
     SAMPLING,

@@ -18,7 +18,7 @@ import ray
 from curation.generate.base import GeneratorConfig
 from curation.generate.ray_engines import RayGenerator, engine_of
 from curation.generate.stage import generate, make_generator
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
 from tests.helpers import (
     RAY_SAMPLING,
     load_fp32,
@@ -138,7 +138,7 @@ import sys
 sys.modules["ray"] = None  # import ray raises ImportError
 import pipelines.loop.run, pipelines.loop.steps, curation.generate.stage as stage
 from curation.generate.base import GeneratorConfig
-from curation.errors import JobError
+from store.errors import JobError
 assert not GeneratorConfig().uses_ray
 try:
     stage.make_generator("hf", {str(toy_dir / "model")!r}, **GeneratorConfig(engines=2).generator_kwargs("hf"))

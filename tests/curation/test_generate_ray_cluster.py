@@ -21,12 +21,12 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from curation.faults import FAULT_ENV
 from curation.generate.base import GeneratorConfig
 from curation.generate.stage import generate, make_generator
 from curation.ray_cluster import KILL_RANK_ENV
-from curation.store.location import CACHE_ENV
-from curation.store.run_store import RunStore
+from store.faults import FAULT_ENV
+from store.location import CACHE_ENV
+from store.run_store import RunStore
 from tests.helpers import (
     E2E_SPEC,
     RAY_SAMPLING,

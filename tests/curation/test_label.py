@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from curation.schema import SCHEMAS, empty
 from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
 from curation.stages.filter import FilterConfig
@@ -29,9 +28,10 @@ from curation.stages.label import (
     register_advantage,
 )
 from curation.stages.runner import as_dict, run_stage
-from curation.store.fingerprints import fingerprint_file
-from curation.store.layout import part_name
-from curation.store.run_store import RunStore
+from store.fingerprints import fingerprint_file
+from store.layout import part_name
+from store.run_store import RunStore
+from store.schema import SCHEMAS, empty
 from tests.helpers import commit_inputs, group_rows, rejects_of, rewards_table, samples_and_scores
 
 EPS = 1e-4

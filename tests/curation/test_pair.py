@@ -13,16 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from curation.schema import SCHEMAS
 from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
 from curation.stages import pair as pair_stage
 from curation.stages.label import LabelConfig, label
 from curation.stages.pair import PairConfig
 from curation.stages.runner import run_stage
-from curation.store.fingerprints import fingerprint_file
-from curation.store.layout import part_name
-from curation.store.run_store import RunStore
+from store.fingerprints import fingerprint_file
+from store.layout import part_name
+from store.run_store import RunStore
+from store.schema import SCHEMAS
 from tests.helpers import commit_inputs, group_rows, rewards_table, samples_and_scores
 
 

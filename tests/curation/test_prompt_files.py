@@ -10,10 +10,10 @@ import pytest
 
 from curation.generate.base import load_prompts
 from curation.generate.prompt_files import expand_prompt_files
-from curation.store.run_files import load_pipeline_state
-from curation.store.storage import open_storage
 from pipelines.loop.prompts import choose_prompts
 from pipelines.spec import load_spec
+from store.run_files import load_pipeline_state
+from store.storage import open_storage
 from tests.helpers import PROMPTS, chosen, context, prompt_file, sampled
 
 

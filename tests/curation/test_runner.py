@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel
 
-from curation.schema import KEYS, SCHEMAS
 from curation.stages.common import rejects_table
 from curation.stages.runner import CURATION_STAGES, StageOutput, run_stage, stage_module
-from curation.store.fingerprints import fingerprint_file
-from curation.store.layout import part_name
-from curation.store.run_store import RunStore
+from store.fingerprints import fingerprint_file
+from store.layout import part_name
+from store.run_store import RunStore
+from store.schema import KEYS, SCHEMAS
 from tests.helpers import commit_inputs, group_rows, samples_and_scores
 
 
@@ -159,7 +159,7 @@ def test_a_store_that_holds_its_commits_feeds_the_next_stage_from_memory(tmp_pat
     """The round loop's store (hold=True) keeps what each stage committed; the next stage reads
     it from memory, its fingerprints from the held sha256, and its output is the files' output."""
     from curation.stages import filter as filter_stage
-    from curation.store import fingerprints
+    from store import fingerprints
 
     store = RunStore(tmp_path / "run", hold=True)
     samples, scores = samples_and_scores(group_rows({"a": [1, 0, 1], "b": [0, 0], "c": [1, 1]}))

@@ -20,12 +20,12 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from curation.schema import SCHEMAS, SchemaError
 from curation.stages import score as score_stage
 from curation.stages.runner import run_stage
 from curation.stages.score import RewardSpec, ScoreConfig
-from curation.store.layout import part_name
-from curation.store.run_store import RunStore
+from store.layout import part_name
+from store.run_store import RunStore
+from store.schema import SCHEMAS, SchemaError
 from tests.helpers import make_toy_run
 
 USER_MODULE = "gf_user_rewards_s"

@@ -16,13 +16,13 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from curation.schema import SCHEMAS
 from curation.stages.label import LabelConfig
 from curation.stages.runner import CURATION_STAGES, SLICE_ROWS_ENV, run_stage, slice_of, slice_rows
-from curation.store.fingerprints import fingerprint_file
-from curation.store.layout import part_name
-from curation.store.run_store import HeldPart, RunStore
-from curation.store.verify import check_run
+from store.fingerprints import fingerprint_file
+from store.layout import part_name
+from store.run_store import HeldPart, RunStore
+from store.schema import SCHEMAS
+from store.verify import check_run
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "curation.py"
 TABLES = {"scores": "reward", "rejects": "reason", "groups": "advantage", "pairs": "soft_label"}

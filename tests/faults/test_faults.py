@@ -1,5 +1,5 @@
 """The fault-injection harness: the real CLI on the toy, SIGKILLed at named points
-(`GROUPFORGE_FAULT=<point>:<count>`, curation/faults.py), rerun to completion, then checked
+(`GROUPFORGE_FAULT=<point>:<count>`, store/faults.py), rerun to completion, then checked
 by readers of its own (DuckDB and pyarrow over the files, transformers for checkpoints), not
 the store's code:
 
@@ -34,9 +34,9 @@ import torch
 from deltalake import DeltaTable
 from safetensors.torch import load_file
 
-from curation.faults import FAULT_ENV, POINTS
-from curation.store.location import CACHE_ENV
-from curation.store.storage import TEMP_PREFIX
+from store.faults import FAULT_ENV, POINTS
+from store.location import CACHE_ENV
+from store.storage import TEMP_PREFIX
 from tests.helpers import FAULTS_SPEC, REPO, check_invariants, parquet_sql
 
 # The round loop test's spec, with the transformers generator (fast to start, deterministic)
@@ -88,7 +88,7 @@ EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("comm
               ("train.step_logged", 4), ("checkpoint.weights_written", 1), ("loop.after_curate", 1),
               ("loop.reload", 2), ("loop.eval", 1),
               ("commit.tables_written", 8),  # test_a_run_on_s3_resumes_after_kills_on_fresh_machines kills there
-              ("commit.logged", 8),  # tests/curation/test_migrate.py kills a commit there and resumes it
+              ("commit.logged", 8),  # tests/store/test_migrate.py kills a commit there and resumes it
               ("loop.after_curate", 2)}  # tests/pipelines/test_curriculum_run.py kills a run there and resumes it
 
 

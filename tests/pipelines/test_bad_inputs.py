@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from curation.store.run_log import COMMITS
+from store.run_log import COMMITS
 from tests.helpers import FAULTS_SPEC, REPO, edit_commit_row, groupforge_in_process
 
 
@@ -233,7 +233,7 @@ def test_a_bad_checkpoint_stops_the_resumed_run_with_its_name(name, damage, frag
 
 def _live_part(run: Path, table: str, round: int) -> Path:
     """The one live part file of `table` for `round`, as the run's log lists it."""
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     (rel,) = RunStore(run).files(table, round)
     return run / rel
@@ -241,7 +241,7 @@ def _live_part(run: Path, table: str, round: int) -> Path:
 
 def _commit_seq(run: Path, stage: str, round: int) -> int:
     """The row of `_commits` of the stage's newest commit for `round`."""
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     return RunStore(run).state.commits[(stage, round)]
 
@@ -258,7 +258,7 @@ def _edit_manifest_of(run: Path, stage: str, round: int, edit) -> Path:
 
 
 def _reseal(manifest: dict) -> None:
-    from curation.store.verify import seal_of
+    from store.verify import seal_of
 
     manifest.pop("seal")
     manifest["seal"] = seal_of(manifest)
@@ -385,7 +385,7 @@ def test_verify_deep_finds_a_changed_byte_that_keeps_the_size(copy):
 
 def test_a_table_written_by_hand_reads_as_its_contract_demands(tmp_path):
     """Not through the CLI: RunStore.read names the file and column of a part with a wrong type."""
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
 
     store = RunStore(tmp_path / "run")
     (tmp_path / "run" / "scores" / "round=0").mkdir(parents=True)

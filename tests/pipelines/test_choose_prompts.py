@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from curation.generate.base import prompt_id_of
-from curation.store.run_files import load_pipeline_state, round_prompts_rel, save_pipeline_state
 from pipelines.loop.prompts import choose_prompts, prompt_keys, tiebreak
+from store.run_files import load_pipeline_state, round_prompts_rel, save_pipeline_state
 from tests.helpers import PROMPTS, by_tiebreak, chosen, context, prompt_file, sampled, sha64, splitmix64
 
 

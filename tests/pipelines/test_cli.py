@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation.faults import FAULT_ENV
-from curation.store.run_log import COMMITS
-from curation.store.run_store import RunStore
+from store.faults import FAULT_ENV
+from store.run_log import COMMITS
+from store.run_store import RunStore
 from tests.helpers import ENV, GROUPFORGE, commit_rows, error_line, groupforge, groupforge_in_process, make_toy_run
 
 

@@ -15,8 +15,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation.store.run_files import MetricsLog
-from curation.store.storage import write_atomic
 from pipelines.studies.compare_spec import load_compare, load_compare_section
 from pipelines.studies.ratio_spread import pooled_spread
 from pipelines.studies.study import Setting, grid, pick_setting, split_prompts, validation_ids, validation_score
@@ -33,6 +31,8 @@ from pipelines.studies.study_stats import (
     t_975,
 )
 from pipelines.studies.study_text import edge_note, lead_sentence, ranking_sentence, spread_sentence, tie_note
+from store.run_files import MetricsLog
+from store.storage import write_atomic
 from tests.helpers import REPO, parquet_sql
 
 # ---------------------------------------------------------------------------------------------

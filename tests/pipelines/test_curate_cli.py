@@ -6,8 +6,8 @@ from __future__ import annotations
 import duckdb
 import pytest
 
-from curation.store.run_store import RunStore
 from pipelines.loop.curate import STAGES, CurationSpec, curate, load_curation_spec
+from store.run_store import RunStore
 from tests.helpers import REPO, error_line, groupforge, hand_made_run, make_toy_run, parquet_sql
 
 
@@ -153,7 +153,7 @@ def test_every_table_reads_at_every_version_with_one_commit_per_stage_and_round(
     import polars as pl
     from deltalake import DeltaTable
 
-    from curation.store.run_log import COMMITS, delta_location
+    from store.run_log import COMMITS, delta_location
     from tests.helpers import groupforge_in_process
 
     run = f"s3://{s3_server.bucket()}/runs/versions" if where == "s3" else tmp_path / "run"

@@ -12,12 +12,12 @@ import pyarrow as pa
 import pytest
 
 from curation.generate.base import prompt_id_of
-from curation.schema import SCHEMAS
-from curation.store.run_store import RunStore
 from pipelines.loop.curriculum import STAGE, PromptHistory, PromptStat, curriculum_rules, record_history
 from pipelines.loop.prompts import PromptChoice, choose_prompts, ranked_prompts
 from pipelines.loop.run import RoundContext
 from pipelines.spec import PipelineSpec
+from store.run_store import RunStore
+from store.schema import SCHEMAS
 from tests.helpers import PROMPT_STATS_SQL, PROMPTS, chosen, prompt_file, sampled
 
 

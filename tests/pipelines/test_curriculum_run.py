@@ -14,12 +14,12 @@ import sys
 import duckdb
 import pyarrow.parquet as pq
 
-from curation.faults import FAULT_ENV
 from curation.generate.stage import make_generator
 from curation.rewards.registry import get_reward
-from curation.store.run_store import RunStore
 from pipelines.loop.run import eval_set, run_pipeline
 from pipelines.spec import load_spec
+from store.faults import FAULT_ENV
+from store.run_store import RunStore
 from tests.helpers import FAULTS_SPEC, PROMPT_STATS_SQL, REPO, check_tables, round_records
 
 REST_ROUNDS, SOLVED = 2, 0.5  # the toy with 6 tokens passes at most half of a prompt's 4 samples here

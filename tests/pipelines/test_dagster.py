@@ -15,8 +15,8 @@ dg = pytest.importorskip("dagster", reason="the dagster extra is not installed: 
 import polars as pl  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
 
-from curation import faults  # noqa: E402
 from pipelines.orchestrate.dagster import groupforge_definitions  # noqa: E402
+from store import faults  # noqa: E402
 from tests.faults.test_faults import check_invariants  # noqa: E402
 from tests.helpers import OPTIONS_SPEC, commit_rows  # noqa: E402
 

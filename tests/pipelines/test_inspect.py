@@ -11,9 +11,9 @@ from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
 from curation.stages import pair as pair_stage
 from curation.stages import score as score_stage
-from curation.store.run_store import RunStore
 from pipelines.loop.curate import curate
 from pipelines.reports.inspect_run import number_ranges, print_stage_graph, stage_graph
+from store.run_store import RunStore
 from tests.helpers import hand_made_run
 
 

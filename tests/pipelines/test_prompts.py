@@ -14,12 +14,12 @@ import pytest
 from pydantic import ValidationError
 
 from curation.generate.base import prompt_id_of
-from curation.schema import SCHEMAS
-from curation.store.location import RunLocation
-from curation.store.run_store import RunStore
 from pipelines.loop.prompts import PromptBook, PromptChoice, choose_prompts, pass_rates, prompt_choice, ranked_prompts
 from pipelines.loop.run import RoundContext
 from pipelines.spec import PipelineSpec
+from store.location import RunLocation
+from store.run_store import RunStore
+from store.schema import SCHEMAS
 from tests.helpers import PROMPTS, chosen, prompt_file, sampled, sha64, splitmix64
 
 

@@ -175,9 +175,9 @@ def _plain_log_ratios(model_dir, sample) -> np.ndarray:
 
 @pytest.mark.slow
 def test_toy_run_spread_from_its_checkpoints(toy_run, toy_dir):
-    from curation.store.run_files import MetricsLog
-    from curation.store.run_store import RunStore
     from pipelines.studies.ratio_spread import token_log_ratios
+    from store.run_files import MetricsLog
+    from store.run_store import RunStore
     from training.checkpoint import load_model
 
     records = {r["round"]: r for r in MetricsLog(toy_run).rounds()}

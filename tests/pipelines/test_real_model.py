@@ -10,8 +10,8 @@ import pyarrow.compute as pc
 import pytest
 import torch
 
-from curation.store.run_store import RunStore
 from pipelines.models.chat_tasks import write_task
+from store.run_store import RunStore
 from tests.helpers import cli, round_records, step_records
 from training import checkpoint as ckpt
 from training.batching import policy_batches

@@ -133,7 +133,7 @@ def test_report_files_are_readable_by_everyone(grpo_report):
 def test_reading_a_run_loads_neither_matplotlib_nor_torch():
     """The spec, the run-folder files and the report's reading and markdown are light; matplotlib
     comes with pipelines.reports.plots, imported only when a figure is drawn."""
-    code = ("import sys, pipelines.reports.run_report, pipelines.spec, curation.store.run_files; "
+    code = ("import sys, pipelines.reports.run_report, pipelines.spec, store.run_files; "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'torch'}); "
             "assert not heavy, heavy; import pipelines.reports.plots; assert 'matplotlib' in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -11,9 +11,9 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from curation.faults import FAULT_ENV
 from curation.generate.base import load_prompts
-from curation.store.run_store import RunStore
+from store.faults import FAULT_ENV
+from store.run_store import RunStore
 from tests.helpers import E2E_SPEC, REPO, check_tables, round_records
 
 pytestmark = pytest.mark.slow

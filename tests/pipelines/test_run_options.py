@@ -14,13 +14,13 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from curation.faults import FAULT_ENV
-from curation.store.run_files import PHASES, MetricsLog
-from curation.store.run_store import RunStore
 from pipelines.loop.refill import refill_size
 from pipelines.loop.run import run_pipeline
 from pipelines.reports.run_report import report_run
 from pipelines.spec import load_spec
+from store.faults import FAULT_ENV
+from store.run_files import PHASES, MetricsLog
+from store.run_store import RunStore
 from tests.helpers import OPTIONS_SPEC, REPO, logged_files, parquet_sql
 from training import checkpoint as ckpt
 

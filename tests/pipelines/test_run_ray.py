@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import duckdb
 import pytest
 
-from curation.faults import FAULT_ENV
-from curation.store.run_store import RunStore
+from store.faults import FAULT_ENV
+from store.run_store import RunStore
 from tests.helpers import E2E_SPEC, REPO, check_tables, parquet_sql, round_records
 
 pytestmark = pytest.mark.slow

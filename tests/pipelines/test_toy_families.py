@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.rewards import get_reward
-from curation.store.run_store import RunStore
 from pipelines.toy.build import EVAL_FILE, META_FILE, TRAIN_FILE, build_toy, default_out
 from pipelines.toy.families import FAMILIES, example
 from pipelines.toy.task import (
@@ -33,6 +32,7 @@ from pipelines.toy.task import (
     variant_config,
     warm_start_problems,
 )
+from store.run_store import RunStore
 from tests.helpers import ENV, GROUPFORGE, REPO, build_lock
 
 SPEC = REPO / "pipelines" / "specs" / "toy-family-grpo.toml"

@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from curation.generate.base import load_prompts
-from curation.store.run_files import MetricsLog
 from pipelines.spec import load_spec
 from pipelines.studies.spec_text import format_float, put_comment_block, set_key
 from pipelines.studies.study import split_prompts
@@ -28,6 +27,7 @@ from pipelines.studies.tune import (
     rank,
     validation_size,
 )
+from store.run_files import MetricsLog
 from tests.helpers import REPO, cli, error_line
 
 TOY_GRPO = REPO / "pipelines" / "specs" / "toy-grpo.toml"

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from curation.store.run_files import OPTIMIZER_FILE, TRAINER_STATE_FILE
+from store.run_files import OPTIMIZER_FILE, TRAINER_STATE_FILE
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.trainer import train

@@ -11,8 +11,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from curation.schema import SchemaError
-from curation.store.run_store import HeldPart, RunStore
+from store.run_store import HeldPart, RunStore
+from store.schema import SchemaError
 from tests.helpers import logged_files, parquet_sql
 from training.data import NoTrainingData, count_training_rows, load_training_data, select_rounds
 
@@ -198,8 +198,8 @@ def test_errors_name_the_file_or_round(curated_run, tmp_path):
 def _held(run, tables=("samples", "groups", "pairs")) -> RunStore:
     """The store of a caller that has just committed the run's part files (RunStore(hold=True)):
     its held parts read back from the files."""
-    from curation.store.fingerprints import fingerprint_file
-    from curation.store.run_store import HeldPart
+    from store.fingerprints import fingerprint_file
+    from store.run_store import HeldPart
 
     store = RunStore(run, hold=True)
     store.held.update({path.relative_to(run).as_posix(): HeldPart(fingerprint_file(path), pq.read_table(path))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from curation.store.run_files import MetricsLog
+from store.run_files import MetricsLog
 from tests.helpers import REPO
 from training import checkpoint as ckpt
 from training.config import TrainConfig

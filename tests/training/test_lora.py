@@ -16,7 +16,7 @@ from peft import PeftModel
 
 from curation.generate.stage import generate
 from curation.stages.runner import CURATION_STAGES, run_stage
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
 from tests import helpers
 from tests.helpers import ENV, GROUPFORGE, REPO, SAMPLING, load_fp32, make_toy_run, mean_abs_diff, transformers_logprobs
 from training import checkpoint as ckpt

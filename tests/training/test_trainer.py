@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from curation.faults import FAULT_ENV
+from store.faults import FAULT_ENV
 from tests.helpers import REPO, logged_files, step_records
 from training import checkpoint as ckpt
 from training.config import TrainConfig
@@ -63,8 +63,8 @@ def test_share_prompts_trains_on_policy_and_is_not_for_pairwise(run_copy, toy_di
 
 
 def test_held_tables_train_exactly_as_the_files(curated_run, toy_dir, tmp_path):
-    from curation.store.fingerprints import fingerprint_file
-    from curation.store.run_store import HeldPart, RunStore
+    from store.fingerprints import fingerprint_file
+    from store.run_store import HeldPart, RunStore
 
     records = []
     for name in ("files", "held"):

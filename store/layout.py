@@ -14,7 +14,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from curation import schema
+from store import schema
 
 ROUND_TABLES = ("samples", "scores", "groups", "rejects", "pairs", "prompt_stats")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # stage and part names
@@ -75,7 +75,7 @@ def check_round(round: int) -> int:
 FORMAT_VERSION = 3
 """The run format this groupforge writes and reads (manifests' `format_version`): 3 is the
 tables' Delta logs and `_commits`; 2 (an older groupforge's RUN/_log/) and 1 (RUN/_manifests/,
-or no `format_version`) are read through curation/store/migrate.py."""
+or no `format_version`) are read through store/migrate.py."""
 
 SEAL_FIELD = "seal"
 

@@ -8,7 +8,7 @@
     code_version()             'groupforge <version> (<commit>[-dirty])', recorded in manifests
 
 A stage is skipped when its manifest holds the same input fingerprints and config hash
-(curation.store.run_store.RunStore.is_up_to_date); the code version is recorded, not compared.
+(store.run_store.RunStore.is_up_to_date); the code version is recorded, not compared.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def code_version() -> str:
         git = ["git", "-C", str(here.parent)]
         top, commit = subprocess.run(git + ["rev-parse", "--show-toplevel", "--short", "HEAD"],
                                      capture_output=True, text=True, timeout=10, check=True).stdout.split()
-        if (Path(top) / "curation" / "store" / here.name).resolve() != here:
+        if (Path(top) / "store" / here.name).resolve() != here:
             return f"groupforge {version}"  # installed inside some other repository
         dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()

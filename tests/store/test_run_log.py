@@ -1,4 +1,4 @@
-"""The run's log (curation/store/run_log.py) on local disk and over S3 (moto), read back by
+"""The run's log (store/run_log.py) on local disk and over S3 (moto), read back by
 readers that are not groupforge's (delta-rs, Polars): commits fold into the live files and
 manifests, each table's Delta versions carry the commit, an earlier version of the run reads as
 it was, a job that opened the run after another stops the older one, processes committing at
@@ -15,9 +15,9 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from curation.store.run_log import COMMITS, LoggedFile, RunLog, RunTakenOver, delta_location
-from tests.curation.test_store import samples
+from store.run_log import COMMITS, LoggedFile, RunLog, RunTakenOver, delta_location
 from tests.helpers import REPO
+from tests.store.test_store import samples
 
 
 @pytest.fixture
@@ -123,8 +123,8 @@ def test_a_fenced_object_store_refuses_every_write_of_the_older_job(s3_server):
     """On an object store, `RunStore.lock` fences the storage: once a newer job has opened the
     run, the older one's next write of any kind (a metrics line, a checkpoint file, a delete)
     stops it, with nothing written."""
-    from curation.store.run_store import RunStore
-    from curation.store.storage import open_storage
+    from store.run_store import RunStore
+    from store.storage import open_storage
 
     url = f"s3://{s3_server.bucket()}/runs/x"
     older = RunStore(url)
@@ -143,8 +143,8 @@ def test_a_fenced_object_store_refuses_every_write_of_the_older_job(s3_server):
 
 RACE = """
 import sys
-from curation.store.run_log import LoggedFile, RunLog, RunTakenOver
-from curation.store.storage import open_storage
+from store.run_log import LoggedFile, RunLog, RunTakenOver
+from store.storage import open_storage
 log = RunLog(open_storage(sys.argv[1]))
 log.refresh()
 log.writer = sys.argv[2]

@@ -2,7 +2,7 @@
 
 The writer is held half way through its commit (its part files written under their final names,
 its commit log entry not yet) by `GROUPFORGE_PAUSE=commit.files_published:<n>:DIR`
-(curation/faults.py): it writes DIR/paused and waits for DIR/resume. No sleep decides when a
+(store/faults.py): it writes DIR/paused and waits for DIR/resume. No sleep decides when a
 reader runs.
 
 On local disk the writer is `groupforge generate`. While it waits: a bare glob over the table
@@ -32,15 +32,15 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from curation.faults import PAUSE_ENV
-from curation.store.location import CACHE_ENV
+from store.faults import PAUSE_ENV
+from store.location import CACHE_ENV
 from tests.helpers import FAULTS_SPEC, REPO, check_invariants, cli, cli_env
 
 PROMPTS, G = 24, 4
 
 READER = """
 import sys, duckdb
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
 con = RunStore(sys.argv[1]).snapshot().duckdb_views(duckdb.connect())
 print(*(con.sql(f"SELECT count(*) FROM {table}").fetchall()[0][0] for table in ("samples", "prompts")))
 """
@@ -111,7 +111,7 @@ import json, os, sys, time
 from pathlib import Path
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
-from curation.store.run_store import RunStore
+from store.run_store import RunStore
 
 def rounds(table):  # round -> [rows, distinct (prompt_id, sample_idx)]
     rows = table.select(["round", "prompt_id", "sample_idx"]).to_pylist()

@@ -14,7 +14,7 @@ metrics log with its typed round record, and the round loop's state.
                                           during each command (curation/library_logs.py; appended)
 
 This module imports neither torch nor matplotlib: the spec, the report and the CLI read
-these files without loading a model. The tables and their manifests are `curation.store.run_store`'s.
+these files without loading a model. The tables and their manifests are `store.run_store`'s.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from curation.store.storage import Storage, open_storage, write_atomic
+from store.storage import Storage, open_storage, write_atomic
 
 SPEC_FILE = "spec.toml"
 PIPELINE_FILE = "pipeline.json"

@@ -1,6 +1,6 @@
 """Runs written without `_commits` (an older groupforge's run folder: its own commit log, or
 older manifests; tables another tool wrote) read as their files say and are taken in by the
-first writer (curation/store/migrate.py, `groupforge migrate`); kills between a commit's steps
+first writer (store/migrate.py, `groupforge migrate`); kills between a commit's steps
 (`commit.files_published`, `commit.tables_written`) as real processes; and what `check_run` names."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from curation.faults import FAULT_ENV
-from curation.schema import SCHEMAS
-from curation.store.run_log import COMMITS, RunLog
-from curation.store.run_store import RunStore
-from curation.store.storage import LocalStorage
-from curation.store.verify import RunFolderError, check_run
+from store.faults import FAULT_ENV
+from store.run_log import COMMITS, RunLog
+from store.run_store import RunStore
+from store.schema import SCHEMAS
+from store.storage import LocalStorage
+from store.verify import RunFolderError, check_run
 from tests.helpers import edit_commit_row
 
 REPO = Path(__file__).resolve().parents[2]
@@ -243,8 +243,8 @@ def test_hand_written_tables_are_taken_in_by_an_import_entry(tmp_path):
 
 KILLED = """
     import sys
-    from tests.curation.test_migrate import rejects, samples
-    from curation.store.run_store import RunStore
+    from tests.store.test_migrate import rejects, samples
+    from store.run_store import RunStore
     with RunStore(sys.argv[1]).commit("generate", {round}, {{}}, {{"attempt": 2}}) as c:
         c.write("samples", samples({round}, n_prompts=3, tag="killed"))
         c.write("rejects", rejects({round}, "generate"))

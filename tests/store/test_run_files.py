@@ -1,4 +1,4 @@
-"""curation/store/run_files.py: the atomic write, JSON files, the metrics log and the round record, on real files."""
+"""store/run_files.py: the atomic write, JSON files, the metrics log and the round record, on real files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from curation.store.run_files import (
+from store.run_files import (
     METRICS_FILE,
     PHASES,
     MetricsLog,
@@ -21,7 +21,7 @@ from curation.store.run_files import (
     to_json,
     write_json_atomic,
 )
-from curation.store.storage import write_atomic
+from store.storage import write_atomic
 
 # ---- write_atomic --------------------------------------------------------------------------
 
@@ -210,7 +210,7 @@ def test_unsynced_step_lines_are_there_at_once_and_sync_makes_them_durable(tmp_p
 
 def test_the_metrics_log_on_an_object_store_reads_as_a_local_one(tmp_path, s3_server):
     """The same records, cut-line handling, `records_since` and `drop_steps_after` over S3."""
-    from curation.store.storage import open_storage
+    from store.storage import open_storage
 
     local = MetricsLog(tmp_path)
     remote = MetricsLog(open_storage(f"s3://{s3_server.bucket()}/run"))

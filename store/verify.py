@@ -18,7 +18,7 @@ problem, raised before anything is read or written:
                `part-<part>-<sha>.parquet` after their bytes; the next writer sweeps them)
 
 A run written without `_commits` (other tools, an older groupforge) is checked as
-curation/store/migrate.py reads it. Cost: one listing per table folder, one JSON read per log
+store/migrate.py reads it. Cost: one listing per table folder, one JSON read per log
 entry (`deep` reads and hashes every live file).
 """
 
@@ -28,11 +28,11 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from curation import schema
-from curation.store.layout import FORMAT_VERSION, PART_FILE, SEAL_FIELD, RunFolderError, check_links, seal_of
-from curation.store.migrate import OLD_MANIFESTS
-from curation.store.run_store import RunStore
-from curation.store.storage import LocalStorage, Storage, open_storage
+from store import schema
+from store.layout import FORMAT_VERSION, PART_FILE, SEAL_FIELD, RunFolderError, check_links, seal_of
+from store.migrate import OLD_MANIFESTS
+from store.run_store import RunStore
+from store.storage import LocalStorage, Storage, open_storage
 
 
 @dataclass

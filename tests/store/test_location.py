@@ -1,4 +1,4 @@
-"""curation/store/location.py: a run's storage and its work folder on this machine. For a local
+"""store/location.py: a run's storage and its work folder on this machine. For a local
 run both are one folder and upload/fetch do nothing; for a run on S3 (moto over HTTP) a folder
 uploaded by one machine is fetched whole by another, its `last` file written last."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from curation.store.location import CACHE_ENV, RunLocation, local_folder, node_cache
-from curation.store.storage import open_storage
+from store.location import CACHE_ENV, RunLocation, local_folder, node_cache
+from store.storage import open_storage
 
 
 def test_a_local_run_is_its_own_work_folder(tmp_path):

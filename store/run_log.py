@@ -42,11 +42,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from curation import schema
-from curation.errors import JobError, is_no_space, no_space_error
-from curation.store.lock import RunLockedError
-from curation.store.storage import LocalStorage, Storage
-from curation.store.store_errors import retry_config, store_error
+from store import schema
+from store.errors import JobError, is_no_space, no_space_error
+from store.faults import fault_point
+from store.lock import RunLockedError
+from store.storage import LocalStorage, Storage
+from store.store_errors import retry_config, store_error
 
 COMMITS = "_commits"
 COMPACT_EVERY = 100
@@ -446,8 +447,6 @@ class RunLog:
             versions[table] = self._commit_table(
                 table, {rel: m for rel, m in added.items() if rel.startswith(table + "/")},
                 [rel for rel in gone if rel.startswith(table + "/")], info, f"{stage}@round={round}", seq)
-        from curation.faults import fault_point
-
         fault_point("commit.tables_written")
         self._append(Entry(seq, "commit", self.writer, _now(), stage, round, dict(manifest), versions))
         for rel in gone:

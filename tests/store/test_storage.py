@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from curation.store.storage import (
+from store.storage import (
     LocalStorage,
     ObjectStorage,
     StorageError,
@@ -17,7 +17,7 @@ from curation.store.storage import (
     is_object_url,
     open_storage,
 )
-from curation.store.store_errors import RETRY_ENV, BucketNotFoundError, StoreAccessError, retry_config
+from store.store_errors import RETRY_ENV, BucketNotFoundError, StoreAccessError, retry_config
 from tests.helpers import REPO
 
 
@@ -72,7 +72,7 @@ def test_local_write_leaves_no_temporary_file(tmp_path):
 
 RACE = """
 import sys
-from curation.store.storage import open_storage
+from store.storage import open_storage
 store = open_storage(sys.argv[1])
 sys.stdin.readline()  # start together
 print("won" if store.create("_log/00000007.json", sys.argv[2].encode()) else "lost")

@@ -20,7 +20,7 @@ import os
 import re
 from datetime import timedelta
 
-from curation.errors import JobError, first_line
+from store.errors import JobError, first_line
 
 RETRY_ENV = "GROUPFORGE_STORE_RETRY_TIMEOUT"
 """Seconds a failing object-store request is retried before the job stops (default below)."""

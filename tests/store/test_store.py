@@ -1,4 +1,4 @@
-"""curation/store/run_store.py on real Parquet files, DuckDB, Polars and real second processes."""
+"""store/run_store.py on real Parquet files, DuckDB, Polars and real second processes."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ import pyarrow.dataset
 import pyarrow.parquet as pq
 import pytest
 
-from curation.schema import SCHEMAS, SchemaError
-from curation.store.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path
-from curation.store.lock import RunLockedError
-from curation.store.run_log import LoggedFile
-from curation.store.run_store import RunStore
-from curation.store.verify import check_run
+from store.fingerprints import code_version, config_hash, fingerprint_file, fingerprint_path
+from store.lock import RunLockedError
+from store.run_log import LoggedFile
+from store.run_store import RunStore
+from store.schema import SCHEMAS, SchemaError
+from store.verify import check_run
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {"temperature": 1.0, "group_size": 2}
@@ -289,7 +289,7 @@ KILLED_COMMIT = """
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from test_store import rejects, samples
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
     store = RunStore(sys.argv[1])
     with store.commit("generate", 0, {{}}, {{"attempt": 2}}) as c:
         c.write("samples", samples(0, n_prompts=50, tag="killed"))
@@ -425,7 +425,7 @@ def test_fingerprints_and_config_hash(tmp_path):
 
 HOLD_LOCK = """
     import sys
-    from curation.store.run_store import RunStore
+    from store.run_store import RunStore
     with RunStore(sys.argv[1]).lock():
         print("locked", flush=True)
         sys.stdin.readline()
@@ -559,7 +559,7 @@ def test_a_commit_records_each_output_hash_size_and_rows(tmp_path):
 
 
 def test_known_fingerprint_trusts_a_record_only_while_size_and_mtime_match(tmp_path):
-    from curation.store import fingerprints
+    from store import fingerprints
 
     path = tmp_path / "part.parquet"
     path.write_bytes(b"12345678")

@@ -1,8 +1,8 @@
 """A run's table reads: whole tables, some columns, batches of a large part, row counts, each
 part from memory when the store holds it (`RunStore(hold=True)`) and else from its file,
-validated against `curation.schema`.
+validated against `store.schema`.
 
-`TableReads` is a part of `RunStore` (curation/store/run_store.py), which provides what these
+`TableReads` is a part of `RunStore` (store/run_store.py), which provides what these
 reads stand on: `root` and `storage` (where the files are), `files` (the live files of a table
 and rounds, as the run's log lists them), `held_part`, `where` (a file for messages) and
 `state` (the log's records of the files).
@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from curation import schema
-from curation.errors import first_line
-from curation.store.layout import contract_columns, part_name, round_of
+from store import schema
+from store.errors import first_line
+from store.layout import contract_columns, part_name, round_of
 
 
 class TableReads:
@@ -53,7 +53,7 @@ class TableReads:
              columns: Sequence[str] | None = None) -> pa.Table:
         """All rounds (or the given ones) of `table`, as a pyarrow Table.
 
-        Validated against `curation.schema` unless `validate=False`; an empty table with the
+        Validated against `store.schema` unless `validate=False`; an empty table with the
         schema when nothing was written yet. The `round` column is checked against each file's
         `round=<n>` folder. `columns`: only these contract columns, in this order (`read_columns`).
         """

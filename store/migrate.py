@@ -1,4 +1,4 @@
-"""Runs written without `_commits` (curation/store/run_log.py): tables another tool wrote into a
+"""Runs written without `_commits` (store/run_log.py): tables another tool wrote into a
 run folder, and run folders of an older groupforge: its own commit log (`RUN/_log/<seq>.json`
 beside hand-written Delta logs, run format 2) or, older still, `RUN/_manifests/<stage>-round=<n>.json`.
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from curation import schema
-from curation.errors import first_line
-from curation.store.layout import PART_FILE, ROUND_DIR
-from curation.store.run_log import LoggedFile, RunLog, RunState
-from curation.store.storage import Storage
+from store import schema
+from store.errors import first_line
+from store.layout import PART_FILE, ROUND_DIR
+from store.run_log import LoggedFile, RunLog, RunState
+from store.storage import Storage
 
 OLD_MANIFESTS = "_manifests"
 OLD_LOG = "_log"

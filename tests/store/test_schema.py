@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from curation.schema import SCHEMAS, SchemaError, empty, read_table_file, validate
+from store.schema import SCHEMAS, SchemaError, empty, read_table_file, validate
 
 
 def one_row(name: str) -> dict:
@@ -135,7 +135,7 @@ def test_prompts_with_the_contract_schema_are_still_checked():
 
 
 def test_as_contract_uses_the_contract_schema_only_when_every_type_is_its_own():
-    from curation.schema import as_contract
+    from store.schema import as_contract
 
     columns = [pa.array(["r"]), pa.array([0], pa.int32()), pa.array(["p"]), pa.array([1], pa.int32()),
                pa.array(["filter"]), pa.array(["duplicate"]), pa.array([None], pa.string())]

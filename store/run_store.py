@@ -1,12 +1,12 @@
 """The run store: where a run's tables live, and how stages write them so that a reader sees
 each commit whole or not at all, on local disk and on object storage alike.
 
-Layout of a run RUN (a local folder or an object-store prefix, curation/store/storage.py):
+Layout of a run RUN (a local folder or an object-store prefix, store/storage.py):
 
     RUN/prompts/part-<part>-<sha>.parquet            prompts (not partitioned by round)
     RUN/<table>/round=<n>/part-<part>-<sha>.parquet  samples | scores | groups | rejects | pairs |
                                                      prompt_stats
-    RUN/<table>/_delta_log/                          each table's Delta log (curation/store/run_log.py)
+    RUN/<table>/_delta_log/                          each table's Delta log (store/run_log.py)
     RUN/_commits/                                    a Delta table, a row per commit: the commit points
     RUN/_staging/<stage>-round=<n>/                  resumable work-in-progress of a long stage
 
@@ -56,10 +56,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from curation import schema
-from curation.faults import fault_point
-from curation.store.fingerprints import canonical_json, code_version, config_hash
-from curation.store.layout import (
+from store import schema
+from store.faults import fault_point
+from store.fingerprints import canonical_json, code_version, config_hash
+from store.layout import (
     FORMAT_VERSION,
     PART_FILE,
     ROUND_TABLES,
@@ -73,13 +73,13 @@ from curation.store.layout import (
     round_of,
     seal_of,
 )
-from curation.store.location import node_cache
-from curation.store.lock import writer_lock
-from curation.store.migrate import import_unlisted, unlisted_state
-from curation.store.run_files import to_json
-from curation.store.run_log import LoggedFile, RunLog, RunState
-from curation.store.storage import LocalStorage, ObjectStorage, Storage, check_location, open_storage
-from curation.store.table_reads import TableReads
+from store.location import node_cache
+from store.lock import writer_lock
+from store.migrate import import_unlisted, unlisted_state
+from store.run_files import to_json
+from store.run_log import LoggedFile, RunLog, RunState
+from store.storage import LocalStorage, ObjectStorage, Storage, check_location, open_storage
+from store.table_reads import TableReads
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class JobWrites:
 
 class RunStore(TableReads):
     """One run (see the module docstring). Creates nothing until something is written. Its table
-    reads (`read`, `read_columns`, `iter_columns`, ...) are curation/store/table_reads.py's.
+    reads (`read`, `read_columns`, `iter_columns`, ...) are store/table_reads.py's.
 
     `root`: a local folder, an object-store URL (`s3://bucket/runs/x`), or a Storage."""
 
@@ -132,7 +132,7 @@ class RunStore(TableReads):
     def state(self) -> RunState:
         """What the run's log says the run holds, as this store last read it. A run written
         without a log (by other tools, or an older groupforge) reads as its files and old
-        manifests say (`curation.store.migrate`) until a writer takes them into the log."""
+        manifests say (`store.migrate`) until a writer takes them into the log."""
         if self._unlisted is not None:
             return self._unlisted
         if self.log.state.seq < 0 and not self._frozen:
@@ -323,7 +323,7 @@ class RunStore(TableReads):
     @contextlib.contextmanager
     def lock(self, wait: bool = True, timeout: float | None = None,
              on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-        """Write the run: the writer lock of this machine (`curation.store.lock.writer_lock` on the
+        """Write the run: the writer lock of this machine (`store.lock.writer_lock` on the
         run folder, or for a run on an object store on its folder in this machine's cache): a
         second job here waits, or exits 3 with `wait=False`; and everywhere an "open" row in
         `_commits` (on an object store at once, on local disk before this job's first write), so
@@ -352,7 +352,7 @@ class RunStore(TableReads):
 
     def _tidy(self) -> None:
         """What a job that starts writing does first: take in the tables of a run written without
-        `_commits` (`curation.store.migrate`), restore each table to the version the newest
+        `_commits` (`store.migrate`), restore each table to the version the newest
         commit recorded (a killed commit's versions undone), and remove what killed jobs left
         (`orphans`, local temporary files)."""
         if not self.state.manifests and not self.state.files:  # nothing committed yet

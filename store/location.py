@@ -5,7 +5,7 @@ machine, for what a process needs as local files.
     RunLocation.of("s3://bucket/runs/x") storage: the objects under that prefix;
                                          work: a node-local cache folder (`node_cache`)
 
-The run's tables go through the run store (curation/store/run_store.py) and its logs through
+The run's tables go through the run store (store/run_store.py) and its logs through
 `Storage`. Checkpoints, the report and the round prompt files are written as local files (a
 model folder is what transformers and vLLM load) into the work folder, then `upload`ed; a
 process that needs them and does not have them (another node, a rerun on a fresh machine)
@@ -25,8 +25,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from curation.faults import fault_point
-from curation.store.storage import Storage, check_location, is_object_url, open_storage
+from store.faults import fault_point
+from store.storage import Storage, check_location, is_object_url, open_storage
 
 CACHE_ENV = "GROUPFORGE_CACHE"
 """The folder for node-local copies of object-store runs (default ~/.cache/groupforge)."""

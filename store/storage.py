@@ -5,9 +5,9 @@
 this module (its tables, commits and their Delta logs) reads and writes whole
 objects by a path relative to the run ("samples/round=3/part-generate-1a2b.parquet"), so a
 local run and an object-store run share one format and one code path. The run's other files
-go through it too: its logs as whole objects (curation/store/run_files.py), the folders that must
+go through it too: its logs as whole objects (store/run_files.py), the folders that must
 be local files to be used (checkpoints, the report) through `RunLocation`
-(curation/store/location.py).
+(store/location.py).
 
 Why obstore: one API over S3, GCS, Azure and local files with *conditional writes*
 (`create`: If-None-Match, the primitive that makes commits atomic without a rename and lets
@@ -25,13 +25,13 @@ The local backend is plain files, not obstore's LocalStore (which, in 0.12, has 
 write goes through `write_atomic`, a temporary file fsynced and renamed into place, so a kill or
 a power cut leaves the old object or the new one; `create` links the temporary file to its name,
 which fails when the name exists. A full disk is a NoSpaceError naming the object
-(curation.errors).
+(store.errors).
 
 `ObjectStorage`, the object-store backend: a bucket and prefix reached with
 obstore (S3 and S3-compatible servers, GCS, Azure), opened by `open_storage` for an `s3://`,
 `gs://` or `az://` URL. Writes are whole objects (a multipart upload for a large local file);
 `create` is a put with If-None-Match; every failed request is one StorageError line naming the
-object (curation/store/store_errors.py); retries are bounded (`retry_config`).
+object (store/store_errors.py); retries are bounded (`retry_config`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from curation.errors import disk_write, first_line
-from curation.store.store_errors import StorageError, retry_config, store_error
+from store.errors import disk_write, first_line
+from store.store_errors import StorageError, retry_config, store_error
 
 __all__ = ["Entry", "LocalStorage", "ObjectStorage", "Storage", "StorageError", "check_location", "is_object_url",
            "open_storage"]
@@ -400,7 +400,7 @@ def write_atomic(path: str | Path, data: WriteData, *, mode: int | None = 0o644)
 
 class ObjectStorage(Storage):
     """An object store bucket and prefix, through obstore. Every failed request is one
-    StorageError line (curation/store/store_errors.py); with `fence_writes`, every write first
+    StorageError line (store/store_errors.py); with `fence_writes`, every write first
     checks that this job still writes the run."""
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None, *, _store: Any = None):
