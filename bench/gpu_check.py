@@ -297,7 +297,7 @@ def engine_figures(ctx: Context, model: Path, n_prompts: int, max_tokens: int, r
     """Start one engine actor on `model`, warm it up, time a round of `n_prompts` groups into `run`;
     (the live engine, EngineFigures). The caller closes the engine."""
     from curation.generate.stage import make_generator
-    from curation.generate.weights import count_parameters
+    from store.weights import count_parameters
 
     started = time.perf_counter()
     engine = make_generator(ctx.engine_backend, model, **ctx.generator_config().generator_kwargs())
@@ -395,8 +395,8 @@ def curate_llama_round(run: Path) -> None:
 
 
 def train_bf16(ctx: Context) -> TrainFigures:
-    from curation.generate.weights import load_state_dict
     from store.run_store import RunStore
+    from store.weights import load_state_dict
     from training.trainer import LoopOptions, TrainSession, train
 
     tic = time.perf_counter()
@@ -605,7 +605,7 @@ def set_up(args, sizes: Sizes, cuda: bool, work: Path) -> Context:
     toy = Path(args.toy) if args.toy else build_toy(ROOT / "runs" / "toy", progress=False)
     address = None
     if installed("ray") and not args.no_ray:
-        from curation.ray_cluster import connect_ray
+        from training.ray_cluster import connect_ray
 
         connect_ray(None)  # a private local instance; the engines and ranks join it, main() ends it
         import ray

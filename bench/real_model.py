@@ -292,9 +292,9 @@ def timing_rows(timings: list[Timing], units: dict[str, int] | None = None, unit
 
 def main() -> None:
     from curation.generate.stage import make_generator
-    from curation.generate.weights import count_parameters
     from pipelines.loop.steps import cosine_horizon, engine_bytes, train_config
     from pipelines.spec import load_spec
+    from store.weights import count_parameters
     from training import distributed
     from training.data import NoTrainingData, load_training_data
     from training.trainer import _sized

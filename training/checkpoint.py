@@ -213,7 +213,7 @@ def check_checkpoint(folder: str | Path) -> None:
     model folder (config, tokenizer, weights not truncated) and the optimizer state. Header reads
     only; a resumed run calls it before its first round, so a bad checkpoint stops it before it
     writes anything."""
-    from curation.generate.weights import check_model_folder
+    from store.weights import check_model_folder
     from training import lora
 
     folder = Path(folder)
@@ -245,7 +245,7 @@ def engine_weights(folder: str | Path) -> Path | dict[str, torch.Tensor]:
 def optimizer_file(folder: str | Path) -> Path:
     """The optimizer state of checkpoint `folder` (in optimizer/, where vLLM does not take it for
     weights), checked whole (a ValueError naming it when it is missing or truncated)."""
-    from curation.generate.weights import check_safetensors
+    from store.weights import check_safetensors
 
     folder = Path(folder)
     file = folder / OPTIMIZER_FILE
@@ -271,7 +271,7 @@ def load_model(folder: str | Path, device: torch.device | str = "cpu", trainable
     (eval, no grad) unless `trainable`."""
     from transformers import AutoModelForCausalLM
 
-    from curation.generate.weights import check_model_folder
+    from store.weights import check_model_folder
 
     folder = local_folder(folder)
     check_model_folder(folder, trust_remote_code=trust_remote_code)

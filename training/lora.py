@@ -54,7 +54,7 @@ def load(base: torch.nn.Module, folder: str | Path, trainable: bool) -> torch.nn
 def check_adapter_folder(folder: str | Path) -> None:
     """A ValueError naming the file unless `folder` holds a readable peft LoRA adapter (its
     config, and its weights whole: header checks, no tensor loaded)."""
-    from curation.generate.weights import check_safetensors
+    from store.weights import check_safetensors
 
     folder = Path(folder)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):

@@ -13,7 +13,7 @@ new weights for the engines). A rank that dies (killed, out of memory, node lost
 group: the others are killed too (they would wait in a collective) and the call raises
 `RankDied`; a rerun resumes from the newest checkpoint, replaying the rounds after it.
 
-Ray is imported only here and in curation/ray_cluster.py (the connection and the room check,
+Ray is imported only here and in training/ray_cluster.py (the connection and the room check,
 shared with the engines). The ranks need no shared disk when the run and the model are on an
 object store: every rank opens the run by its URL, reads the tables from it and keeps the
 checkpoint it resumes from and the model in its node's cache (store/location.py);
@@ -29,8 +29,8 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from curation.ray_cluster import KILL_RANK_ENV, check_room, connect_ray
 from store.errors import JobError
+from training.ray_cluster import KILL_RANK_ENV, check_room, connect_ray
 
 if TYPE_CHECKING:
     from training.trainer import LoopOptions

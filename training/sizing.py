@@ -81,7 +81,7 @@ class ModelShape:
     @classmethod
     def of_folder(cls, folder: Path) -> "ModelShape":
         """From a model folder's config.json and its safetensors headers (no tensor is read)."""
-        from curation.generate.weights import count_parameters
+        from store.weights import count_parameters
 
         return cls.from_config(json.loads((folder / "config.json").read_text()), count_parameters(folder))
 

@@ -6,5 +6,4 @@
                 make_generator(backend, model, **kwargs)
     vllm.py     VLLMGenerator (backend "vllm")
     hf.py       HFGenerator (backend "hf")
-    weights.py  safetensors loading and weight fingerprints
 """

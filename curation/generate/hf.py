@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from curation.generate.base import GENERATOR_DEFAULTS, Completion, SamplingConfig, tokenize_prompt
-from curation.generate.weights import load_state_dict, weights_fingerprint
+from store.weights import load_state_dict, weights_fingerprint
 
 
 class HFGenerator:

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Sequence
 
 from curation.generate.base import Completion, SamplingConfig, tokenize_prompt
-from curation.generate.weights import load_state_dict
-from curation.ray_cluster import actor_env, check_room, connect_ray
 from store.errors import JobError
+from store.weights import load_state_dict
+from training.ray_cluster import actor_env, check_room, connect_ray
 
 MAX_RESTARTS = 2
 """Fresh actors one call may start for one engine before the call fails."""

@@ -35,7 +35,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
-from curation.generate.weights import check_model_folder, count_parameters, weights_fingerprint
 from curation.stages.common import rejects_table
 from store.errors import JobError
 from store.faults import fault_point
@@ -43,6 +42,7 @@ from store.fingerprints import config_hash, known_fingerprint
 from store.run_store import RunStore
 from store.schema import SCHEMAS, SchemaError, validate
 from store.storage import Storage
+from store.weights import check_model_folder, count_parameters, weights_fingerprint
 
 STAGE = "generate"
 READS = ("prompts file", "model weights")

@@ -27,8 +27,8 @@ from typing import Sequence
 import torch
 
 from curation.generate.base import GENERATOR_DEFAULTS, Completion, SamplingConfig, tokenize_prompt
-from curation.generate.weights import load_state_dict, weights_fingerprint
 from store.errors import engine_failures
+from store.weights import load_state_dict, weights_fingerprint
 
 
 def _set_cpu_defaults() -> None:

@@ -43,7 +43,7 @@ class RewardModel:
     def version(self) -> str:
         """'1+' and the first 12 hex digits of the weights' sha256: new weights, new scores."""
         if self._version is None:
-            from curation.generate.weights import weights_fingerprint
+            from store.weights import weights_fingerprint
 
             self._version = "1+" + weights_fingerprint(Path(self.path))[:12]
         return self._version

@@ -51,7 +51,7 @@ def generate_command(
     from curation.generate.base import load_prompts
     from curation.generate.prompt_files import check_chat_template
     from curation.generate.stage import generate, resolve_backend
-    from curation.generate.weights import check_model_folder
+    from store.weights import check_model_folder
 
     local_run_folder(out)
     if not (model / "config.json").is_file():

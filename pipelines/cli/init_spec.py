@@ -2,7 +2,7 @@
 
     groupforge init --model DIR --prompts FILE [--eval FILE] [--objective grpo] [--out spec.toml]
 
-It checks the model folder (curation/generate/weights.py) and reads the prompts as the
+It checks the model folder (store/weights.py) and reads the prompts as the
 generate stage does (curation/generate/base.py), then looks at what the spec depends on: the
 prompt column or messages (and whether the tokenizer has a chat template for them), prompt
 lengths in tokens, the reference answers, and the model's own greedy answers to a sample of
@@ -99,7 +99,7 @@ def greedy_answers(model: Path, facts: PromptFacts) -> GreedyAnswers:
 def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo",
                  eval_file: str | Path | None = None, out: str | Path = "spec.toml") -> str:
     """The text of a commented spec for `model` and `prompts` (see the module docstring)."""
-    from curation.generate.weights import check_model_folder, count_parameters
+    from store.weights import check_model_folder, count_parameters
 
     if objective not in OBJECTIVES:
         raise ValueError(f"--objective {objective!r}: one of {', '.join(OBJECTIVES)}")

@@ -320,7 +320,7 @@ def _ray_session(spec: PipelineSpec) -> Iterator[None]:
     except ImportError:
         raise JobError("generator.engines > 1, generator.ray_address and train.nproc > 1 run on Ray, which "
                            "is not installed: pip install 'groupforge[ray]'") from None
-    from curation.ray_cluster import check_room, connect_ray
+    from training.ray_cluster import check_room, connect_ray
 
     owns = connect_ray(spec.generator.ray_address)
     try:

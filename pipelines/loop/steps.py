@@ -28,7 +28,6 @@ import torch
 
 from curation.generate.base import Generator
 from curation.generate.stage import GenerateResult, generate
-from curation.generate.weights import count_parameters
 from curation.stages.runner import StageReport, run_stage
 from pipelines.loop.context import RoundContext, live_generator
 from pipelines.loop.curate import STAGES
@@ -36,6 +35,7 @@ from pipelines.spec import PipelineSpec
 from store.location import local_folder
 from store.run_files import BestCheckpoint, RoundRecord, save_best
 from store.run_store import RunStore
+from store.weights import count_parameters
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes
 from training.data import NoTrainingData, count_training_rows

@@ -152,8 +152,8 @@ def import_gguf(file: str | Path, out: str | Path, dtype: str = "float32",
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-{os.getpid()}-", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is an ordinary folder
-        from curation.generate.weights import check_model_folder
         from store.errors import disk_write
+        from store.weights import check_model_folder
 
         with disk_write(out):
             _write_model_folder(gguf, tmp, dtype, say)

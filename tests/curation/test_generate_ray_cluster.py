@@ -23,7 +23,6 @@ from ray.cluster_utils import Cluster
 
 from curation.generate.base import GeneratorConfig
 from curation.generate.stage import generate, make_generator
-from curation.ray_cluster import KILL_RANK_ENV
 from store.faults import FAULT_ENV
 from store.location import CACHE_ENV
 from store.run_store import RunStore
@@ -37,6 +36,7 @@ from tests.helpers import (
     sample_columns,
     step_records,
 )
+from training.ray_cluster import KILL_RANK_ENV
 
 pytestmark = pytest.mark.slow
 

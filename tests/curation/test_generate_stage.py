@@ -13,9 +13,9 @@ import pytest
 
 from curation.generate.base import SamplingConfig, prompt_id_of, prompt_seed
 from curation.generate.stage import AUTO_HF_MAX_PARAMS, READS, STAGE, WRITES, generate, make_generator, resolve_backend
-from curation.generate.weights import count_parameters
 from store.run_store import RunStore
 from store.schema import SCHEMAS
+from store.weights import count_parameters
 from tests import helpers
 from tests.helpers import SAMPLING
 

@@ -139,7 +139,7 @@ def test_greedy_answers_equal_the_in_memory_gguf_load(reference, imported):
 def test_the_folder_is_a_plain_hugging_face_model_folder(imported, real_model):
     from transformers import AutoTokenizer
 
-    from curation.generate.weights import check_model_folder
+    from store.weights import check_model_folder
 
     folder = imported
     check_model_folder(folder)

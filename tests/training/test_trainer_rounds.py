@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from curation.generate.weights import load_state_dict
+from store.weights import load_state_dict
 from tests.helpers import step_records
 from training import checkpoint as ckpt
 from training.config import TrainConfig, steps_for_passes

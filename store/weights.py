@@ -1,4 +1,5 @@
-"""Model weights as generators see them: safetensors folders and state dicts, fingerprinted.
+"""Model weights on disk, shared by the generate engines and the trainer's checkpoints:
+safetensors folders and state dicts, their fingerprints, and the checks of a model folder.
 
 No pickle anywhere: weights come from `*.safetensors` files only.
 """
