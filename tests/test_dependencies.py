@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("groupforge", "store", "curation", "training", "pipelines")
 
 CURATION_MAY_IMPORT = {  # the training modules curation imports, each for a reason ARCHITECTURE gives
-    "training.ray_cluster",
+    "training.ray_cluster", "training.advantages",
 }
 
 

@@ -1,4 +1,6 @@
-"""Loss functions of groupforge's trainer: pure tensor functions registered by name.
+"""The trainer's objectives, registered by name: the advantage estimators (defined in
+training/advantages.py, which imports no torch, so the label stage and the spec stay light;
+re-exported here) and the loss functions, pure tensor functions.
 
 Policy losses share one signature (verl's core_algos style)::
 
@@ -37,6 +39,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from training.advantages import (  # noqa: F401  (the registry of advantages, re-exported)
+    AdvantageEstimator,
+    GroupedRewards,
+    advantage_names,
+    get_advantage,
+    register_advantage,
+)
 from training.loss_checks import AGG_MODES, KL_ESTIMATORS, check_config, check_pair_inputs, check_policy_inputs
 
 

@@ -16,23 +16,14 @@ from pydantic import ValidationError
 from curation.stages import filter as filter_stage
 from curation.stages import label as label_stage
 from curation.stages.filter import FilterConfig
-from curation.stages.label import (
-    SCALE_REWARDS,
-    GroupedRewards,
-    LabelConfig,
-    advantage_names,
-    estimator_name,
-    get_advantage,
-    kept_with_rewards,
-    label,
-    register_advantage,
-)
+from curation.stages.label import SCALE_REWARDS, LabelConfig, estimator_name, kept_with_rewards, label
 from curation.stages.runner import as_dict, run_stage
 from store.fingerprints import fingerprint_file
 from store.layout import part_name
 from store.run_store import RunStore
 from store.schema import SCHEMAS, empty
 from tests.helpers import commit_inputs, group_rows, rejects_of, rewards_table, samples_and_scores
+from training.advantages import GroupedRewards, advantage_names, get_advantage, register_advantage
 
 EPS = 1e-4
 
