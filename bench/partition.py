@@ -10,7 +10,7 @@ Issue 40 item 1 asks whether Delta partition columns (`partitionColumns: ["round
 column out of the files, `round=<n>/` meaning partition values) make the round loop or the readers
 faster than today's layout: an unpartitioned table whose part files sit under `round=<n>/` with the
 round column inside, each add action carrying the file's round min/max statistics
-(curation/store/run_log.py, `_write_version`). Four tables, each figure a ratio partitioned /
+(store/run_log.py, `_write_version`). Four tables, each figure a ratio partitioned /
 unpartitioned measured in the same run (the machine is shared: compare ratios):
 
     tx            today's layout, written the store's way: pq.write_table of the round (zstd) to
@@ -61,7 +61,7 @@ import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from table_format import BUCKET, SCHEMA, Moto, Rows, Storage, use_endpoint  # noqa: E402
 
-from curation.store.run_log import TABLE_CONFIG  # noqa: E402
+from store.run_log import TABLE_CONFIG  # noqa: E402
 
 OUT = ROOT / "runs" / "bench"
 ARMS = ("tx", "tx-part", "wd", "wd-part")
