@@ -18,7 +18,8 @@ from curation.faults import FAULT_ENV
 from curation.generate.stage import make_generator
 from curation.rewards.registry import get_reward
 from curation.store.run_store import RunStore
-from pipelines.loop.run import eval_set, run_pipeline
+from pipelines.loop.run import run_pipeline
+from pipelines.loop.steps import eval_set
 from pipelines.spec import load_spec
 from tests.helpers import FAULTS_SPEC, PROMPT_STATS_SQL, REPO, check_tables, round_records
 
