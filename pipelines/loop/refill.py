@@ -13,26 +13,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
-from curation.stages.runner import StageReport
-from pipelines.loop.context import RoundContext
 from pipelines.loop.prompts import ranked_prompts
 from pipelines.loop.steps import curate_round, kept_groups, sample
 from store.run_files import round_prompts_rel
 from store.storage import write_atomic
 
+if TYPE_CHECKING:
+    from pipelines.loop.run import RoundContext
 
-def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str, StageReport],
-           stages: Sequence[str]) -> tuple[dict[str, StageReport], int]:
+
+def refill(ctx: RoundContext, round: int, start_version: int, stages: Sequence[str]) -> int:
     """While the round has fewer kept groups than `[run] refill.min_kept_groups`, sample more
     prompts (the next ones in prompt-choice order that the round has not sampled; `refill_size`
     of them) with the same policy, at most `max_extra_prompts` in at most `max_calls` calls,
     and curate the round again (`stages`). Call k's prompts are written once to
     RUN/_rounds/round=<n>/refill-<k>.parquet and its samples are the tables' part
-    `refill-<k>`, so a killed round resumes with the same decisions. Returns the last
-    curation's reports and the number of extra prompts."""
+    `refill-<k>`, so a killed round resumes with the same decisions (a call whose samples are
+    committed is not sampled again). Returns the number of extra prompts."""
     settings = ctx.spec.run.refill
     location = ctx.location
     taken = set(pq.read_table(location.fetch(round_prompts_rel(round)), columns=["prompt_id"]).column(0).to_pylist())
@@ -58,9 +59,10 @@ def refill(ctx: RoundContext, round: int, start_version: int, reports: dict[str,
         ids = pq.read_table(path, columns=["prompt_id"]).column(0).to_pylist()
         taken.update(ids)
         extra += len(ids)
-        sample(ctx, round, path, start_version, stage=f"refill-{call}")
-        reports = curate_round(ctx, round, stages)
-    return reports, extra
+        if ctx.store.load_manifest(f"refill-{call}", round) is None:
+            sample(ctx, round, path, start_version, stage=f"refill-{call}")
+        curate_round(ctx, round, stages)
+    return extra
 
 
 def refill_size(missing: int, kept: int, sampled: int, budget: int) -> int:

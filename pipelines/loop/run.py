@@ -15,6 +15,10 @@
                   checkpoints and RUN/checkpoints/best.json names the best)
                -> append a record to RUN/metrics.jsonl, with the seconds of each phase
 
+`run_pipeline` is that loop, one round per pass of its body, in that order; each phase is a
+function of pipelines/loop/steps.py (or prompts.py, refill.py, curriculum.py) on the run's
+`RoundContext`.
+
 Every stage is resumable, so killing the process at any point and rerunning the same
 command continues where it stopped: a round whose record is in metrics.jsonl is done; a
 round's prompt choice (and each refill's) is a file written once; generate keeps finished
@@ -24,12 +28,17 @@ since then (checkpoint_every > 1: the same rows and steps give the same weights)
 `--rounds +K` extends a finished run by K rounds (the target is kept in RUN/pipeline.json).
 The run's lock keeps a second job off the same run.
 
-Within one process the loop keeps what it already has (pipelines/loop/context.py): the
-trainer's model and optimizer (`TrainSession`), the new weights for the engine (loaded from
-memory, no checkpoint read), the tokenized eval prompts, the round records, the prompt pool
-and its use counts (`PromptBook`), and the tables the round committed: each stage commits
-before the next runs, and the run's store (`RunStore(..., hold=True)`) keeps the parts it
-committed so the next stage and the trainer read them from memory.
+Within one process the loop keeps what it already has (`RoundContext`): the trainer's model
+and optimizer (`TrainSession`), the new weights for the engine (loaded from memory, no
+checkpoint read), the tokenized eval prompts, the round records, the prompt pool and its use
+counts (`PromptBook`), and the tables the round committed: each stage commits before the next
+runs, and the run's store (`RunStore(..., hold=True)`) keeps the parts it committed so the
+next stage and the trainer read them from memory, until the round's record is written.
+
+Every phase is timed on the round's stopwatch (`Phases`): the record's `phase_seconds`
+(startup, generate, score, filter, label, pair, train, checkpoint, reload, eval, other) sum
+to its wall seconds, and `model_seconds` counts engine sampling and greedy calls and the
+trainer's optimizer steps.
 
 The run is a local folder or an object-store prefix (`RunLocation`, store/location.py):
 tables go through the run store, the other files (spec.toml, pipeline.json, metrics.jsonl,
@@ -43,19 +52,25 @@ from __future__ import annotations
 import builtins
 import contextlib
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
-from curation.generate.base import Generator, load_prompts
+from curation.generate.base import Generator
 from curation.generate.prompt_files import check_chat_template, expand_prompt_files
-from curation.rewards.registry import get_reward
+from curation.generate.stage import GenerateResult
 from curation.stages.dataset import Appended, append_export
-from pipelines.loop.context import EvalSet, Phases, RoundContext, RoundStart, live_generator
 from pipelines.loop.curriculum import record_history
-from pipelines.loop.prompts import choose_prompts
+from pipelines.loop.prompts import PromptBook, choose_prompts
 from pipelines.loop.refill import refill
 from pipelines.loop.steps import (
+    EvalSet,
+    Trained,
+    checkpoints,
     curate_round,
+    evaluate,
     evaluates,
     keep_best,
     loop_stages,
@@ -65,6 +80,7 @@ from pipelines.loop.steps import (
     sample,
     sampling_manifests,
     train_round,
+    wait_for_prefetch,
 )
 from pipelines.loop.trackers import Trackers, check_installed, spec_params
 from pipelines.spec import PipelineSpec, load_spec, resolved_toml
@@ -72,6 +88,7 @@ from store.errors import JobError
 from store.faults import fault_point
 from store.location import RunLocation
 from store.run_files import (
+    PHASES,
     SPEC_FILE,
     MetricsLog,
     RoundRecord,
@@ -81,9 +98,13 @@ from store.run_files import (
 from store.run_store import RunStore
 from store.storage import Storage
 from store.verify import check_run
+from training.trainer import TrainSession
 
-__all__ = ["RoundContext", "append_dataset", "begin_round", "choose_prompts", "evaluate", "evaluate_start",
-           "finish_round", "open_run", "run_pipeline", "run_round", "save_record"]
+if TYPE_CHECKING:
+    from training.ray_ranks import TrainerRanks
+
+__all__ = ["Phases", "RoundContext", "append_dataset", "open_run", "previous_record", "round_record",
+           "run_pipeline", "start_record"]
 
 
 def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
@@ -102,11 +123,51 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
                 rounds, steps, _ = ctx.metrics.read() if ctx.metrics.exists() else ([], [], 0)
                 trackers.catch_up(rounds, steps)
             for round in range(ctx.target_rounds + 1):
-                if round in ctx.records:
+                if round in ctx.records:  # done: its record is in metrics.jsonl
                     continue
                 position = ctx.metrics.position() if trackers else None
-                record = evaluate_start(ctx) if round == 0 else run_round(ctx, round)
-                save_record(ctx, record)
+                ctx.clock = Phases()
+                if round == 0:  # the starting model's eval accuracy (no samples, no training)
+                    record = start_record(ctx, evaluate(ctx, 0))
+                else:
+                    # the round samples with and trains from the previous round's policy; after a
+                    # restart, the rounds since the newest checkpoint are trained again first
+                    previous = previous_record(ctx.records, round)
+                    replay(ctx, round, previous.policy_version)
+
+                    # -- choose prompts and generate (skipped once committed; `[run] overlap`: the
+                    #    previous round started it)
+                    prompts_file = choose_prompts(ctx, round)
+                    if ctx.prefetch is not None and ctx.prefetch[0] == round:
+                        wait_for_prefetch(ctx)
+                    elif ctx.store.load_manifest("generate", round) is None:
+                        sample(ctx, round, prompts_file, previous.policy_version)
+
+                    # -- curate, and refill while too few groups are kept
+                    stages = loop_stages(spec)
+                    curate_round(ctx, round, stages)
+                    if spec.run.refill is not None:
+                        refill(ctx, round, previous.policy_version, stages)
+                    fault_point("loop.after_curate")
+                    if spec.run.overlap and round < ctx.target_rounds:  # the engines sample the next round meanwhile
+                        next_prompts = choose_prompts(ctx, round + 1)
+                        if ctx.store.load_manifest("generate", round + 1) is None:
+                            prefetch(ctx, round + 1, next_prompts, previous.policy_version)
+
+                    # -- `[prompts] curriculum`: the round's prompt_stats rows
+                    record_history(ctx, round)
+
+                    # -- train (and checkpoint), evaluate the new policy
+                    trained = train_round(ctx, round, previous.policy_version, save=checkpoints(ctx, round))
+                    accuracy = evaluate(ctx, trained.policy_version) if evaluates(ctx, round) else None
+                    if spec.run.keep_best and accuracy is not None:
+                        keep_best(ctx, round, trained.policy_version, accuracy)
+                    record = round_record(ctx, round, previous, trained, accuracy)
+                    ctx.store.release()  # the round's held parts
+
+                # -- the record: the round is done
+                ctx.metrics.append(record)
+                ctx.records[round] = record.to_dict()
                 if trackers:  # the round's step lines and its record, read back from metrics.jsonl
                     trackers.log_records(ctx.metrics.records_since(position))
                 if on_round is not None:
@@ -120,6 +181,91 @@ def run_pipeline(spec: PipelineSpec | str | Path, run_dir: str | Path | None = N
         finally:
             trackers.close()
     return [ctx.records[round] for round in sorted(ctx.records)]
+
+
+class Phases:
+    """A round's stopwatch: wall seconds per phase (`store.run_files.PHASES`), a phase inside
+    another counted once (the engine reload inside evaluation is reload, not eval), and the
+    seconds of model work (engine sampling and greedy calls, trainer optimizer steps)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.model = 0.0
+        self._inner: list[float] = []  # per open phase: seconds spent in phases inside it
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        tic = time.perf_counter()
+        self._inner.append(0.0)
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - tic
+            self.seconds[phase] += elapsed - self._inner.pop()
+            if self._inner:
+                self._inner[-1] += elapsed
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Book `seconds` measured inside phase `source` under `target` (the trainer's checkpoint writes)."""
+        seconds = min(seconds, self.seconds[source])
+        self.seconds[source] -= seconds
+        self.seconds[target] += seconds
+
+    def result(self) -> tuple[float, dict[str, float]]:
+        """(wall seconds so far, seconds per phase with other = wall - the rest, never < 0)."""
+        wall = time.perf_counter() - self.started
+        known = sum(seconds for phase, seconds in self.seconds.items() if phase != "other")
+        return wall, {phase: builtins.round(seconds, 4) for phase, seconds in
+                      {**self.seconds, "other": max(0.0, wall - known)}.items()}
+
+
+@dataclass
+class RoundContext:
+    """What one round needs: the run, its spec, the live generator (started lazily) and what
+    the loop keeps between rounds."""
+
+    spec: PipelineSpec
+    store: RunStore
+    """The run's store; the loop's holds (`hold=True`) the parts the round commits, so the
+    next stage and the trainer read them from memory (released when the round ends)."""
+    target_rounds: int = 0
+    generator: Generator | None = None
+    log: Callable[[str], None] = print
+    records: dict[int, dict] = field(default_factory=dict)
+    """The round records of metrics.jsonl, read once per run, added to as rounds finish."""
+    session: TrainSession = field(default_factory=TrainSession)
+    """The trainer's live model and optimizer between rounds."""
+    weights: tuple[int, dict] | None = None
+    """(policy_version, state dict) of trained weights the engine has not loaded yet."""
+    eval_set: EvalSet | None = None
+    prompts: PromptBook = field(default_factory=PromptBook)
+    """The prompt pool and how many earlier rounds sampled each prompt (prompt choice)."""
+    prompt_files: list[str] | None = None
+    """The train prompt files the spec's `[prompts] train` entries name (globs and folders
+    listed when the context is made: once per invocation, so a refresh sees new partitions)."""
+    clock: Phases = field(default_factory=Phases)
+    """The current round's stopwatch."""
+    started: int | None = None
+    """The round whose stopwatch runs, for callers that run a round in several calls (a Dagster
+    run's steps, pipelines/orchestrate/dagster.py, start it once)."""
+    prefetch: tuple[int, Future[GenerateResult]] | None = None
+    """(round, its generate call running in a thread) under `[run] overlap = 1`."""
+    pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+    """The thread of `prefetch` (started on first use)."""
+    ranks: "TrainerRanks | None" = None
+    """The trainer ranks (Ray actors) of `[train] nproc` > 1, started on first use."""
+    micro_batches: str | None = None
+    """The trainer's micro-batch plan as last printed (training/sizing.py)."""
+    location: RunLocation = field(init=False)
+    """The run's storage and this machine's work folder for it."""
+    metrics: MetricsLog = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.location = RunLocation.of(self.store.storage)
+        self.metrics = MetricsLog(self.store.storage)
+        if self.prompt_files is None:
+            self.prompt_files = expand_prompt_files(self.spec.prompts.train)
 
 
 @contextlib.contextmanager
@@ -164,7 +310,10 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
         try:
             yield ctx
         finally:
-            ctx.finish_prefetch()
+            if ctx.prefetch is not None:  # a generate call still running: it commits whole or not at all
+                ctx.prefetch[1].exception()
+            if ctx.pool is not None:
+                ctx.pool.shutdown(wait=True)
             if ctx.generator is not None:
                 ctx.generator.close()
             if ctx.ranks is not None:
@@ -172,79 +321,45 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
             ctx.session.clear()
 
 
-def run_round(ctx: RoundContext, round: int) -> RoundRecord:
-    """Round `round` >= 1: generate, curate (refill), train, evaluate; returns its metrics record."""
+def previous_record(records: dict[int, dict], round: int) -> RoundRecord:
+    """The record of the round before `round` (a start from the base model when the run has
+    none): the policy round `round` samples with and trains from."""
+    found = records.get(round - 1)
+    return RoundRecord.from_dict(found) if found else RoundRecord(round=round - 1, eval_accuracy=0.0)
+
+
+def start_record(ctx: RoundContext, accuracy: float) -> RoundRecord:
+    """Round 0's record: the starting model's eval accuracy (no samples, no training)."""
+    wall, phases = ctx.clock.result()
+    wall = round(wall, 2)
+    return RoundRecord(round=0, eval_accuracy=accuracy, objective=ctx.spec.train.objective,
+                       wall_seconds=wall, elapsed_seconds=wall, phase_seconds=phases,
+                       model_seconds=round(ctx.clock.model, 4), peak_rss_mib=peak_rss_mib())
+
+
+def round_record(ctx: RoundContext, round: int, previous: RoundRecord, trained: Trained,
+                 accuracy: float | None) -> RoundRecord:
+    """The record of round `round` >= 1, trained and evaluated: from its tables (held parts
+    from memory) and its generate and refill manifests, and its stopwatch."""
     spec = ctx.spec
-    start = begin_round(ctx, round)
-
-    # -- generate with the newest policy ---------------------------------------------------
-    sample(ctx, round, choose_prompts(ctx, round), start.policy_version)
-
-    # -- curate, and refill while too few groups are informative ----------------------------
-    stages = loop_stages(spec)
-    reports = curate_round(ctx, round, stages)
-    if spec.run.refill is not None:
-        refill(ctx, round, start.policy_version, reports, stages)
-    fault_point("loop.after_curate")
-    if spec.run.overlap and round < ctx.target_rounds:  # the engines sample the next round meanwhile
-        prefetch(ctx, round + 1, choose_prompts(ctx, round + 1), start.policy_version)
-    return finish_round(ctx, round)
-
-
-def begin_round(ctx: RoundContext, round: int) -> RoundStart:
-    """The start of round `round` >= 1 (once per round and process): its stopwatch, the policy
-    version it samples and trains from (the previous round's; a missing record counts as a
-    start from the base model), and the rounds no checkpoint holds trained again (`replay`)."""
-    if ctx.current is not None and ctx.current.round == round:
-        return ctx.current
-    ctx.clock = Phases()
-    found = ctx.records.get(round - 1)
-    previous = RoundRecord.from_dict(found) if found else RoundRecord(round=round - 1, eval_accuracy=0.0)
-    ctx.current = RoundStart(round, previous)
-    replay(ctx, round, previous.policy_version)
-    return ctx.current
-
-
-def finish_round(ctx: RoundContext, round: int) -> RoundRecord:
-    """The end of round `round` >= 1, whose tables are curated: its prompt_stats rows (`[prompts]
-    curriculum`), train, evaluate (when the round does; `[run] keep_best`), and the round's
-    record from its tables and manifests."""
-    spec, start = ctx.spec, begin_round(ctx, round)
-    record_history(ctx, round)  # [prompts] curriculum: the round's prompt_stats rows
-    since = ctx.metrics.position()
-    steps, decay_steps = train_round(ctx, round, start.policy_version)
-    rates = [s["tokens_per_s"] for s in ctx.metrics.records_since(since)
-             if s.get("event") == "step" and start.policy_version < s.get("step", 0) <= steps]
-
-    # -- evaluate the new policy -------------------------------------------------------------
-    accuracy = evaluate(ctx, steps) if evaluates(ctx, round) else None
-    if spec.run.keep_best and accuracy is not None:
-        keep_best(ctx, round, steps, accuracy)
     stats = round_stats(ctx.store, round, paired="pair" in loop_stages(spec))
-    ctx.store.release()
     manifests = sampling_manifests(ctx.store, round)
     tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in manifests)
                               for key in ("response_tokens", "sample_seconds"))
     refilled = sum(int(m.get("rows_in") or 0) for m in manifests if m.get("stage") != "generate")
+    rates = trained.tokens_per_s
     wall, phases = ctx.clock.result()
     decimals = builtins.round  # `round` is the round number here
-    previous = start.previous
     return RoundRecord(
         round=round, eval_accuracy=accuracy, **stats,
         samples_total=previous.samples_total + stats["samples"],
-        policy_version=steps, steps=steps - start.policy_version, objective=spec.train.objective,
+        policy_version=trained.policy_version, steps=trained.policy_version - previous.policy_version,
+        objective=spec.train.objective,
         wall_seconds=decimals(wall, 2), elapsed_seconds=decimals(previous.elapsed_seconds + wall, 2),
         gen_tokens_per_s=decimals(tokens / sample_seconds, 1) if sample_seconds else 0.0,
         train_tokens_per_s=decimals(sum(rates) / len(rates), 1) if rates else 0.0,
         phase_seconds=phases, model_seconds=decimals(ctx.clock.model, 4), refill_prompts=refilled,
-        decay_steps=decay_steps, peak_rss_mib=peak_rss_mib())
-
-
-def save_record(ctx: RoundContext, record: RoundRecord) -> None:
-    """Append the round's record to RUN/metrics.jsonl: the round is done."""
-    ctx.metrics.append(record)
-    ctx.records[record.round] = record.to_dict()
-    ctx.current = None
+        decay_steps=trained.decay_steps, peak_rss_mib=peak_rss_mib())
 
 
 def append_dataset(ctx: RoundContext) -> Appended:
@@ -256,54 +371,11 @@ def append_dataset(ctx: RoundContext) -> Appended:
     return done
 
 
-def evaluate_start(ctx: RoundContext) -> RoundRecord:
-    """Round 0: the starting model's eval accuracy (no samples, no training)."""
-    ctx.clock = Phases()
-    accuracy = evaluate(ctx, 0)
-    wall, phases = ctx.clock.result()
-    wall = round(wall, 2)
-    return RoundRecord(round=0, eval_accuracy=accuracy, objective=ctx.spec.train.objective,
-                       wall_seconds=wall, elapsed_seconds=wall, phase_seconds=phases,
-                       model_seconds=round(ctx.clock.model, 4), peak_rss_mib=peak_rss_mib())
-
-
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far, MiB (Linux reports ru_maxrss in KiB)."""
     import resource
 
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def evaluate(ctx: RoundContext, policy_version: int) -> float:
-    """Mean of the eval metric over greedy responses to the eval prompts."""
-    spec = ctx.spec
-    with ctx.clock("eval"):
-        generator = live_generator(ctx, policy_version)
-        if ctx.eval_set is None:
-            ctx.eval_set = eval_set(spec, generator)
-        prompts = ctx.eval_set
-        tic = time.perf_counter()
-        responses = generator.greedy(prompts.token_ids, spec.eval.max_tokens or spec.generator.max_tokens)
-        fault_point("loop.eval")
-        ctx.clock.model += time.perf_counter() - tic
-        values = get_reward(spec.eval.metric)(prompts.prompts, responses, **prompts.columns)
-    scored = [v for v in values if v is not None]
-    if not scored:
-        raise ValueError(f"eval metric {spec.eval.metric!r} gave no value for any eval prompt "
-                         f"({spec.prompts.eval}: is the `reference` column empty?)")
-    return float(sum(scored) / len(scored))
-
-
-def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
-    """The spec's eval prompts (the first eval_limit), tokenized by the live generator."""
-    prompts = load_prompts(spec.prompts.eval)
-    if spec.prompts.eval_limit:
-        prompts = prompts.slice(0, spec.prompts.eval_limit)
-    texts = prompts.column("prompt").to_pylist()
-    messages = prompts.column("messages").to_pylist()
-    return EvalSet(token_ids=[generator.tokenize(p, m) for p, m in zip(texts, messages)],
-                   prompts=[p if p is not None else m for p, m in zip(texts, messages)],
-                   columns={name: prompts.column(name).to_pylist() for name in ("reference", "metadata")})
 
 
 # -- helpers ---------------------------------------------------------------------------------

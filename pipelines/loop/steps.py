@@ -1,15 +1,17 @@
-"""The steps of one round of the loop (pipelines/loop/run.py).
+"""The phases of a round of the loop, each called from the loop's body (pipelines/loop/run.py).
 
+    live_generator      the engine with the weights of a policy version (started on first use;
+                        new weights from the trainer's memory, else the checkpoint folder)
     sample              generate G responses per prompt with the live engine (a stage of the round)
-    prefetch            `[run] overlap = 1`: start the next round's generate in a thread, so
-                        the engines sample while the trainer trains; `sample` waits for it
+    prefetch            `[run] overlap = 1`: the next round's generate in a thread, so the engines
+                        sample while the trainer trains; `wait_for_prefetch` takes its result
     curate_round        score -> filter -> label (-> pair: `loop_stages`), each committed
                         before the next runs (the next reads it from the store's held parts)
     round_stats         reward mean, samples, groups, kept groups, pairs: from those tables
-    train_round         the round's optimizer steps; checkpoint every `checkpoint_every` rounds
-    evaluates           whether a round evaluates (`[eval] every`, round 0, the last)
-    keep_best           `[run] keep_best`: RUN/checkpoints/best.json names the best evaluated checkpoint
+    train_round         the round's optimizer steps (`checkpoints`: whether it checkpoints)
     replay              after a restart, train again the rounds no checkpoint holds
+    evaluate            the eval metric over greedy responses (`evaluates`: whether a round does)
+    keep_best           `[run] keep_best`: RUN/checkpoints/best.json names the best evaluated checkpoint
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,12 +29,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from curation.generate.base import Generator
-from curation.generate.stage import GenerateResult, generate
-from curation.stages.runner import StageReport, run_stage
-from pipelines.loop.context import RoundContext, live_generator
+from curation.generate.base import Generator, load_prompts
+from curation.generate.stage import GenerateResult, generate, make_generator, resolve_backend
+from curation.rewards.registry import get_reward
+from curation.stages.runner import run_stage
 from pipelines.loop.curate import STAGES
 from pipelines.spec import PipelineSpec
+from store.faults import fault_point
 from store.location import local_folder
 from store.run_files import BestCheckpoint, RoundRecord, save_best
 from store.run_store import RunStore
@@ -44,22 +48,40 @@ from training.sizing import engine_bytes as engine_memory
 from training.trainer import LoopOptions, TrainResult, train
 
 if TYPE_CHECKING:
+    from pipelines.loop.run import RoundContext
     from training.ray_ranks import TrainerRanks
 
 
+def live_generator(ctx: RoundContext, policy_version: int) -> Generator:
+    """The live generator holding the weights of `policy_version` (started on first use; new
+    weights are loaded in place, from the trainer's memory or else the checkpoint folder)."""
+    spec = ctx.spec
+    if ctx.generator is None:
+        backend = resolve_backend(spec.generator.backend, spec.model.path)
+        kwargs = {**spec.generator.generator_kwargs(backend), "policy_version": 0}
+        if spec.model.trust_remote_code:
+            kwargs["trust_remote_code"] = True
+        if backend == "vllm":
+            kwargs["seed"] = spec.run.seed  # the engine's own seed; every group also has its own
+        picked = " (backend auto)" if spec.generator.backend == "auto" else ""
+        ctx.log(f"starting the {backend} engine{picked} on {spec.model.path}")
+        with ctx.clock("startup"):
+            # The engine loads tokenizer and config from the base model; weights come next.
+            ctx.generator = make_generator(backend, spec.model.path, **kwargs)
+    if ctx.generator.policy_version != policy_version:
+        in_memory = ctx.weights is not None and ctx.weights[0] == policy_version
+        weights = ctx.weights[1] if in_memory else \
+            ckpt.engine_weights(ckpt.checkpoint_dir(ctx.location, policy_version))
+        with ctx.clock("reload"):
+            fault_point("loop.reload")
+            ctx.generator.update_weights(weights, policy_version)
+        ctx.weights = None
+    return ctx.generator
+
+
 def sample(ctx: RoundContext, round: int, prompts_file: Path, policy_version: int, stage: str = "generate") -> None:
-    """Generate G responses per prompt of `prompts_file` as `stage` of the round (skipped once
-    committed); with a prefetch of the round running, wait for it instead."""
-    if stage == "generate" and ctx.prefetch is not None and ctx.prefetch[0] == round:
-        with ctx.clock("generate"):
-            tic = time.perf_counter()
-            future, ctx.prefetch = ctx.prefetch[1], None
-            future.result()
-            ctx.clock.model += time.perf_counter() - tic  # only the wait: the rest ran beside training
-        ctx.store.catch_up()  # the thread's commits
-        return
-    if ctx.store.load_manifest(stage, round) is not None:
-        return
+    """Generate G responses per prompt of `prompts_file` as `stage` of the round (the round's
+    generate, or a refill's call) with the engine holding `policy_version`, committed as one."""
     generator = live_generator(ctx, policy_version)
     ctx.log(f"round {round}: {stage} {pq.read_metadata(prompts_file).num_rows} prompts x "
             f"{ctx.spec.generator.group_size} with policy_version {generator.policy_version}")
@@ -71,11 +93,8 @@ def sample(ctx: RoundContext, round: int, prompts_file: Path, policy_version: in
 def prefetch(ctx: RoundContext, round: int, prompts_file: Path, policy_version: int) -> None:
     """Start round `round`'s generate in a thread with the weights of `policy_version` (the
     engines run in other processes; their calls are in order, so weights loaded later wait
-    for these samples). Skipped when the round's samples are committed already. The thread
-    commits through a store of its own (the loop's is read by the trainer meanwhile): the
-    round reads its samples from the files."""
-    if ctx.store.load_manifest("generate", round) is not None:
-        return
+    for these samples). The thread commits through a store of its own (the loop's is read by
+    the trainer meanwhile): the round reads its samples from the files."""
     generator = live_generator(ctx, policy_version)
     ctx.log(f"round {round}: generate {pq.read_metadata(prompts_file).num_rows} prompts x "
             f"{ctx.spec.generator.group_size} with policy_version {generator.policy_version}, while round "
@@ -84,6 +103,17 @@ def prefetch(ctx: RoundContext, round: int, prompts_file: Path, policy_version: 
         ctx.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="groupforge-prefetch")
     ctx.prefetch = (round, ctx.pool.submit(_generate_call, ctx, ctx.store.sibling(), round, prompts_file,
                                            generator, "generate"))
+
+
+def wait_for_prefetch(ctx: RoundContext) -> None:
+    """The round's generate, started by `prefetch` while the previous round trained: wait for it
+    (its error is raised here) and read its commits."""
+    with ctx.clock("generate"):
+        tic = time.perf_counter()
+        future, ctx.prefetch = ctx.prefetch[1], None
+        future.result()
+        ctx.clock.model += time.perf_counter() - tic  # only the wait: the rest ran beside training
+    ctx.store.catch_up()  # the thread's commits
 
 
 def _generate_call(ctx: RoundContext, store: RunStore, round: int, prompts_file: Path, generator: Generator,
@@ -113,14 +143,13 @@ def loop_stages(spec: PipelineSpec) -> tuple[str, ...]:
     return STAGES if wanted else tuple(stage for stage in STAGES if stage != "pair")
 
 
-def curate_round(ctx: RoundContext, round: int, stages: Sequence[str] = STAGES) -> dict[str, StageReport]:
+def curate_round(ctx: RoundContext, round: int, stages: Sequence[str] = STAGES) -> None:
     """`stages` (default score -> filter -> label -> pair) on the round, each committed
-    through the loop's store before the next runs (which reads it from the store's held parts)."""
-    reports = {}
+    through the loop's store before the next runs (which reads it from the store's held parts);
+    a stage whose manifest matches its inputs and config is skipped (curation/stages/runner.py)."""
     for stage in stages:
         with ctx.clock(stage):
-            reports[stage] = run_stage(stage, ctx.store, round, getattr(ctx.spec, stage))
-    return reports
+            run_stage(stage, ctx.store, round, getattr(ctx.spec, stage))
 
 
 def round_stats(store: RunStore, round: int, paired: bool) -> dict:
@@ -146,31 +175,95 @@ def _kept(groups: pa.Table) -> int:
     return pc.count_distinct(kept.column("prompt_id")).as_py()
 
 
-def train_round(ctx: RoundContext, round: int, start_version: int) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Trained:
+    """What a round's training did (`train_round`)."""
+
+    policy_version: int
+    """The policy after the round's steps (the one it started from when it trained none)."""
+    decay_steps: int
+    """The cosine horizon it trained under."""
+    tokens_per_s: list[float]
+    """Training tokens per second of each of its optimizer steps (metrics.jsonl step lines)."""
+
+
+def train_round(ctx: RoundContext, round: int, start_version: int, save: bool) -> Trained:
     """Train round `round`'s steps from `start_version`: `steps_per_round`, or with
-    `[train] passes` the steps that draw its rows that many times. Checkpoints every
-    `checkpoint_every` rounds and in the last (with `[run] keep_best`, in every round that
-    evaluates). Returns (policy_version after, cosine horizon)."""
+    `[train] passes` the steps that draw its rows that many times; the last one checkpoints
+    when `save` (`checkpoints`)."""
     spec = ctx.spec
+    since = ctx.metrics.position()
     decay_steps = cosine_horizon(spec, ctx.target_rounds)
     cfg = train_config(spec, round, decay_steps)
     steps = spec.run.steps_per_round
-    save = round % spec.run.checkpoint_every == 0 or round >= ctx.target_rounds or \
-        (spec.run.keep_best and evaluates(ctx, round))
     if cfg.passes is not None:
         rows = count_training_rows(ctx.store, cfg.objective, cfg.rounds, cfg.max_staleness, cfg.sft_min_reward)
         steps = steps_for_passes(rows, cfg.batch_size, cfg.passes)
     try:
         ctx.log(f"round {round}: train {spec.train.objective} steps {start_version + 1}..{start_version + steps}")
-        return _train(ctx, cfg, start_version + steps, save).end_step, decay_steps
+        end = _train(ctx, cfg, start_version + steps, save).end_step
     except NoTrainingData as exc:
         ctx.log(f"round {round}: no training ({exc})")
-        return start_version, decay_steps
+        end = start_version
+    rates = [s["tokens_per_s"] for s in ctx.metrics.records_since(since)
+             if s.get("event") == "step" and start_version < s.get("step", 0) <= end]
+    return Trained(end, decay_steps, rates)
+
+
+def checkpoints(ctx: RoundContext, round: int) -> bool:
+    """Whether round `round` checkpoints its weights: every `checkpoint_every` rounds, the last
+    round, and with `[run] keep_best` every round that evaluates (otherwise the engine gets the
+    trainer's weights from memory)."""
+    run = ctx.spec.run
+    return round % run.checkpoint_every == 0 or round >= ctx.target_rounds or (run.keep_best and evaluates(ctx, round))
 
 
 def evaluates(ctx: RoundContext, round: int) -> bool:
     """Whether `round` evaluates: round 0, the last round, and every `[eval] every`-th."""
     return round == 0 or round >= ctx.target_rounds or round % ctx.spec.eval.every == 0
+
+
+def evaluate(ctx: RoundContext, policy_version: int) -> float:
+    """Mean of the eval metric over greedy responses to the eval prompts."""
+    spec = ctx.spec
+    with ctx.clock("eval"):
+        generator = live_generator(ctx, policy_version)
+        if ctx.eval_set is None:
+            ctx.eval_set = eval_set(spec, generator)
+        prompts = ctx.eval_set
+        tic = time.perf_counter()
+        responses = generator.greedy(prompts.token_ids, spec.eval.max_tokens or spec.generator.max_tokens)
+        fault_point("loop.eval")
+        ctx.clock.model += time.perf_counter() - tic
+        values = get_reward(spec.eval.metric)(prompts.prompts, responses, **prompts.columns)
+    scored = [v for v in values if v is not None]
+    if not scored:
+        raise ValueError(f"eval metric {spec.eval.metric!r} gave no value for any eval prompt "
+                         f"({spec.prompts.eval}: is the `reference` column empty?)")
+    return float(sum(scored) / len(scored))
+
+
+def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
+    """The spec's eval prompts (the first eval_limit), tokenized by the live generator."""
+    prompts = load_prompts(spec.prompts.eval)
+    if spec.prompts.eval_limit:
+        prompts = prompts.slice(0, spec.prompts.eval_limit)
+    texts = prompts.column("prompt").to_pylist()
+    messages = prompts.column("messages").to_pylist()
+    return EvalSet(token_ids=[generator.tokenize(p, m) for p, m in zip(texts, messages)],
+                   prompts=[p if p is not None else m for p, m in zip(texts, messages)],
+                   columns={name: prompts.column(name).to_pylist() for name in ("reference", "metadata")})
+
+
+@dataclass
+class EvalSet:
+    """The eval prompts as the engine and the metric take them: read and tokenized once per run."""
+
+    token_ids: list[list[int]]
+    prompts: list
+    """Each prompt's text, or its messages."""
+    columns: dict[str, list]
+    """reference and metadata, for the metric."""
 
 
 def keep_best(ctx: RoundContext, round: int, policy_version: int, accuracy: float) -> BestCheckpoint | None:

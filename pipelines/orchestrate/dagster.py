@@ -47,21 +47,31 @@ import dagster as dg
 from curation.generate import stage as generate_stage
 from curation.stages.export import READS as EXPORT_READS
 from curation.stages.runner import run_stage, stage_module
-from pipelines.loop.context import RoundContext
+from pipelines.loop.curriculum import record_history
 from pipelines.loop.prompts import choose_prompts
 from pipelines.loop.refill import refill
 from pipelines.loop.run import (
+    Phases,
+    RoundContext,
     append_dataset,
-    begin_round,
-    evaluate_start,
-    finish_round,
     open_run,
-    save_record,
+    previous_record,
+    round_record,
+    start_record,
 )
-from pipelines.loop.steps import loop_stages, sample
+from pipelines.loop.steps import (
+    checkpoints,
+    evaluate,
+    evaluates,
+    keep_best,
+    loop_stages,
+    replay,
+    sample,
+    train_round,
+)
 from pipelines.spec import PipelineSpec, load_spec
 from store.location import RunLocation
-from store.run_files import MetricsLog, load_pipeline_state, save_pipeline_state
+from store.run_files import MetricsLog, RoundRecord, load_pipeline_state, save_pipeline_state
 
 RESOURCE = "groupforge"
 """The resource key of the run's RoundContext."""
@@ -134,21 +144,34 @@ def round_steps(spec: PipelineSpec) -> list[Step]:
 
 # -- the steps: the loop's own functions ---------------------------------------------------
 
+def _start(ctx: RoundContext, round: int) -> RoundRecord:
+    """The previous round's record (the policy the round samples with and trains from); the
+    round's first step in this process starts its stopwatch and replays what no checkpoint
+    holds, as the loop does at the start of a round."""
+    previous = previous_record(ctx.records, round)
+    if ctx.started != round:
+        ctx.clock, ctx.started = Phases(), round
+        replay(ctx, round, previous.policy_version)
+    return previous
+
+
 def _choose(ctx: RoundContext, round: int) -> dict:
-    begin_round(ctx, round)
+    _start(ctx, round)
     return {"prompts_file": str(choose_prompts(ctx, round)), "prompt_files": len(ctx.prompt_files)}
 
 
 def _generate(ctx: RoundContext, round: int) -> dict:
-    start = begin_round(ctx, round)
-    sample(ctx, round, choose_prompts(ctx, round), start.policy_version)
+    previous = _start(ctx, round)
+    prompts_file = choose_prompts(ctx, round)
+    if ctx.store.load_manifest("generate", round) is None:
+        sample(ctx, round, prompts_file, previous.policy_version)
     return {"samples": ctx.store.read_columns("samples", ["sample_idx"], round).num_rows,
-            "policy_version": start.policy_version}
+            "policy_version": previous.policy_version}
 
 
 def _curate(stage: str) -> Callable[[RoundContext, int], dict]:
     def run(ctx: RoundContext, round: int) -> dict:
-        begin_round(ctx, round)
+        _start(ctx, round)
         with ctx.clock(stage):
             report = run_stage(stage, ctx.store, round, getattr(ctx.spec, stage))
         return {"rows_in": report.rows_in, "rows_out": report.rows_out, "skipped": report.skipped}
@@ -158,16 +181,28 @@ def _curate(stage: str) -> Callable[[RoundContext, int], dict]:
 
 def _refill(stages: tuple[str, ...]) -> Callable[[RoundContext, int], dict]:
     def run(ctx: RoundContext, round: int) -> dict:
-        start = begin_round(ctx, round)
-        _, extra = refill(ctx, round, start.policy_version, {}, stages)
-        return {"extra_prompts": extra}
+        previous = _start(ctx, round)
+        return {"extra_prompts": refill(ctx, round, previous.policy_version, stages)}
 
     return run
 
 
 def _train(ctx: RoundContext, round: int) -> dict:
-    record = evaluate_start(ctx) if round == 0 else finish_round(ctx, round)
-    save_record(ctx, record)
+    """The end of the loop's round: the curriculum's rows, train, evaluate, the record."""
+    if round == 0:
+        ctx.clock = Phases()
+        record = start_record(ctx, evaluate(ctx, 0))
+    else:
+        previous = _start(ctx, round)
+        record_history(ctx, round)
+        trained = train_round(ctx, round, previous.policy_version, save=checkpoints(ctx, round))
+        accuracy = evaluate(ctx, trained.policy_version) if evaluates(ctx, round) else None
+        if ctx.spec.run.keep_best and accuracy is not None:
+            keep_best(ctx, round, trained.policy_version, accuracy)
+        record = round_record(ctx, round, previous, trained, accuracy)
+        ctx.store.release()
+    ctx.metrics.append(record)
+    ctx.records[round] = record.to_dict()
     return {key: value for key, value in record.to_dict().items() if isinstance(value, (int, float, str))}
 
 

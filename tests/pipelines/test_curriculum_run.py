@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 
 from curation.generate.stage import make_generator
 from curation.rewards.registry import get_reward
-from pipelines.loop.run import eval_set, run_pipeline
+from pipelines.loop.run import run_pipeline
+from pipelines.loop.steps import eval_set
 from pipelines.spec import load_spec
 from store.faults import FAULT_ENV
 from store.run_store import RunStore
