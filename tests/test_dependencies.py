@@ -75,3 +75,32 @@ def test_the_store_has_no_import_circle_hidden_in_a_function():
                 if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "store":
                     hidden.append(f"{path.name}:{node.lineno} {node.module}")
     assert not hidden, f"function-local imports between store modules: {hidden}"
+
+
+SAMPLE_PATH_LAYERS = ("pipelines", "curation", "store", "training")
+
+
+def test_follow_one_sample_names_real_calls_in_layer_order():
+    """ARCHITECTURE's "Follow one sample": every file and call it names exists, it names at most
+    20 files, and its rows enter the packages in the order of the layers, each once."""
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Follow one sample"):].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert rows, "no rows in Follow one sample"
+    named = set(re.findall(r"`([a-z_/]+\.py)`", section))
+    assert len(named) <= 20, f"Follow one sample names {len(named)} files"
+    for path in named:
+        assert (REPO / path).is_file(), f"Follow one sample names {path}, which does not exist"
+    packages = []
+    for _, file_cell, call_cell, _ in rows:
+        path = re.search(r"`([a-z_/]+\.py)`", file_cell).group(1)
+        tree = ast.parse((REPO / path).read_text())
+        defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {f"{cls.name}.{node.name}" for cls in tree.body if isinstance(cls, ast.ClassDef)
+                    for node in cls.body if isinstance(node, ast.FunctionDef)}
+        for call in re.findall(r"`([A-Za-z_.]+)`", call_cell):
+            assert call in defined, f"{path} defines no {call} (Follow one sample)"
+        package = path.split("/")[0]
+        if not packages or packages[-1] != package:
+            packages.append(package)
+    assert packages == list(SAMPLE_PATH_LAYERS), f"Follow one sample enters the packages as {packages}"
