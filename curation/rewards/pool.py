@@ -11,8 +11,9 @@ between `run` calls (the tools environment sends each turn's calls to the same w
 `close()`.
 
 Two jobs are built on it: `run_isolated` scores the rows of a table with a reward function
-(the score stage), and `call_isolated` calls any module-level function on each item of a list
-(the tools environment runs tool calls through a job of its own, curation/env/environments.py).
+(the score stage), and `call_isolated` calls any module-level function on each item of a list.
+The tools environment (curation/env/environments.py) keeps one pool of `CallEach(RunTool(...))`
+for its life and sends it each turn's tool calls.
 
 Workers are fresh interpreters (`python -c ...`, not multiprocessing): no fork of a parent
 that holds DuckDB, Polars and torch threads, and no re-import of the caller's __main__

@@ -5,6 +5,7 @@ with SmolLM2's real tokenizer."""
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import sys
 import textwrap
@@ -36,7 +37,7 @@ from curation.env import (
     tool_names,
     tool_schema,
 )
-from curation.rewards.pool import WorkerPool, call_isolated
+from curation.rewards.pool import CallEach, WorkerPool, call_isolated
 
 USER_MODULE = "gf_user_tools_t"
 
@@ -363,14 +364,12 @@ def test_call_isolated_isolates_each_item(user_tools):
 
 
 def test_worker_pool_serves_several_runs(user_tools):
-    from curation.rewards.pool import CallEach
-
     module = __import__(user_tools)
     items = [1, 2, 3]
     with WorkerPool(CallEach(module.square), timeout_s=5, workers=1, what="test") as pool:
-        assert pool.run(3, lambda a, b: __import__("pickle").dumps(items[a:b])) == ([2, 4, 6], [None] * 3)
+        assert pool.run(3, lambda a, b: pickle.dumps(items[a:b])) == ([2, 4, 6], [None] * 3)
         pid = pool.workers[0].process.pid
-        assert pool.run(2, lambda a, b: __import__("pickle").dumps(items[a:b])) == ([2, 4], [None] * 2)
+        assert pool.run(2, lambda a, b: pickle.dumps(items[a:b])) == ([2, 4], [None] * 2)
         assert pool.workers[0].process.pid == pid  # the same worker, not a new interpreter per run
     assert pool.workers == []
 
