@@ -24,7 +24,7 @@ class EnvConfig(BaseModel):
                                   "a call past it gets the tool message 'error: timeout after Xs'.")
     tool_cpu_seconds: float | None = Field(None, gt=0, description="CPU seconds one tool call may use (RLIMIT_CPU); "
                                            "default: tool_timeout_s.")
-    tool_memory_mb: int | None = Field(1024, ge=64, description="Address-space limit of each tool worker process "
+    tool_memory_mb: int | None = Field(2048, ge=64, description="Address-space limit of each tool worker process "
                                        "(RLIMIT_AS); None: no limit.")
     tool_workers: int | None = Field(None, ge=1, description="Worker processes for tool calls; default: the usable "
                                      "CPUs, at most 8.")

@@ -238,7 +238,8 @@ def check_tools_render(tokenizer: Any, schemas: Sequence[dict[str, Any]]) -> Non
 def tool_result_text(value: Any, max_chars: int) -> str:
     """A tool's return value as the tool message's text: a str as it is, a number's str(), a
     dict or list as JSON, an object's own __str__; TypeError for None, an object without a
-    text form or a dict that is not JSON, ValueError for text over `max_chars`."""
+    text form or a dict that is not JSON, ValueError for text over `max_chars` or that UTF-8
+    cannot encode (the tables store UTF-8)."""
     if isinstance(value, str):
         text = value
     elif isinstance(value, (bool, int, float)):
@@ -256,6 +257,10 @@ def tool_result_text(value: Any, max_chars: int) -> str:
         text = str(value)
     if len(text) > max_chars:
         raise ValueError(f"tool result of {len(text)} characters is over the limit of {max_chars}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("tool result is not valid Unicode text (a lone surrogate)") from None
     return text
 
 

@@ -94,6 +94,8 @@ def user_tools(tmp_path_factory) -> str:
                 return {"a": [1, 2]}
             if kind == "number":
                 return 42
+            if kind == "surrogate":
+                return "bad " + chr(0xD800)
             if kind == "exit":
                 os._exit(3)
             return object()
@@ -407,6 +409,7 @@ def test_tools_environment_records_every_failure_and_goes_on(tools_env):
         call("echo", wrong="argument"),
         call("garbage", kind="dict"),
         call("garbage", kind="number"),
+        call("garbage", kind="surrogate"),
     ])}
     tic = time.monotonic()
     step = tools_env.step(message)
@@ -425,15 +428,16 @@ def test_tools_environment_records_every_failure_and_goes_on(tools_env):
     assert contents[10] == "after the failures"
     assert contents[11].startswith("error: TypeError: ") and "wrong" in contents[11]
     assert contents[12] == '{"a": [1, 2]}' and contents[13] == "42"
+    assert contents[14] == "error: ValueError: tool result is not valid Unicode text (a lone surrogate)"
     assert all("\n" not in c for c in contents)
-    assert step.tool_calls == 14 and step.tool_errors == 10
+    assert step.tool_calls == 15 and step.tool_errors == 11
     assert step.done is False and step.reward is None
-    assert [m["role"] for m in step.messages] == ["tool"] * 14
+    assert [m["role"] for m in step.messages] == ["tool"] * 15
     assert [m["name"] for m in step.messages][:3] == ["calculator", "explode", "sleep"]
     assert step.messages[9]["name"] == ""
     # every parsed call is in `calls`, its id answered by the tool message in the same place
     ids = [m["tool_call_id"] for m in step.messages]
-    assert len(set(ids)) == 14
+    assert len(set(ids)) == 15
     assert [c["id"] for c in step.calls] == ids[:9] + ids[10:]
     assert step.calls[0] == {"id": ids[0], "type": "function",
                              "function": {"name": "calculator", "arguments": {"expression": "1234 + 5678"}}}
