@@ -337,8 +337,8 @@ def check_trajectories(table: pa.Table, where: str = "samples table") -> None:
     tokens = lengths("response_token_ids")
     for name in ("response_mask", "behavior_logprobs"):
         found = lengths(name)
-        fail(name, found != tokens, lambda r: f"has {found[r]} values but response_token_ids has {tokens[r]} "
-                                              "tokens; they must match one to one")
+        fail(name, found != tokens, lambda r, found=found: (
+            f"has {found[r]} values but response_token_ids has {tokens[r]} tokens; they must match one to one"))
     starts = np.concatenate([[0], np.cumsum(tokens)])  # each row's first token in the flat arrays
     token_row = np.repeat(np.arange(table.num_rows), tokens)
     mask = flat("response_mask").astype(np.int64)
@@ -359,11 +359,12 @@ def check_trajectories(table: pa.Table, where: str = "samples table") -> None:
     role, start, length = (pc.struct_field(turns, f) for f in ("role", "start", "length"))
     for name, values in (("role", role), ("start", start), ("length", length)):
         nulls = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))
-        fail("turns", turn_row[nulls], lambda r: f"has a turn whose {name} is null")
+        fail("turns", turn_row[nulls], lambda r, name=name: f"has a turn whose {name} is null")
     roles = role.to_numpy(zero_copy_only=False)
     unknown = np.flatnonzero(~np.isin(roles, TURN_ROLES))
     fail("turns", turn_row[unknown], lambda r: (
-        f"has a turn with role {roles[unknown[turn_row[unknown] == r][0]]!r} (expected one of {', '.join(TURN_ROLES)})"))
+        f"has a turn with role {roles[unknown[turn_row[unknown] == r][0]]!r} "
+        f"(expected one of {', '.join(TURN_ROLES)})"))
     start, length = start.to_numpy().astype(np.int64), length.to_numpy().astype(np.int64)
     empty_turn = np.flatnonzero(length < 1)
     fail("turns", turn_row[empty_turn], lambda r: (
@@ -394,7 +395,7 @@ def check_trajectories(table: pa.Table, where: str = "samples table") -> None:
         f"has {rewards[r]} value(s) but num_turns is {num_turns[r]} (one per assistant turn)"))
     for name in ("tool_calls", "tool_errors"):
         values = column[name].to_numpy().astype(np.int64)
-        fail(name, values < 0, lambda r: f"is {values[r]} (a count, >= 0)")
+        fail(name, values < 0, lambda r, values=values: f"is {values[r]} (a count, >= 0)")
     reasons = column["stop_reason"]
     fail("stop_reason", ~pc.is_in(reasons, pa.array(STOP_REASONS)).to_numpy(zero_copy_only=False),
          lambda r: f"is {reasons[r].as_py()!r} (expected one of {', '.join(STOP_REASONS)})")

@@ -245,7 +245,8 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
     """Micro-batches of a samples-like table for the policy losses (grpo, gspo, sft).
 
     Columns: prompt_token_ids, response_token_ids (list<int>); optional response_mask (list of
-    0/1, one per response token: only the 1s are targets, see the module docstring); optional old_logprobs and
+    0/1, one per response token: only the 1s are targets, see the module docstring); optional
+    old_logprobs and
     behavior_logprobs (list<float>, one per response token) -> old_logp (old_logprobs if
     there, else behavior_logprobs) and behavior_logp (when both are there); optional
     advantage (float) -> advantages (zeros when absent); optional policy_version (int) ->
@@ -304,7 +305,8 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
     Columns: prompt_token_ids, chosen_token_ids, rejected_token_ids (list<int>), soft_label,
     weight (float); optional chosen_logprobs and rejected_logprobs (both or neither) ->
     old_logp; optional chosen_response_mask and rejected_response_mask (both or neither; list
-    of 0/1 per token: only the 1s are targets, so a sequence's log-prob sums the model's tokens). A micro-batch of k pairs has 2k sequences: rows 0..k-1 chosen, k..2k-1 the
+    of 0/1 per token: only the 1s are targets, so a sequence's log-prob sums the model's
+    tokens). A micro-batch of k pairs has 2k sequences: rows 0..k-1 chosen, k..2k-1 the
     rejected of the same pairs; budget: 2k x (longest of its 2k sequences) <= token_budget.
     """
     _check_budget(token_budget)
