@@ -27,9 +27,11 @@ def connect() -> duckdb.DuckDBPyConnection:
 
 
 def contract_columns(table: str, data: pa.Table, columns: Sequence[str]) -> pa.Table:
-    """`columns` of `data` (a part of `table`) in this order and with the contract's types; a
-    column the part lacks is an optional one, given as nulls."""
-    wanted = pa.schema([schema.SCHEMAS[table].field(c) for c in columns])
+    """`columns` of `data` (a part of `table`) in this order and with the contract's types (a
+    samples trajectory column's: schema.field_of); a column the part lacks is an optional one,
+    given as nulls."""
+    wanted = pa.schema([schema.field_of(table, c) if c in data.column_names
+                        else schema.field_of(table, c).with_nullable(True) for c in columns])
     arrays = [data.column(c).cast(f.type) if c in data.column_names else pa.nulls(data.num_rows, f.type)
               for c, f in zip(columns, wanted)]
     return pa.Table.from_arrays(arrays, schema=wanted)

@@ -8,7 +8,12 @@ Columns (every one, with its meaning: docs/ARCHITECTURE.md, "Tables"):
 
 - prompts: prompt_id, prompt | messages, reference, metadata
 - samples: one row per sampled response, with `behavior_logprobs` (one float per sampled
-  token: its log-prob under the sampling distribution, i.e. after temperature/top-p)
+  token: its log-prob under the sampling distribution, i.e. after temperature/top-p); a
+  multi-turn generate adds the trajectory columns (`TRAJECTORY_FIELDS`): response_mask (1 on
+  the model's tokens, 0 on tool/environment tokens), turns (spans of response_token_ids: role,
+  start, length), num_turns (assistant turns), messages_out (JSON), turn_rewards, tool_calls,
+  tool_errors, stop_reason. A single-turn table has none of them; one that has any has all,
+  and `check_trajectories` checks their per-row invariants
 - scores: keys + one nullable float column per reward function + reward + scorer
 - groups: keys + reward, advantage, group_mean, group_std, group_kept
 - rejects: keys + stage, reason, detail (sample_idx is null when a whole prompt is dropped)
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -136,6 +142,32 @@ SCHEMAS: dict[str, pa.Schema] = {
     "prompt_stats": PROMPT_STATS,
 }
 
+TURN = pa.struct([pa.field("role", pa.string()), pa.field("start", pa.int32()), pa.field("length", pa.int32())])
+"""One span of a trajectory's response_token_ids: role (TURN_ROLES), first token, token count."""
+
+TURN_ROLES = ("assistant", "tool", "user")
+"""A turn's role: assistant (sampled by the model), tool or user (rendered environment tokens)."""
+
+STOP_REASONS = ("done", "max_turns", "max_tokens", "length")
+"""Why a trajectory ended: the environment ended it or an assistant turn made no tool call
+(done), the turn limit (max_turns), the trajectory's token limit (max_tokens), a model turn cut
+by max_tokens (length)."""
+
+TRAJECTORY_FIELDS = [
+    pa.field("response_mask", pa.list_(pa.int8()), nullable=False),  # 1 model token, 0 tool/environment
+    pa.field("turns", pa.list_(TURN), nullable=False),
+    pa.field("num_turns", pa.int32(), nullable=False),  # assistant turns
+    pa.field("messages_out", pa.string(), nullable=False),  # JSON: the messages after the prompt
+    pa.field("turn_rewards", pa.list_(pa.float64()), nullable=False),  # per assistant turn, items nullable
+    pa.field("tool_calls", pa.int32(), nullable=False),
+    pa.field("tool_errors", pa.int32(), nullable=False),
+    pa.field("stop_reason", pa.string(), nullable=False),  # STOP_REASONS
+]
+"""The samples table's optional trajectory columns (multi-turn generation): none or all of
+them. validate checks and casts their types like the contract's, then `check_trajectories`."""
+
+_TRAJECTORY = {field.name: field for field in TRAJECTORY_FIELDS}
+
 # Columns a table may leave out entirely (they are added as nulls).
 OPTIONAL_COLUMNS: dict[str, set[str]] = {
     "prompts": {"prompt", "messages", "reference", "metadata"},
@@ -196,7 +228,7 @@ def validate(table: pa.Table, name: str, source: str | Path | None = None) -> pa
                 raise SchemaError(f"{where}: column {field.name!r} has {table.column(i).null_count} null value(s)")
         if name == "prompts" and table.num_rows:
             _check_prompts({field.name: table.column(i) for i, field in enumerate(schema)}, where)
-        return table
+        return _with_trajectories(table, where) if name == "samples" else table
     optional = OPTIONAL_COLUMNS.get(name, set())
     columns: dict[str, pa.ChunkedArray] = {}
     for field in schema:
@@ -228,7 +260,145 @@ def validate(table: pa.Table, name: str, source: str | Path | None = None) -> pa
     extras = [c for c in table.column_names if c not in columns]
     arrays = list(columns.values()) + [table.column(c) for c in extras]
     fields = list(schema) + [table.schema.field(c) for c in extras]
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+    out = pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+    return _with_trajectories(out, where) if name == "samples" else out
+
+
+def field_of(name: str, column: str) -> pa.Field:
+    """The field of `column` in the `name` contract, or a samples trajectory column's
+    (TRAJECTORY_FIELDS); KeyError for any other."""
+    schema = SCHEMAS[name]
+    index = schema.get_field_index(column)
+    if index >= 0:
+        return schema.field(index)
+    if name == "samples" and column in _TRAJECTORY:
+        return _TRAJECTORY[column]
+    raise KeyError(f"the {name} table has no column {column!r}")
+
+
+def _with_trajectories(table: pa.Table, where: str) -> pa.Table:
+    """A samples table whose trajectory columns (none, or all of TRAJECTORY_FIELDS) have
+    their types (cast when compatible) and hold no nulls, their per-row invariants checked;
+    a table without them is returned as it is."""
+    present = [name for name in table.column_names if name in _TRAJECTORY]
+    if not present:
+        return table
+    missing = [field.name for field in TRAJECTORY_FIELDS if field.name not in present]
+    if missing:
+        raise SchemaError(f"{where}: has trajectory column(s) {', '.join(present)} but not "
+                          f"{', '.join(missing)}; a multi-turn samples table has all of them")
+    for name in present:
+        field, index = _TRAJECTORY[name], table.schema.get_field_index(name)
+        column = table.column(index)
+        if not _compatible(column.type, field.type):
+            raise SchemaError(f"{where}: column {name!r} has type {column.type}, expected {field.type}")
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise SchemaError(f"{where}: column {name!r} cannot be read as {field.type}: {exc}") from None
+        if column.null_count:
+            raise SchemaError(f"{where}: column {name!r} has {column.null_count} null value(s)")
+        if column.type != table.column(index).type or not table.schema.field(index).equals(field):
+            table = table.set_column(index, field, column)
+    if table.num_rows:
+        check_trajectories(table, where=where)
+    return table
+
+
+def check_trajectories(table: pa.Table, where: str = "samples table") -> None:
+    """The per-row invariants of a samples table's trajectory columns (with the types validate
+    gives them; validate calls this): response_mask and behavior_logprobs have one value per
+    response token; the mask holds 0 and 1 only, and behavior_logprobs are 0.0 where it is 0;
+    the turns cover response_token_ids in order without gaps, each at least one token with a
+    role of TURN_ROLES, the assistant turns exactly where the mask is 1; num_turns is the
+    number of assistant turns and turn_rewards has one value per assistant turn; tool_calls
+    and tool_errors are >= 0; stop_reason is one of STOP_REASONS. Raises SchemaError naming
+    `where`, the column, the first bad row's keys and the problem (and how many rows have it).
+    Vectorised over the rows (pyarrow.compute and numpy)."""
+    column = {name: table.column(name).combine_chunks() for name in
+              ["response_token_ids", "behavior_logprobs", *_TRAJECTORY] + [k for k in KEYS]}
+
+    def fail(name: str, rows: np.ndarray, problem) -> None:
+        bad = np.flatnonzero(rows) if rows.dtype == bool else np.unique(rows)
+        if not bad.size:
+            return
+        row = int(bad[0])
+        keys = ", ".join(f"{k}={column[k][row].as_py()!r}" for k in KEYS)
+        more = f" ({bad.size - 1} more row(s) like it)" if bad.size > 1 else ""
+        raise SchemaError(f"{where}: column {name!r}: sample ({keys}) {problem(row)}{more}")
+
+    def lengths(name: str) -> np.ndarray:
+        return pc.list_value_length(column[name]).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    def flat(name: str) -> np.ndarray:
+        return pc.list_flatten(column[name]).to_numpy(zero_copy_only=False)
+
+    tokens = lengths("response_token_ids")
+    for name in ("response_mask", "behavior_logprobs"):
+        found = lengths(name)
+        fail(name, found != tokens, lambda r, found=found: (
+            f"has {found[r]} values but response_token_ids has {tokens[r]} tokens; they must match one to one"))
+    starts = np.concatenate([[0], np.cumsum(tokens)])  # each row's first token in the flat arrays
+    token_row = np.repeat(np.arange(table.num_rows), tokens)
+    mask = flat("response_mask").astype(np.int64)
+    at = np.flatnonzero((mask != 0) & (mask != 1))
+    fail("response_mask", token_row[at], lambda r: (
+        f"has value {mask[at[token_row[at] == r][0]]} at token {at[token_row[at] == r][0] - starts[r]} "
+        "(expected 0: tool/environment or 1: model)"))
+    logprobs = flat("behavior_logprobs")
+    at = np.flatnonzero((mask == 0) & (logprobs != 0))
+    fail("behavior_logprobs", token_row[at], lambda r: (
+        f"is {logprobs[at[token_row[at] == r][0]]} at token {at[token_row[at] == r][0] - starts[r]}, "
+        "where response_mask is 0 (expected 0.0 at tool/environment tokens)"))
+
+    turns = pc.list_flatten(column["turns"])
+    per_row = lengths("turns")
+    turn_row = np.repeat(np.arange(table.num_rows), per_row)
+    first_turn = np.concatenate([[0], np.cumsum(per_row)])
+    role, start, length = (pc.struct_field(turns, f) for f in ("role", "start", "length"))
+    for name, values in (("role", role), ("start", start), ("length", length)):
+        nulls = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))
+        fail("turns", turn_row[nulls], lambda r, name=name: f"has a turn whose {name} is null")
+    roles = role.to_numpy(zero_copy_only=False)
+    unknown = np.flatnonzero(~np.isin(roles, TURN_ROLES))
+    fail("turns", turn_row[unknown], lambda r: (
+        f"has a turn with role {roles[unknown[turn_row[unknown] == r][0]]!r} "
+        f"(expected one of {', '.join(TURN_ROLES)})"))
+    start, length = start.to_numpy().astype(np.int64), length.to_numpy().astype(np.int64)
+    empty_turn = np.flatnonzero(length < 1)
+    fail("turns", turn_row[empty_turn], lambda r: (
+        f"turn {empty_turn[turn_row[empty_turn] == r][0] - first_turn[r]} has length "
+        f"{length[empty_turn[turn_row[empty_turn] == r][0]]} (a turn is at least one token)"))
+    ends = np.concatenate([[0], np.cumsum(length)])
+    expected = ends[:-1] - ends[first_turn[turn_row]]  # where each turn starts if its row's turns abut
+    gap = np.flatnonzero(start != expected)
+    fail("turns", turn_row[gap], lambda r: (
+        f"turn {gap[turn_row[gap] == r][0] - first_turn[r]} starts at {start[gap[turn_row[gap] == r][0]]}, "
+        f"expected {expected[gap[turn_row[gap] == r][0]]} (the turns cover response_token_ids in order, "
+        "without gaps)"))
+    covered = ends[first_turn[1:]] - ends[first_turn[:-1]]
+    fail("turns", covered != tokens, lambda r: (
+        f"cover {covered[r]} tokens but response_token_ids has {tokens[r]}"))
+    assistant = roles == "assistant"
+    differs = np.flatnonzero(np.repeat(assistant, length).astype(np.int64) != mask)
+    fail("response_mask", token_row[differs], lambda r: (
+        f"is {mask[differs[token_row[differs] == r][0]]} at token {differs[token_row[differs] == r][0] - starts[r]}"
+        f", which turns puts in a {'non-' if mask[differs[token_row[differs] == r][0]] else ''}assistant turn "
+        "(the mask is 1 exactly on the assistant turns)"))
+
+    counted = np.bincount(turn_row, weights=assistant, minlength=table.num_rows).astype(np.int64)
+    num_turns = column["num_turns"].to_numpy().astype(np.int64)
+    fail("num_turns", num_turns != counted, lambda r: f"is {num_turns[r]} but turns has {counted[r]} assistant turn(s)")
+    rewards = lengths("turn_rewards")
+    fail("turn_rewards", rewards != num_turns, lambda r: (
+        f"has {rewards[r]} value(s) but num_turns is {num_turns[r]} (one per assistant turn)"))
+    for name in ("tool_calls", "tool_errors"):
+        values = column[name].to_numpy().astype(np.int64)
+        fail(name, values < 0, lambda r, values=values: f"is {values[r]} (a count, >= 0)")
+    reasons = column["stop_reason"]
+    fail("stop_reason", ~pc.is_in(reasons, pa.array(STOP_REASONS)).to_numpy(zero_copy_only=False),
+         lambda r: f"is {reasons[r].as_py()!r} (expected one of {', '.join(STOP_REASONS)})")
 
 
 def _has_contract_schema(table: pa.Table, schema: pa.Schema) -> bool:

@@ -30,7 +30,7 @@ import pytest
 
 from curation.generate.base import SamplingConfig, prompt_id_of
 from store.run_store import RunStore
-from store.schema import SCHEMAS, empty
+from store.schema import SCHEMAS, TRAJECTORY_FIELDS, empty
 
 if TYPE_CHECKING:
     from pipelines.loop.run import RoundContext
@@ -262,6 +262,39 @@ def samples_and_scores(rows: list[dict], round: int = 0, run_id: str = "r") -> t
         for r in rows if r.get("scored", True)
     ], schema=SCHEMAS["scores"])
     return samples, scores
+
+
+TRAJECTORY_SCHEMA = pa.schema(list(SCHEMAS["samples"]) + TRAJECTORY_FIELDS)
+"""A multi-turn samples table's schema: the contract's columns, then the trajectory columns."""
+
+
+def trajectory_row(turns: list[tuple[str, list[int]]], prompt_id: str = "p0", sample_idx: int = 0, round: int = 0,
+                   prompt: tuple[int, ...] = (1, 2, 3), logprob: float = -0.5, reward: float | None = None,
+                   run_id: str = "r") -> dict:
+    """A multi-turn samples row built by hand from its turns, (role, token ids) in order:
+    response_mask 1 on the assistant turns' tokens, behavior_logprobs `logprob` there and 0.0
+    on the tool/environment tokens, one turn_rewards value per assistant turn (`reward` on the
+    last), a tool call per tool turn, stop_reason "done"."""
+    tokens, mask, spans, start = [], [], [], 0
+    for role, ids in turns:
+        tokens += ids
+        mask += [int(role == "assistant")] * len(ids)
+        spans.append({"role": role, "start": start, "length": len(ids)})
+        start += len(ids)
+    assistant = sum(role == "assistant" for role, _ in turns)
+    messages = [{"role": role, "content": " ".join(map(str, ids))} for role, ids in turns]
+    return {"run_id": run_id, "round": round, "prompt_id": prompt_id, "sample_idx": sample_idx, "group_size": 2,
+            "prompt_token_ids": list(prompt), "response": messages[-1]["content"], "response_token_ids": tokens,
+            "behavior_logprobs": [logprob if m else 0.0 for m in mask], "finish_reason": "stop",
+            "policy_version": 0, "generator": "test", "seed": 1,
+            "response_mask": mask, "turns": spans, "num_turns": assistant, "messages_out": json.dumps(messages),
+            "turn_rewards": [None] * (assistant - 1) + [reward], "tool_calls": sum(r == "tool" for r, _ in turns),
+            "tool_errors": 0, "stop_reason": "done"}
+
+
+def trajectory_table(rows: list[dict]) -> pa.Table:
+    """A multi-turn samples table (TRAJECTORY_SCHEMA) of rows such as trajectory_row's."""
+    return pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
 
 
 def group_rows(rewards: dict[str, list[float | None]]) -> list[dict]:

@@ -10,6 +10,13 @@ Positions are next-token positions: column t of `target_mask` / `old_logp` (shap
 is the prediction of token t+1. A row with prompt length p and response length r has
 targets at t = p-1 .. p+r-2, the positions `token_logprobs` returns log-probs for.
 
+Multi-turn rows carry a `response_mask` (1 on the model's tokens, 0 on tool/environment tokens;
+pairs: `chosen_response_mask`, `rejected_response_mask`). It is ANDed into `target_mask` at the
+tokens' next-token positions, so a masked token is still input (the model conditions on it)
+but never a target: the losses, importance ratios, KL, correction weights, metrics and the
+step's token counts all read `target_mask`, and `old_logp` / `behavior_logp` are 0 there. A
+row without the column trains on every response token, as a single-turn row does.
+
 With `share_prompts`, each micro-batch also carries its rows packed so that each prompt is
 computed once (training.shared_prompts.SharedPrompts); the loss sees the unpacked (b, L-1)
 layout either way.
@@ -43,7 +50,8 @@ class MicroBatch:
     attention_mask: torch.LongTensor
     """(b, L) 1 on real tokens, 0 on padding."""
     target_mask: torch.BoolTensor
-    """(b, L-1) True at positions that predict a response token."""
+    """(b, L-1) True at positions that predict a response token the model sampled (response_mask
+    1; every response token of a row without one)."""
     old_logp: torch.Tensor | None
     """(b, L-1) float32 old log-probs at response positions, 0 elsewhere: the table's
     old_logprobs (recomputed by the trainer: decoupled mode) or else its behavior_logprobs
@@ -109,6 +117,21 @@ def _check_nonempty(lengths: np.ndarray, name: str, why: str) -> None:
         raise ValueError(f"row {int(empty[0])}: {name} is empty ({empty.size} such rows); {why}")
 
 
+def _read_mask(table: pa.Table, name: str, tokens: Ragged, tokens_name: str) -> Ragged | None:
+    """Column `name` (list of 0/1, one per token of `tokens_name`) as a Ragged of bools; None
+    when the table has no such column."""
+    if name not in table.column_names:
+        return None
+    mask = read_ragged(table, name)
+    _check_logprobs(mask, name, tokens, tokens_name)
+    bad = np.flatnonzero((mask.values != 0) & (mask.values != 1))
+    if bad.size:
+        row = int(np.searchsorted(mask.starts, bad[0], side="right") - 1)
+        raise ValueError(f"row {row}: {name} has value {mask.values[bad[0]]} (expected 0: tool/environment "
+                         "token or 1: model token)")
+    return Ragged(mask.values.astype(bool), mask.starts, mask.lengths)
+
+
 def _check_logprobs(logprobs: Ragged, name: str, tokens: Ragged, tokens_name: str) -> None:
     bad = np.flatnonzero(logprobs.lengths != tokens.lengths)
     if bad.size:
@@ -169,10 +192,12 @@ def _pack_by_prompt(prompts: Ragged, responses: Ragged, token_budget: int, max_l
 
 
 def _fill(prompts: Ragged, responses: Ragged, logprobs: Ragged | None, items: np.ndarray, first: int,
-          ids: np.ndarray, attention: np.ndarray, targets: np.ndarray, old: np.ndarray | None) -> None:
+          ids: np.ndarray, attention: np.ndarray, targets: np.ndarray, old: np.ndarray | None,
+          masks: Ragged | None = None) -> None:
     """Table rows `items` into buffer rows first, first+1, ...: the prompt then the response
-    (prompt length p, response length r), attention on both, targets at t = p-1 .. p+r-2, and
-    with `old` the response's log-probs at those positions."""
+    (prompt length p, response length r), attention on both, targets at t = p-1 .. p+r-2 (with
+    `masks`, only where the response token's mask is True), and with `old` the response's
+    log-probs at the targets (0 elsewhere)."""
     slots = slice(first, first + items.size)
     p, r = prompts.lengths[items], responses.lengths[items]
     row, k, at = spans(prompts.starts[items], p)
@@ -182,8 +207,18 @@ def _fill(prompts: Ragged, responses: Ragged, logprobs: Ragged | None, items: np
     columns = np.arange(ids.shape[1])
     attention[slots] = columns < (p + r)[:, None]
     targets[slots] = (columns[:-1] >= (p - 1)[:, None]) & (columns[:-1] < (p + r - 1)[:, None])
+    if masks is not None:
+        row, k, at = spans(masks.starts[items], masks.lengths[items])
+        targets[first + row, p[row] - 1 + k] = masks.values[at]
     if old is not None:
         _place(logprobs, items, first, p, old)
+        if masks is not None:
+            _zero_outside(old, targets, slots)
+
+
+def _zero_outside(buffer: np.ndarray, targets: np.ndarray, slots: slice) -> None:
+    """buffer rows `slots` set to 0 where they are not targets (masked response tokens)."""
+    buffer[slots] = np.where(targets[slots], buffer[slots], 0.0)
 
 
 def _place(logprobs: Ragged, items: np.ndarray, first: int, p: np.ndarray, buffer: np.ndarray) -> None:
@@ -209,7 +244,9 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
                    shared_max_len: int = SHARED_MAX_LEN) -> list[MicroBatch]:
     """Micro-batches of a samples-like table for the policy losses (grpo, gspo, sft).
 
-    Columns: prompt_token_ids, response_token_ids (list<int>); optional old_logprobs and
+    Columns: prompt_token_ids, response_token_ids (list<int>); optional response_mask (list of
+    0/1, one per response token: only the 1s are targets, see the module docstring); optional
+    old_logprobs and
     behavior_logprobs (list<float>, one per response token) -> old_logp (old_logprobs if
     there, else behavior_logprobs) and behavior_logp (when both are there); optional
     advantage (float) -> advantages (zeros when absent); optional policy_version (int) ->
@@ -230,6 +267,7 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
             _check_logprobs(logprobs[name], name, responses, "response_token_ids")
     old = logprobs.get("old_logprobs", logprobs.get("behavior_logprobs"))
     behavior = logprobs.get("behavior_logprobs") if "old_logprobs" in logprobs else None
+    masks = _read_mask(table, "response_mask", responses, "response_token_ids")
     advantage = _scalars(table, "advantage", default=0.0)
     versions = table.column("policy_version").to_numpy() if "policy_version" in table.column_names else None
     staleness = None
@@ -243,10 +281,12 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
     for group in cuts:
         L = int((prompts.lengths[group] + responses.lengths[group]).max())
         ids, attention, targets, old_buf = _buffers(len(group), L, pad_id, old is not None)
-        _fill(prompts, responses, old, group, 0, ids, attention, targets, old_buf)
+        _fill(prompts, responses, old, group, 0, ids, attention, targets, old_buf, masks)
         behavior_buf = None if behavior is None else np.zeros_like(old_buf)
         if behavior_buf is not None:
             _place(behavior, group, 0, prompts.lengths[group], behavior_buf)
+            if masks is not None:
+                _zero_outside(behavior_buf, targets, slice(0, len(group)))
         batches.append(MicroBatch(*_tensors(ids, attention, targets, old_buf),
                                   advantages=torch.from_numpy(advantage[group].astype(np.float32)),
                                   rows=torch.from_numpy(group.astype(np.int64)),
@@ -254,8 +294,8 @@ def policy_batches(table: pa.Table, token_budget: int, pad_id: int = 0, share_pr
                                   else torch.from_numpy(versions[group].astype(np.int64)),
                                   behavior_logp=None if behavior_buf is None else torch.from_numpy(behavior_buf),
                                   staleness=None if staleness is None else torch.from_numpy(staleness[group]),
-                                  shared=pack_shared_prompts(prompts, responses, group, pad_id, shared_max_len)
-                                  if share_prompts else None))
+                                  shared=pack_shared_prompts(prompts, responses, group, pad_id, shared_max_len,
+                                                             masks) if share_prompts else None))
     return batches
 
 
@@ -264,7 +304,9 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
 
     Columns: prompt_token_ids, chosen_token_ids, rejected_token_ids (list<int>), soft_label,
     weight (float); optional chosen_logprobs and rejected_logprobs (both or neither) ->
-    old_logp. A micro-batch of k pairs has 2k sequences: rows 0..k-1 chosen, k..2k-1 the
+    old_logp; optional chosen_response_mask and rejected_response_mask (both or neither; list
+    of 0/1 per token: only the 1s are targets, so a sequence's log-prob sums the model's
+    tokens). A micro-batch of k pairs has 2k sequences: rows 0..k-1 chosen, k..2k-1 the
     rejected of the same pairs; budget: 2k x (longest of its 2k sequences) <= token_budget.
     """
     _check_budget(token_budget)
@@ -285,6 +327,12 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
         chosen_lp, rejected_lp = read_ragged(table, "chosen_logprobs"), read_ragged(table, "rejected_logprobs")
         _check_logprobs(chosen_lp, "chosen_logprobs", chosen, "chosen_token_ids")
         _check_logprobs(rejected_lp, "rejected_logprobs", rejected, "rejected_token_ids")
+    has = ["chosen_response_mask" in table.column_names, "rejected_response_mask" in table.column_names]
+    if any(has) and not all(has):
+        raise ValueError("pair_batches: chosen_response_mask and rejected_response_mask come together; the table "
+                         f"has only {'chosen_response_mask' if has[0] else 'rejected_response_mask'}")
+    chosen_mask = _read_mask(table, "chosen_response_mask", chosen, "chosen_token_ids")
+    rejected_mask = _read_mask(table, "rejected_response_mask", rejected, "rejected_token_ids")
     soft_label, weight = _scalars(table, "soft_label"), _scalars(table, "weight")
 
     batches = []
@@ -292,8 +340,8 @@ def pair_batches(table: pa.Table, token_budget: int, pad_id: int = 0) -> list[Mi
     for group in _pack(pair_lengths, token_budget, seqs_per_item=2):
         k, L = len(group), int(pair_lengths[group].max())
         ids, attention, targets, old = _buffers(2 * k, L, pad_id, chosen_lp is not None)
-        _fill(prompts, chosen, chosen_lp, group, 0, ids, attention, targets, old)
-        _fill(prompts, rejected, rejected_lp, group, k, ids, attention, targets, old)
+        _fill(prompts, chosen, chosen_lp, group, 0, ids, attention, targets, old, chosen_mask)
+        _fill(prompts, rejected, rejected_lp, group, k, ids, attention, targets, old, rejected_mask)
         batches.append(MicroBatch(*_tensors(ids, attention, targets, old),
                                   advantages=torch.zeros(2 * k, dtype=torch.float32),
                                   rows=torch.from_numpy(np.concatenate([group, group]).astype(np.int64)),
@@ -311,7 +359,8 @@ def prompt_groups(table: pa.Table) -> np.ndarray:
 
 def step_normalizer(batches: list[MicroBatch]) -> Normalizer:
     """Totals over all micro-batches of one optimizer step: num_seqs (sequences; pairwise:
-    pairs), num_tokens (target tokens, both sides of a pair), weight_sum (pairwise only)."""
+    pairs), num_tokens (target tokens: the model's tokens, both sides of a pair), weight_sum
+    (pairwise only)."""
     if not batches:
         raise ValueError("step_normalizer: no micro-batches")
     pairwise = {b.num_pairs > 0 for b in batches}

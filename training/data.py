@@ -5,6 +5,13 @@
     sft                      samples JOIN groups  WHERE advantage > 0          (or reward >= sft_min_reward)
     pairwise                 pairs JOIN samples (chosen) JOIN samples (rejected)   one row per pair
 
+Multi-turn samples (the trajectory columns of `store.schema`) bring their `response_mask` (1 on
+the model's tokens, 0 on tool/environment tokens): policy rows carry it as `response_mask`, pair
+rows as `chosen_response_mask` and `rejected_response_mask`, and training.batching keeps the
+masked tokens out of every loss. When some of the chosen parts have it and others not, the
+rows without it get all ones; when none has it, the rows have no such column (single-turn
+rows are exactly what they were).
+
 Every part file's schema is checked against `store.schema` before it is read, so a wrong
 table fails with a message naming the file and column. Rows come out in key order (round,
 prompt_id, sample_idx / chosen_idx, rejected_idx; ties in row order), so the same tables
@@ -43,8 +50,9 @@ class TrainingData:
     rounds: list[int]
     table: pa.Table
     """Policy/sft: prompt_token_ids, response_token_ids, behavior_logprobs, advantage, reward,
-    policy_version + keys. Pairwise: prompt_token_ids, chosen_token_ids, rejected_token_ids,
-    chosen_logprobs, rejected_logprobs, soft_label, weight + pair keys."""
+    policy_version + keys, and response_mask for multi-turn samples. Pairwise: prompt_token_ids,
+    chosen_token_ids, rejected_token_ids, chosen_logprobs, rejected_logprobs, soft_label, weight
+    + pair keys, and chosen_response_mask, rejected_response_mask for multi-turn samples."""
     fingerprint: str
     """sha256 of the input part files and the selection: equal fingerprints, equal rows."""
     temperature: float | None
@@ -98,15 +106,30 @@ def _read(store: RunStore, table: str, files: list[str], columns: list[str]) -> 
     for rel in files:
         held = store.held_part(rel)
         if held is not None:
-            part = held.table.select(columns)
+            part = held.table.select([c for c in columns if c in held.table.column_names])
         else:
             with pq.ParquetFile(store.source(rel)) as f:
                 schema.validate(f.schema_arrow.empty_table(), table, store.where(rel))
-                part = f.read(columns=columns, use_threads=False)
+                found = set(f.schema_arrow.names)
+                part = f.read(columns=[c for c in columns if c in found], use_threads=False)
         parts.append(contract_columns(table, part, columns))
     if not parts:
-        return pa.schema([schema.SCHEMAS[table].field(c) for c in columns]).empty_table()
+        return pa.schema([schema.field_of(table, c) for c in columns]).empty_table()
     return pa.concat_tables(parts)
+
+
+def _response_mask(samples: pa.Table) -> pa.ChunkedArray | None:
+    """The samples' response_mask (read as nulls from parts without it), all ones for rows
+    without one; None when no row has one (single-turn samples)."""
+    mask = samples.column("response_mask")
+    if mask.null_count == len(mask):
+        return None
+    if mask.null_count:
+        lengths = pc.list_value_length(samples.column("response_token_ids")).to_numpy(zero_copy_only=False)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        ones = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.ones(int(offsets[-1]), np.int8)))
+        mask = pc.coalesce(mask, ones)
+    return mask
 
 
 _SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -133,7 +156,7 @@ def round_sampling(store: RunStore, rounds: list[int]) -> dict[str, float | None
 
 _KEYS = ["run_id", "round", "prompt_id"]  # + sample_idx (policy) or chosen_idx / rejected_idx (pairs)
 _SAMPLE_COLUMNS = ["run_id", "round", "prompt_id", "sample_idx", "prompt_token_ids", "response_token_ids",
-                   "behavior_logprobs", "policy_version"]
+                   "behavior_logprobs", "policy_version", "response_mask"]
 _PAIR_COLUMNS = ["run_id", "round", "prompt_id", "chosen_idx", "rejected_idx", "chosen_reward", "rejected_reward",
                  "soft_label", "weight"]
 
@@ -195,7 +218,10 @@ def _policy_rows(store: RunStore, files: dict[str, list[str]], objective: str, s
     s, g = _match(samples, keys, groups, keys)
     if count:
         return int(s.size)
-    rows = samples.take(s)
+    mask = _response_mask(samples)
+    rows = samples.drop_columns(["response_mask"]).take(s)
+    if mask is not None:
+        rows = rows.append_column(pa.field("response_mask", mask.type), mask.take(s))
     for name in ("advantage", "reward"):
         rows = rows.append_column(name, groups[name].take(g))
     return _in_key_order(rows, ["round", "prompt_id", "sample_idx"])
@@ -218,12 +244,16 @@ def _pair_rows(store: RunStore, files: dict[str, list[str]],
         return both.num_rows
     chosen, rejected = samples.take(both["c"]), samples.take(both["r"])
     kept = pairs.take(both["p"])
+    mask = _response_mask(samples)
+    masks = {} if mask is None else {"chosen_response_mask": mask.take(both["c"]),
+                                     "rejected_response_mask": mask.take(both["r"])}
     rows = pa.table({
         **{name: kept[name] for name in _PAIR_COLUMNS[:5]},
         "prompt_token_ids": chosen["prompt_token_ids"],
         "chosen_token_ids": chosen["response_token_ids"], "chosen_logprobs": chosen["behavior_logprobs"],
         "rejected_token_ids": rejected["response_token_ids"], "rejected_logprobs": rejected["behavior_logprobs"],
         **{name: kept[name] for name in _PAIR_COLUMNS[5:]},
+        **masks,
     })
     return _in_key_order(rows, ["round", "prompt_id", "chosen_idx", "rejected_idx"])
 

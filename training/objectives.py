@@ -7,8 +7,10 @@ Policy losses share one signature (verl's core_algos style)::
     loss, metrics = get_policy_loss(name)(logp, old_logp, advantages, mask, cfg,
                                           ref_logp=None, norm=None)
 
-logp, old_logp (behavior), ref_logp and mask are (B, T), mask 1 on response tokens and 0 on
-padding; advantages are (B,) or (B, T). grpo, gspo, gspo_token and cispo also take
+logp, old_logp (behavior), ref_logp and mask are (B, T), mask 1 on the response tokens the model
+sampled and 0 on padding and on tool/environment tokens (training.batching builds it), so
+every sum, mean, ratio, count and metric below is over the model's tokens; advantages are (B,)
+or (B, T). grpo, gspo, gspo_token and cispo also take
 `is_weight=` (B, T), the rollout correction weights of training.correction: constants that
 multiply each token's (gspo: each sequence's, the mean over its tokens) policy term.
 cispo lives in training/cispo_loss.py. The pair loss (training/pair_loss.py) has its own
@@ -85,7 +87,8 @@ class Normalizer:
     num_seqs: float
     """Sequences in the step (pairwise: pairs in the step)."""
     num_tokens: float
-    """Masked (response) tokens in the step."""
+    """Masked-in tokens in the step: the response tokens the model sampled (not padding, not
+    tool/environment tokens)."""
     weight_sum: float | None = None
     """Pairwise: sum of pair weights in the step."""
 

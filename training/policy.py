@@ -112,7 +112,8 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def with_recomputed_logprobs(storage: Storage, table: pa.Table, segment: dict, start_step: int, ctx: StepContext,
                              token_budget: int, write: bool = True) -> pa.Table:
     """`table` with an old_logprobs column: the log-probs of the policy at the start of this
-    segment (behavior_logprobs stay: decoupled mode reads both). Computed once and cached
+    segment (behavior_logprobs stay: decoupled mode reads both), 0.0 at the tokens a
+    response_mask leaves out. Computed once (the model's tokens only) and cached
     under RUN/_train/ in the run's `storage`, so a resumed run uses the same values rather than
     those of its (already updated) weights."""
     from safetensors.torch import load, save
@@ -139,7 +140,12 @@ def with_recomputed_logprobs(storage: Storage, table: pa.Table, segment: dict, s
             storage.write(cache, save({"logprobs": flat.contiguous()}))
     lengths = [len(x) for x in table.column("response_token_ids").to_pylist()]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.numpy(), pa.float32()))
+    values = flat.numpy()
+    if "response_mask" in table.column_names:  # computed at the model's tokens only: 0.0 at the others
+        model_tokens = pc.list_flatten(table.column("response_mask")).to_numpy(zero_copy_only=False) == 1
+        values = np.zeros(model_tokens.size, dtype=np.float32)
+        values[model_tokens] = flat.numpy()
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.float32()))
     return table.append_column("old_logprobs", column)
 
 

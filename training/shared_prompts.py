@@ -68,10 +68,11 @@ def opens_sequence(prompt: int, last: int, length: int, response: int, max_len: 
 
 
 def pack_shared_prompts(prompts: Ragged, responses: Ragged, group: np.ndarray, pad_id: int,
-                    max_len: int) -> SharedPrompts:
+                        max_len: int, response_mask: Ragged | None = None) -> SharedPrompts:
     """The micro-batch of rows `group` (in this order) packed prompt by prompt (SharedPrompts):
     prompts in order of first appearance, each one's rows in batch order, cut greedily into
-    packed sequences of at most `max_len` tokens."""
+    packed sequences of at most `max_len` tokens. `response_mask` (bools, one per response
+    token): `source` only for the True tokens, as the micro-batch's target_mask has them."""
     prompt_of = prompt_numbers(prompts, group)
     p_of, r_of = prompts.lengths[group], responses.lengths[group]
     seq = np.empty(group.size, dtype=np.int64)  # per in-batch row: its packed sequence
@@ -101,5 +102,7 @@ def pack_shared_prompts(prompts: Ragged, responses: Ragged, group: np.ndarray, p
     mask |= (segment[:, None, :] == 0) & (segment[:, :, None] > 0)
     # token 0 of a response is predicted by the prompt's last state, token k >= 1 by token k-1
     source = seq[j_of] * Lp + np.where(k == 0, p_of[j_of] - 1, t - 1)
+    if response_mask is not None:  # the masked tokens are not targets (training.batching)
+        source = source[response_mask.values[spans(response_mask.starts[group], r_of)[2]]]
     return SharedPrompts(torch.from_numpy(ids), torch.from_numpy(positions),
                          torch.from_numpy(mask.reshape(P, 1, Lp, Lp)), torch.from_numpy(source.astype(np.int64)))
