@@ -405,3 +405,25 @@ def test_a_multi_turn_run_is_labelled_loaded_and_trained_on_the_model_tokens_onl
     (record,) = step_records(store.root)
     assert record["response_tokens"] == sum(map(sum, by_key.values()))
     assert record["behavior_logp_gap"] > 0 and math.isfinite(record["loss"])
+
+
+def test_recomputed_old_logprobs_are_the_model_tokens_and_zero_at_the_others(models, tmp_path):
+    from store.storage import LocalStorage
+    from training.policy import with_recomputed_logprobs
+
+    policy = models[0]
+    rows = _rows()
+    table = policy_table(rows)
+    segment = {"fingerprint": "f" * 64, "start_step": 0}
+    out = with_recomputed_logprobs(LocalStorage(tmp_path), table, segment, 0, _ctx(policy, None, "sft"), 40)
+    again = with_recomputed_logprobs(LocalStorage(tmp_path), table, segment, 0, _ctx(policy, None, "sft"), 40)
+    assert again.column("old_logprobs").equals(out.column("old_logprobs"))  # read back from the cache
+    for row, old in zip(rows, out.column("old_logprobs").to_pylist()):
+        with torch.no_grad():
+            ids = torch.tensor([row["prompt_token_ids"] + row["response_token_ids"]])
+            logits = policy(input_ids=ids).logits[0].double().log_softmax(-1)
+        p = len(row["prompt_token_ids"])
+        expected = [float(logits[p - 1 + k, t]) if m else 0.0
+                    for k, (t, m) in enumerate(zip(row["response_token_ids"], row["response_mask"]))]
+        assert old == pytest.approx(expected, abs=1e-5)
+        assert [v == 0.0 for v in old] == [m == 0 for m in row["response_mask"]]
