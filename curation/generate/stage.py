@@ -34,13 +34,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from curation.generate.base import GENERATOR_DEFAULTS, Generator, SamplingConfig, load_prompts, prompt_seed
+from curation.env.config import EnvConfig
+from curation.env.environments import Environment, make_environment
+from curation.generate.base import GENERATOR_DEFAULTS, Completion, Generator, SamplingConfig, load_prompts, prompt_seed
+from curation.generate.turns import Trajectory, prompt_token_ids, roll_out, trajectory_columns
 from curation.stages.common import rejects_table
 from store.errors import JobError
 from store.faults import fault_point
 from store.fingerprints import config_hash, known_fingerprint
 from store.run_store import RunStore
-from store.schema import SCHEMAS, SchemaError, validate
+from store.schema import SCHEMAS, TRAJECTORY_FIELDS, SchemaError, validate
 from store.storage import Storage
 from store.weights import check_model_folder, count_parameters, weights_fingerprint
 
@@ -143,6 +146,7 @@ def generate(
     progress=None,
     generator_kwargs: dict | None = None,
     stage: str = STAGE,
+    env: EnvConfig | None = None,
 ) -> GenerateResult:
     """Sample `sampling.group_size` responses for every prompt in `prompts_file` into the run
     (a folder, or the RunStore the commit goes through: the round loop's holds the tables).
@@ -151,6 +155,8 @@ def generate(
     generator is started, with `generator_kwargs`, only when there is work to do).
     `progress(done, total)` is called as prompts finish. `stage` names the manifest and the
     part files (another name than "generate" adds a second set of samples to the round).
+    With `env` each sample is a multi-turn trajectory against that environment
+    (curation/generate/turns.py), written with the samples table's trajectory columns.
     """
     if generator is None and model is None:
         raise ValueError("generate needs a model folder or a live generator")
@@ -170,6 +176,8 @@ def generate(
         "run_id": run_id,
         "policy_version": policy_version,
     }
+    if env is not None:
+        config["env"] = env.model_dump(mode="json")
     if not force and store.is_up_to_date(stage, round, inputs, config):
         return GenerateResult(round=round, skipped=True, manifest=store.load_manifest(stage, round) or {})
 
@@ -179,10 +187,14 @@ def generate(
         generator = make_generator(backend, model, **(generator_kwargs or {}))
     # What the samples record is read now: the round loop may load newer weights into a live
     # generator while this call's samples are still being written (`[run] overlap`).
-    call = _Call(store, stage, round, run_id, inputs, config, sampling, generator.fingerprint)
+    call = _Call(store, stage, round, run_id, inputs, config, sampling, generator.fingerprint, env)
+    environment = make_environment(env) if env is not None else None
     try:
-        result = _generate(call, generator, prompts, Path(prompts_file), chunk_prompts, progress)
+        result = _generate(call, generator, prompts, Path(prompts_file), chunk_prompts, progress, environment)
     finally:
+        close = getattr(environment, "close", None)
+        if close is not None:
+            close()
         if owns_generator:
             generator.close()
     result.seconds = time.perf_counter() - started
@@ -202,6 +214,8 @@ class _Call:
     sampling: SamplingConfig
     fingerprint: str
     """The generator's fingerprint when the call started (the samples' `generator` column)."""
+    env: EnvConfig | None = None
+    """A multi-turn generate's environment (None: one response per sample)."""
 
 
 @dataclass
@@ -214,12 +228,18 @@ class _Sampled:
 
 
 def _generate(call: _Call, generator: Generator, prompts: pa.Table, prompts_file: Path, chunk_prompts: int,
-              progress) -> GenerateResult:
+              progress, environment: Environment | None = None) -> GenerateResult:
     """Tokenize, reject prompts as long as the context, sample the rest, commit."""
     prompt_ids = prompts.column("prompt_id").to_pylist()
+    openings: list[list[dict]] | None = None
     try:
-        token_ids = [generator.tokenize(p, m)
-                     for p, m in zip(prompts.column("prompt").to_pylist(), prompts.column("messages").to_pylist())]
+        if environment is None:
+            token_ids = [generator.tokenize(p, m) for p, m in
+                         zip(prompts.column("prompt").to_pylist(), prompts.column("messages").to_pylist())]
+        else:
+            openings = [environment.reset(row) for row in prompts.to_pylist()]
+            tools = getattr(environment, "schemas", None)
+            token_ids = [prompt_token_ids(generator.tokenizer, messages, tools) for messages in openings]
     except ValueError as exc:  # e.g. messages and a tokenizer without a chat template
         raise SchemaError(f"prompts file ({prompts_file}): {exc}") from None
     # A prompt as long as the context would abort a whole vLLM batch: reject it up front.
@@ -229,8 +249,9 @@ def _generate(call: _Call, generator: Generator, prompts: pa.Table, prompts_file
         call.run_id, call.round, [prompt_ids[i] for i in too_long], [None] * len(too_long), call.stage,
         "prompt_too_long",
         [f"{len(token_ids[i])} prompt tokens >= max_model_len {generator.max_model_len}" for i in too_long])
+    turns = None if environment is None else _Turns(environment, openings)
     done = _sample(call, generator, prompt_ids, token_ids, todo, chunk_prompts,
-                   None if progress is None else lambda n: progress(n + len(too_long), len(prompt_ids)))
+                   None if progress is None else lambda n: progress(n + len(too_long), len(prompt_ids)), turns)
     response_tokens = int(pc.sum(pc.list_value_length(done.samples.column("response_token_ids"))).as_py() or 0)
     prompts_part = call.inputs["prompts"][:16]
     if call.stage != STAGE:
@@ -262,8 +283,16 @@ def _generate(call: _Call, generator: Generator, prompts: pa.Table, prompts_file
     )
 
 
+@dataclass
+class _Turns:
+    """What a multi-turn generate's chunks share: the environment and each prompt's opening messages."""
+
+    environment: Environment
+    openings: list[list[dict]]
+
+
 def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids: list[list[int]], todo: list[int],
-            chunk_prompts: int, progress) -> _Sampled:
+            chunk_prompts: int, progress, turns: _Turns | None = None) -> _Sampled:
     """The samples of the prompts at positions `todo`, `chunk_prompts` at a time; with several
     chunks each is staged as it finishes (a killed call resumes from them), one is kept in memory."""
     chunks = [todo[s : s + chunk_prompts] for s in range(0, len(todo), chunk_prompts)]
@@ -278,7 +307,13 @@ def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids:
         else:
             seeds = [prompt_seed(call.sampling.seed, call.round, prompt_ids[i]) for i in chunk]
             tic = time.perf_counter()
-            groups = generator.sample([token_ids[i] for i in chunk], seeds, call.sampling)
+            if turns is None:
+                groups = generator.sample([token_ids[i] for i in chunk], seeds, call.sampling)
+            else:
+                _, groups = roll_out(generator, generator.tokenizer, turns.environment,
+                                     [turns.openings[i] for i in chunk], seeds, call.sampling,
+                                     tools=getattr(turns.environment, "schemas", None),
+                                     max_turns=call.env.max_turns, max_tokens=call.env.max_tokens)
             sample_seconds += time.perf_counter() - tic
             parts.append(_samples_table(call.run_id, call.round, call.sampling, call.fingerprint,
                                         call.config["policy_version"], [prompt_ids[i] for i in chunk],
@@ -309,9 +344,17 @@ def _staging(store: RunStore, stage: str, round: int, inputs: dict, config: dict
 
 def _samples_table(run_id, round, sampling, fingerprint, policy_version, prompt_ids, token_ids, seeds,
                    groups) -> pa.Table:
+    """The samples rows of `groups` (per prompt: its completions, or its trajectories with the
+    trajectory columns added)."""
     rows: dict[str, list] = {name: [] for name in SCHEMAS["samples"].names}
+    trajectories: list[Trajectory] = []
     for prompt_id, ids, seed, group in zip(prompt_ids, token_ids, seeds, groups):
-        for idx, completion in enumerate(group):
+        for idx, sample in enumerate(group):
+            if isinstance(sample, Trajectory):
+                trajectories.append(sample)
+                completion = Completion(sample.token_ids, sample.logprobs, sample.last_text, sample.finish_reason)
+            else:
+                completion = sample
             rows["run_id"].append(run_id)
             rows["round"].append(round)
             rows["prompt_id"].append(prompt_id)
@@ -325,4 +368,7 @@ def _samples_table(run_id, round, sampling, fingerprint, policy_version, prompt_
             rows["policy_version"].append(policy_version)
             rows["generator"].append(fingerprint)
             rows["seed"].append(seed)
-    return pa.Table.from_pydict(rows, schema=SCHEMAS["samples"])
+    if not trajectories:
+        return pa.Table.from_pydict(rows, schema=SCHEMAS["samples"])
+    return pa.Table.from_pydict({**rows, **trajectory_columns(trajectories)},
+                                schema=pa.schema([*SCHEMAS["samples"], *TRAJECTORY_FIELDS]))
