@@ -41,7 +41,8 @@ CURATION = ("score", "filter", "label", "pair")
 def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str) -> dict[str, Any]:
     """Where an export of `rounds` (None: all) of the run comes from, from its manifests: the
     source model and its fingerprint, policy versions, sampling settings, reward functions and
-    their versions, filter/label/pair settings, drops by reason and groupforge's version. Nothing
+    their versions, filter/label/pair settings, drops by reason and groupforge's version (and "env",
+    the [env] settings of a multi-turn run's generate; absent for a single-turn run). Nothing
     about the export call itself (no command line, no time): an export of the same data by the
     same groupforge gives the same bytes (`export --as-of`)."""
     manifests = {key: m for key, m in sorted(store.state.manifests.items()) if rounds is None or key[1] in rounds}
@@ -66,6 +67,7 @@ def provenance(store: RunStore, rounds: list[int] | None, fmt: str, style: str) 
         "drops": dict(sorted(drops.items())),
         "code_versions": _distinct(m.get("code_version") for m in manifests.values()),
         "exported_by": code_version(),
+        **({"env": envs} if (envs := _distinct((m.get("config") or {}).get("env") for m in generate)) else {}),
     }
 
 
@@ -138,9 +140,29 @@ def render(exports: list[tuple[Path, dict[str, Any], int]], default: Path) -> st
     lines += ["", "```python", "from datasets import load_dataset", "",
               f'ds = load_dataset("path/to/this/folder")                 # {default.stem}',
               f'ds = load_dataset("path/to/this/folder", "{exports[0][0].stem}")', "```", ""]
+    if any("env" in record for _, record, _ in exports):
+        lines += TRAJECTORY_SECTION
     for path, record, _ in exports:
         lines += [f"## Provenance: {path.stem}", "", *_provenance_lines(record), ""]
     return "\n".join(lines)
+
+
+TRAJECTORY_SECTION = [
+    "## Trajectories", "",
+    "The responses are multi-turn trajectories: the model called tools and read their results between its "
+    "turns. Each response column (`chosen`, `rejected`, `completion`; `messages` holds the prompt too) is a "
+    "list of messages in TRL's conversational tool-calling form, each message one JSON object (Parquet "
+    "`list<arrow.json>`, the `Json` feature of `datasets` >= 4.7):", "",
+    "| message | keys |", "|---|---|",
+    "| model turn | `role: \"assistant\"`, `content` (its text, tool-call blocks included), `tool_calls`: "
+    "`[{id, type: \"function\", function: {name, arguments}}]` when it called tools |",
+    "| tool result | `role: \"tool\"`, `tool_call_id`, `name`, `content` (`error: ...` for a failed call) |",
+    "| environment turn | `role: \"user\"`, `content` |", "",
+    "The last message is the model's final turn. Only the model's turns were trained on; tool results and "
+    "environment turns were context. `tools` holds the JSON schemas of the tools the chat template was "
+    "given (pass it to `apply_chat_template(..., tools=...)`; TRL's trainers do). The [env] settings (the "
+    "tools, max_turns, max_tokens) are in the provenance below.", ""]
+"""The card's section for exports of multi-turn runs."""
 
 
 def _provenance_lines(record: dict[str, Any]) -> list[str]:
@@ -164,6 +186,8 @@ def _provenance_lines(record: dict[str, Any]) -> list[str]:
             ("label", value(record["label"])), ("pair", value(record["pair"])),
             ("rows dropped, by reason", value(record["drops"]) if record["drops"] else "none"),
             ("written by", value(record["code_versions"])), ("exported by", value(record["exported_by"]))]
+    if "env" in record:
+        rows.insert(6, ("environment ([env])", value(record["env"])))
     return ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
 
 

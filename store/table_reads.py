@@ -84,33 +84,30 @@ class TableReads:
 
     def read_columns(self, table: str, columns: Sequence[str], rounds: int | Sequence[int] | None = None,
                      validate: bool = True, exclude_parts: Sequence[str] = ()) -> pa.Table:
-        """`columns` of `table` (contract columns, e.g. the keys and reward of scores), the same
-        rows and values as `read(...).select(columns)` without reading the other columns.
+        """`columns` of `table` (contract columns, e.g. the keys and reward of scores, or the samples
+        table's trajectory columns: nulls from parts without them), the same rows and values as
+        `read(...).select(columns)` without reading the other columns.
         `exclude_parts`: part names (`part-<name>-<sha>.parquet`) left unread, e.g. a stage's own output."""
         parts = list(self.iter_columns(table, columns, rounds, validate, exclude_parts))
         if parts:
             return pa.concat_tables(parts)
-        return pa.schema([schema.SCHEMAS[table].field(c) for c in columns]).empty_table()
+        return _wanted(table, columns).empty_table()
 
     def iter_columns(self, table: str, columns: Sequence[str], rounds: int | Sequence[int] | None = None,
                      validate: bool = True, exclude_parts: Sequence[str] = (),
                      batch_rows: int | None = None) -> Iterator[pa.Table]:
         """read_columns as an iterator: one table per file, or per batch of <= `batch_rows` rows
         of a file (memory then holds one batch: a curation stage's pass over a large round),
-        each checked as read_columns checks the whole. A part `held` is taken from memory, whole."""
-        contract = schema.SCHEMAS[table]
-        unknown = [c for c in columns if c not in contract.names]
-        if unknown:
-            raise ValueError(f"the {table} table has no column(s) {unknown} in its contract; "
-                             f"known: {', '.join(contract.names)}")
-        wanted = pa.schema([contract.field(c) for c in columns])
+        each checked as read_columns checks the whole. A part `held` is taken from memory, whole.
+        A samples trajectory column is nullable: null in the rows of a part without it."""
+        wanted = _wanted(table, columns)
         check_round = validate and table != "prompts"
         for rel in self.files(table, rounds):
             if part_name(rel) in exclude_parts:
                 continue
             held = self.held_part(rel)
             if held is not None:  # validated when it was committed
-                yield contract_columns(table, held.table, columns)
+                yield _as_wanted(contract_columns(table, held.table, columns), wanted)
                 continue
             where = self.where(rel)
             try:
@@ -128,7 +125,7 @@ class TableReads:
                 for part in pieces:
                     if check_round:
                         self._check_round(table, rel, part)
-                    part = contract_columns(table, part, columns)
+                    part = _as_wanted(contract_columns(table, part, columns), wanted)
                     if validate:
                         for field in wanted:
                             nulls = part.column(field.name).null_count
@@ -147,3 +144,21 @@ class TableReads:
         """Rows of a live part file (from memory or its commit's record)."""
         held = self.held_part(rel)
         return held.table.num_rows if held is not None else self.state.files[rel].rows
+
+
+def _wanted(table: str, columns: Sequence[str]) -> pa.Schema:
+    """The schema `read_columns` gives `columns` of `table`: the contract's fields, a samples
+    trajectory column's (schema.TRAJECTORY_FIELDS) made nullable; ValueError for another column."""
+    contract = schema.SCHEMAS[table]
+    optional = [f.name for f in schema.TRAJECTORY_FIELDS] if table == "samples" else []
+    unknown = [c for c in columns if c not in contract.names and c not in optional]
+    if unknown:
+        raise ValueError(f"the {table} table has no column(s) {unknown} in its contract; "
+                         f"known: {', '.join(contract.names + optional)}")
+    return pa.schema([schema.field_of(table, c).with_nullable(True) if c in optional else contract.field(c)
+                      for c in columns])
+
+
+def _as_wanted(part: pa.Table, wanted: pa.Schema) -> pa.Table:
+    """`part` with the schema `wanted` (differing at most in a trajectory column's nullability)."""
+    return part if part.schema.equals(wanted) else pa.Table.from_arrays(part.columns, schema=wanted)

@@ -11,6 +11,14 @@ finish_reason, policy_version, response_token_ids (and its TRL name completion_i
 Prompts are strings, or message lists for chat prompts; then, as in TRL, each completion is
 `[{"role": "assistant", "content": text}]`.
 
+A multi-turn sample (a trajectory: the samples table's trajectory columns) is conversational
+as TRL's tool-calling completions are: its prompt is the prompt's message list (a text prompt
+as one user turn) and its completion the trajectory's messages after the prompt (messages_out:
+assistant turns with `tool_calls`, `tool` messages, environment `user` turns), ending with the
+last assistant turn, so `completion_text` is its `response`. The rewards also get its
+TRAJECTORY_COLUMNS (num_turns, tool_calls, tool_errors, stop_reason, turn_rewards; None in the
+rows of single-turn samples). A table of single-turn samples gives exactly the arguments above.
+
 Names resolve in two ways:
 
 - a registered name: `@register_reward("exact_match")` on a factory (a class or function)
@@ -49,6 +57,10 @@ _REGISTRY: dict[str, Callable[..., RewardFunction]] = {}
 # Columns every reward function receives (besides prompts and completions), in this order.
 TRL_COLUMNS = ("reference", "metadata", "prompt_id", "sample_idx", "run_id", "round", "group_size",
                "finish_reason", "policy_version", "response_token_ids")
+
+# Columns a reward function also receives when some of its rows are trajectories (a multi-turn
+# samples table); messages_out becomes the completion itself.
+TRAJECTORY_COLUMNS = ("messages_out", "num_turns", "tool_calls", "tool_errors", "stop_reason", "turn_rewards")
 
 
 def register_reward(name: str) -> Callable:
@@ -149,7 +161,8 @@ def completion_text(completion: Any) -> str:
 
 def trl_arguments(table: pa.Table) -> tuple[list, list, dict[str, list]]:
     """(prompts, completions, columns) in TRL's form from a table of prompt, messages,
-    response and the TRL_COLUMNS (which the score stage builds)."""
+    response and the TRL_COLUMNS (which the score stage builds), and the TRAJECTORY_COLUMNS
+    when it has them: a row whose messages_out is not null is a trajectory (the module)."""
     prompt = table.column("prompt").to_pylist()
     messages = table.column("messages").to_pylist()
     responses = table.column("response").to_pylist()
@@ -159,6 +172,12 @@ def trl_arguments(table: pa.Table) -> tuple[list, list, dict[str, list]]:
     columns = {c: table.column(c).to_pylist() for c in TRL_COLUMNS if c in table.column_names}
     if "response_token_ids" in columns:
         columns["completion_ids"] = columns["response_token_ids"]
+    if "messages_out" in table.column_names:
+        for i, out in enumerate(table.column("messages_out").to_pylist()):
+            if out is not None:
+                prompts[i] = messages[i] if messages[i] is not None else [{"role": "user", "content": prompt[i]}]
+                completions[i] = json.loads(out)
+        columns.update({c: table.column(c).to_pylist() for c in TRAJECTORY_COLUMNS[1:] if c in table.column_names})
     return prompts, completions, columns
 
 

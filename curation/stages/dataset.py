@@ -5,7 +5,8 @@ Delta Lake table, one version per append, with the append's provenance in the ve
     [export] append_to = "s3://bucket/datasets/pairs"      (a spec: `groupforge run` appends at its end)
 
 The table is an ordinary Delta table (a folder or an object-store prefix) written by deltalake:
-Parquet files with the export's columns (curation/stages/export.py). Version v's commitInfo
+Parquet files with the export's columns (curation/stages/export.py); a trajectory export's JSON
+messages and tools are plain strings there (Delta has no JSON type). Version v's commitInfo
 "groupforge" is its provenance:
 
     run              the run (its resolved folder or its URL)
@@ -43,7 +44,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake import Schema as DeltaSchema
 
 from curation.card import METADATA_KEY
-from curation.stages.export import ExportConfig, export_rows
+from curation.stages.export import ExportConfig, export_rows, plain_json
 from store.faults import fault_point
 from store.fingerprints import code_version
 from store.location import RunLocation
@@ -52,7 +53,7 @@ from store.run_log import TABLE_CONFIG, delta_location, is_conflict
 from store.run_store import RunStore
 from store.storage import Storage, open_storage
 
-ROUNDS_FROM = {"preference": "pair", "unpaired": "label", "sft": "label"}
+ROUNDS_FROM = {"preference": "pair", "unpaired": "label", "sft": "label", "messages": "label"}
 """Per format, the stage whose commit makes a round exportable."""
 
 
@@ -124,7 +125,7 @@ def append_export(run: str | Path | Storage, cfg: ExportConfig, target: str | No
         new = [r for r in finished_rounds(store, cfg) if r not in log.rounds.get(run_key, set())]
         if not new:
             return Appended(target, None)
-        rows = export_rows(store, cfg.model_copy(update={"rounds": new}), allow_empty=True)
+        rows = plain_json(export_rows(store, cfg.model_copy(update={"rounds": new}), allow_empty=True))
         schema = rows.schema.remove_metadata()
         if not rows.num_rows and log.table is None:
             return Appended(target, None)  # no rows to make the table from yet: those rounds are looked at again

@@ -6,6 +6,7 @@ Formats (TRL's dataset formats; `datasets.load_dataset("parquet", data_files=...
     prompt_only    prompt                                       (prompts)      GRPO/Online DPO
     unpaired       prompt, completion, label (bool)             (groups)       KTO
     sft            prompt, completion                           (kept samples, advantage > 0)
+    messages       messages (prompt + response), tools          (as sft)       SFT, conversational only
 
 `style="standard"` writes text; `style="conversational"` writes lists of {role, content}
 messages (the prompt's own `messages` when it has them, else one user turn) and the
@@ -18,6 +19,19 @@ Where it goes (`export_path`): RUN/exports/<format>-<style>.parquet by default; 
 suffix) and the export is <folder>/<format>-<style>.parquet. Another suffix (pairs.jsonl) is
 refused: an export is always a Parquet file `datasets` reads.
 
+Trajectories (multi-turn samples: the samples table's trajectory columns) export in TRL's
+conversational tool-calling form, style "conversational" only (a standard export of them is a
+ValueError): a response is the trajectory's messages after the prompt (messages_out: assistant
+turns with OpenAI-style `tool_calls`, `role: "tool"` messages, environment `user` turns), so
+a preference pair is two whole trajectories of one group, `prompt` + `chosen` and `prompt` +
+`rejected` message lists. Each message is one JSON object (a `list<arrow.json>` column: tool
+calls and their arguments keep their own keys, with no nulls added for other messages' keys;
+`datasets` >= 4.7 reads them as dicts, its Json feature), and the export gets a `tools` column
+(arrow.json): the JSON schemas of the tools the round's generate gave the chat template,
+`curation.env.environments.tool_schemas` of its manifest's [env] tools, made at export time
+(null for an environment without tools). TRL's SFT and DPO trainers pass `tools` to the chat
+template (a JSON string they decode). A run whose samples are all single-turn exports as above.
+
 The file's footer carries the export's provenance (curation/card.py), and `run_with_card`
 (what `groupforge export` calls) rewrites the dataset card (README.md) of the file's folder.
 With `append_to` (`export --append-to`, `[export] append_to`) the export goes to a Delta table
@@ -28,6 +42,7 @@ unpaired labels a response desirable when its advantage is > 0 (better than its 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -37,6 +52,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from curation.card import provenance, with_provenance, write_card
+from curation.env.environments import tool_schemas
 from store.faults import fault_point
 from store.run_files import EXPORTS_DIR
 from store.run_store import RunStore
@@ -48,8 +64,9 @@ class ExportConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["preference", "prompt_only", "unpaired", "sft"] = Field(
-        "preference", description="Which TRL dataset format to write."
+    format: Literal["preference", "prompt_only", "unpaired", "sft", "messages"] = Field(
+        "preference", description="Which TRL dataset format to write (messages: the conversation of each sft "
+                                  "row, prompt and response, as one message list; conversational only)."
     )
     style: Literal["standard", "conversational"] = Field(
         "standard", description="Plain text columns, or lists of {role, content} messages."
@@ -73,7 +90,8 @@ class ExportConfig(BaseModel):
 _QUERIES = {
     "preference": """
         SELECT p.prompt_id, p.round, pr.prompt, pr.messages,
-               c.response AS chosen, r.response AS rejected,
+               c.response AS chosen, r.response AS rejected, c.messages_out AS chosen_out,
+               r.messages_out AS rejected_out,
                p.chosen_idx, p.rejected_idx, p.chosen_reward, p.rejected_reward, p.soft_label, p.weight
         FROM pairs p
         JOIN samples c ON c.round = p.round AND c.prompt_id = p.prompt_id AND c.sample_idx = p.chosen_idx
@@ -84,7 +102,7 @@ _QUERIES = {
         SELECT pr.prompt_id, pr.prompt, pr.messages, pr.reference FROM prompts pr ORDER BY pr.prompt_id""",
     "unpaired": """
         SELECT g.prompt_id, g.round, pr.prompt, pr.messages, s.response AS completion,
-               g.advantage > 0 AS label, g.sample_idx, g.reward, g.advantage
+               s.messages_out AS completion_out, g.advantage > 0 AS label, g.sample_idx, g.reward, g.advantage
         FROM groups g
         JOIN samples s USING (round, prompt_id, sample_idx)
         JOIN prompts pr ON pr.prompt_id = g.prompt_id
@@ -92,13 +110,20 @@ _QUERIES = {
         ORDER BY g.round, g.prompt_id, g.sample_idx""",
     "sft": """
         SELECT g.prompt_id, g.round, pr.prompt, pr.messages, s.response AS completion,
-               g.sample_idx, g.reward
+               s.messages_out AS completion_out, g.sample_idx, g.reward
         FROM groups g
         JOIN samples s USING (round, prompt_id, sample_idx)
         JOIN prompts pr ON pr.prompt_id = g.prompt_id
         WHERE g.advantage > 0
         ORDER BY g.round, g.prompt_id, g.sample_idx""",
 }
+_QUERIES["messages"] = _QUERIES["sft"]
+
+SAMPLE_COLUMNS = ["run_id", "round", "prompt_id", "sample_idx", "response", "messages_out"]
+"""The samples columns an export reads (messages_out: a trajectory's messages, null when single-turn)."""
+
+_OUT = {"chosen": "chosen_out", "rejected": "rejected_out", "completion": "completion_out"}
+"""A response column and the trajectory messages column the queries give beside it."""
 
 # The run tables each format reads (prompts: every round's; the others: ExportConfig.rounds).
 READS = {
@@ -106,16 +131,101 @@ READS = {
     "prompt_only": ("prompts",),
     "unpaired": ("groups", "samples", "prompts"),
     "sft": ("groups", "samples", "prompts"),
+    "messages": ("groups", "samples", "prompts"),
 }
 
 
-def export_table(tables: dict[str, pa.Table], cfg: ExportConfig) -> pa.Table:
-    """The pure part: run tables in, one TRL-format table out."""
+def export_table(tables: dict[str, pa.Table], cfg: ExportConfig, tools: dict[int, str | None] | None = None
+                 ) -> pa.Table:
+    """The pure part: run tables in, one TRL-format table out. `tools`: per round, the JSON of
+    its tools' schemas (a trajectory export's `tools` column; a round not in it: null)."""
+    if cfg.format == "messages" and cfg.style != "conversational":
+        raise ValueError("format messages is conversational: export it with style='conversational'")
     con = duckdb.connect()
     for name in READS[cfg.format]:
-        con.register(name, tables[name])
+        table = tables[name]
+        if name == "samples" and "messages_out" not in table.column_names:
+            table = table.append_column("messages_out", pa.nulls(table.num_rows, pa.string()))
+        con.register(name, table)
     out = con.sql(_QUERIES[cfg.format]).to_arrow_table()
-    return _styled(out, cfg)
+    outs = {column: out.column(name).to_pylist() for column, name in _OUT.items() if name in out.column_names}
+    out = out.drop([name for name in _OUT.values() if name in out.column_names])
+    if any(m is not None for ms in outs.values() for m in ms):
+        return _trajectories(out, outs, cfg, tools or {})
+    table = _styled(out, cfg)
+    if cfg.format == "messages":
+        conversation = [p + c for p, c in zip(table.column("prompt").to_pylist(),
+                                               table.column("completion").to_pylist())]
+        table = table.drop(["prompt", "completion"]).add_column(1, "messages", pa.array(conversation))
+    return table
+
+
+def _trajectories(table: pa.Table, outs: dict[str, list[str | None]], cfg: ExportConfig,
+                  tools: dict[int, str | None]) -> pa.Table:
+    """An export with trajectories in TRL's conversational tool-calling form (the module): the
+    prompt and each response column (`outs`: a row's messages_out, null for a single-turn one)
+    as lists of JSON messages, and the `tools` column."""
+    if cfg.style == "standard":
+        raise ValueError("trajectories (multi-turn samples) export with style='conversational' only: their "
+                         "turns are messages")
+    prompts = table.column("prompt").to_pylist()
+    messages = table.column("messages").to_pylist()
+    table = table.drop(["prompt", "messages"])
+    opening = [_json_messages(m if m is not None else [{"role": "user", "content": p}])
+               for p, m in zip(prompts, messages)]
+    replies = {column: [_json_messages(json.loads(out) if out is not None else [{"role": "assistant", "content": r}])
+                        for out, r in zip(outs[column], table.column(column).to_pylist())]
+               for column in outs}
+    if cfg.format == "messages":
+        table = table.drop(["completion"]).add_column(1, "messages", _message_lists(
+            [p + c for p, c in zip(opening, replies["completion"])]))
+    else:
+        table = table.add_column(1, "prompt", _message_lists(opening))
+        for column, lists in replies.items():
+            table = table.set_column(table.column_names.index(column), column, _message_lists(lists))
+    per_round = [tools.get(r) for r in table.column("round").to_pylist()]
+    return table.add_column(2, "tools", pa.array(per_round, pa.string()).cast(pa.json_()))
+
+
+def _json_messages(messages: list[dict]) -> list[str]:
+    return [json.dumps(message, ensure_ascii=False) for message in messages]
+
+
+def _message_lists(lists: list[list[str]]) -> pa.Array:
+    """Message lists as list<arrow.json>: each message one JSON object."""
+    return pa.array(lists, pa.list_(pa.string())).cast(pa.list_(pa.json_()))
+
+
+def round_tools(store: RunStore, rounds: Sequence[int] | None = None) -> dict[int, str | None]:
+    """{round: the JSON of its tools' schemas} for each multi-turn round (a generate manifest
+    with config["env"]): tool_schemas of its [env] tools (null JSON for none), made now, so the
+    tools must import (a one-line ValueError naming the round otherwise)."""
+    out: dict[int, str | None] = {}
+    for (stage, round), manifest in sorted(store.state.manifests.items()):
+        env = (manifest.get("config") or {}).get("env")
+        if stage != "generate" or env is None or (rounds is not None and round not in rounds):
+            continue
+        try:
+            schemas = tool_schemas(env.get("tools") or [])
+        except ValueError as exc:
+            raise ValueError(f"round {round}: the tools of its [env] cannot be described for the export: {exc}"
+                             ) from None
+        out[round] = json.dumps(schemas, ensure_ascii=False) if schemas else None
+    return out
+
+
+def plain_json(table: pa.Table) -> pa.Table:
+    """`table` with its arrow.json columns (a trajectory export's) as plain strings: for writers
+    without a JSON type (Delta Lake)."""
+    def plain(type_: pa.DataType) -> pa.DataType:
+        if isinstance(type_, pa.JsonType):
+            return pa.string()
+        if pa.types.is_list(type_):
+            return pa.list_(plain(type_.value_type))
+        return type_
+
+    schema = pa.schema([field.with_type(plain(field.type)) for field in table.schema], metadata=table.schema.metadata)
+    return table if schema.equals(table.schema) else table.cast(schema)
 
 
 def _styled(table: pa.Table, cfg: ExportConfig) -> pa.Table:
@@ -193,12 +303,13 @@ def export_rows(store: RunStore, cfg: ExportConfig, allow_empty: bool = False) -
     tables = {}
     for name in READS[cfg.format]:
         rounds: Sequence[int] | None = None if name == "prompts" else cfg.rounds
-        tables[name] = store.read(name, rounds=rounds)
+        columns = SAMPLE_COLUMNS if name == "samples" else None
+        tables[name] = store.read(name, rounds=rounds, columns=columns)
         if tables[name].num_rows == 0 and not allow_empty:
             where = f" in rounds {cfg.rounds}" if cfg.rounds else ""
             raise ValueError(f"{store.location}: the {name} table is empty{where}; "
                              f"run the stage that writes it before exporting {cfg.format}")
-    table = export_table(tables, cfg)
+    table = export_table(tables, cfg, round_tools(store, cfg.rounds))
     return with_provenance(table, provenance(store, cfg.rounds, cfg.format, cfg.style))
 
 

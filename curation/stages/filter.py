@@ -2,7 +2,8 @@
 
     samples of the round, minus rows an earlier stage rejected, with scores.reward
         │ sample level, first matching reason wins (each check only if enabled):
-        │   unscored -> truncated -> too_long -> too_short -> duplicate
+        │   unscored -> truncated -> too_long -> too_short -> too_many_model_tokens
+        │   -> too_few_model_tokens -> too_many_turns -> tool_errors -> duplicate
         ▼
     the survivors, per group (run_id, round, prompt_id), first matching reason wins:
         group_too_small -> zero_variance -> pass_rate
@@ -25,6 +26,16 @@ responses kept (their low reward is the signal that teaches the policy to stop; 
 overlong filtering is opt-in), duplicates dropped (distinct responses make distinct pairs;
 for GRPO on short-answer tasks consider turning it off, since dropping repeats moves the
 group mean away from what the policy samples), no length or pass-rate bounds.
+
+Trajectories (multi-turn samples: the samples table's trajectory columns). max_response_tokens
+and min_response_tokens count every response token, the tool/environment turns' too (what the
+trajectory takes of the context); max_model_tokens and min_model_tokens count the model's
+tokens only (response_mask 1: what training learns from). max_turns bounds the assistant turns
+(num_turns), drop_tool_errors drops trajectories with a failed tool call (tool_errors > 0).
+Duplicates compare the whole trajectory (messages_out), not only the last turn's text. A
+single-turn sample is a one-turn trajectory without tool calls whose every response token is
+the model's, so on a single-turn table the four options need no trajectory column: max_turns
+(>= 1) and drop_tool_errors drop nothing, and the model-token bounds count its response tokens.
 """
 
 from __future__ import annotations
@@ -59,6 +70,17 @@ class FilterConfig(BaseModel):
     min_response_tokens: int | None = Field(
         None, ge=0,
         description="Drop responses with fewer response tokens than this (reason too_short); None: no bound.")
+    max_model_tokens: int | None = Field(
+        None, ge=0, description="Drop responses with more model tokens (response_mask 1; a single-turn response: "
+        "all its tokens) than this (reason too_many_model_tokens); None: no bound.")
+    min_model_tokens: int | None = Field(
+        None, ge=0, description="Drop responses with fewer model tokens (response_mask 1; a single-turn response: "
+        "all its tokens) than this (reason too_few_model_tokens); None: no bound.")
+    max_turns: int | None = Field(
+        None, ge=1, description="Drop trajectories with more assistant turns (num_turns) than this (reason "
+        "too_many_turns; a single-turn sample has one); None: no bound.")
+    drop_tool_errors: bool = Field(
+        False, description="Drop trajectories with a failed tool call, tool_errors > 0 (reason tool_errors).")
     drop_duplicates: bool = Field(
         True, description="Drop responses whose exact text an earlier sample_idx of the group has (reason duplicate). "
         "On by default (distinct pairs and datasets); for GRPO on short-answer tasks consider turning it off: "
@@ -75,6 +97,9 @@ class FilterConfig(BaseModel):
         lo, hi = self.min_response_tokens, self.max_response_tokens
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"min_response_tokens ({lo}) > max_response_tokens ({hi}) rejects every response")
+        lo, hi = self.min_model_tokens, self.max_model_tokens
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"min_model_tokens ({lo}) > max_model_tokens ({hi}) rejects every response")
         lo, hi = self.pass_rate_min, self.pass_rate_max
         if lo is not None and hi is not None and lo >= hi:
             raise ValueError(f"pass_rate_min ({lo}) >= pass_rate_max ({hi}) rejects every group")
@@ -85,10 +110,16 @@ CONFIG = FilterConfig
 
 
 def columns(cfg: FilterConfig) -> dict[str, list[str]]:
-    """The keys, and of the samples only the columns the enabled filters look at."""
+    """The keys, and of the samples only the columns the enabled filters look at (a trajectory
+    column: nulls where a part has none)."""
     bounds = cfg.max_response_tokens is not None or cfg.min_response_tokens is not None
+    model = cfg.max_model_tokens is not None or cfg.min_model_tokens is not None
     return {"samples": [*KEYS, *(["finish_reason"] if cfg.drop_truncated else []),
-                        *(["response_token_ids"] if bounds else []), *(["response"] if cfg.drop_duplicates else [])],
+                        *(["response_token_ids"] if bounds or model else []),
+                        *(["response_mask"] if model else []),
+                        *(["num_turns"] if cfg.max_turns is not None else []),
+                        *(["tool_errors"] if cfg.drop_tool_errors else []),
+                        *(["response", "messages_out"] if cfg.drop_duplicates else [])],
             "scores": [*KEYS, "reward"], "rejects": [*KEYS, "stage"]}
 
 
@@ -98,8 +129,8 @@ def columns(cfg: FilterConfig) -> dict[str, list[str]]:
 # rows, several times this stage's work at a round of 512 samples. A row's reason is a code
 # into REASONS (0: kept), set only where no earlier check set one: the first matching reason wins.
 
-REASONS = (None, "unscored", "truncated", "too_long", "too_short", "duplicate", "group_too_small", "zero_variance",
-           "pass_rate")
+REASONS = (None, "unscored", "truncated", "too_long", "too_short", "too_many_model_tokens", "too_few_model_tokens",
+           "too_many_turns", "tool_errors", "duplicate", "group_too_small", "zero_variance", "pass_rate")
 CODE = {reason: code for code, reason in enumerate(REASONS) if reason}
 
 
@@ -108,8 +139,9 @@ def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
     that a filter drops; one row and one reason per dropped sample, in samples order.
 
     tables["samples"] needs the keys and the columns the enabled filters look at (see
-    `columns`); tables["rejects"]: the rejects so far (rows of stage "filter" are ignored:
-    they are this stage's own). rows_in: the samples no earlier stage rejected."""
+    `columns`; a trajectory column may be absent or null: single-turn rows); tables["rejects"]:
+    the rejects so far (rows of stage "filter" are ignored: they are this stage's own).
+    rows_in: the samples no earlier stage rejected."""
     samples, scores, rejects_so_far = tables["samples"], tables["scores"], tables["rejects"]
     if rejects_so_far.num_rows:
         rejects_so_far = rejects_so_far.filter(pc.not_equal(rejects_so_far.column("stage"), STAGE))
@@ -118,8 +150,14 @@ def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
         view = view.append_column("truncated", pc.equal(samples.column("finish_reason"), "length"))
     if cfg.max_response_tokens is not None or cfg.min_response_tokens is not None:
         view = view.append_column("n_tokens", pc.list_value_length(samples.column("response_token_ids")))
+    if cfg.max_model_tokens is not None or cfg.min_model_tokens is not None:
+        view = view.append_column("model_tokens", _model_tokens(samples))
+    if cfg.max_turns is not None:
+        view = view.append_column("turns", _trajectory_count(samples, "num_turns", 1))
+    if cfg.drop_tool_errors:
+        view = view.append_column("tool_errors", _trajectory_count(samples, "tool_errors", 0))
     if cfg.drop_duplicates:  # a text as an integer code: grouping by integers is faster than by strings
-        texts = pc.dictionary_encode(samples.column("response")).combine_chunks()
+        texts = pc.dictionary_encode(_trajectory_text(samples)).combine_chunks()
         view = view.append_column("response", texts.indices)
     rows = unrejected(view, scores, rejects_so_far, tuple(view.column_names[len(KEYS):]))
     rows_in = rows.num_rows
@@ -142,6 +180,17 @@ def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
         drop("too_long", n_tokens > cfg.max_response_tokens)
     if cfg.min_response_tokens is not None:
         drop("too_short", n_tokens < cfg.min_response_tokens)
+    model_tokens = rows.column("model_tokens").to_numpy() if "model_tokens" in rows.column_names else None
+    if cfg.max_model_tokens is not None:
+        drop("too_many_model_tokens", model_tokens > cfg.max_model_tokens)
+    if cfg.min_model_tokens is not None:
+        drop("too_few_model_tokens", model_tokens < cfg.min_model_tokens)
+    turns = rows.column("turns").to_numpy() if cfg.max_turns is not None else None
+    if cfg.max_turns is not None:
+        drop("too_many_turns", turns > cfg.max_turns)
+    tool_errors = rows.column("tool_errors").to_numpy() if cfg.drop_tool_errors else None
+    if cfg.drop_tool_errors:
+        drop("tool_errors", tool_errors > 0)
     first_idx = None
     if cfg.drop_duplicates:  # among the survivors so far; the lowest sample_idx of a text stays
         alive = np.flatnonzero(reason == 0)
@@ -171,7 +220,8 @@ def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
             drop("pass_rate", left & (mean >= cfg.pass_rate_max))
 
     dropped = np.flatnonzero(reason)
-    shown = {"n_tokens": n_tokens, "first_idx": first_idx, "n_left": n_left, "lo": lo, "mean": mean}
+    shown = {"n_tokens": n_tokens, "model_tokens": model_tokens, "turns": turns, "tool_errors": tool_errors,
+             "first_idx": first_idx, "n_left": n_left, "lo": lo, "mean": mean}
     codes = reason[dropped]
     keys = rows_of(samples.select(list(KEYS)), rows.column("row").to_numpy()[dropped])
     out = schema.as_contract([*keys.columns, pa.repeat(STAGE, len(dropped)).cast(pa.string()),
@@ -183,9 +233,41 @@ def transform(tables: dict[str, pa.Table], cfg: FilterConfig) -> StageOutput:
 
 # reason -> (the detail's template, the column it shows); other reasons have no detail
 DETAILS = {"too_long": ("{} response tokens", "n_tokens"), "too_short": ("{} response tokens", "n_tokens"),
+           "too_many_model_tokens": ("{} model tokens", "model_tokens"),
+           "too_few_model_tokens": ("{} model tokens", "model_tokens"),
+           "too_many_turns": ("{} assistant turns", "turns"), "tool_errors": ("{} tool errors", "tool_errors"),
            "duplicate": ("same response as sample_idx {}", "first_idx"),
            "group_too_small": ("{} sample(s) left", "n_left"), "zero_variance": ("every reward is {}", "lo"),
            "pass_rate": ("group mean reward {}", "mean")}
+
+
+def _model_tokens(samples: pa.Table) -> pa.Array:
+    """Each sample's model tokens: the 1s of its response_mask; every response token of a
+    single-turn sample (no response_mask column, or a null one)."""
+    n_tokens = pc.list_value_length(samples.column("response_token_ids")).to_numpy(zero_copy_only=False)
+    if "response_mask" not in samples.column_names or samples.column("response_mask").null_count == len(samples):
+        return pa.array(n_tokens.astype(np.int64))
+    mask = samples.column("response_mask").combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(mask), 0).to_numpy(zero_copy_only=False)
+    ones = pc.list_flatten(mask).to_numpy(zero_copy_only=False).astype(np.int64)
+    row = np.repeat(np.arange(len(mask)), lengths)
+    counted = np.bincount(row, weights=ones, minlength=len(mask)).astype(np.int64)
+    return pa.array(np.where(mask.is_null().to_numpy(zero_copy_only=False), n_tokens, counted))
+
+
+def _trajectory_count(samples: pa.Table, column: str, single_turn: int) -> pa.Array:
+    """A trajectory count column (num_turns, tool_errors) as int64, `single_turn` where a sample
+    has none (a single-turn sample: one turn, no tool errors)."""
+    if column not in samples.column_names:
+        return pa.array(np.full(samples.num_rows, single_turn, dtype=np.int64))
+    return pc.fill_null(samples.column(column).cast(pa.int64()), single_turn).combine_chunks()
+
+
+def _trajectory_text(samples: pa.Table) -> pa.ChunkedArray:
+    """What duplicates compare: a trajectory's messages_out, a single-turn sample's response."""
+    if "messages_out" not in samples.column_names or samples.column("messages_out").null_count == len(samples):
+        return samples.column("response")
+    return pc.coalesce(samples.column("messages_out"), samples.column("response"))
 
 
 def _texts(codes: np.ndarray, dictionary: pa.Array, offset: int = 0) -> pa.Array:

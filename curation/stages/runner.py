@@ -266,7 +266,8 @@ def _split(store: RunStore, table: str, round: int, columns: list[str] | None, o
                          "prompt_id among them")
     folder.mkdir(parents=True, exist_ok=True)
     files = [folder / f"{s:04d}.arrow" for s in range(k)]
-    wanted = pa.schema([schema.SCHEMAS[table].field(c) for c in columns])
+    wanted = pa.schema([schema.field_of(table, c) if c in schema.SCHEMAS[table].names
+                        else schema.field_of(table, c).with_nullable(True) for c in columns])
     options = pa.ipc.IpcWriteOptions(compression="lz4")
     with disk_write(folder), contextlib.ExitStack() as stack:
         writers = [stack.enter_context(pa.ipc.new_file(str(path), wanted, options=options)) for path in files]

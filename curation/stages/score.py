@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from curation.rewards.pool import default_workers, run_inline, run_isolated
-from curation.rewards.registry import TRL_COLUMNS, column_name, get_reward, reward_fingerprint
+from curation.rewards.registry import TRAJECTORY_COLUMNS, TRL_COLUMNS, column_name, get_reward, reward_fingerprint
 from curation.stages.common import rejects_table, rows_of
 from curation.stages.runner import StageOutput, as_dict
 from store.layout import part_name
@@ -104,7 +104,9 @@ SAMPLE_COLUMNS = list(KEYS) + ["response", "group_size", "finish_reason", "polic
 
 
 def columns(cfg: ScoreConfig) -> dict[str, list[str] | None]:
-    return {"samples": SAMPLE_COLUMNS, "prompts": None}
+    """The samples columns rewards see, with the trajectory columns they get (TRAJECTORY_COLUMNS:
+    nulls in a single-turn table, which then leave the rewards' arguments as they are)."""
+    return {"samples": SAMPLE_COLUMNS + list(TRAJECTORY_COLUMNS), "prompts": None}
 
 
 # ---- the transform ------------------------------------------------------------------
@@ -190,7 +192,8 @@ def _compute(fn, part: pa.Table, timeout_s: float,
 
 
 def _inputs(samples: pa.Table, prompts: pa.Table) -> pa.Table:
-    """The samples (in order) with their prompt's prompt, messages, reference and metadata."""
+    """The samples (in order) with their prompt's prompt, messages, reference and metadata, and
+    the TRAJECTORY_COLUMNS when some rows are trajectories (not when every row is single-turn)."""
     prompts = _one_row_per_prompt(prompts)
     ids = samples.column("prompt_id")
     n = samples.num_rows
@@ -211,6 +214,9 @@ def _inputs(samples: pa.Table, prompts: pa.Table) -> pa.Table:
     per_row = np.repeat(index.to_numpy(zero_copy_only=False), run_lengths)
     joined = prompts.select(["prompt", "messages", "reference", "metadata"]).take(pa.array(per_row))
     rows = samples.select(SAMPLE_COLUMNS)
+    if "messages_out" in samples.column_names and samples.column("messages_out").null_count < n:
+        for name in TRAJECTORY_COLUMNS:  # trajectories: the rewards get them (registry.trl_arguments)
+            rows = rows.append_column(samples.schema.field(name), samples.column(name))
     for name in joined.column_names:
         rows = rows.append_column(name, joined.column(name))
     return rows
