@@ -5,7 +5,10 @@
     report/data/run.js            the round records and rejects by reason (a few KB)
     report/data/round-<r>-<p>.js  page p of round r: up to GROUPS_PER_PAGE groups, each with its
                                   prompt, reference, and G responses (reward, advantage, kept or
-                                  the reject reason), and the round's pairs of those groups
+                                  the reject reason), and the round's pairs of those groups; a
+                                  trajectory (multi-turn sample) also has its turns, each message
+                                  of messages_out with its role and whether it was trained on
+                                  (the model's turns) or is tool/environment context (masked)
 
 Data files are JavaScript that hands its JSON to the page (`groupforge.load(...)`): a page
 opened from disk (file://) may load scripts but not fetch files. Pages are read from the
@@ -76,9 +79,10 @@ def _write_round_pages(con, round: int, samples: pa.Table, folder: Path) -> dict
     ids = pc.unique(samples.column("prompt_id"))  # first-seen order
     shown_ids = ids.slice(0, GROUPS_PER_PAGE * MAX_PAGES)
     con.register("shown", pa.table({"prompt_id": shown_ids, "n": pa.array(range(len(shown_ids)), pa.int64())}))
-    rows = con.sql("""
+    trajectories = "messages_out" in con.sql("SELECT * FROM r_samples LIMIT 0").columns
+    rows = con.sql(f"""
         SELECT sh.n, s.prompt_id, p.prompt, p.reference, s.sample_idx, s.response, sc.reward, g.advantage,
-               g.group_kept, r.stage, r.reason
+               g.group_kept, r.stage, r.reason, {"s.messages_out" if trajectories else "NULL"}
         FROM r_samples s
         JOIN shown sh USING (prompt_id)
         LEFT JOIN prompt_text p USING (prompt_id)
@@ -93,13 +97,14 @@ def _write_round_pages(con, round: int, samples: pa.Table, folder: Path) -> dict
     shown = len(shown_ids)
     count = max(1, -(-shown // GROUPS_PER_PAGE))
     pages: list[dict] = [{"round": round, "page": page, "groups": [], "pairs": []} for page in range(count)]
-    for n, prompt_id, prompt, reference, idx, response, reward, advantage, kept, stage, reason in rows:
+    for n, prompt_id, prompt, reference, idx, response, reward, advantage, kept, stage, reason, out in rows:
         groups = pages[n // GROUPS_PER_PAGE]["groups"]
         if not groups or groups[-1]["prompt_id"] != prompt_id:
             groups.append({"prompt_id": prompt_id, "prompt": _cut(prompt), "reference": reference, "responses": []})
         status = "kept" if kept else (f"rejected: {reason} ({stage})" if reason else "not kept")
         groups[-1]["responses"].append({"idx": idx, "text": _cut(response), "reward": reward,
-                                        "advantage": advantage, "status": status})
+                                        "advantage": advantage, "status": status,
+                                        **({"turns": _turns(out)} if out is not None else {})})
     for n, prompt_id, chosen, rejected, chosen_reward, rejected_reward, soft_label in pairs:
         pages[n // GROUPS_PER_PAGE]["pairs"].append({
             "prompt_id": prompt_id, "chosen": chosen, "rejected": rejected, "chosen_reward": chosen_reward,
@@ -107,6 +112,18 @@ def _write_round_pages(con, round: int, samples: pa.Table, folder: Path) -> dict
     for page in pages:
         (folder / f"round-{round}-{page['page']}.js").write_text(_script(page))
     return {"pages": count, "groups": len(ids), "shown": shown}
+
+
+def _turns(messages_out: str) -> list[dict[str, Any]]:
+    """A trajectory's messages as the page shows them: role, text (an assistant turn's tool calls
+    after its text) and trained (False: a tool or environment turn, masked out of training)."""
+    turns = []
+    for message in json.loads(messages_out):
+        text = message.get("content") or ""
+        if message.get("role") == "tool" and message.get("name"):
+            text = f"[{message['name']}] {text}"
+        turns.append({"role": message.get("role"), "text": _cut(text), "trained": message.get("role") == "assistant"})
+    return turns
 
 
 def _cut(text: str | None) -> str | None:
