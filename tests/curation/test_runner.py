@@ -17,7 +17,7 @@ from curation.stages.runner import CURATION_STAGES, StageOutput, run_stage, stag
 from store.fingerprints import fingerprint_file
 from store.layout import part_name
 from store.run_store import RunStore
-from store.schema import KEYS, SCHEMAS
+from store.schema import KEYS, SCHEMAS, TRAJECTORY_FIELDS
 from tests.helpers import commit_inputs, group_rows, samples_and_scores
 
 
@@ -31,7 +31,8 @@ def test_every_stage_declares_its_tables_config_columns_and_transform(name):
     columns = module.columns(module.CONFIG())
     assert list(columns) == list(module.READS)
     for table, names in columns.items():
-        assert names is None or set(names) <= set(SCHEMAS[table].names), (table, names)
+        known = set(SCHEMAS[table].names) | ({f.name for f in TRAJECTORY_FIELDS} if table == "samples" else set())
+        assert names is None or set(names) <= known, (table, names)
 
 
 def test_filter_reads_only_the_columns_its_filters_use():
@@ -39,7 +40,10 @@ def test_filter_reads_only_the_columns_its_filters_use():
 
     assert columns(FilterConfig(drop_duplicates=False))["samples"] == list(KEYS)
     every = FilterConfig(drop_truncated=True, min_response_tokens=1)
-    assert columns(every)["samples"] == [*KEYS, "finish_reason", "response_token_ids", "response"]
+    assert columns(every)["samples"] == [*KEYS, "finish_reason", "response_token_ids", "response", "messages_out"]
+    trajectories = FilterConfig(drop_duplicates=False, max_model_tokens=9, max_turns=2, drop_tool_errors=True)
+    assert columns(trajectories)["samples"] == [*KEYS, "response_token_ids", "response_mask", "num_turns",
+                                                "tool_errors"]
 
 
 def test_unknown_stage_and_missing_main_input(tmp_path):
