@@ -464,7 +464,7 @@ class RunLog:
         self._write_open_row()
         versions = dict(self.state.versions)
         for table in sorted({rel.split("/", 1)[0] for rel in files} | {t for t in schema.SCHEMAS if self.handle(t)}):
-            handle = self.handle(table) or self._create(table, schema.SCHEMAS[table])
+            handle = self.handle(table) or self._create(table, schema.delta_schema(table))
             with delta_errors(self.storage, table, "reading"):
                 handle.update_incremental()
             present = {rel: size for rel, (size, _) in self._files_at(table, handle.version()).items()}
@@ -493,7 +493,7 @@ class RunLog:
         """One Delta version of `table` (created when new): `added` join it, `removed` leave it.
         Returns the version. Versions no row records (a killed commit's, or a job's this one took
         the run from) are restored away first."""
-        handle = self.handle(table) or self._create(table, schema.SCHEMAS[table])
+        handle = self.handle(table) or self._create(table, schema.delta_schema(table))
         expected = self.state.versions.get(table, 0)
         with delta_errors(self.storage, table, "writing"):
             if handle.version() != expected:  # versions this job has not read: see what is there
@@ -501,8 +501,20 @@ class RunLog:
             if handle.version() != expected:
                 self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
                 self._restore(handle, expected)
+            self._add_columns(handle, table)
             return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed}, info,
                                        app_id, seq)
+
+    def _add_columns(self, handle, table: str) -> None:
+        """Give a table created with fewer columns than `schema.delta_schema` (a samples table of
+        a run written before the trajectory columns) the missing ones, nullable: one Delta
+        version, so that readers of the log see the columns of the parts this commit adds."""
+        names = set(handle.schema().to_arrow().names)
+        missing = [field for field in schema.delta_schema(table) if field.name not in names]
+        if missing:
+            from deltalake.schema import Field
+
+            handle.alter.add_columns([Field.from_arrow(field.with_nullable(True)) for field in missing])
 
     def _write_version(self, handle, added: Mapping[str, LoggedFile], removed: Mapping[str, int], info: Mapping,
                        app_id: str, seq: int) -> int:

@@ -29,6 +29,7 @@ accepted and cast to the canonical type.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -304,6 +305,40 @@ def _with_trajectories(table: pa.Table, where: str) -> pa.Table:
     if table.num_rows:
         check_trajectories(table, where=where)
     return table
+
+
+def one_turn_trajectories(samples: pa.Table) -> pa.Table:
+    """A single-turn samples table with the trajectory columns of what each row is, a
+    trajectory of one assistant turn: every token the model's, `messages_out` its response,
+    no tool call, stop_reason "done" (finish_reason stop) or "length". Used where single-turn
+    and multi-turn parts meet in one table (a run's rounds read together)."""
+    if samples.schema.get_field_index("response_mask") >= 0:
+        return samples
+    lengths = pc.list_value_length(samples.column("response_token_ids")).to_numpy(zero_copy_only=False)
+    responses = samples.column("response").to_pylist()
+    finished = samples.column("finish_reason").to_pylist()
+    columns = {
+        "response_mask": [[1] * int(n) for n in lengths],
+        "turns": [[{"role": "assistant", "start": 0, "length": int(n)}] if n else [] for n in lengths],
+        "num_turns": [1 if n else 0 for n in lengths],
+        "messages_out": [json.dumps([{"content": text, "role": "assistant"}], ensure_ascii=False)
+                         for text in responses],
+        "turn_rewards": [[None] if n else [] for n in lengths],
+        "tool_calls": [0] * samples.num_rows,
+        "tool_errors": [0] * samples.num_rows,
+        "stop_reason": ["done" if reason == "stop" else "length" for reason in finished],
+    }
+    for field in TRAJECTORY_FIELDS:
+        samples = samples.append_column(field, pa.array(columns[field.name], field.type))
+    return samples
+
+
+def delta_schema(name: str) -> pa.Schema:
+    """The schema of the `name` table's Delta log: its contract, and for samples the
+    trajectory columns as nullable (a single-turn part has none of them: readers see nulls)."""
+    if name != "samples":
+        return SCHEMAS[name]
+    return pa.schema([*SCHEMAS[name], *(field.with_nullable(True) for field in TRAJECTORY_FIELDS)])
 
 
 def check_trajectories(table: pa.Table, where: str = "samples table") -> None:

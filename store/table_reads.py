@@ -70,6 +70,8 @@ class TableReads:
             if validate and table != "prompts":
                 self._check_round(table, rel, part)
             parts.append(part)
+        if table == "samples" and len({"response_mask" in part.column_names for part in parts}) > 1:
+            parts = [schema.one_turn_trajectories(part) for part in parts]  # single- and multi-turn rounds
         result = pa.concat_tables(parts, promote_options="permissive")
         return schema.validate(result, table, self.where(table)) if validate else result
 
