@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,6 +16,11 @@ class EnvConfig(BaseModel):
                                            "registered with register_environment, or 'module:factory'.")
     tools: list[str] = Field(default_factory=list, description="The tools the model may call: registered names "
                              "(calculator) or 'module:function'. Their schemas go to the chat template's `tools`.")
+    tools_prompt: Literal["template", "system"] = Field(
+        "template", description="How the model learns its tools: 'template' passes their schemas to the chat "
+                                "template's `tools` (the template must render them: checked before the run opens); "
+                                "'system' writes them into a system message in the Hermes form, for models whose "
+                                "template ignores `tools` (SmolLM2's).")
     max_turns: int = Field(4, ge=1, description="Assistant turns per trajectory at most; a trajectory that reaches "
                                                 "it stops with stop_reason 'max_turns'.")
     max_tokens: int = Field(1024, ge=1, description="Tokens per trajectory after the prompt at most (model and "

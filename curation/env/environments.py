@@ -18,7 +18,9 @@ Environments are made by name from an `EnvConfig` (curation/env/config.py):
 tokenizer)` checks a definition before a run opens: the environment and tools exist, the
 tools have schemas, the names do not clash and the chat template renders them.
 
-The shipped "tools" environment runs the model's tool calls. It keeps no state between
+The shipped "tools" environment runs the model's tool calls. Its tools reach the model through
+the chat template's `tools` (`tools_prompt = "template"`) or, for a template that ignores them
+(SmolLM2's), through a system message that lists them in the Hermes form (`"system"`). It keeps no state between
 turns, so one instance serves every trajectory of a generate (`step_many` sends all the calls
 of a turn to its worker processes together); an environment with per-trajectory state is made
 once per trajectory. For each assistant message it parses the `<tool_call>` blocks
@@ -203,8 +205,11 @@ def check_environment(config: EnvConfig, tokenizer: Any = None) -> list[dict[str
         if config.name == "tools" and not config.tools:
             raise ValueError("the tools environment needs at least one tool in `tools` (e.g. 'calculator')")
         schemas = tool_schemas(config.tools)
-        if tokenizer is not None and schemas:
+        if tokenizer is not None and schemas and config.tools_prompt == "template":
             check_tools_render(tokenizer, schemas)
+        elif tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {getattr(tokenizer, 'name_or_path', '') or 'the model'} has no chat "
+                             "template, which a multi-turn generate needs")
     except ValueError as exc:
         raise ValueError(f"[env] {exc}") from None
     return schemas
@@ -233,6 +238,15 @@ def check_tools_render(tokenizer: Any, schemas: Sequence[dict[str, Any]]) -> Non
 
 
 # ---- the tools environment ----------------------------------------------------------
+
+
+def tools_system_text(schemas: Sequence[dict[str, Any]]) -> str:
+    """A system message's description of the tools in the Hermes form (the schemas as JSON
+    inside <tools>, a call as a <tool_call> block), for a template that does not render `tools`."""
+    listed = "\n".join(json.dumps(schema, sort_keys=True) for schema in schemas)
+    return ("You may call tools to help you answer. The tools:\n<tools>\n" + listed + "\n</tools>\n"
+            'To call one, write <tool_call>{"name": "<tool name>", "arguments": {<its arguments>}}</tool_call>; '
+            "its result comes back in a tool message. When you have the answer, reply without a tool call.")
 
 
 def tool_result_text(value: Any, max_chars: int) -> str:
@@ -293,9 +307,21 @@ class ToolsEnvironment:
         self.schemas = [tool_schema(fn, name) for name, fn in self.tools.items()]
         self._pool: WorkerPool | None = None
 
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The schemas the chat template renders (`tools_prompt = "template"`), else None."""
+        return self.schemas if self.config.tools_prompt == "template" else None
+
     def reset(self, prompt_row: dict[str, Any]) -> list[dict[str, Any]]:
-        """The prompt row's messages (the tools go to the chat template, not into the messages)."""
-        return prompt_messages(prompt_row)
+        """The prompt row's messages; with `tools_prompt = "system"` the tools are described in its
+        system message (`tools_system_text`), added first or put before the row's own."""
+        messages = prompt_messages(prompt_row)
+        if self.config.tools_prompt != "system":
+            return messages
+        text = tools_system_text(self.schemas)
+        if messages and messages[0].get("role") == "system":
+            return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+        return [{"role": "system", "content": text}, *messages]
 
     def step(self, assistant_message: dict[str, Any]) -> EnvStep:
         """The tool messages answering one assistant message; done when it calls no tool."""

@@ -238,7 +238,7 @@ def _generate(call: _Call, generator: Generator, prompts: pa.Table, prompts_file
                          zip(prompts.column("prompt").to_pylist(), prompts.column("messages").to_pylist())]
         else:
             openings = [environment.reset(row) for row in prompts.to_pylist()]
-            tools = getattr(environment, "schemas", None)
+            tools = getattr(environment, "template_tools", None)
             token_ids = [prompt_token_ids(generator.tokenizer, messages, tools) for messages in openings]
     except ValueError as exc:  # e.g. messages and a tokenizer without a chat template
         raise SchemaError(f"prompts file ({prompts_file}): {exc}") from None
@@ -312,7 +312,7 @@ def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids:
             else:
                 _, groups = roll_out(generator, generator.tokenizer, turns.environment,
                                      [turns.openings[i] for i in chunk], seeds, call.sampling,
-                                     tools=getattr(turns.environment, "schemas", None),
+                                     tools=getattr(turns.environment, "template_tools", None),
                                      max_turns=call.env.max_turns, max_tokens=call.env.max_tokens)
             sample_seconds += time.perf_counter() - tic
             parts.append(_samples_table(call.run_id, call.round, call.sampling, call.fingerprint,

@@ -571,3 +571,29 @@ def test_check_tools_render_without_a_template(toy_dir):
     tokenizer = AutoTokenizer.from_pretrained(toy_dir / "model")
     with pytest.raises(ValueError, match="has no chat template, so it cannot render tools"):
         check_tools_render(tokenizer, check_environment(EnvConfig(tools=["calculator"])))
+
+
+def test_tools_in_the_system_message_reach_a_template_that_ignores_tools(real_model, toy_dir):
+    """`tools_prompt = "system"`: the schemas are written into the system message, so SmolLM2's
+    template, which ignores `tools`, renders them; nothing goes to the template's `tools`."""
+    from transformers import AutoTokenizer
+
+    from curation.env.environments import ToolsEnvironment
+
+    config = EnvConfig(tools=["calculator"], tools_prompt="system")
+    tokenizer = AutoTokenizer.from_pretrained(real_model)
+    assert check_environment(config, tokenizer)[0]["function"]["name"] == "calculator"
+    with ToolsEnvironment(config) as env:
+        assert env.template_tools is None
+        opening = env.reset({"prompt_id": "p", "prompt": "What is 123*45?"})
+        assert [m["role"] for m in opening] == ["system", "user"]
+        rendered = tokenizer.apply_chat_template(opening, tokenize=False, add_generation_prompt=True)
+        assert '"name": "calculator"' in rendered and "<tool_call>" in rendered
+        own = env.reset({"prompt_id": "p", "messages": [{"role": "system", "content": "Be brief."},
+                                                        {"role": "user", "content": "2+2?"}]})
+        assert own[0]["content"].startswith("Be brief.\n\n") and "calculator" in own[0]["content"]
+    with ToolsEnvironment(EnvConfig(tools=["calculator"])) as env:
+        assert env.template_tools == env.schemas
+    toy_tokenizer = AutoTokenizer.from_pretrained(toy_dir / "model")
+    with pytest.raises(ValueError, match=r"\[env\] the tokenizer of .* has no chat template"):
+        check_environment(config, toy_tokenizer)
