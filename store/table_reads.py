@@ -84,13 +84,14 @@ class TableReads:
 
     def read_columns(self, table: str, columns: Sequence[str], rounds: int | Sequence[int] | None = None,
                      validate: bool = True, exclude_parts: Sequence[str] = ()) -> pa.Table:
-        """`columns` of `table` (contract columns, e.g. the keys and reward of scores), the same
+        """`columns` of `table` (contract columns, e.g. the keys and reward of scores, and the
+        samples table's optional trajectory columns, null in parts without them), the same
         rows and values as `read(...).select(columns)` without reading the other columns.
         `exclude_parts`: part names (`part-<name>-<sha>.parquet`) left unread, e.g. a stage's own output."""
         parts = list(self.iter_columns(table, columns, rounds, validate, exclude_parts))
-        if parts:
-            return pa.concat_tables(parts)
-        return pa.schema([schema.SCHEMAS[table].field(c) for c in columns]).empty_table()
+        if parts:  # (permissive: an optional column is nullable where a part lacks it)
+            return pa.concat_tables(parts, promote_options="permissive")
+        return pa.schema(_fields(table, columns)).empty_table()
 
     def iter_columns(self, table: str, columns: Sequence[str], rounds: int | Sequence[int] | None = None,
                      validate: bool = True, exclude_parts: Sequence[str] = (),
@@ -98,12 +99,7 @@ class TableReads:
         """read_columns as an iterator: one table per file, or per batch of <= `batch_rows` rows
         of a file (memory then holds one batch: a curation stage's pass over a large round),
         each checked as read_columns checks the whole. A part `held` is taken from memory, whole."""
-        contract = schema.SCHEMAS[table]
-        unknown = [c for c in columns if c not in contract.names]
-        if unknown:
-            raise ValueError(f"the {table} table has no column(s) {unknown} in its contract; "
-                             f"known: {', '.join(contract.names)}")
-        wanted = pa.schema([contract.field(c) for c in columns])
+        wanted = pa.schema(_fields(table, columns))
         check_round = validate and table != "prompts"
         for rel in self.files(table, rounds):
             if part_name(rel) in exclude_parts:
@@ -147,3 +143,18 @@ class TableReads:
         """Rows of a live part file (from memory or its commit's record)."""
         held = self.held_part(rel)
         return held.table.num_rows if held is not None else self.state.files[rel].rows
+
+
+def _fields(table: str, columns: Sequence[str]) -> list[pa.Field]:
+    """The fields of `columns` of `table`: its contract's, or an optional column's
+    (schema.field_of: a samples trajectory column) as nullable; a ValueError for any other."""
+    contract = schema.SCHEMAS[table]
+    fields = []
+    for column in columns:
+        try:
+            field = schema.field_of(table, column)
+        except KeyError:
+            raise ValueError(f"the {table} table has no column {column!r} in its contract; "
+                             f"known: {', '.join(contract.names)}") from None
+        fields.append(field if column in contract.names else field.with_nullable(True))
+    return fields
