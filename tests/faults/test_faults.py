@@ -249,6 +249,7 @@ eval_limit = 2
 backend = "hf"
 group_size = 2
 max_tokens = 16
+temperature = 0.3
 chunk_prompts = 1
 
 [env]
@@ -271,7 +272,7 @@ metric = "math"
 max_tokens = 8
 """
 """One round of SmolLM2 (the toy has no chat template, which multi-turn needs) on the transformers
-backend: 2 prompts x 2 trajectories in 2 chunks of one prompt, each assistant turn answered by a
+backend, at a temperature where its turns mostly end by themselves: 2 prompts x 2 trajectories in 2 chunks of one prompt, each assistant turn answered by a
 call of a slow tool (tests/env_fixtures.py) in the tools environment's worker process."""
 
 MULTI_TURN_POINTS = ("generate.turn", "env.tool_call")
@@ -318,8 +319,8 @@ def test_a_multi_turn_round_killed_between_turns_or_in_a_tool_call_resumes(point
     passes = max(len([t for t in row["turns"] if t["role"] == "assistant"]) for row in chunk) \
         if point == "generate.turn" else sum(row["tool_calls"] for row in chunk)
     later = [row for row in _trajectories(reference) if row["prompt_id"] != first]
-    assert passes >= 1 and (point == "generate.turn" or sum(row["tool_calls"] for row in later) >= 1), \
-        "the reference run has no tool call in one of its chunks: change the spec's seed"
+    assert point == "generate.turn" or sum(row["tool_calls"] for row in later) >= 1, \
+        "the reference run has no tool call in its second chunk: change the spec's seed"
     run_dir = tmp_path / "run"
     command = _commands(spec, run_dir)["run"]
     crash = _cli(command, fault=f"{point}:{passes + 1}")

@@ -40,6 +40,7 @@ eval_limit = 2
 backend = "hf"
 group_size = 2
 max_tokens = 16
+temperature = 0.3
 
 [[score.rewards]]
 name = "math"
