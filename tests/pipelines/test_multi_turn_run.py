@@ -80,7 +80,7 @@ BAD_ENVS = [
     ('[env]\nname = "no-such-env"\n', "error: [env] unknown environment 'no-such-env'; registered: tools"),
     ('[env]\ntools = ["no_such_tool"]\n', "error: [env] unknown tool 'no_such_tool'; registered: calculator"),
     ('[env]\ntools = ["tests.env_fixtures:untyped_tool"]\n',
-     "error: [env] tool 'tests.env_fixtures:untyped_tool': parameter 'x' has no type hint"),
+     "error: [env] tool 'untyped_tool': parameter 'x' has no type hint"),
     # SmolLM2's chat template drops `tools`: the model would never see the calculator
     ('[env]\ntools = ["calculator"]\n', "error: [env] the chat template of {model} ignores tools: the prompt it "
                                          "renders does not name calculator"),

@@ -100,7 +100,6 @@ eval = "runs/toy/eval.parquet"
     ("[env]\ntools = 'calculator'\n", "env.tools: Input should be a valid list"),
     ("[env]\ntools = ['calculator', 'calculator']\n", "env.tools: Value error, tool 'calculator' is listed twice"),
     ("[env]\ntool_timeout_s = 0\n", "env.tool_timeout_s: Input should be greater than 0"),
-    ("env = 'tools'\n", "env: Input should be a valid dictionary"),
 ])
 def test_bad_specs_name_the_key_and_the_file(tmp_path, toy_dir, monkeypatch, extra, message):
     monkeypatch.chdir(REPO)
