@@ -272,8 +272,9 @@ metric = "math"
 max_tokens = 8
 """
 """One round of SmolLM2 (the toy has no chat template, which multi-turn needs) on the transformers
-backend, at a temperature where its turns mostly end by themselves: 2 prompts x 2 trajectories in 2 chunks of one prompt, each assistant turn answered by a
-call of a slow tool (tests/env_fixtures.py) in the tools environment's worker process."""
+backend, at a temperature where its turns mostly end by themselves: 2 prompts x 2 trajectories
+in 2 chunks of one prompt, each assistant turn answered by a call of a slow tool
+(tests/env_fixtures.py) in the tools environment's worker process."""
 
 MULTI_TURN_POINTS = ("generate.turn", "env.tool_call")
 """Killed in round 1's second chunk (the first one staged): at its first environment turn, and
