@@ -1,7 +1,7 @@
 """Specs: TOML files validated by pydantic models, with errors that name the key and the file.
 
 A pipeline spec (`PipelineSpec`) describes a whole run: [run] [model] [prompts] [generator]
-[score] [filter] [label] [pair] [train] [eval] [export]; every section maps 1:1 to a pydantic model
+[env] [score] [filter] [label] [pair] [train] [eval] [export]; every section maps 1:1 to a pydantic model
 and an unknown or invalid key is an error naming the key and the file. The shipped specs
 are in pipelines/specs/.
 """
@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from curation.env.config import EnvConfig
 from curation.generate.base import GeneratorConfig, SamplingConfig, SamplingSettings
 from curation.generate.prompt_files import check_prompt_file, expand_prompt_files
 from curation.stages.export import ExportConfig
@@ -95,6 +96,14 @@ def load_section(model: type[M], path: str | Path | None, section: str,
         raise ValueError(f"config {path}: [{section}] must be a table")
     data = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
     return validate_model(model, data, path, section)
+
+
+def load_env_config(path: str | Path) -> EnvConfig:
+    """The [env] section of a TOML file (a spec, or a file of its own) as an EnvConfig; a file
+    without one is a ValueError naming it (`groupforge generate --env-config`)."""
+    if "env" not in read_toml(path):
+        raise ValueError(f"config {path}: no [env] section (e.g. [env] name = \"tools\", tools = [\"calculator\"])")
+    return load_section(EnvConfig, path, "env")
 
 
 # -- the pipeline spec: one TOML file describes a run ------------------------------------
@@ -199,13 +208,16 @@ class EvalSection(SpecSection):
 
 
 class PipelineSpec(SpecSection):
-    """A whole run: [run] [model] [prompts] [generator] [score] [filter] [label] [pair] [train] [eval]
-    [export]."""
+    """A whole run: [run] [model] [prompts] [generator] [env] [score] [filter] [label] [pair] [train]
+    [eval] [export]."""
 
     run: RunSection
     model: ModelSection
     prompts: PromptsSection
     generator: GeneratorSection = Field(default_factory=GeneratorSection)
+    env: EnvConfig | None = Field(None, description="Multi-turn rollouts: each sample a trajectory against this "
+                                  "environment (curation/env/), written with the samples table's trajectory "
+                                  "columns. Absent: one response per sample.")
     score: ScoreConfig = Field(default_factory=ScoreConfig)
     filter: FilterConfig = Field(default_factory=FilterConfig)
     label: LabelConfig = Field(default_factory=LabelConfig)

@@ -9,6 +9,10 @@ comma-separated. Unset (always, outside tests), a point costs one dictionary loo
 points, where they sit and what a kill there leaves behind:
 
     generate.chunk_staged      a chunk of a multi-chunk round is staged (RUN/_staging)
+    generate.turn              a multi-turn generate's environment answered a turn of a chunk's
+                               trajectories (curation/generate/turns.py), the next turn not sampled
+    env.tool_call              a tool worker has begun a call of the tools environment, the
+                               parent waits for its result (curation/rewards/pool.py)
     commit.files_published     a commit's part files are written, no table has its Delta version
     commit.tables_written      its tables have their Delta versions, its row in RUN/_commits (the
                                commit point) is not
@@ -44,7 +48,8 @@ from pathlib import Path
 FAULT_ENV = "GROUPFORGE_FAULT"
 PAUSE_ENV = "GROUPFORGE_PAUSE"
 
-POINTS = ("generate.chunk_staged", "commit.files_published", "commit.tables_written", "commit.logged",
+POINTS = ("generate.chunk_staged", "generate.turn", "env.tool_call",
+          "commit.files_published", "commit.tables_written", "commit.logged",
           "stage.before_commit",
           "train.step_logged", "checkpoint.weights_written", "checkpoint.optimizer_written", "loop.after_curate",
           "loop.reload", "loop.eval", "export.before_rename", "report.before_write",

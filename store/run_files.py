@@ -94,6 +94,10 @@ included), the trainer but its checkpoint writes, checkpoint writes, loading new
 the engine, evaluation, and other = wall - the rest (prompt choice, bookkeeping; never < 0)."""
 
 
+TRAJECTORY_KEYS = ("tool_use_rate", "tool_calls", "tool_errors", "mean_turns", "stop_reasons")
+"""The round record's keys of a multi-turn round, from its samples' trajectory columns."""
+
+
 @dataclass
 class RoundRecord:
     """One line `{"event": "round", ...}` of metrics.jsonl: what a round of the loop did.
@@ -134,9 +138,23 @@ class RoundRecord:
     """The cosine horizon the round trained with (a replay after a kill uses it again)."""
     peak_rss_mib: float | None = None
     """The loop process's peak resident memory so far (ru_maxrss), MiB: engine, trainer and all."""
+    # A multi-turn round's (`[env]`; a single-turn record has none of these keys):
+    tool_use_rate: float | None = None
+    """Share of the round's trajectories with at least one tool call."""
+    tool_calls: int | None = None
+    """Tool calls of the round's trajectories."""
+    tool_errors: int | None = None
+    """Those that failed (raised, timed out, an unknown tool, a call that could not be parsed)."""
+    mean_turns: float | None = None
+    """Assistant (model) turns per trajectory, on average."""
+    stop_reasons: dict[str, int] | None = None
+    """Trajectories per stop_reason (done, max_turns, max_tokens, length)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"event": "round", **dataclasses.asdict(self)}
+        """The metrics.jsonl line: every field, but a multi-turn field that is None."""
+        fields = dataclasses.asdict(self)
+        return {"event": "round", **{key: value for key, value in fields.items()
+                                     if not (key in TRAJECTORY_KEYS and value is None)}}
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> RoundRecord:

@@ -412,18 +412,20 @@ def parquet_sql(run_dir: Path, table: str, rounds=None) -> str:
 
 
 def check_tables(run_dir):
-    """Every (round, prompt_id, sample_idx) once in samples; groups + rejects cover samples exactly."""
+    """Every (round, prompt_id, sample_idx) once in samples; groups + rejects (a run may have
+    none) cover samples exactly."""
     dup = duckdb.sql("SELECT count(*) - count(DISTINCT (round, prompt_id, sample_idx)) "
                      f"FROM {parquet_sql(run_dir, 'samples')}")
     assert dup.fetchall()[0][0] == 0
-    uncovered = duckdb.sql(f"""
-        WITH covered AS (
-            SELECT round, prompt_id, sample_idx, 1 AS n FROM {parquet_sql(run_dir, 'groups')}
+    rejected = f"""
             UNION ALL
             SELECT s.round, s.prompt_id, s.sample_idx, 1 FROM {parquet_sql(run_dir, 'rejects')} r
             JOIN {parquet_sql(run_dir, 'samples')} s
               ON s.round = r.round AND s.prompt_id = r.prompt_id
-             AND (r.sample_idx IS NULL OR r.sample_idx = s.sample_idx))
+             AND (r.sample_idx IS NULL OR r.sample_idx = s.sample_idx)""" if logged_files(run_dir, "rejects") else ""
+    uncovered = duckdb.sql(f"""
+        WITH covered AS (
+            SELECT round, prompt_id, sample_idx, 1 AS n FROM {parquet_sql(run_dir, 'groups')}{rejected})
         SELECT count(*) FROM {parquet_sql(run_dir, 'samples')} s
         LEFT JOIN (SELECT round, prompt_id, sample_idx, sum(n) AS n FROM covered GROUP BY ALL) c
           USING (round, prompt_id, sample_idx)

@@ -9,6 +9,7 @@ from curation.env.environments import (
     EnvStep,
     ToolsEnvironment,
     check_environment,
+    check_model_environment,
     check_tools_render,
     get_environment,
     make_environment,
@@ -18,6 +19,6 @@ from curation.env.environments import (
 from curation.env.tools import calculator, get_tool, register_tool, tool_names, tool_schema
 
 __all__ = ["CallParseError", "EnvConfig", "EnvStep", "Environment", "ToolCall", "ToolsEnvironment", "calculator",
-           "check_environment", "check_tools_render", "content_without_calls", "get_environment", "get_tool",
-           "make_environment", "parse_tool_calls", "register_environment", "register_tool", "step_many",
-           "tool_names", "tool_schema"]
+           "check_environment", "check_model_environment", "check_tools_render", "content_without_calls",
+           "get_environment", "get_tool", "make_environment", "parse_tool_calls", "register_environment",
+           "register_tool", "step_many", "tool_names", "tool_schema"]

@@ -16,7 +16,9 @@ Environments are made by name from an `EnvConfig` (curation/env/config.py):
 `@register_environment(name)` on a factory `factory(config) -> Environment`, or
 `"module:factory"`; `make_environment(config)` calls it. `check_environment(config,
 tokenizer)` checks a definition before a run opens: the environment and tools exist, the
-tools have schemas, the names do not clash and the chat template renders them.
+tools have schemas, the names do not clash and the chat template renders them
+(`check_model_environment(config, model)`: the same with a model folder's tokenizer, which
+must have a chat template; `groupforge run` and `groupforge generate` call it).
 
 The shipped "tools" environment runs the model's tool calls. Its tools reach the model through
 the chat template's `tools` (`tools_prompt = "template"`) or, for a template that ignores them
@@ -47,6 +49,7 @@ import json
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from curation.env.calls import CallParseError, ToolCall, parse_tool_calls
@@ -213,6 +216,23 @@ def check_environment(config: EnvConfig, tokenizer: Any = None) -> list[dict[str
     except ValueError as exc:
         raise ValueError(f"[env] {exc}") from None
     return schemas
+
+
+def check_model_environment(config: EnvConfig, model: str | Path, trust_remote_code: bool = False
+                            ) -> list[dict[str, Any]]:
+    """`check_environment` with the tokenizer of the model folder `model` (a path, or an
+    object-store URL: this machine's copy), which must have a chat template: the multi-turn
+    driver renders every conversation with it. Returns the tools' schemas; a ValueError of one
+    line starting "[env]" otherwise."""
+    from transformers import AutoTokenizer
+
+    from store.location import local_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(local_folder(model), trust_remote_code=trust_remote_code)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"[env] the tokenizer of model folder {model} has no chat template, which a multi-turn "
+                         "generate renders every conversation with: use a model whose tokenizer has one")
+    return check_environment(config, tokenizer)
 
 
 def check_tools_render(tokenizer: Any, schemas: Sequence[dict[str, Any]]) -> None:
@@ -395,7 +415,8 @@ class ToolsEnvironment:
                                     timeout_s=config.tool_timeout_s, workers=config.tool_workers or default_workers(),
                                     memory_mb=config.tool_memory_mb,
                                     cpu_s=config.tool_cpu_seconds or config.tool_timeout_s,
-                                    what="tool", describe=f"tools {', '.join(self.tools)}")
+                                    what="tool", describe=f"tools {', '.join(self.tools)}",
+                                    started_point="env.tool_call")
         return self._pool.run(len(items), lambda start, stop: pickle.dumps(items[start:stop]))
 
 

@@ -54,6 +54,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from curation.rewards.registry import trl_arguments
+from store.faults import fault_point
 
 _START_TIMEOUT_S = 120.0  # a worker that cannot even import the job's module in this time is a config error
 
@@ -242,8 +243,8 @@ class _Worker:
         self.task, self.started, self.since = task, 0, time.monotonic()
         return True
 
-    def poll_progress(self, now: float) -> None:
-        """Count the items begun since the last look; restart the item clock if any."""
+    def poll_progress(self, now: float) -> int:
+        """Count the items begun since the last look (returned); restart the item clock if any."""
         begun = 0
         while True:
             try:
@@ -255,6 +256,7 @@ class _Worker:
             begun += len(chunk)
         if begun:
             self.started, self.since = self.started + begun, now
+        return begun
 
     def current_item(self) -> int:
         """The item the worker is on (the first of its task before it has begun one)."""
@@ -304,19 +306,22 @@ class WorkerPool:
     """Up to `workers` worker processes running `job`, each item within `timeout_s` (wall) and
     `cpu_s` (CPU seconds), each worker within `memory_mb` of address space. Workers start on
     the first `run` and stay for the next until `close()` (or the pool is garbage-collected).
-    `what` names the function in messages ("reward worker died (exit code 3)").
+    `what` names the function in messages ("reward worker died (exit code 3)"); `started_point`,
+    a kill point of store/faults.py passed each time the parent sees a worker begin items.
 
         with WorkerPool(CallEach(fn), timeout_s=2, what="tool") as pool:
             results, errors = pool.run(len(items), lambda a, b: pickle.dumps(items[a:b]))
     """
 
     def __init__(self, job: IsolatedJob, *, timeout_s: float, workers: int = 2, memory_mb: int | None = None,
-                 cpu_s: float | None = None, what: str = "reward", describe: str | None = None):
+                 cpu_s: float | None = None, what: str = "reward", describe: str | None = None,
+                 started_point: str | None = None):
         if timeout_s <= 0:
             raise ValueError(f"worker pool: timeout_s must be > 0, got {timeout_s}")
         if workers < 1:
             raise ValueError(f"worker pool: workers must be >= 1, got {workers}")
         self.what, self.describe = what, describe or repr(getattr(job, "fn", job))
+        self.started_point = started_point
         try:
             self.payload = pickle.dumps(job)
         except Exception as exc:
@@ -353,7 +358,8 @@ class WorkerPool:
                 ready = set(wait([w.conn for w in self.workers], timeout=0.05))
                 now = time.monotonic()
                 for k, worker in enumerate(self.workers):
-                    worker.poll_progress(now)
+                    if worker.poll_progress(now) and self.started_point is not None:
+                        fault_point(self.started_point)
                     dead = worker.conn in ready and batch.receive(worker, now)
                     batch.check(k, worker, dead, now)
             finished = True

@@ -45,12 +45,19 @@ def generate_command(
     force: bool = typer.Option(False, "--force", help="Regenerate even if the round is up to date."),
     no_wait: bool = typer.Option(False, "--no-wait",
                                  help="Exit (code 3) instead of waiting when another job holds the run."),
+    env_config: Optional[Path] = typer.Option(
+        None, "--env-config", help=escape("TOML file with an [env] section (a spec's will do): each sample is a "
+                                          "multi-turn trajectory against that environment, written with the "
+                                          "trajectory columns.")),
     overrides: dict = OVERRIDES,
 ) -> None:
-    """Sample G responses per prompt and write samples (with behavior_logprobs) to RUN/samples/round=<n>/."""
+    """Sample G responses per prompt and write samples (with behavior_logprobs) to RUN/samples/round=<n>/;
+    with --env-config, G multi-turn trajectories."""
+    from curation.env.environments import check_model_environment
     from curation.generate.base import load_prompts
     from curation.generate.prompt_files import check_chat_template
     from curation.generate.stage import generate, resolve_backend
+    from pipelines.spec import load_env_config
     from store.weights import check_model_folder
 
     local_run_folder(out)
@@ -62,6 +69,9 @@ def generate_command(
         load_prompts(prompts)  # fail on a bad prompts file before any lock, generator or progress bar
         check_model_folder(model)  # and on a bad model folder (the lock writes the run's log)
         check_chat_template([str(prompts)], model)  # and on conversations the model cannot render
+        env = load_env_config(env_config) if env_config is not None else None
+        if env is not None:  # and on an environment, tool or template a multi-turn generate cannot use
+            check_model_environment(env, model)
         backend = resolve_backend(settings.backend, model)
         command_log(out, "generate")
         with writer_lock(out, no_wait):
@@ -71,7 +81,7 @@ def generate_command(
                     out, prompts, sampling, model=model, backend=backend, round=round, force=force,
                     chunk_prompts=settings.chunk_prompts,
                     progress=lambda done, total: bar.update(task, completed=done, total=total),
-                    generator_kwargs=settings.generator_kwargs(backend),
+                    generator_kwargs=settings.generator_kwargs(backend), env=env,
                 )
     if result.skipped:
         from store.run_log import COMMITS

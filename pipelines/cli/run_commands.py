@@ -144,6 +144,17 @@ def _round_row(rec: dict) -> list[str]:
             f"{rec.get('train_tokens_per_s', 0):,.0f}", f"{rec.get('wall_seconds', 0):.1f}"]
 
 
+def turns_line(rec: dict) -> str | None:
+    """A multi-turn round's trajectories in one line (None for a single-turn round): "tool use
+    75%  tool calls 6 (1 error)  turns 2.50  stop done 3, max_turns 1"."""
+    if rec.get("mean_turns") is None:
+        return None
+    errors = rec.get("tool_errors") or 0
+    reasons = ", ".join(f"{reason} {count}" for reason, count in (rec.get("stop_reasons") or {}).items())
+    return (f"tool use {100 * (rec.get('tool_use_rate') or 0):.0f}%  tool calls {rec.get('tool_calls') or 0} "
+            f"({errors} error{'' if errors == 1 else 's'})  turns {rec['mean_turns']:.2f}  stop {reasons}")
+
+
 def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Optional[int],
              no_wait: bool, overrides: list[str] = (), report: bool = False,
              own_log: bool = True) -> tuple[str | Path, list[dict]]:
@@ -171,6 +182,9 @@ def _run_one(spec: "Path | object", run_dir: Optional[str | Path], extra: Option
                       f"{'-' if reward is None else f'{reward:.3f}'}  kept groups {rec.get('kept_groups', 0)}  "
                       f"pairs {_pairs_text(rec)}  policy {rec.get('policy_version', 0)}  "
                       f"{rec.get('wall_seconds', 0):.1f}s", highlight=False, soft_wrap=True)
+        turns = turns_line(rec)
+        if turns:
+            console.print(f"             {turns}", highlight=False, soft_wrap=True)
         breakdown = breakdown_line(rec)
         if breakdown:
             console.print(f"             {breakdown}", highlight=False, soft_wrap=True)

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from curation.env.environments import check_model_environment
 from curation.generate.base import Generator
 from curation.generate.prompt_files import check_chat_template, expand_prompt_files
 from curation.generate.stage import GenerateResult
@@ -80,6 +81,7 @@ from pipelines.loop.steps import (
     sample,
     sampling_manifests,
     train_round,
+    trajectory_stats,
     wait_for_prefetch,
 )
 from pipelines.loop.trackers import Trackers, check_installed, spec_params
@@ -273,7 +275,8 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
              wait: bool = True, log: Callable[[str], None] = print) -> Iterator[RoundContext]:
     """The run of `spec` opened for writing (the loop's, and each Dagster step's,
     pipelines/orchestrate/dagster.py): its train prompt files listed and checked against the
-    model's chat template, the run checked against its log, locked, its Ray session up,
+    model's chat template, its `[env]` checked with the model's tokenizer, the run checked
+    against its log, locked, its Ray session up,
     the checkpoint it resumes from checked, its target rounds and RUN/spec.toml written, its round
     records read. Yields its RoundContext; on the way out waits for a prefetch and closes the
     engine, the trainer ranks and the trainer session."""
@@ -289,6 +292,8 @@ def open_run(spec: PipelineSpec | str | Path, run_dir: str | Path | None = None,
     prompt_files = expand_prompt_files(spec.prompts.train)
     # conversations the model cannot render (no chat template): refused before anything is written
     check_chat_template([*prompt_files, spec.prompts.eval], spec.model.path, spec.model.trust_remote_code)
+    if spec.env is not None:  # and an environment, tool or template a multi-turn generate cannot use
+        check_model_environment(spec.env, spec.model.path, spec.model.trust_remote_code)
     # a resumed run is what its log says, before the lock writes the log's "open" row
     # (a damaged run, a missing bucket, refused credentials: nothing written) and before a round reads it
     check_run(location.storage)
@@ -340,9 +345,11 @@ def start_record(ctx: RoundContext, accuracy: float) -> RoundRecord:
 def round_record(ctx: RoundContext, round: int, previous: RoundRecord, trained: Trained,
                  accuracy: float | None) -> RoundRecord:
     """The record of round `round` >= 1, trained and evaluated: from its tables (held parts
-    from memory) and its generate and refill manifests, and its stopwatch."""
+    from memory; with `[env]` its trajectories' tool use, turns and stop reasons too) and its
+    generate and refill manifests, and its stopwatch."""
     spec = ctx.spec
     stats = round_stats(ctx.store, round, paired="pair" in loop_stages(spec))
+    turns = trajectory_stats(ctx.store, round) if spec.env is not None else {}
     manifests = sampling_manifests(ctx.store, round)
     tokens, sample_seconds = (sum(float(m.get(key) or 0) for m in manifests)
                               for key in ("response_tokens", "sample_seconds"))
@@ -359,7 +366,7 @@ def round_record(ctx: RoundContext, round: int, previous: RoundRecord, trained: 
         gen_tokens_per_s=decimals(tokens / sample_seconds, 1) if sample_seconds else 0.0,
         train_tokens_per_s=decimals(sum(rates) / len(rates), 1) if rates else 0.0,
         phase_seconds=phases, model_seconds=decimals(ctx.clock.model, 4), refill_prompts=refilled,
-        decay_steps=trained.decay_steps, peak_rss_mib=peak_rss_mib())
+        decay_steps=trained.decay_steps, peak_rss_mib=peak_rss_mib(), **turns)
 
 
 def append_dataset(ctx: RoundContext) -> Appended:

@@ -2,12 +2,14 @@
 
     live_generator      the engine with the weights of a policy version (started on first use;
                         new weights from the trainer's memory, else the checkpoint folder)
-    sample              generate G responses per prompt with the live engine (a stage of the round)
+    sample              generate G responses per prompt with the live engine (a stage of the round;
+                        with `[env]` G multi-turn trajectories, as prefetch and the refills do)
     prefetch            `[run] overlap = 1`: the next round's generate in a thread, so the engines
                         sample while the trainer trains; `wait_for_prefetch` takes its result
     curate_round        score -> filter -> label (-> pair: `loop_stages`), each committed
                         before the next runs (the next reads it from the store's held parts)
     round_stats         reward mean, samples, groups, kept groups, pairs: from those tables
+    trajectory_stats    a multi-turn round's tool use, tool errors, turns and stop reasons (its samples)
     train_round         the round's optimizer steps (`checkpoints`: whether it checkpoints)
     replay              after a restart, train again the rounds no checkpoint holds
     evaluate            the eval metric over greedy responses (`evaluates`: whether a round does)
@@ -120,7 +122,8 @@ def _generate_call(ctx: RoundContext, store: RunStore, round: int, prompts_file:
                    stage: str) -> GenerateResult:
     spec = ctx.spec
     return generate(store, prompts_file, spec.generator.sampling(spec.run.seed), generator=generator,
-                    round=round, run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts, stage=stage)
+                    round=round, run_id=spec.run.name, chunk_prompts=spec.generator.chunk_prompts, stage=stage,
+                    env=spec.env)
 
 
 def sampling_manifests(store: RunStore, round: int) -> list[dict]:
@@ -163,6 +166,23 @@ def round_stats(store: RunStore, round: int, paired: bool) -> dict:
             "groups": pc.count_distinct(groups.column("prompt_id")).as_py(),
             "kept_groups": _kept(groups),
             "pairs": store.read_columns("pairs", ["prompt_id"], round).num_rows if paired else None}
+
+
+def trajectory_stats(store: RunStore, round: int) -> dict:
+    """The record's multi-turn keys (store.run_files.TRAJECTORY_KEYS) of `round`, from its samples'
+    trajectory columns (held parts from memory): tool_use_rate, tool_calls, tool_errors,
+    mean_turns and stop_reasons; {} when no sample of the round has them (single-turn)."""
+    samples = store.read_columns("samples", ["num_turns", "tool_calls", "tool_errors", "stop_reason"], round)
+    samples = samples.filter(pc.is_valid(samples.column("num_turns")))
+    if not samples.num_rows:
+        return {}
+    calls = samples.column("tool_calls")
+    reasons = pc.value_counts(samples.column("stop_reason")).to_pylist()
+    return {"tool_use_rate": pc.mean(pc.greater(calls, 0).cast(pa.float64())).as_py(),
+            "tool_calls": pc.sum(calls).as_py(),
+            "tool_errors": pc.sum(samples.column("tool_errors")).as_py(),
+            "mean_turns": pc.mean(samples.column("num_turns")).as_py(),
+            "stop_reasons": {item["values"]: item["counts"] for item in sorted(reasons, key=lambda i: i["values"])}}
 
 
 def kept_groups(store: RunStore, round: int) -> int:

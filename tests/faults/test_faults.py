@@ -12,9 +12,11 @@ the store's code:
 - the final weights equal those of a run nobody killed (the toy run is deterministic)
 
 Six points run without `-m slow`; 12 in `make test` (which runs the slow tests too: every point
-once, here or in the S3 run's chain of kills); all 27 in `make test-exhaustive` (the 15 more
-repeat a covered point in another round or stage). docs/reliability.md's "Faults tried" table
-lists the points and outcomes.
+once, here or in the S3 run's chain of kills, but the two multi-turn ones); all 31 in `make
+test-exhaustive` (the 17 more repeat a covered point in another round or stage, or kill a
+multi-turn round of the real model between turns or in a tool call: its trajectories checked
+against those of the same run nobody killed). docs/reliability.md's "Faults tried" table lists
+the points and outcomes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ from safetensors.torch import load_file
 from store.faults import FAULT_ENV, POINTS
 from store.location import CACHE_ENV
 from store.storage import TEMP_PREFIX
-from tests.helpers import FAULTS_SPEC, REPO, check_invariants, parquet_sql
+from tests.helpers import (
+    FAULTS_SPEC,
+    REPO,
+    check_invariants,
+    commit_rows,
+    logged_files,
+    parquet_sql,
+    round_records,
+)
 
 # The round loop test's spec, with the transformers generator (fast to start, deterministic)
 # and two chunks a round (so a kill can land between them).
@@ -207,11 +217,125 @@ def test_the_readme_lists_every_point():
     text = (REPO / "docs" / "reliability.md").read_text()
     table = text[text.index("## Faults tried"):].split("\n## ", 1)[0]
     rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `")}
-    assert list(rows) == list(POINTS) and {case[0] for case in CASES} | {p for p, _ in S3_KILLS} == set(POINTS)
+    tried = {case[0] for case in CASES} | {p for p, _ in S3_KILLS} | set(MULTI_TURN_POINTS)
+    assert list(rows) == list(POINTS) and tried == set(POINTS)
+    for point in MULTI_TURN_POINTS:
+        assert "multi-turn" in rows[point].split("|")[2], point
     for point, count, _ in CASES:  # each kill tried is in its point's row
         assert f"{count}" in rows[point].split("|")[2], (point, count)
     for point, count in S3_KILLS:
         assert f"S3: {count}" in rows[point].split("|")[2], (point, count)
+
+
+# ---- multi-turn rollouts ----------------------------------------------------------------------
+
+MULTI_TURN_SPEC = """
+[run]
+name = "multi-turn-faults"
+rounds = 1
+steps_per_round = 1
+seed = 1
+
+[model]
+path = "{model}"
+
+[prompts]
+train = ["{prompts}/train.parquet"]
+eval = "{prompts}/eval.parquet"
+per_round = 2
+eval_limit = 2
+
+[generator]
+backend = "hf"
+group_size = 2
+max_tokens = 16
+temperature = 0.3
+chunk_prompts = 1
+
+[env]
+name = "tests.env_fixtures:ScriptedCalls"
+max_turns = 2
+max_tokens = 200
+
+[[score.rewards]]
+name = "math"
+
+[filter]
+drop_zero_variance = false
+
+[train]
+batch_size = 4
+lr = 1e-5
+
+[eval]
+metric = "math"
+max_tokens = 8
+"""
+"""One round of SmolLM2 (the toy has no chat template, which multi-turn needs) on the transformers
+backend, at a temperature where its turns mostly end by themselves: 2 prompts x 2 trajectories
+in 2 chunks of one prompt, each assistant turn answered by a call of a slow tool
+(tests/env_fixtures.py) in the tools environment's worker process."""
+
+MULTI_TURN_POINTS = ("generate.turn", "env.tool_call")
+"""Killed in round 1's second chunk (the first one staged): at its first environment turn, and
+while its first tool call runs (the count: the passes of the first chunk, + 1, from the run
+nobody killed)."""
+
+_TRAJECTORY = ["prompt_id", "sample_idx", "response_token_ids", "behavior_logprobs", "response_mask", "turns",
+               "messages_out", "tool_calls", "tool_errors", "stop_reason"]
+
+
+@pytest.fixture(scope="module")
+def multi_turn(real_model, tmp_path_factory) -> tuple[Path, Path]:
+    """(spec, the run nobody killed) of MULTI_TURN_SPEC."""
+    from pipelines.models.chat_tasks import write_task
+
+    folder = tmp_path_factory.mktemp("multi-turn")
+    write_task("addition", folder / "prompts", train=8, eval=2)
+    spec = folder / "spec.toml"
+    spec.write_text(MULTI_TURN_SPEC.format(model=real_model, prompts=folder / "prompts"))
+    run_dir = folder / "reference"
+    done = _cli(_commands(spec, run_dir)["run"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return spec, run_dir
+
+
+def _trajectories(run_dir: Path) -> list[dict]:
+    """The trajectory columns of the run's samples (read with pyarrow), by prompt and sample."""
+    rows = [row for path in logged_files(run_dir, "samples") for row in pq.read_table(path, columns=_TRAJECTORY)
+            .to_pylist()]
+    return sorted(rows, key=lambda row: (row["prompt_id"], row["sample_idx"]))
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("point", MULTI_TURN_POINTS)
+def test_a_multi_turn_round_killed_between_turns_or_in_a_tool_call_resumes(point, multi_turn, tmp_path):
+    """SIGKILL in round 1's second chunk, between two turns or while a tool call runs in its
+    worker: the rerun reuses the staged first chunk, commits the round, and its trajectories are
+    those of the run nobody killed."""
+    spec, reference = multi_turn
+    first = pq.read_table(reference / "_rounds" / "round=1" / "prompts.parquet").column("prompt_id")[0].as_py()
+    chunk = [row for row in _trajectories(reference) if row["prompt_id"] == first]
+    passes = max(len([t for t in row["turns"] if t["role"] == "assistant"]) for row in chunk) \
+        if point == "generate.turn" else sum(row["tool_calls"] for row in chunk)
+    later = [row for row in _trajectories(reference) if row["prompt_id"] != first]
+    assert point == "generate.turn" or sum(row["tool_calls"] for row in later) >= 1, \
+        "the reference run has no tool call in its second chunk: change the spec's seed"
+    run_dir = tmp_path / "run"
+    command = _commands(spec, run_dir)["run"]
+    crash = _cli(command, fault=f"{point}:{passes + 1}")
+    assert crash.returncode == -9, f"{point}:{passes + 1} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+    assert not logged_files(run_dir, "samples") and len(list((run_dir / "_staging").rglob("chunk-*.parquet"))) == 1
+    again = _cli(command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_invariants(run_dir)
+    manifest = [row["manifest"] for row in commit_rows(run_dir) if row["stage"] == "generate"][-1]
+    assert manifest["resumed_chunks"] == 1
+    assert _trajectories(run_dir) == _trajectories(reference)
+    records = round_records(run_dir)
+    assert [r["round"] for r in records] == [0, 1] and records[1]["stop_reasons"] == round_records(reference)[1][
+        "stop_reasons"]
 
 
 # ---- a run on object storage ------------------------------------------------------------------

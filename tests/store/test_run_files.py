@@ -12,6 +12,7 @@ import pytest
 from store.run_files import (
     METRICS_FILE,
     PHASES,
+    TRAJECTORY_KEYS,
     MetricsLog,
     RoundRecord,
     load_pipeline_state,
@@ -159,6 +160,20 @@ def test_round_record_round_trip_and_line_format(tmp_path):
                             "pairs", "samples_total", "policy_version", "steps", "objective", "wall_seconds",
                             "elapsed_seconds", "gen_tokens_per_s", "train_tokens_per_s", "phase_seconds",
                             "model_seconds", "refill_prompts", "decay_steps", "peak_rss_mib"}
+
+
+def test_a_multi_turn_record_has_its_keys_and_round_trips(tmp_path):
+    """A multi-turn round's record adds tool use, tool calls and errors, turns and stop reasons;
+    they are left out of a single-turn round's line (test_round_record_round_trip_and_line_format)."""
+    record = RoundRecord(round=1, eval_accuracy=0.5, samples=4, tool_use_rate=0.75, tool_calls=5, tool_errors=1,
+                         mean_turns=2.25, stop_reasons={"done": 3, "max_turns": 1})
+    MetricsLog(tmp_path).append(record)
+    back = MetricsLog(tmp_path).round_record(1)
+    assert {key: back[key] for key in TRAJECTORY_KEYS} == {
+        "tool_use_rate": 0.75, "tool_calls": 5, "tool_errors": 1, "mean_turns": 2.25,
+        "stop_reasons": {"done": 3, "max_turns": 1}}
+    assert RoundRecord.from_dict(back) == record
+    assert not set(TRAJECTORY_KEYS) & set(RoundRecord(round=1, eval_accuracy=0.5).to_dict())
 
 
 def test_round_zero_record_defaults():
