@@ -425,12 +425,13 @@ class RunLog:
             if entry.writer != self.writer:
                 raise self._taken_over(entry)
 
-    def commit(self, stage: str, round: int, manifest: Mapping[str, Any], files: Mapping[str, LoggedFile]
-               ) -> list[str]:
+    def commit(self, stage: str, round: int, manifest: Mapping[str, Any], files: Mapping[str, LoggedFile],
+               columns: Mapping[str, Iterable[str]] | None = None) -> list[str]:
         """A stage's commit of `round`: one Delta version per table whose files change (its new
         part files added, its earlier ones for the round removed), then its row (the commit
-        point). `files`: the manifest's outputs with their sha256, size and rows. Returns the
-        files no longer live."""
+        point). `files`: the manifest's outputs with their sha256, size and rows; `columns`: the
+        column names of each new part (a table's Delta log gets the optional ones it lacks,
+        `_add_columns`). Returns the files no longer live."""
         self._write_open_row()
         if self._pending():
             self.catch_up()
@@ -446,7 +447,8 @@ class RunLog:
         for table in sorted({rel.split("/", 1)[0] for rel in (*added, *gone)}):
             versions[table] = self._commit_table(
                 table, {rel: m for rel, m in added.items() if rel.startswith(table + "/")},
-                [rel for rel in gone if rel.startswith(table + "/")], info, f"{stage}@round={round}", seq)
+                [rel for rel in gone if rel.startswith(table + "/")], info, f"{stage}@round={round}", seq,
+                {name for rel in added if rel.startswith(table + "/") for name in (columns or {}).get(rel, ())})
         fault_point("commit.tables_written")
         self._append(Entry(seq, "commit", self.writer, _now(), stage, round, dict(manifest), versions))
         for rel in gone:
@@ -464,7 +466,7 @@ class RunLog:
         self._write_open_row()
         versions = dict(self.state.versions)
         for table in sorted({rel.split("/", 1)[0] for rel in files} | {t for t in schema.SCHEMAS if self.handle(t)}):
-            handle = self.handle(table) or self._create(table, schema.delta_schema(table))
+            handle = self.handle(table) or self._create(table, schema.SCHEMAS[table])
             with delta_errors(self.storage, table, "reading"):
                 handle.update_incremental()
             present = {rel: size for rel, (size, _) in self._files_at(table, handle.version()).items()}
@@ -489,11 +491,11 @@ class RunLog:
         self.state.files = dict(files)
 
     def _commit_table(self, table: str, added: Mapping[str, LoggedFile], removed: list[str], info: Mapping,
-                      app_id: str, seq: int) -> int:
+                      app_id: str, seq: int, columns: set[str] = frozenset()) -> int:
         """One Delta version of `table` (created when new): `added` join it, `removed` leave it.
         Returns the version. Versions no row records (a killed commit's, or a job's this one took
         the run from) are restored away first."""
-        handle = self.handle(table) or self._create(table, schema.delta_schema(table))
+        handle = self.handle(table) or self._create(table, schema.SCHEMAS[table])
         expected = self.state.versions.get(table, 0)
         with delta_errors(self.storage, table, "writing"):
             if handle.version() != expected:  # versions this job has not read: see what is there
@@ -501,20 +503,26 @@ class RunLog:
             if handle.version() != expected:
                 self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
                 self._restore(handle, expected)
-            self._add_columns(handle, table)
+            self._add_columns(handle, table, columns)
             return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed}, info,
                                        app_id, seq)
 
-    def _add_columns(self, handle, table: str) -> None:
-        """Give a table created with fewer columns than `schema.delta_schema` (a samples table of
-        a run written before the trajectory columns) the missing ones, nullable: one Delta
-        version, so that readers of the log see the columns of the parts this commit adds."""
+    def _add_columns(self, handle, table: str, columns: set[str]) -> None:
+        """Declare in the table's Delta log, nullable, the optional contract columns (the samples
+        table's trajectory columns: `schema.field_of`) that the parts of this commit carry and
+        the log lacks: one Delta version before the commit's, so that readers of the log see
+        them (null in the parts without them). A table whose parts have none keeps the
+        contract's schema."""
+        optional = sorted(columns - set(schema.SCHEMAS[table].names))
+        if not optional:
+            return
         names = set(handle.schema().to_arrow().names)
-        missing = [field for field in schema.delta_schema(table) if field.name not in names]
+        missing = [schema.field_of(table, name).with_nullable(True) for name in optional
+                   if name not in names and _is_contract_column(table, name)]
         if missing:
             from deltalake.schema import Field
 
-            handle.alter.add_columns([Field.from_arrow(field.with_nullable(True)) for field in missing])
+            handle.alter.add_columns([Field.from_arrow(field) for field in missing])
 
     def _write_version(self, handle, added: Mapping[str, LoggedFile], removed: Mapping[str, int], info: Mapping,
                        app_id: str, seq: int) -> int:
@@ -588,3 +596,12 @@ class RunLog:
 def _round_of(rel: str) -> int | None:
     parts = rel.split("/")
     return int(parts[1].removeprefix("round=")) if len(parts) == 3 and parts[1].startswith("round=") else None
+
+
+def _is_contract_column(table: str, name: str) -> bool:
+    """Whether `name` is a column of the `table` contract, optional ones included."""
+    try:
+        schema.field_of(table, name)
+    except KeyError:
+        return False
+    return True

@@ -442,6 +442,7 @@ class Commit:
         self.inputs = dict(inputs)
         self.config = json.loads(canonical_json(config))  # fails early if not JSON-serialisable
         self._files: dict[str, LoggedFile] = {}
+        self._columns: dict[str, list[str]] = {}  # each part's column names (run_log: optional columns)
         self._written: list[str] = []  # files this commit wrote (not those it found live already)
         self._tables: dict[str, pa.Table] = {}  # the tables to hold in the store (RunStore.hold)
         self._record: dict[str, object] = {"rows_in": None, "rows_out": None, "drops": {}}
@@ -499,6 +500,7 @@ class Commit:
         elif not self.store.storage.exists(encoded.rel):  # live, but lost since: written again
             self.store.storage.write(encoded.rel, encoded.payload)
         self._files[encoded.rel] = LoggedFile(encoded.sha256, encoded.payload.size, encoded.data.num_rows)
+        self._columns[encoded.rel] = encoded.data.column_names
         if hold and self.store.hold:
             self._tables[encoded.rel] = encoded.data
 
@@ -551,7 +553,8 @@ class Commit:
         fault_point("commit.files_published")
         with store.job.lock:  # a sibling store of this job (another thread) commits in turn
             store.catch_up()
-            gone = store.log.commit(self.stage, self.round, manifest, self._files)  # the commit point
+            gone = store.log.commit(self.stage, self.round, manifest, self._files,  # the commit point
+                                    self._columns)
             store.job.seq = store.log.state.seq
             fault_point("commit.logged")
             for rel in outputs:

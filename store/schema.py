@@ -333,14 +333,6 @@ def one_turn_trajectories(samples: pa.Table) -> pa.Table:
     return samples
 
 
-def delta_schema(name: str) -> pa.Schema:
-    """The schema of the `name` table's Delta log: its contract, and for samples the
-    trajectory columns as nullable (a single-turn part has none of them: readers see nulls)."""
-    if name != "samples":
-        return SCHEMAS[name]
-    return pa.schema([*SCHEMAS[name], *(field.with_nullable(True) for field in TRAJECTORY_FIELDS)])
-
-
 def check_trajectories(table: pa.Table, where: str = "samples table") -> None:
     """The per-row invariants of a samples table's trajectory columns (with the types validate
     gives them; validate calls this): response_mask and behavior_logprobs have one value per

@@ -89,7 +89,7 @@ def test_unknown_sections_are_errors_naming_the_section_and_the_file(tmp_path):
     assert str(typo) in str(error.value)
     other = tmp_path / "other.toml"
     other.write_text("[xyz]\n")
-    with pytest.raises(ValueError, match="unknown section 'xyz'; known sections: eval, export, filter"):
+    with pytest.raises(ValueError, match="unknown section 'xyz'; known sections: env, eval, export, filter"):
         load_curation_spec(other)
     # a whole pipeline spec is a curation config; [export] is a curation section
     spec = load_curation_spec(REPO / "pipelines" / "specs" / "toy-grpo.toml")

@@ -76,9 +76,9 @@ def _one_error_line(done) -> str:
     return lines[0]
 
 
-BAD_ENVS = [
-    ('[env]\nname = "no-such-env"\n', "error: [env] unknown environment 'no-such-env'; registered: tools"),
-    ('[env]\ntools = ["no_such_tool"]\n', "error: [env] unknown tool 'no_such_tool'; registered: calculator"),
+BAD_ENVS = [  # (the "registered:" lists also name what other tests of the process registered)
+    ('[env]\nname = "no-such-env"\n', "error: [env] unknown environment 'no-such-env'; registered: "),
+    ('[env]\ntools = ["no_such_tool"]\n', "error: [env] unknown tool 'no_such_tool'; registered: "),
     ('[env]\ntools = ["tests.env_fixtures:untyped_tool"]\n',
      "error: [env] tool 'untyped_tool': parameter 'x' has no type hint"),
     # SmolLM2's chat template drops `tools`: the model would never see the calculator

@@ -1,6 +1,7 @@
 """A run whose rounds mix single-turn and multi-turn samples reads as one table: through the
 run store (single-turn rows as trajectories of one turn) and through the samples Delta log
-(the trajectory columns declared, null on single-turn rows), locally and on S3."""
+(the trajectory columns declared once a part carries them, null on single-turn rows),
+locally and on S3."""
 
 from __future__ import annotations
 
@@ -56,16 +57,18 @@ def test_single_and_multi_turn_rounds_read_together(run_storage):
     assert set(TRAJECTORY_NAMES) <= set(DeltaTable(uri, storage_options=options).schema().to_arrow().names)
 
 
-def test_a_samples_table_created_without_the_columns_gets_them_with_its_first_commit(tmp_path):
-    """A run whose samples Delta table was made with the contract's columns only (an older
-    groupforge's) gets the trajectory columns, nullable, before the parts that carry them."""
+def test_the_delta_log_declares_the_trajectory_columns_only_once_a_part_carries_them(tmp_path):
+    """A single-turn run's samples Delta log keeps the contract's columns; the first commit of a
+    multi-turn part declares the trajectory columns (nullable), before the part's version."""
     from store.schema import SCHEMAS
 
-    store = RunStore(tmp_path / "run")
-    DeltaTable.create(str(tmp_path / "run" / "samples"), SCHEMAS["samples"], mode="ignore")
+    store, uri = RunStore(tmp_path / "run"), str(tmp_path / "run" / "samples")
     with store.lock():
         with store.commit("generate", 1, {}, {}) as c:
-            c.write("samples", _multi_turn(1))
-    names = DeltaTable(str(tmp_path / "run" / "samples")).schema().to_arrow().names
-    assert set(TRAJECTORY_NAMES) <= set(names)
-    assert pl.read_delta(str(tmp_path / "run" / "samples"))["num_turns"].to_list() == [2, 2, 2, 2]
+            c.write("samples", samples(1))
+    assert DeltaTable(uri).schema().to_arrow().names == SCHEMAS["samples"].names
+    with store.lock():
+        with store.commit("generate", 2, {}, {}) as c:
+            c.write("samples", _multi_turn(2))
+    assert set(TRAJECTORY_NAMES) <= set(DeltaTable(uri).schema().to_arrow().names)
+    assert pl.read_delta(uri).sort("round")["num_turns"].to_list() == [None] * 4 + [2] * 4
