@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from curation.generate.prompt_files import JSON_SUFFIXES, read_prompt_table
+from curation.generate.prompt_files import JSON_SUFFIXES, read_prompt_table, require_chat_template
 from store.schema import SchemaError, validate
 from store.storage import StorageError, is_object_url
 
@@ -177,15 +177,6 @@ def tokenize_prompt(tokenizer, prompt: str | None, messages: list[dict] | None) 
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     return list(tokenizer(prompt).input_ids)
-
-
-def require_chat_template(tokenizer, name: str | None = None) -> None:
-    """A ValueError unless the tokenizer has a chat template to render `messages` prompts with;
-    `name` names it (default: its folder)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {name or getattr(tokenizer, 'name_or_path', 'the model')} has no chat "
-                         "template, so prompts given as 'messages' cannot be rendered: give a 'prompt' column, or "
-                         "a model whose tokenizer has one")
 
 
 def prompt_id_of(prompt: str | None, messages: list[dict] | None) -> str:

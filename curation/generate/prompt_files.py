@@ -121,6 +121,15 @@ def has_messages(location: str | Path) -> bool:
     return column.null_count < len(column)
 
 
+def require_chat_template(tokenizer, name: str | None = None) -> None:
+    """A ValueError unless the tokenizer has a chat template to render `messages` prompts with;
+    `name` names it (default: its folder)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {name or getattr(tokenizer, 'name_or_path', 'the model')} has no chat "
+                         "template, so prompts given as 'messages' cannot be rendered: give a 'prompt' column, or "
+                         "a model whose tokenizer has one")
+
+
 def check_chat_template(files: Sequence[str], model: str | Path, trust_remote_code: bool = False) -> None:
     """A ValueError naming the first of `files` that gives prompts as `messages` when the
     tokenizer of the model folder `model` has no chat template to render them (the tokenizer
@@ -130,7 +139,6 @@ def check_chat_template(files: Sequence[str], model: str | Path, trust_remote_co
         return
     from transformers import AutoTokenizer
 
-    from curation.generate.base import require_chat_template  # (base imports this module)
     from store.location import local_folder
 
     tokenizer = AutoTokenizer.from_pretrained(local_folder(model), trust_remote_code=trust_remote_code)
