@@ -44,7 +44,6 @@ not JSON, or text over `max_result_chars`. Numbers become their str(); dicts and
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import pickle
 from collections.abc import Callable, Sequence
@@ -56,6 +55,7 @@ from curation.env.calls import CallParseError, ToolCall, parse_tool_calls
 from curation.env.config import EnvConfig
 from curation.env.tools import Tool, get_tool, tool_call_name, tool_schema
 from curation.rewards.pool import CallEach, WorkerPool, default_workers, error_text
+from curation.rewards.registry import import_reference
 
 
 @dataclass
@@ -142,13 +142,7 @@ def environment_names() -> list[str]:
 def get_environment(name: str) -> EnvironmentFactory:
     """The factory of a registered environment name or a 'module:factory' reference."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"environment {name!r}: cannot import ({type(exc).__name__}: {exc})") from None
+        obj = import_reference(name, "environment")
         if not callable(obj):
             raise ValueError(f"environment {name!r} is a {type(obj).__name__}, not a factory")
         return obj

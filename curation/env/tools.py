@@ -33,7 +33,6 @@ module-level function (pickled by reference). Shipped: `calculator`.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import math
 import operator
@@ -42,6 +41,8 @@ import types
 import typing
 from collections.abc import Callable
 from typing import Any, Literal, Union
+
+from curation.rewards.registry import import_reference
 
 Tool = Callable[..., Any]
 _REGISTRY: dict[str, Tool] = {}
@@ -206,13 +207,7 @@ def get_tool(name: str) -> Tool:
     """The tool function of a registered name or a 'module:function' reference (its schema
     checked: ValueError as `tool_schema` gives it)."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"tool {name!r}: cannot import ({type(exc).__name__}: {exc})") from None
+        obj = import_reference(name, "tool")
         if not inspect.isfunction(obj):
             raise ValueError(f"tool {name!r} is a {type(obj).__name__}, not a function")
         tool_schema(obj)

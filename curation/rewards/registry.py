@@ -94,6 +94,19 @@ def list_rewards() -> dict[str, str]:
     return {name: (inspect.getdoc(f) or "").split("\n")[0] for name, f in sorted(_REGISTRY.items())}
 
 
+def import_reference(name: str, kind: str) -> Any:
+    """The object a 'module:attr' (or 'module:Class.attr') reference names; a ValueError of one
+    line naming the `kind` ("reward", "tool", "environment") when it cannot be imported."""
+    module_name, _, attr = name.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{kind} {name!r}: cannot import ({type(exc).__name__}: {exc})") from None
+    return obj
+
+
 def get_reward(name: str, **kwargs: Any) -> RewardFunction:
     """The reward callable for a registered name or a 'module:function' path.
 
@@ -101,13 +114,7 @@ def get_reward(name: str, **kwargs: Any) -> RewardFunction:
     with functools.partial (which pickles when the function is importable).
     """
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"reward {name!r}: cannot import ({type(exc).__name__}: {exc})") from None
+        obj = import_reference(name, "reward")
         if inspect.isclass(obj):
             return obj(**kwargs)
         if not callable(obj):
