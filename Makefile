@@ -74,6 +74,23 @@ demo-real: real-model
 	test -f runs/chat/multiply/train.parquet || $(VENV)/bin/groupforge model tasks --task multiply --out runs/chat/multiply
 	$(VENV)/bin/groupforge run pipelines/specs/smollm2-grpo.toml
 
+# Tool use on multi-turn rollouts. demo-tools: the tool toy (a*b= with a calculator; built ~2 min,
+# cached) trained by GRPO on trajectories, 30 rounds (~3 min). demo-real-tools: SmolLM2-135M-Instruct
+# warm-started to call the calculator (~6 min, kept), then 6 rounds on 3-digit x 3-digit products (~15 min).
+.PHONY: toy-tools demo-tools demo-real-tools
+toy-tools: install
+	$(VENV)/bin/groupforge toy build-tools --out runs/toy-tools
+
+demo-tools: toy-tools
+	$(VENV)/bin/groupforge run pipelines/specs/toy-tools.toml
+
+demo-real-tools: real-model
+	test -f runs/chat/long-multiply/train.parquet || \
+		$(VENV)/bin/groupforge model tasks --task long-multiply --out runs/chat/long-multiply
+	test -f $(REAL_MODEL)-tools/config.json || \
+		$(VENV)/bin/groupforge model tool-warm-start --model $(REAL_MODEL) --out $(REAL_MODEL)-tools
+	$(VENV)/bin/groupforge run pipelines/specs/smollm2-tools.toml
+
 # The repository's own modules' .pyc, which Python does not write where PYTHONDONTWRITEBYTECODE is
 # set: the tests start a few hundred CLI processes.
 bytecode:

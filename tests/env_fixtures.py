@@ -72,3 +72,17 @@ class ScriptedCalls:
 
     def close(self) -> None:
         self.tools.close()
+
+
+class OneTurn:
+    """Ends every trajectory after the model's first turn (done, no messages): a multi-turn
+    generate or eval through it is a single-turn one."""
+
+    def __init__(self, config: EnvConfig):
+        self.config = config
+
+    def reset(self, prompt_row: dict[str, Any]) -> list[dict[str, Any]]:
+        return prompt_messages(prompt_row)
+
+    def step(self, assistant_message: dict[str, Any]) -> EnvStep:
+        return EnvStep(messages=[], done=True, reward=None)

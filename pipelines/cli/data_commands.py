@@ -185,7 +185,8 @@ for _name, (_stages, _doc) in _CURATE_COMMANDS.items():
 @app.command("export")
 def export_command(
     run: str = typer.Argument(..., help="Run folder or object-store URL."),
-    format: str = typer.Option("preference", "--format", help="preference | prompt_only | unpaired | sft"),
+    format: str = typer.Option("preference", "--format", help="preference | prompt_only | unpaired | sft | messages "
+                               "(multi-turn runs: whole conversations with their tools; --style conversational)"),
     style: str = typer.Option("standard", "--style", help="standard (text) | conversational (messages)"),
     round: Optional[list[int]] = typer.Option(None, "--round", help="Rounds to export (repeatable; default all)."),
     as_of: Optional[int] = typer.Option(None, "--as-of", metavar="ROUND",

@@ -32,7 +32,7 @@ def import_gguf_command(
 
 @model_app.command("tasks")
 def tasks_command(
-    task: str = typer.Option("addition", "--task", help="addition, subtraction, multiply or max "
+    task: str = typer.Option("addition", "--task", help="addition, subtraction, multiply, max or long-multiply "
                                                        "(pipelines/models/chat_tasks.py)."),
     out: Path = typer.Option(..., "--out", help="Folder for train.parquet and eval.parquet."),
     train: int = typer.Option(512, "--train", min=1, help="Train prompts."),
@@ -45,3 +45,32 @@ def tasks_command(
     with exit_codes():
         train_path, eval_path = write_task(task, out, train=train, eval=eval, seed=seed)
     console.print(f"wrote {train_path} ({train} prompts) and {eval_path} ({eval})")
+
+
+@model_app.command("tool-warm-start")
+def tool_warm_start_command(
+    model: Path = typer.Option(..., "--model", help="The chat model folder to start from."),
+    out: Path = typer.Option(..., "--out", help="The model folder to write (must not exist, or be empty)."),
+    task: str = typer.Option("long-multiply", "--task", help="The chat task whose problems the conversations pose."),
+    prompts: int = typer.Option(128, "--prompts", min=1, help="Problems; each gives a conversation with the tools "
+                                "and one without."),
+    tool_share: float = typer.Option(0.5, "--tool-share", min=0.0, max=1.0, help="Share of the conversations with "
+                                     "the tools that call the calculator (the rest answer directly)."),
+    steps: int = typer.Option(40, "--steps", min=1, help="Optimizer steps."),
+    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Conversations per step."),
+    lr: float = typer.Option(5e-5, "--lr", help="AdamW learning rate (constant)."),
+    tools_prompt: str = typer.Option("system", "--tools-prompt",
+                                     help="How the tools are described: 'system' (a Hermes-form system message, for "
+                                          "templates that ignore `tools`) or 'template'."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the problems, which conversations call the tool, the order."),
+) -> None:
+    """A short supervised pass teaching a chat model to call the calculator on some prompts
+    (pipelines/models/tool_warm_start.py), so that RL on multi-turn rollouts has tool calls to
+    reinforce. pipelines/specs/smollm2-tools.toml starts from its output."""
+    from pipelines.models.tool_warm_start import tool_warm_start
+
+    with exit_codes():
+        path = tool_warm_start(model, out, task, prompts=prompts, tool_share=tool_share, steps=steps,
+                               batch_size=batch_size, lr=lr, seed=seed, tools_prompt=tools_prompt,
+                               log=lambda line: err_console.print(line, highlight=False, markup=False))
+    console.print(f"model folder ready in {path}")

@@ -10,6 +10,7 @@ import typer
 from pipelines.cli.app import console, exit_codes, toy_app
 from pipelines.cli.options import OVERRIDES, build, model_options
 from pipelines.toy.task import SHAPES, VARIANTS, ToyConfig
+from pipelines.toy.tool_toy import ToolToyConfig
 
 
 def _shape_text(fields: dict[str, int]) -> str:
@@ -44,3 +45,23 @@ def toy_build_command(
                                    **shape_fields(shape), **overrides})
         path = build_toy(out or default_out(config), seed=seed, force=force, progress=True, config=config)
     console.print(f"toy ready in {path}")
+
+
+@toy_app.command("build-tools")
+@model_options(ToolToyConfig)
+def toy_build_tools_command(
+    out: Path = typer.Option(Path("runs/toy-tools"), "--out", help="Folder for model/ (with its chat template), "
+                             "train.parquet, eval.parquet, toy.json."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the data split, the warm start's tool calls and its order."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a matching tool toy is cached."),
+    overrides: dict = OVERRIDES,
+) -> None:
+    """Build the tool toy: a*b= (3-digit x 2-digit) with a calculator the model calls through its
+    chat template, warm-started to call it on --tool-share of its conversations (cached).
+    pipelines/specs/toy-tools.toml trains it on multi-turn rollouts."""
+    from pipelines.toy.tool_toy import build_tool_toy
+
+    with exit_codes():
+        config = build(ToolToyConfig, overrides)
+        path = build_tool_toy(out, seed=seed, config=config, force=force)
+    console.print(f"tool toy ready in {path}")

@@ -12,7 +12,8 @@
     trajectory_stats    a multi-turn round's tool use, tool errors, turns and stop reasons (its samples)
     train_round         the round's optimizer steps (`checkpoints`: whether it checkpoints)
     replay              after a restart, train again the rounds no checkpoint holds
-    evaluate            the eval metric over greedy responses (`evaluates`: whether a round does)
+    evaluate            the eval metric over greedy responses (`evaluates`: whether a round does);
+                        with `[env]` over greedy trajectories against the environment
     keep_best           `[run] keep_best`: RUN/checkpoints/best.json names the best evaluated checkpoint
 """
 
@@ -22,7 +23,7 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from curation.generate.base import Generator, load_prompts
+from curation.env.environments import make_environment, prompt_messages
+from curation.generate.base import Generator, SamplingConfig, load_prompts
 from curation.generate.stage import GenerateResult, generate, make_generator, resolve_backend
+from curation.generate.turns import roll_out
 from curation.rewards.registry import get_reward
 from curation.stages.runner import run_stage
 from pipelines.loop.curate import STAGES
@@ -252,7 +255,10 @@ def evaluate(ctx: RoundContext, policy_version: int) -> float:
             ctx.eval_set = eval_set(spec, generator)
         prompts = ctx.eval_set
         tic = time.perf_counter()
-        responses = generator.greedy(prompts.token_ids, spec.eval.max_tokens or spec.generator.max_tokens)
+        if spec.env is None:
+            responses = generator.greedy(prompts.token_ids, spec.eval.max_tokens or spec.generator.max_tokens)
+        else:
+            responses = greedy_trajectories(spec, generator, prompts)
         fault_point("loop.eval")
         ctx.clock.model += time.perf_counter() - tic
         values = get_reward(spec.eval.metric)(prompts.prompts, responses, **prompts.columns)
@@ -270,9 +276,32 @@ def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
         prompts = prompts.slice(0, spec.prompts.eval_limit)
     texts = prompts.column("prompt").to_pylist()
     messages = prompts.column("messages").to_pylist()
+    if spec.env is not None:  # the metric takes a trajectory's prompt as messages, as the score stage does
+        return EvalSet(token_ids=[], prompts=[prompt_messages(row) for row in prompts.to_pylist()],
+                       columns={name: prompts.column(name).to_pylist() for name in ("reference", "metadata")},
+                       rows=prompts.to_pylist())
     return EvalSet(token_ids=[generator.tokenize(p, m) for p, m in zip(texts, messages)],
                    prompts=[p if p is not None else m for p, m in zip(texts, messages)],
                    columns={name: prompts.column(name).to_pylist() for name in ("reference", "metadata")})
+
+
+def greedy_trajectories(spec: PipelineSpec, generator: Generator, prompts: EvalSet) -> list[list[dict]]:
+    """Each eval prompt's trajectory against the spec's `[env]`, decoded greedily (top_k 1), as
+    the metric takes it: the messages after the prompt, ending with the last assistant turn."""
+    environment = make_environment(spec.env)
+    try:
+        sampling = SamplingConfig(group_size=1, max_tokens=spec.eval.max_tokens or spec.generator.max_tokens,
+                                  temperature=1.0, top_k=1, seed=spec.run.seed)
+        openings = [environment.reset(row) for row in prompts.rows]
+        _, groups = roll_out(generator, generator.tokenizer, environment, openings, [spec.run.seed] * len(openings),
+                             sampling,
+                             tools=getattr(environment, "template_tools", None), max_turns=spec.env.max_turns,
+                             max_tokens=spec.env.max_tokens)
+    finally:
+        close = getattr(environment, "close", None)
+        if close is not None:
+            close()
+    return [group[0].messages_out for group in groups]
 
 
 @dataclass
@@ -284,6 +313,8 @@ class EvalSet:
     """Each prompt's text, or its messages."""
     columns: dict[str, list]
     """reference and metadata, for the metric."""
+    rows: list[dict] = field(default_factory=list)
+    """With `[env]`: the prompt rows, which the environment's reset opens."""
 
 
 def keep_best(ctx: RoundContext, round: int, policy_version: int, accuracy: float) -> BestCheckpoint | None:

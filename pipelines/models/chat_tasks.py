@@ -4,6 +4,7 @@ number as the reference (the `math` reward finds it in a sentence too).
     addition     What is 37 + 48? Reply with just the number.        ->  85
     subtraction  What is 85 - 37? Reply with just the number.        ->  48
     multiply     What is 47 * 6? Reply with just the number.         ->  282
+    long-multiply  What is 347 * 586? Reply with just the number.    ->  203342  (a calculator's job)
     max          Which is larger, 374 or 372? Reply with just the number.  ->  374
 
 `groupforge model tasks --task addition --out DIR` writes DIR/train.parquet and DIR/eval.parquet
@@ -38,6 +39,8 @@ TASKS: dict[str, ChatTask] = {
                          lambda a, b: f"What is {a} * {b}?", lambda a, b: a * b),
     "max": ChatTask(lambda r: (r.randint(100, 999), r.randint(100, 999)),
                     lambda a, b: f"Which is larger, {a} or {b}?", max),
+    "long-multiply": ChatTask(lambda r: (r.randint(100, 999), r.randint(100, 999)),
+                              lambda a, b: f"What is {a} * {b}?", lambda a, b: a * b),
 }
 
 

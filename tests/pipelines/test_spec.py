@@ -21,7 +21,8 @@ SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
 def test_the_expected_specs_are_shipped():
     names = {p.name for p in SPECS}
     for name in ("toy-grpo.toml", "toy-gspo.toml", "toy-pairwise.toml", "toy-sft.toml", "compare.toml",
-                 "gpu-math-grpo.toml", "gpu-cluster.toml", "compare-scratchpad.toml",
+                 "gpu-math-grpo.toml", "gpu-cluster.toml", "compare-scratchpad.toml", "toy-tools.toml",
+                 "smollm2-tools.toml",
                  *(f"toy-scratchpad-{objective}.toml" for objective in ("grpo", "gspo", "pairwise", "sft"))):
         assert name in names, name
 
@@ -40,8 +41,16 @@ def test_every_shipped_spec_validates(path, toy_dir, monkeypatch):
     gpu = path.name.startswith("gpu-")
     if path.name.startswith("smollm2"):  # the real model (make real-model); its prompts are written by make demo-real
         spec = load_spec(path, check_files=False)
-        assert spec.model.path == "runs/models/SmolLM2-135M-Instruct" and spec.train.token_budget is None
+        tools = path.name == "smollm2-tools.toml"  # the tool warm start's folder (make demo-real-tools)
+        assert spec.model.path == "runs/models/SmolLM2-135M-Instruct" + ("-tools" if tools else "")
+        assert spec.train.token_budget is None
         assert [r.name for r in spec.score.rewards] == ["math"] and spec.eval.metric == "math"
+        assert (spec.env is not None and spec.env.tools == ["calculator"]) == tools
+        return
+    if path.name == "toy-tools.toml":  # the tool toy: make toy-tools (test_tool_toy.py builds a small one)
+        spec = load_spec(path, check_files=False)
+        assert spec.model.path == "runs/toy-tools/model" and spec.env.tools == ["calculator"]
+        assert spec.env.tools_prompt == "template" and spec.eval.metric == "exact_match"
         return
     # the GPU example names a model this machine lacks; the scratchpad and family toys are built by their own tests
     spec = load_spec(path, check_files=not gpu and toy == "runs/toy")
