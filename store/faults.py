@@ -10,7 +10,8 @@ points, where they sit and what a kill there leaves behind:
 
     generate.chunk_staged      a chunk of a multi-chunk round is staged (RUN/_staging)
     generate.turn              a multi-turn generate's environment answered a turn of a chunk's
-                               trajectories (curation/generate/turns.py), the next turn not sampled
+                               trajectories and their state is staged (curation/generate/stage.py),
+                               the next turn not sampled
     env.tool_call              a tool worker has begun a call of the tools environment, the
                                parent waits for its result (curation/rewards/pool.py)
     commit.files_published     a commit's part files are written, no table has its Delta version

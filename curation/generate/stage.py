@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from curation.env.config import EnvConfig
 from curation.env.environments import Environment, make_environment
 from curation.generate.base import GENERATOR_DEFAULTS, Completion, Generator, SamplingConfig, load_prompts, prompt_seed
-from curation.generate.turns import Trajectory, prompt_token_ids, roll_out, trajectory_columns
+from curation.generate.turns import RollOut, Trajectory, prompt_token_ids, roll_out, trajectory_columns
 from curation.stages.common import rejects_table
 from store.errors import JobError
 from store.faults import fault_point
@@ -294,9 +294,12 @@ class _Turns:
 def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids: list[list[int]], todo: list[int],
             chunk_prompts: int, progress, turns: _Turns | None = None) -> _Sampled:
     """The samples of the prompts at positions `todo`, `chunk_prompts` at a time; with several
-    chunks each is staged as it finishes (a killed call resumes from them), one is kept in memory."""
+    chunks each is staged as it finishes (a killed call resumes from them), one is kept in memory.
+    A multi-turn call stages every chunk, and a chunk's trajectories after each environment turn
+    (`RollOut`), which a killed call goes on from."""
     chunks = [todo[s : s + chunk_prompts] for s in range(0, len(todo), chunk_prompts)]
-    staging = _staging(call.store, call.stage, call.round, call.inputs, call.config) if len(chunks) > 1 else None
+    staging = _staging(call.store, call.stage, call.round, call.inputs, call.config) \
+        if len(chunks) > 1 or turns is not None else None
     resumed, done_prompts, sample_seconds, parts = 0, 0, 0.0, []
     for k, chunk in enumerate(chunks):
         chunk_file = f"chunk-{k:06d}.parquet"
@@ -310,10 +313,19 @@ def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids:
             if turns is None:
                 groups = generator.sample([token_ids[i] for i in chunk], seeds, call.sampling)
             else:
+                turn_file = f"chunk-{k:06d}.turn.json"
+                staged_turn = staging.read_if_exists(turn_file)
+
+                def stage_turn(state: RollOut, turn_file: str = turn_file) -> None:
+                    staging.write(turn_file, state.to_json())
+                    fault_point("generate.turn")
+
                 _, groups = roll_out(generator, generator.tokenizer, turns.environment,
                                      [turns.openings[i] for i in chunk], seeds, call.sampling,
                                      tools=getattr(turns.environment, "template_tools", None),
-                                     max_turns=call.env.max_turns, max_tokens=call.env.max_tokens)
+                                     max_turns=call.env.max_turns, max_tokens=call.env.max_tokens,
+                                     resume=None if staged_turn is None else RollOut.from_json(staged_turn),
+                                     on_turn=stage_turn)
             sample_seconds += time.perf_counter() - tic
             parts.append(_samples_table(call.run_id, call.round, call.sampling, call.fingerprint,
                                         call.config["policy_version"], [prompt_ids[i] for i in chunk],

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from curation.env.environments import Environment, EnvStep, step_many
 from curation.generate.base import Completion, Generator, SamplingConfig
-from store.faults import fault_point
 from store.schema import STOP_REASONS  # noqa: F401  (the values of stop_reason)
 
 
@@ -130,34 +129,74 @@ def assistant_message(text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
 
 
+@dataclass
+class RollOut:
+    """A chunk's trajectories after the environment answered turn `turn`: those without a
+    stop_reason take turn `turn + 1`. What a generate stages between turns (`to_json`), so a
+    killed one goes on from there (`roll_out(..., resume=)`)."""
+
+    groups: list[list[Trajectory]]
+    turn: int
+
+    def to_json(self) -> bytes:
+        return json.dumps({"turn": self.turn, "groups": [[_as_dict(t) for t in group] for group in self.groups]},
+                          ensure_ascii=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RollOut:
+        raw = json.loads(data)
+        return cls([[_from_dict(t) for t in group] for group in raw["groups"]], int(raw["turn"]))
+
+
+def _as_dict(traj: Trajectory) -> dict[str, Any]:
+    return {**traj.__dict__, "turns": [turn.__dict__ for turn in traj.turns]}
+
+
+def _from_dict(raw: dict[str, Any]) -> Trajectory:
+    return Trajectory(**{**raw, "turns": [Turn(**turn) for turn in raw["turns"]]})
+
+
 def roll_out(generator: Generator, tokenizer: Any, env: Environment, opening: Sequence[list[dict[str, Any]]],
              seeds: Sequence[int], sampling: SamplingConfig, *, tools: list[dict] | None, max_turns: int,
-             max_tokens: int) -> tuple[list[list[int]], list[list[Trajectory]]]:
+             max_tokens: int, resume: RollOut | None = None, on_turn: Callable[[RollOut], None] | None = None
+             ) -> tuple[list[list[int]], list[list[Trajectory]]]:
     """The prompts' token ids and their groups of trajectories: `sampling.group_size` per
     prompt (`opening[i]`: prompt i's messages from `env.reset`, `seeds[i]`: its seed), each
-    advanced turn by turn until it stops (see the module)."""
+    advanced turn by turn until it stops (see the module). `on_turn` gets the chunk after each
+    environment turn that leaves trajectories to go on; `resume`, one it got, goes on from there
+    (the same trajectories as without the stop: each turn's seeds are the trajectory's)."""
     prompts = [prompt_token_ids(tokenizer, messages, tools) for messages in opening]
-    groups = [[Trajectory(i, k, messages=[dict(m) for m in opening[i]], opening=len(opening[i]))
-               for k in range(sampling.group_size)] for i in range(len(prompts))]
-    first = generator.sample(prompts, seeds, sampling)
-    live = [(traj, completion) for group, completions in zip(groups, first)
-            for traj, completion in zip(group, completions)]
-    turn = 1
+
+    def next_turn(trajs: list[Trajectory], turn: int) -> list[tuple[Trajectory, Completion]]:
+        sampled = []
+        for budget, batch in _by_budget(trajs, sampling.max_tokens, max_tokens, prompts,
+                                        generator.max_model_len).items():
+            cfg = sampling.model_copy(update={"group_size": 1, "max_tokens": budget})
+            out = generator.sample([prompts[t.prompt_index] + t.token_ids for t in batch],
+                                   [turn_seed(seeds[t.prompt_index], t.sample_idx, turn) for t in batch], cfg)
+            sampled.extend((traj, completions[0]) for traj, completions in zip(batch, out))
+        return sampled
+
+    if resume is None:
+        groups = [[Trajectory(i, k, messages=[dict(m) for m in opening[i]], opening=len(opening[i]))
+                   for k in range(sampling.group_size)] for i in range(len(prompts))]
+        first = generator.sample(prompts, seeds, sampling)
+        live = [(traj, completion) for group, completions in zip(groups, first)
+                for traj, completion in zip(group, completions)]
+        turn = 1
+    else:
+        groups, turn = resume.groups, resume.turn + 1
+        live = next_turn([traj for group in groups for traj in group if traj.stop_reason is None], turn)
     while live:
         answering = [traj for traj, completion in live if _take_model_turn(traj, completion, max_tokens)]
         steps = step_many(env, [assistant_message(traj.last_text) for traj in answering]) if answering else []
         go_on = [traj for traj, step in zip(answering, steps)
                  if _take_environment_turn(traj, step, turn, max_turns, max_tokens, tokenizer, tools,
                                            len(prompts[traj.prompt_index]), generator.max_model_len)]
-        fault_point("generate.turn")
+        if go_on and on_turn is not None:
+            on_turn(RollOut(groups, turn))
         turn += 1
-        live = []
-        for budget, batch in _by_budget(go_on, sampling.max_tokens, max_tokens, prompts,
-                                        generator.max_model_len).items():
-            cfg = sampling.model_copy(update={"group_size": 1, "max_tokens": budget})
-            out = generator.sample([prompts[t.prompt_index] + t.token_ids for t in batch],
-                                   [turn_seed(seeds[t.prompt_index], t.sample_idx, turn) for t in batch], cfg)
-            live.extend((traj, completions[0]) for traj, completions in zip(batch, out))
+        live = next_turn(go_on, turn)
     return prompts, groups
 
 

@@ -12,7 +12,7 @@ import pytest
 from curation.env.environments import EnvStep, prompt_messages
 from curation.generate.base import SamplingConfig
 from curation.generate.hf import HFGenerator
-from curation.generate.turns import STOP_REASONS, render, roll_out
+from curation.generate.turns import STOP_REASONS, RollOut, render, roll_out
 
 pytestmark = pytest.mark.xdist_group("real_model_hf")
 
@@ -100,6 +100,33 @@ def test_a_rerun_samples_the_same_trajectories(engine):
     _, first = _roll(engine, Replies(), max_turns=2)
     _, again = _roll(engine, Replies(), max_turns=2)
     assert [[t.token_ids for t in g] for g in first] == [[t.token_ids for t in g] for g in again]
+
+
+class Stopped(Exception):
+    """Stands in for a kill between two turns."""
+
+
+def test_a_roll_out_stopped_between_turns_goes_on_from_its_staged_state(engine):
+    """The state `on_turn` gets after each environment turn, through its JSON (what a generate
+    stages), resumes to exactly the trajectories of a roll-out nobody stopped."""
+    _, whole = _roll(engine, Replies(), max_turns=3)
+    assert any(t.num_turns == 3 for g in whole for t in g), "no trajectory took 3 turns: change SAMPLING's seed"
+    for stop_at in (1, 2):
+        staged: list[bytes] = []
+
+        def on_turn(state: RollOut) -> None:
+            staged.append(state.to_json())
+            if state.turn == stop_at:
+                raise Stopped
+
+        with pytest.raises(Stopped):
+            roll_out(engine, engine.tokenizer, Replies(), PROMPTS, [11, 12], SAMPLING, tools=None, max_turns=3,
+                     max_tokens=200, on_turn=on_turn)
+        state = RollOut.from_json(staged[-1])
+        assert state.turn == stop_at and all(t.num_turns <= stop_at for g in state.groups for t in g)
+        _, resumed = roll_out(engine, engine.tokenizer, Replies(), PROMPTS, [11, 12], SAMPLING, tools=None,
+                              max_turns=3, max_tokens=200, resume=state)
+        assert [[t.__dict__ for t in g] for g in resumed] == [[t.__dict__ for t in g] for g in whole]
 
 
 def test_the_generate_stage_writes_trajectory_columns(engine, tmp_path):

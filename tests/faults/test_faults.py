@@ -269,17 +269,18 @@ lr = 1e-5
 
 [eval]
 metric = "math"
-max_tokens = 8
+max_tokens = 1
 """
 """One round of SmolLM2 (the toy has no chat template, which multi-turn needs) on the transformers
 backend, at a temperature where its turns mostly end by themselves: 2 prompts x 2 trajectories
 in 2 chunks of one prompt, each assistant turn answered by a call of a slow tool
-(tests/env_fixtures.py) in the tools environment's worker process."""
+(tests/env_fixtures.py) in the tools environment's worker process. The greedy eval (multi-turn
+too) takes one token a turn: its turns are cut, so it calls no tool and no kill counts it."""
 
 MULTI_TURN_POINTS = ("generate.turn", "env.tool_call")
-"""Killed in round 1's second chunk (the first one staged): at its first environment turn, and
-while its first tool call runs (the count: the passes of the first chunk, + 1, from the run
-nobody killed)."""
+"""Killed in round 1's second chunk (the first one staged): at its first environment turn that
+leaves trajectories to go on (its state staged), and while its first tool call runs (the count:
+the passes of the first chunk, + 1, from the run nobody killed)."""
 
 _TRAJECTORY = ["prompt_id", "sample_idx", "response_token_ids", "behavior_logprobs", "response_mask", "turns",
                "messages_out", "tool_calls", "tool_errors", "stop_reason"]
@@ -312,12 +313,12 @@ def _trajectories(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("point", MULTI_TURN_POINTS)
 def test_a_multi_turn_round_killed_between_turns_or_in_a_tool_call_resumes(point, multi_turn, tmp_path):
     """SIGKILL in round 1's second chunk, between two turns or while a tool call runs in its
-    worker: the rerun reuses the staged first chunk, commits the round, and its trajectories are
-    those of the run nobody killed."""
+    worker: the rerun reuses the staged first chunk (and between turns the second chunk's staged
+    turn), commits the round, and its trajectories are those of the run nobody killed."""
     spec, reference = multi_turn
     first = pq.read_table(reference / "_rounds" / "round=1" / "prompts.parquet").column("prompt_id")[0].as_py()
     chunk = [row for row in _trajectories(reference) if row["prompt_id"] == first]
-    passes = max(len([t for t in row["turns"] if t["role"] == "assistant"]) for row in chunk) \
+    passes = max(len([t for t in row["turns"] if t["role"] == "assistant"]) for row in chunk) - 1 \
         if point == "generate.turn" else sum(row["tool_calls"] for row in chunk)
     later = [row for row in _trajectories(reference) if row["prompt_id"] != first]
     assert point == "generate.turn" or sum(row["tool_calls"] for row in later) >= 1, \
@@ -327,6 +328,8 @@ def test_a_multi_turn_round_killed_between_turns_or_in_a_tool_call_resumes(point
     crash = _cli(command, fault=f"{point}:{passes + 1}")
     assert crash.returncode == -9, f"{point}:{passes + 1} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
     assert not logged_files(run_dir, "samples") and len(list((run_dir / "_staging").rglob("chunk-*.parquet"))) == 1
+    if point == "generate.turn":  # the second chunk's trajectories after their first turn, staged
+        assert len(list((run_dir / "_staging").rglob("chunk-000001.turn.json"))) == 1
     again = _cli(command)
     assert again.returncode == 0, again.stderr[-3000:]
     check_invariants(run_dir)
