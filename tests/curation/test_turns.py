@@ -114,7 +114,7 @@ def test_a_roll_out_stopped_between_turns_goes_on_from_its_staged_state(engine):
     for stop_at in (1, 2):
         staged: list[bytes] = []
 
-        def on_turn(state: RollOut) -> None:
+        def on_turn(state: RollOut, staged: list[bytes] = staged, stop_at: int = stop_at) -> None:
             staged.append(state.to_json())
             if state.turn == stop_at:
                 raise Stopped
