@@ -50,16 +50,18 @@ def arm_spec(model: str, with_tools: bool, seed: int, rounds: int | None, overri
     return validate_model(PipelineSpec, data, SPECS[model])
 
 
-def run_arm(model: str, with_tools: bool, seed: int, rounds: int | None, overrides: list[str]) -> list[dict]:
-    """One arm's round records (round 0: the start model's eval)."""
+def run_arm(model: str, with_tools: bool, seed: int, rounds: int | None, overrides: list[str],
+            reuse: bool = False) -> list[dict]:
+    """One arm's round records (round 0: the start model's eval); `reuse`: those of its saved run."""
     from pipelines.loop.run import run_pipeline
     from store.run_files import MetricsLog
     from store.storage import open_storage
 
     spec = arm_spec(model, with_tools, seed, rounds, overrides)
     run = OUT / spec.run.name
-    shutil.rmtree(run, ignore_errors=True)
-    run_pipeline(spec, str(run), log=lambda message: None, report=False)
+    if not reuse:
+        shutil.rmtree(run, ignore_errors=True)
+        run_pipeline(spec, str(run), log=lambda message: None, report=False)
     records, _, _ = MetricsLog(open_storage(str(run))).read()
     return records
 
@@ -94,12 +96,14 @@ def markdown(model: str, runs: dict[tuple[bool, int], list[dict]], args) -> str:
                      f"| {_pct(mean(True, round, 'tool_use_rate'))} "
                      f"| {'-' if calls is None else f'{errors:.0f} / {calls:.0f}'} |")
     last = rounds[-1]
-    lines += ["", "### end of the run, each seed", "",
-              "| seed | eval acc, tools | eval acc, no tools | tool-use rate |", "|--:|--:|--:|--:|"]
+    lines += ["", "### end of the run, each seed (seconds: the run's rounds, evals included)", "",
+              "| seed | eval acc, tools | eval acc, no tools | tool-use rate | seconds, tools | seconds, no tools |",
+              "|--:|--:|--:|--:|--:|--:|"]
     for seed in seeds:
         end = {arm: next(r for r in runs[(arm, seed)] if r["round"] == last) for arm in (True, False)}
         lines.append(f"| {seed} | {_pct(end[True].get('eval_accuracy'))} | {_pct(end[False].get('eval_accuracy'))} "
-                     f"| {_pct(end[True].get('tool_use_rate'))} |")
+                     f"| {_pct(end[True].get('tool_use_rate'))} | {end[True]['elapsed_seconds']:.0f} "
+                     f"| {end[False]['elapsed_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -112,16 +116,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default: the spec's")
     parser.add_argument("--gf-set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--reuse", action="store_true", help="summarise the saved runs, run nothing")
     parser.add_argument("--append", action="store_true", help="also append the section to BENCHMARKS.md")
     args = parser.parse_args()
     args.stamp = datetime.now().strftime("%Y-%m-%d %H:%M")
     seeds = args.seeds or ([0, 1] if args.model == "toy" else [0])
     use_threads(args.threads)
-    if args.model == "toy":
+    if args.model == "toy" and not args.reuse:
         from pipelines.toy.tool_toy import build_tool_toy
 
         build_tool_toy(ROOT / "runs" / "toy-tools")
-    runs = {(arm, seed): run_arm(args.model, arm, seed, args.rounds, args.gf_set)
+    runs = {(arm, seed): run_arm(args.model, arm, seed, args.rounds, args.gf_set, args.reuse)
             for seed in seeds for arm in (True, False)}
     publish(markdown(args.model, runs, args), f"tools-{args.model}", OUT, args.append)
 

@@ -122,7 +122,8 @@ def environment_token_ids(tokenizer: Any, messages: list[dict[str, Any]], new: l
     if not end_of_turn or cut < 0 or after[: cut + len(end_of_turn)] != before[: cut + len(end_of_turn)]:
         raise ValueError("the chat template does not render the assistant's turn ending with its end-of-turn "
                          f"token {end_of_turn!r}, so the environment's turn cannot be appended after it")
-    return list(tokenizer.encode(after[cut + len(end_of_turn):], add_special_tokens=False))
+    # verbose=False: a tool's long answer is cut by max_tokens below, not worth the tokenizer's warning
+    return list(tokenizer.encode(after[cut + len(end_of_turn):], add_special_tokens=False, verbose=False))
 
 
 def assistant_message(text: str) -> dict[str, Any]:

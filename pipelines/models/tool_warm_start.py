@@ -90,6 +90,7 @@ def tool_warm_start(model: str | Path, out: str | Path, task: str, *, prompts: i
     from curation.env.config import EnvConfig
     from curation.env.environments import make_environment
     from training.checkpoint import quiet_transformers
+    from training.supervised import SeededBatches, supervised_step
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -110,36 +111,30 @@ def tool_warm_start(model: str | Path, out: str | Path, task: str, *, prompts: i
     if close is not None:
         close()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
-    order = torch.Generator().manual_seed(seed)
-    permutation, cursor = torch.randperm(len(examples), generator=order).tolist(), 0
+    batches = SeededBatches(len(examples), batch_size, seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     policy.train()
     for step in range(1, steps + 1):
-        if cursor + batch_size > len(examples):
-            permutation, cursor = torch.randperm(len(examples), generator=order).tolist(), 0
-        batch = [examples[i] for i in permutation[cursor:cursor + batch_size]]
-        cursor += batch_size
+        batch = [examples[i] for i in batches.next().tolist()]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
         labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in batch])
         attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-        loss = policy(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss = supervised_step(policy, optimizer, None, input_ids, attention, labels)
         if step % 10 == 0 or step == steps:
             seconds = time.perf_counter() - started
-            log(f"tool warm start: step {step}/{steps}  loss {loss.item():.3f}  ({seconds:.0f} s)")
+            log(f"tool warm start: step {step}/{steps}  loss {loss:.3f}  ({seconds:.0f} s)")
     policy.eval()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        policy.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        with quiet_transformers():
+            policy.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         (tmp / "tool_warm_start.json").write_text(json.dumps(
             {"from": str(model), "task": task, "prompts": prompts, "tool_share": tool_share, "steps": steps,
              "batch_size": batch_size, "lr": lr, "seed": seed, "tools_prompt": tools_prompt,
-             "final_loss": round(loss.item(), 4), "seconds": round(time.perf_counter() - started, 1)}, indent=2) + "\n")
+             "final_loss": round(loss, 4), "seconds": round(time.perf_counter() - started, 1)}, indent=2) + "\n")
         if out.exists():
             out.rmdir()
         tmp.replace(out)

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import torch
 
 from pipelines.toy.families import CHARACTERS
+from training.supervised import SeededBatches, supervised_step
 
 if TYPE_CHECKING:
     from pipelines.toy.task import ToyConfig
@@ -250,9 +251,7 @@ def warm_start(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / max(1, config.warmup_steps))
     )
-    data_order = torch.Generator().manual_seed(seed)
-    n = len(input_ids)
-    permutation, cursor = torch.randperm(n, generator=data_order), 0
+    batches = SeededBatches(len(input_ids), config.batch_size, seed)
     history: list[dict] = []
     accuracy, step, loss = 0.0, 0, float("nan")
 
@@ -266,17 +265,9 @@ def warm_start(
     ) as bar:
         task = bar.add_task("warm", total=config.max_steps, status="")
         while step < config.max_steps:
-            if cursor + config.batch_size > n:
-                permutation, cursor = torch.randperm(n, generator=data_order), 0
-            rows = permutation[cursor : cursor + config.batch_size]
-            cursor += config.batch_size
-            out = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows])
-            optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-            optimizer.step()
-            schedule.step()
+            rows = batches.next()
+            loss = supervised_step(model, optimizer, schedule, input_ids[rows], attention_mask[rows], labels[rows])
             step += 1
-            loss = out.loss.item()
             bar.update(task, completed=step)
             if step % config.eval_every and step < config.max_steps:
                 continue

@@ -140,6 +140,8 @@ def warm_start(model, tokenizer, train: pa.Table, config: ToolToyConfig, seed: i
     """Teacher-forced SFT on the conversations of every train prompt (module docstring)."""
     import torch
 
+    from training.supervised import SeededBatches, supervised_step
+
     examples = []
     for prompt, reference in zip(train.column("prompt").to_pylist(), train.column("reference").to_pylist()):
         examples.append(conversation(tokenizer, prompt, reference, tools=False, call=False))
@@ -152,20 +154,11 @@ def warm_start(model, tokenizer, train: pa.Table, config: ToolToyConfig, seed: i
     attention = (torch.arange(width)[None, :] < torch.tensor([len(ids) for ids, _ in examples])[:, None]).long()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)))
-    order = torch.Generator().manual_seed(seed)
-    permutation, cursor, loss = torch.randperm(len(examples), generator=order), 0, float("nan")
+    batches, loss = SeededBatches(len(examples), config.batch_size, seed), float("nan")
     model.train()
     for _ in range(config.steps):
-        if cursor + config.batch_size > len(examples):
-            permutation, cursor = torch.randperm(len(examples), generator=order), 0
-        rows = permutation[cursor:cursor + config.batch_size]
-        cursor += config.batch_size
-        out = model(input_ids=input_ids[rows], attention_mask=attention[rows], labels=labels[rows])
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        optimizer.step()
-        schedule.step()
-        loss = out.loss.item()
+        rows = batches.next()
+        loss = supervised_step(model, optimizer, schedule, input_ids[rows], attention[rows], labels[rows])
     model.eval()
     return {"steps": config.steps, "final_loss": round(loss, 4), "conversations": len(examples)}
 
