@@ -1,6 +1,6 @@
 """The vLLM generator on the real toy model: behavior_logprobs equal a fresh transformers fp32
 forward over the same token ids, at temperature 1.0 and 0.7, and after update_weights; seeded
-sampling of more prompt tokens than the engine schedules in one step.
+sampling of more prompt tokens than the engine schedules in one step; multi-turn trajectories.
 """
 
 from __future__ import annotations
@@ -94,3 +94,59 @@ def test_vllm_update_weights_from_folder_and_state_dict(tmp_path, toy_dir, promp
         assert mean_abs_diff(got, transformers_logprobs(new_model, samples)) > 1e-2
     finally:
         vllm_generator.update_weights(toy_dir / "model", policy_version=0)
+
+
+class _Asks:
+    """Answers every assistant turn with another sum to do (a user turn): trajectories of the
+    toy run to max_turns."""
+
+    def reset(self, prompt_row: dict) -> list[dict]:
+        return [{"role": "user", "content": prompt_row["prompt"]}]
+
+    def step(self, assistant_message: dict):
+        from curation.env.environments import EnvStep
+
+        return EnvStep(messages=[{"role": "user", "content": "11+22="}], done=False, reward=None)
+
+
+def test_multi_turn_trajectories_on_vllm(toy_dir, vllm_generator):
+    """roll_out on the vLLM engine: every later turn is sampled after the earlier turns' ids as
+    they are (the model's and the environment's), so the behavior log-probs of every model token
+    equal a transformers forward over the whole trajectory; the environment's tokens are its
+    turn rendered; a rerun samples the same trajectories."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoTokenizer
+
+    from curation.generate.turns import roll_out
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_dir / "model")  # the toy has no chat template: one for this test
+    tokenizer.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m.content }}"
+                               "{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+    rows = pq.read_table(toy_dir / "eval.parquet").slice(0, 4).to_pylist()
+    sampling = SamplingConfig(group_size=2, max_tokens=8, temperature=1.0, seed=5)
+
+    def roll():
+        return roll_out(vllm_generator, tokenizer, _Asks(), [_Asks().reset(r) for r in rows], [1, 2, 3, 4],
+                        sampling, tools=None, max_turns=3, max_tokens=60)
+
+    prompts, groups = roll()
+    model = load_fp32(toy_dir / "model")
+    asked = tokenizer.encode("11+22=", add_special_tokens=False)
+    turns = 0
+    for prompt_ids, group in zip(prompts, groups):
+        for traj in group:
+            turns = max(turns, traj.num_turns)
+            with torch.no_grad():
+                ids = torch.tensor([prompt_ids + traj.token_ids])
+                logp = model(ids).logits[0, len(prompt_ids) - 1:-1].float().log_softmax(-1)
+                logp = logp.gather(-1, ids[0, len(prompt_ids):, None])[:, 0].tolist()
+            model_tokens = [i for i, m in enumerate(traj.mask) if m]
+            assert max(abs(logp[i] - traj.logprobs[i]) for i in model_tokens) < 1e-3
+            for turn in traj.turns:
+                if turn.role == "user":
+                    assert traj.token_ids[turn.start:turn.start + turn.length] == asked
+                    assert set(traj.logprobs[turn.start:turn.start + turn.length]) == {0.0}
+    assert turns == 3, "no trajectory took 3 turns: the toy answers in a few tokens, then EOS"
+    _, again = roll()
+    assert [[t.token_ids for t in g] for g in again] == [[t.token_ids for t in g] for g in groups]
