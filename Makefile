@@ -76,7 +76,7 @@ demo-real: real-model
 
 # Tool use on multi-turn rollouts. demo-tools: the tool toy (a*b= with a calculator; built ~2 min,
 # cached) trained by GRPO on trajectories, 30 rounds (~3 min). demo-real-tools: SmolLM2-135M-Instruct
-# warm-started to call the calculator (~6 min, kept), then 6 rounds on 3-digit x 3-digit products (~15 min).
+# warm-started to call the calculator (~5 min, kept), then 6 rounds on 3-digit x 3-digit products (~15 min).
 .PHONY: toy-tools demo-tools demo-real-tools
 toy-tools: install
 	$(VENV)/bin/groupforge toy build-tools --out runs/toy-tools
