@@ -366,7 +366,7 @@ class RunLog:
         sink = pa.BufferOutputStream()
         pq.write_table(pa.Table.from_pylist([entry.row()], schema=ROWS), sink)
         data = sink.getvalue()
-        self.storage.write(f"{COMMITS}/{name}", data)
+        self.storage.write(f"{COMMITS}/{name}", data, fenced=False)  # the commit below is conditional
         with delta_errors(self.storage, COMMITS, "writing"):
             self._write_version(table, {f"{COMMITS}/{name}": LoggedFile("", data.size, 1)}, {}, {"seq": entry.seq},
                                 "_commits", entry.seq, seq_stats=True)
