@@ -55,7 +55,7 @@ from curation.env.calls import CallParseError, ToolCall, parse_tool_calls
 from curation.env.config import EnvConfig
 from curation.env.tools import Tool, get_tool, tool_call_name, tool_schema
 from curation.rewards.pool import CallEach, WorkerPool, default_workers, error_text
-from curation.rewards.registry import import_reference
+from curation.rewards.registry import add_to_registry, import_reference
 
 
 @dataclass
@@ -124,12 +124,7 @@ def register_environment(name: str) -> Callable[[EnvironmentFactory], Environmen
         raise ValueError(f"environment name {name!r}: must be non-empty and without ':'")
 
     def decorator(factory: EnvironmentFactory) -> EnvironmentFactory:
-        old = _REGISTRY.get(name)
-        if old is not None and old is not factory and \
-                (old.__module__, old.__qualname__) != (factory.__module__, factory.__qualname__):
-            raise ValueError(f"environment {name!r} is already registered by {old.__module__}.{old.__qualname__}")
-        _REGISTRY[name] = factory
-        return factory
+        return add_to_registry(_REGISTRY, "environment", name, factory)
 
     return decorator
 

@@ -42,7 +42,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal, Union
 
-from curation.rewards.registry import import_reference
+from curation.rewards.registry import add_to_registry, import_reference
 
 Tool = Callable[..., Any]
 _REGISTRY: dict[str, Tool] = {}
@@ -184,11 +184,7 @@ def register_tool(name: str | None = None) -> Callable[[Tool], Tool]:
     def decorator(fn: Tool) -> Tool:
         key = name or fn.__name__
         tool_schema(fn, key)
-        old = _REGISTRY.get(key)
-        if old is not None and old is not fn and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
-            raise ValueError(f"tool {key!r} is already registered by {old.__module__}.{old.__qualname__}")
-        _REGISTRY[key] = fn
-        return fn
+        return add_to_registry(_REGISTRY, "tool", key, fn)
 
     return decorator
 

@@ -78,12 +78,7 @@ def register_reward(name: str) -> Callable:
         raise ValueError(f"reward name {name!r}: must be non-empty and without ':'")
 
     def decorator(factory):
-        if name in _REGISTRY and _REGISTRY[name] is not factory:
-            old = _REGISTRY[name]
-            if (old.__module__, old.__qualname__) != (factory.__module__, factory.__qualname__):
-                raise ValueError(f"reward {name!r} is already registered by {old.__module__}.{old.__qualname__}")
-        _REGISTRY[name] = factory
-        return factory
+        return add_to_registry(_REGISTRY, "reward", name, factory)
 
     return decorator
 
@@ -92,6 +87,17 @@ def list_rewards() -> dict[str, str]:
     """{name: first line of its docstring} of every registered reward, sorted by name."""
     _load_builtins()
     return {name: (inspect.getdoc(f) or "").split("\n")[0] for name, f in sorted(_REGISTRY.items())}
+
+
+def add_to_registry(registry: dict[str, Any], kind: str, name: str, obj: Any) -> Any:
+    """Put `obj` in `registry` under `name` and return it; a ValueError naming the `kind` when
+    another object holds the name (the same function defined again by a re-import, same module
+    and qualified name, replaces it)."""
+    old = registry.get(name)
+    if old is not None and old is not obj and (old.__module__, old.__qualname__) != (obj.__module__, obj.__qualname__):
+        raise ValueError(f"{kind} {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+    registry[name] = obj
+    return obj
 
 
 def import_reference(name: str, kind: str) -> Any:
