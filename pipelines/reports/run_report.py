@@ -7,8 +7,9 @@ the markdown here (its tables: pipelines/reports/markdown.py), the figures in pi
                                    optimizer step (pairwise: pair reward accuracy and margin instead;
                                    a panel says so where the objective logs no such statistic)
         summary.md                 start -> final -> best eval accuracy, the gain in points, a
-                                   per-round table, where each round's time went (seconds per
-                                   phase, totals and shares, model work vs the rest), a training
+                                   per-round table, the tool use of multi-turn rounds, where
+                                   each round's time went (seconds per phase, totals and
+                                   shares, model work vs the rest), a training
                                    table, the two figures embedded, and the rows per table and
                                    round read from the Parquet tables
     report_compare({label: RUN}, OUT) writes OUT/:
@@ -193,6 +194,21 @@ def time_markdown(rounds: list[dict]) -> str:
         markdown_table(headers, rows), "", markdown_table(["phase", "seconds", "share of wall (%)"], share_rows), ""])
 
 
+def tool_use_markdown(rounds: list[dict]) -> str | None:
+    """The multi-turn rounds' tool use (store/run_files.py TRAJECTORY_KEYS), a row per round;
+    None when no round sampled trajectories."""
+    multi = [r for r in rounds if r.get("tool_use_rate") is not None]
+    if not multi:
+        return None
+    headers = ["round", "tool-use rate (%)", "tool calls", "tool errors", "mean turns", "stop reasons"]
+    rows = [[r["round"], _pct(number(r, "tool_use_rate")), r.get("tool_calls"), r.get("tool_errors"),
+             number(r, "mean_turns"), ", ".join(f"{k} {v}" for k, v in sorted((r.get("stop_reasons") or {}).items()))]
+            for r in multi]
+    return "\n".join(["## Tool use", "", markdown_table(headers, rows), "",
+                      "Tool-use rate: the share of the round's trajectories with at least one tool call. "
+                      "Eval accuracy (above) is over greedy trajectories against the same environment.", ""])
+
+
 def _seconds2(seconds: float | None) -> str | None:
     return None if seconds is None else f"{seconds:.2f}"
 
@@ -270,6 +286,8 @@ def _summary_markdown(name: str, rounds: list[dict], steps: list[dict], skipped:
     else:
         parts += ["No round records yet.", ""]
 
+    tools_section = tool_use_markdown(rounds)
+    parts += [tools_section] if tools_section else []
     time_section = time_markdown(rounds)
     parts += [time_section] if time_section else []
     parts += ["## Training", ""]

@@ -175,6 +175,22 @@ def test_rounds_without_eval_and_the_time_per_phase(tmp_path):
     assert_png(run / "report" / "progress.png", 9 * 120, 7 * 120)
 
 
+def test_multi_turn_rounds_get_a_tool_use_table(tmp_path):
+    """Rounds with the multi-turn keys get a row each under "Tool use"; round 0 (eval only) and a
+    single-turn run get none."""
+    trajectories = {1: (0.25, 40, 3, 1.4, {"done": 60, "length": 4}), 2: (0.875, 90, 0, 2.0, {"done": 64})}
+    records = [round_record(0, 0.1)] + [
+        round_record(n, 0.5, tool_use_rate=rate, tool_calls=calls, tool_errors=errors, mean_turns=turns,
+                     stop_reasons=stops) for n, (rate, calls, errors, turns, stops) in trajectories.items()]
+    summary = (report_run(write_metrics(tmp_path / "run", records)) / "summary.md").read_text()
+    rows = md_table(summary.split("## Tool use")[1], "round")
+    assert [(r["round"], r["tool-use rate (%)"], r["tool calls"], r["tool errors"], r["stop reasons"]) for r in rows] \
+        == [("1", "25.0", "40", "3", "done 60, length 4"), ("2", "87.5", "90", "0", "done 64")]
+    single = (report_run(write_metrics(tmp_path / "single", records[:1] + [round_record(1, 0.5)])) /
+              "summary.md").read_text()
+    assert "## Tool use" not in single
+
+
 def test_breakdown_line_sums_curation_and_leaves_out_zero_phases():
     record = {"wall_seconds": 2.0, "model_seconds": 1.5, "phase_seconds": {
         "startup": 0.0, "generate": 0.6, "score": 0.05, "filter": 0.02, "label": 0.02, "pair": 0.01, "train": 1.0,
