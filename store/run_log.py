@@ -533,7 +533,8 @@ class RunLog:
         now = int(time.time() * 1000)
         actions: list = [RemoveAction(rel.split("/", 1)[1], True, now, size, {}) for rel, size in removed.items()]
         for rel, meta in added.items():
-            bounds = {"seq": seq} if seq_stats else {} if _round_of(rel) is None else {"round": _round_of(rel)}
+            round = None if seq_stats else _round_of(rel)
+            bounds = {"seq": seq} if seq_stats else {} if round is None else {"round": round}
             stats = {"numRecords": meta.rows, "nullCount": {}, "minValues": bounds, "maxValues": bounds}
             actions.append(AddAction(rel.split("/", 1)[1], meta.size, {}, now, True,
                                      json.dumps(stats, separators=(",", ":"))))

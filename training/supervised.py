@@ -1,9 +1,34 @@
-"""A supervised warm start's two moving parts, shared by the toys' builds and a chat model's tool
-warm start: rows in a seeded order, and one teacher-forced optimizer step."""
+"""A supervised warm start's moving parts, shared by the toys' builds and a chat model's tool
+warm start: a conversation's token ids and labels as its chat template renders it, rows in a
+seeded order, and one teacher-forced optimizer step."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def supervised_ids(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation and labels that are -100 but on the assistant turns: each
+    turn is the template's text after the conversation before it (with the generation prompt)."""
+    kwargs = {"tools": tools} if tools else {}
+    ids: list[int] = []
+    labels: list[int] = []
+    done = ""
+    for k, message in enumerate(messages):
+        if message["role"] == "assistant":
+            head = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True, **kwargs)
+            piece = tokenizer.encode(head[len(done):], add_special_tokens=False)
+            ids += piece
+            labels += [-100] * len(piece)
+            done = head
+        text = tokenizer.apply_chat_template(messages[:k + 1], tokenize=False, **kwargs)
+        piece = tokenizer.encode(text[len(done):], add_special_tokens=False)
+        ids += piece
+        labels += piece if message["role"] == "assistant" else [-100] * len(piece)
+        done = text
+    return ids, labels
 
 
 class SeededBatches:

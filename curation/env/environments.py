@@ -46,7 +46,8 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -147,6 +148,12 @@ def get_environment(name: str) -> EnvironmentFactory:
     return _REGISTRY[name]
 
 
+def template_tools(env: Environment) -> list[dict[str, Any]] | None:
+    """The tool schemas the environment gives the chat template (its optional `template_tools`),
+    None when it gives none."""
+    return getattr(env, "template_tools", None)
+
+
 def make_environment(config: EnvConfig) -> Environment:
     """The environment `config.name` names, made from `config`."""
     env = get_environment(config.name)(config)
@@ -154,6 +161,19 @@ def make_environment(config: EnvConfig) -> Environment:
         raise ValueError(f"environment {config.name!r}: its factory returned a {type(env).__name__}, "
                          "which has no reset(prompt_row) and step(assistant_message)")
     return env
+
+
+@contextmanager
+def opened_environment(config: EnvConfig) -> Iterator[Environment]:
+    """`make_environment(config)` for the block, closed after it (its optional `close`: the
+    tools environment stops its worker processes)."""
+    env = make_environment(config)
+    try:
+        yield env
+    finally:
+        close = getattr(env, "close", None)
+        if close is not None:
+            close()
 
 
 # ---- definition checks --------------------------------------------------------------

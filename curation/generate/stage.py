@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from curation.env.config import EnvConfig
-from curation.env.environments import Environment, make_environment
+from curation.env.environments import Environment, opened_environment, template_tools
 from curation.generate.base import GENERATOR_DEFAULTS, Completion, Generator, SamplingConfig, load_prompts, prompt_seed
 from curation.generate.turns import RollOut, Trajectory, prompt_token_ids, roll_out, trajectory_columns
 from curation.stages.common import rejects_table
@@ -188,13 +189,10 @@ def generate(
     # What the samples record is read now: the round loop may load newer weights into a live
     # generator while this call's samples are still being written (`[run] overlap`).
     call = _Call(store, stage, round, run_id, inputs, config, sampling, generator.fingerprint, env)
-    environment = make_environment(env) if env is not None else None
     try:
-        result = _generate(call, generator, prompts, Path(prompts_file), chunk_prompts, progress, environment)
+        with opened_environment(env) if env is not None else nullcontext() as environment:
+            result = _generate(call, generator, prompts, Path(prompts_file), chunk_prompts, progress, environment)
     finally:
-        close = getattr(environment, "close", None)
-        if close is not None:
-            close()
         if owns_generator:
             generator.close()
     result.seconds = time.perf_counter() - started
@@ -238,7 +236,7 @@ def _generate(call: _Call, generator: Generator, prompts: pa.Table, prompts_file
                          zip(prompts.column("prompt").to_pylist(), prompts.column("messages").to_pylist())]
         else:
             openings = [environment.reset(row) for row in prompts.to_pylist()]
-            tools = getattr(environment, "template_tools", None)
+            tools = template_tools(environment)
             token_ids = [prompt_token_ids(generator.tokenizer, messages, tools) for messages in openings]
     except ValueError as exc:  # e.g. messages and a tokenizer without a chat template
         raise SchemaError(f"prompts file ({prompts_file}): {exc}") from None
@@ -322,7 +320,7 @@ def _sample(call: _Call, generator: Generator, prompt_ids: list[str], token_ids:
 
                 _, groups = roll_out(generator, generator.tokenizer, turns.environment,
                                      [turns.openings[i] for i in chunk], seeds, call.sampling,
-                                     tools=getattr(turns.environment, "template_tools", None),
+                                     tools=template_tools(turns.environment),
                                      max_turns=call.env.max_turns, max_tokens=call.env.max_tokens,
                                      resume=None if staged_turn is None else RollOut.from_json(staged_turn),
                                      on_turn=stage_turn)

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from curation.env.environments import make_environment, prompt_messages
+from curation.env.environments import opened_environment, prompt_messages, template_tools
 from curation.generate.base import Generator, SamplingConfig, load_prompts
 from curation.generate.stage import GenerateResult, generate, make_generator, resolve_backend
 from curation.generate.turns import roll_out
@@ -277,9 +277,10 @@ def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
     texts = prompts.column("prompt").to_pylist()
     messages = prompts.column("messages").to_pylist()
     if spec.env is not None:  # the metric takes a trajectory's prompt as messages, as the score stage does
-        return EvalSet(token_ids=[], prompts=[prompt_messages(row) for row in prompts.to_pylist()],
+        rows = prompts.to_pylist()
+        return EvalSet(token_ids=[], prompts=[prompt_messages(row) for row in rows],
                        columns={name: prompts.column(name).to_pylist() for name in ("reference", "metadata")},
-                       rows=prompts.to_pylist())
+                       rows=rows)
     return EvalSet(token_ids=[generator.tokenize(p, m) for p, m in zip(texts, messages)],
                    prompts=[p if p is not None else m for p, m in zip(texts, messages)],
                    columns={name: prompts.column(name).to_pylist() for name in ("reference", "metadata")})
@@ -288,19 +289,13 @@ def eval_set(spec: PipelineSpec, generator: Generator) -> EvalSet:
 def greedy_trajectories(spec: PipelineSpec, generator: Generator, prompts: EvalSet) -> list[list[dict]]:
     """Each eval prompt's trajectory against the spec's `[env]`, decoded greedily (top_k 1), as
     the metric takes it: the messages after the prompt, ending with the last assistant turn."""
-    environment = make_environment(spec.env)
-    try:
-        sampling = SamplingConfig(group_size=1, max_tokens=spec.eval.max_tokens or spec.generator.max_tokens,
-                                  temperature=1.0, top_k=1, seed=spec.run.seed)
+    sampling = SamplingConfig(group_size=1, max_tokens=spec.eval.max_tokens or spec.generator.max_tokens,
+                              temperature=1.0, top_k=1, seed=spec.run.seed)
+    with opened_environment(spec.env) as environment:
         openings = [environment.reset(row) for row in prompts.rows]
         _, groups = roll_out(generator, generator.tokenizer, environment, openings, [spec.run.seed] * len(openings),
-                             sampling,
-                             tools=getattr(environment, "template_tools", None), max_turns=spec.env.max_turns,
+                             sampling, tools=template_tools(environment), max_turns=spec.env.max_turns,
                              max_tokens=spec.env.max_tokens)
-    finally:
-        close = getattr(environment, "close", None)
-        if close is not None:
-            close()
     return [group[0].messages_out for group in groups]
 
 

@@ -20,7 +20,6 @@ safetensors into a new model folder, with the tokenizer and its chat template.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -31,6 +30,7 @@ from typing import Any
 
 from curation.env.environments import prompt_messages
 from pipelines.models.chat_tasks import task_rows
+from pipelines.toy.tool_toy import calls_tool
 
 
 def expression_of(question: str) -> str:
@@ -39,11 +39,6 @@ def expression_of(question: str) -> str:
     if found is None:
         raise ValueError(f"no arithmetic expression in {question!r}")
     return found.group(0)
-
-
-def _calls(prompt: str, seed: int, share: float) -> bool:
-    digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
 def conversation(row: dict, environment: Any | None, calls: bool) -> list[dict[str, Any]]:
@@ -57,28 +52,6 @@ def conversation(row: dict, environment: Any | None, calls: bool) -> list[dict[s
     return messages + [{"role": "assistant", "content": row["reference"]}]
 
 
-def supervised_ids(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None) -> tuple[list[int], list[int]]:
-    """Token ids of a conversation and labels that are -100 but on the assistant turns: each
-    turn is the template's text after the conversation before it (with the generation prompt)."""
-    kwargs = {"tools": tools} if tools else {}
-    ids: list[int] = []
-    labels: list[int] = []
-    done = ""
-    for k, message in enumerate(messages):
-        if message["role"] == "assistant":
-            head = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True, **kwargs)
-            piece = tokenizer.encode(head[len(done):], add_special_tokens=False)
-            ids += piece
-            labels += [-100] * len(piece)
-            done = head
-        text = tokenizer.apply_chat_template(messages[:k + 1], tokenize=False, **kwargs)
-        piece = tokenizer.encode(text[len(done):], add_special_tokens=False)
-        ids += piece
-        labels += piece if message["role"] == "assistant" else [-100] * len(piece)
-        done = text
-    return ids, labels
-
-
 def tool_warm_start(model: str | Path, out: str | Path, task: str, *, prompts: int = 128, tool_share: float = 0.5,
                     steps: int = 40, batch_size: int = 4, lr: float = 5e-5, seed: int = 0,
                     tools_prompt: str = "system", log=print) -> Path:
@@ -88,28 +61,24 @@ def tool_warm_start(model: str | Path, out: str | Path, task: str, *, prompts: i
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from curation.env.config import EnvConfig
-    from curation.env.environments import make_environment
+    from curation.env.environments import opened_environment, template_tools
     from training.checkpoint import quiet_transformers
-    from training.supervised import SeededBatches, supervised_step
+    from training.supervised import SeededBatches, supervised_ids, supervised_step
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty")
     started = time.perf_counter()
-    environment = make_environment(EnvConfig(tools=["calculator"], tools_prompt=tools_prompt))
-    tools = getattr(environment, "template_tools", None)
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(model)
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    rows = task_rows(task, prompts, seed + 1000)
     examples = []
-    for row in rows:
-        calls = _calls(row["messages"][-1]["content"], seed, tool_share)
-        examples.append(supervised_ids(tokenizer, conversation(row, environment, calls), tools))
-        examples.append(supervised_ids(tokenizer, conversation(row, None, False), None))
-    close = getattr(environment, "close", None)
-    if close is not None:
-        close()
+    with opened_environment(EnvConfig(tools=["calculator"], tools_prompt=tools_prompt)) as environment:
+        tools = template_tools(environment)
+        for row in task_rows(task, prompts, seed + 1000):
+            calls = calls_tool(row["messages"][-1]["content"], seed, tool_share)
+            examples.append(supervised_ids(tokenizer, conversation(row, environment, calls), tools))
+            examples.append(supervised_ids(tokenizer, conversation(row, None, False), None))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     batches = SeededBatches(len(examples), batch_size, seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

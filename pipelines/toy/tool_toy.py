@@ -110,30 +110,23 @@ def problems(config: ToolToyConfig, seed: int) -> tuple[pa.Table, pa.Table]:
 
 
 def calls_tool(prompt: str, seed: int, share: float) -> bool:
-    """Whether the warm start's with-tools conversation of `prompt` calls the calculator."""
+    """Whether a warm start's with-tools conversation of `prompt` calls the calculator: a seeded
+    hash of the prompt below `share` (this toy's, and a chat model's tool warm start)."""
     digest = hashlib.sha256(f"{seed}:{prompt}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
 def conversation(tokenizer, prompt: str, reference: str, *, tools: bool, call: bool) -> tuple[list[int], list[int]]:
-    """Token ids of one supervised conversation and their labels (-100 off the model's tokens)."""
-    schemas = [{"type": "function", "function": {"name": TOOL}}] if tools else None
-    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=schemas, tokenize=True,
-                                             add_generation_prompt=True, return_dict=False))
-    labels = [-100] * len(ids)
+    """Token ids of one supervised conversation and their labels (-100 off the model's tokens):
+    the prompt, a calculator call and its result when `call`, the answer."""
+    from training.supervised import supervised_ids
 
-    def model_says(text: str) -> None:
-        turn = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        ids.extend(turn)
-        labels.extend(turn)
-
+    messages = [{"role": "user", "content": prompt}]
     if call:
-        model_says(call_text(prompt.rstrip("=")))
-        tool_turn = tokenizer.encode(f"({reference})", add_special_tokens=False)
-        ids.extend(tool_turn)
-        labels.extend([-100] * len(tool_turn))
-    model_says(reference)
-    return ids, labels
+        messages += [{"role": "assistant", "content": call_text(prompt.rstrip("="))},
+                     {"role": "tool", "content": reference}]
+    messages.append({"role": "assistant", "content": reference})
+    return supervised_ids(tokenizer, messages, [{"type": "function", "function": {"name": TOOL}}] if tools else None)
 
 
 def warm_start(model, tokenizer, train: pa.Table, config: ToolToyConfig, seed: int) -> dict:

@@ -13,8 +13,9 @@ from curation.env.calls import ToolCall, parse_tool_calls
 from curation.env.config import EnvConfig
 from curation.env.environments import make_environment
 from pipelines.models.chat_tasks import task_rows
-from pipelines.models.tool_warm_start import conversation, expression_of, supervised_ids
+from pipelines.models.tool_warm_start import conversation, expression_of
 from tests.helpers import groupforge
+from training.supervised import supervised_ids
 
 pytestmark = pytest.mark.xdist_group("real_model_hf")
 
