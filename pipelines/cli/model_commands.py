@@ -27,7 +27,7 @@ def import_gguf_command(
     with exit_codes():
         path = import_gguf(file, out, dtype=dtype, progress=lambda line: err_console.print(
             line, highlight=False, markup=False, soft_wrap=True))
-    console.print(f"model folder ready in {path}")
+    console.print(f"model folder ready in {path}", highlight=False, markup=False, soft_wrap=True)
 
 
 @model_app.command("tasks")
@@ -73,4 +73,4 @@ def tool_warm_start_command(
         path = tool_warm_start(model, out, task, prompts=prompts, tool_share=tool_share, steps=steps,
                                batch_size=batch_size, lr=lr, seed=seed, tools_prompt=tools_prompt,
                                log=lambda line: err_console.print(line, highlight=False, markup=False))
-    console.print(f"model folder ready in {path}")
+    console.print(f"model folder ready in {path}", highlight=False, markup=False, soft_wrap=True)

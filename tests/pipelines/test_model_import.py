@@ -1,7 +1,8 @@
 """`groupforge model import-gguf` (pipelines/models/gguf_import.py) on SmolLM2-135M-Instruct's Q4_1
-GGUF as `make real-model` caches it: the folder it writes is a plain Hugging Face model folder whose
-greedy answers equal transformers' own load of the GGUF, token for token; bad inputs fail in one
-line with exit 2."""
+GGUF: the folder `make real-model` writes with it (before `make test` starts) is a plain Hugging Face
+model folder whose greedy answers equal transformers' own load of the GGUF, token for token; bad
+inputs fail in one line with exit 2. `make test-exhaustive` also imports it afresh, in float32 (the
+same bytes as `make real-model`'s folder, with its progress lines) and in bfloat16."""
 
 from __future__ import annotations
 
@@ -65,25 +66,6 @@ def finished_import(proc: subprocess.Popen, out: Path, dtype: str) -> Path:
     return out / dtype
 
 
-@pytest.fixture(scope="module")
-def imports(gguf_file: Path, tmp_path_factory):
-    """The installed CLI importing the GGUF in float32, started at once (the reference loads
-    meanwhile); `imported` waits for it."""
-    out = tmp_path_factory.mktemp("imports")
-    proc = start_import(gguf_file, out, "float32")
-    yield out, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture(scope="module")
-def imported(imports) -> Path:
-    """The float32 import's folder."""
-    out, proc = imports
-    return finished_import(proc, out, "float32")
-
-
 def greedy(model, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     """PROMPTS as chat turns, batched with left padding: their token ids and `model`'s greedy
     NEW_TOKENS continuations."""
@@ -104,9 +86,9 @@ def greedy(model, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def reference(imports, gguf_file: Path):
+def reference(gguf_file: Path):
     """transformers' in-memory load of the GGUF (dequantised, float32): its prompt ids, greedy
-    continuations and tokenizer. Requests `imports` so that the CLI runs while this loads."""
+    continuations and tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,14 +100,14 @@ def reference(imports, gguf_file: Path):
 
 
 @pytest.mark.slow
-def test_greedy_answers_equal_the_in_memory_gguf_load(reference, imported):
-    """16 chat prompts, 24 greedy tokens each: the imported folder answers as transformers' own load
-    of the GGUF does, token for token (`reference` named first: it loads while the imports run)."""
+def test_greedy_answers_equal_the_in_memory_gguf_load(reference, real_model):
+    """16 chat prompts, 24 greedy tokens each: the real_model folder answers as transformers' own load
+    of the GGUF does, token for token."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(imported)
-    model = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(real_model)
+    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
     ids, tokens = greedy(model, tokenizer)
     ref_ids, ref_tokens, ref_tokenizer = reference
     assert ids == ref_ids  # the same chat template and tokenizer
@@ -136,12 +118,12 @@ def test_greedy_answers_equal_the_in_memory_gguf_load(reference, imported):
 
 
 @pytest.mark.slow
-def test_the_folder_is_a_plain_hugging_face_model_folder(imported, real_model):
+def test_the_folder_is_a_plain_hugging_face_model_folder(real_model):
     from transformers import AutoTokenizer
 
     from store.weights import check_model_folder
 
-    folder = imported
+    folder = real_model
     check_model_folder(folder)
     config = json.loads((folder / "config.json").read_text())
     assert "quantization_config" not in config and "_model_name_or_path" not in config
@@ -154,14 +136,19 @@ def test_the_folder_is_a_plain_hugging_face_model_folder(imported, real_model):
     assert "<|im_start|>" in tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     assert tokenizer.model_max_length == config["max_position_embeddings"] == 8192
     assert sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(".")) == []  # no temp folder left
-    # `make real-model`'s folder is this same import
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # the import `make real-model` ran before `make test`, again
+def test_a_fresh_import_writes_the_same_folder_and_shows_its_progress(real_model, gguf_file, tmp_path):
+    folder = finished_import(start_import(gguf_file, tmp_path, "float32"), tmp_path, "float32")
     for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"):
         assert filecmp.cmp(folder / name, real_model / name, shallow=False), name
 
 
 @pytest.mark.slow
-@pytest.mark.exhaustive  # another dtype of the import checked above; make test-exhaustive runs it
-def test_bfloat16_writes_bfloat16_weights(imported, gguf_file, tmp_path):
+@pytest.mark.exhaustive  # another dtype of the import checked above
+def test_bfloat16_writes_bfloat16_weights(real_model, gguf_file, tmp_path):
     folder = finished_import(start_import(gguf_file, tmp_path, "bfloat16"), tmp_path, "bfloat16")
     with open(folder / "model.safetensors", "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
@@ -169,7 +156,7 @@ def test_bfloat16_writes_bfloat16_weights(imported, gguf_file, tmp_path):
     dtypes = {entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
     assert dtypes == {"BF16"}
     assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
-    assert (folder / "model.safetensors").stat().st_size < 0.51 * (imported / "model.safetensors").stat().st_size
+    assert (folder / "model.safetensors").stat().st_size < 0.51 * (real_model / "model.safetensors").stat().st_size
 
 
 def tiny_gguf(path: Path, architecture: str, tensor, raw_dtype=None) -> Path:

@@ -1,6 +1,6 @@
 """The real model end to end: SmolLM2-135M-Instruct (`make real-model`) through `groupforge run` on
-chat-format prompts, on vLLM and on transformers: one round of 8 prompts x 4 samples with one
-train step (on 8 of them: a step's cost is its rows', and one step shows the path); on vLLM a
+chat-format prompts, on vLLM and on transformers: one round of 4 prompts x 4 samples with one
+train step (on 4 of them: a step's cost is its rows', and one step shows the path); on vLLM a
 second process resumes it, reloads the checkpoint into a fresh engine and samples round 2 with
 it. The trainer's log-probs of the samples at the weights that drew them agree with the engine's."""
 
@@ -40,7 +40,7 @@ path = "{model}"
 [prompts]
 train = ["{prompts_dir / 'train.parquet'}"]
 eval = "{prompts_dir / 'eval.parquet'}"
-per_round = 8
+per_round = 4
 eval_limit = 4
 
 [generator]
@@ -55,7 +55,7 @@ name = "math"
 drop_zero_variance = false
 
 [train]
-batch_size = 8
+batch_size = 4
 lr = 1e-5
 
 [eval]
@@ -95,7 +95,7 @@ def test_a_round_trains_then_a_resumed_run_samples_from_the_checkpoint(real_mode
     assert [r["round"] for r in round_records(run)] == [0, 1]
     assert len(step_records(run)) == 1 and (run / "checkpoints" / "step-1").is_dir()
     samples = RunStore(run).read("samples")
-    assert samples.num_rows == 8 * 4 and set(samples.column("policy_version").to_pylist()) == {0}
+    assert samples.num_rows == 4 * 4 and set(samples.column("policy_version").to_pylist()) == {0}
     if backend == "hf":
         mean, largest = engine_vs_trainer_gap(real_model, samples)
         assert mean < GAP_MEAN and largest < GAP_MAX, (backend, mean, largest)
@@ -105,7 +105,7 @@ def test_a_round_trains_then_a_resumed_run_samples_from_the_checkpoint(real_mode
     assert second.returncode == 0, second.stderr
     samples = RunStore(run).read("samples")
     round2 = samples.filter(pc.equal(samples.column("round"), 2))
-    assert round2.num_rows == 8 * 4 and set(round2.column("policy_version").to_pylist()) == {1}
+    assert round2.num_rows == 4 * 4 and set(round2.column("policy_version").to_pylist()) == {1}
     mean, largest = engine_vs_trainer_gap(run / "checkpoints" / "step-1", round2)
     assert mean < GAP_MEAN and largest < GAP_MAX, (backend, mean, largest)
     assert [r["round"] for r in round_records(run)] == [0, 1, 2]

@@ -2,8 +2,8 @@
 (curation/rewards/scratchpad.py): real builds, real transformers, the real CLI.
 
 The shipped task is built once into runs/toy-scratchpad (cached there across test runs, and
-the folder pipelines/specs/toy-scratchpad-grpo.toml reads); the determinism check uses a
-build of a few warm-start steps.
+the folder pipelines/specs/toy-scratchpad-grpo.toml reads) by `make test-exhaustive`; `make test`
+checks builds of a few warm-start steps.
 """
 
 from __future__ import annotations
@@ -131,10 +131,12 @@ def test_the_build_flag_picks_the_task(tmp_path: Path):
     assert not (tmp_path / "noisy").exists()
 
 
-# --- the shipped build (slow: ~2-3 minutes once, then cached in runs/toy-scratchpad) -----------
+# --- the shipped build (~2-3 minutes once, then cached in runs/toy-scratchpad; the tiny builds above
+# cover the build itself): `make test-exhaustive` builds it, as it builds the toy's variants and families ---
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_the_warm_start_learns_the_format_but_not_all_the_arithmetic(scratchpad_dir: Path):
     meta = json.loads((scratchpad_dir / META_FILE).read_text())
     assert meta["config"] == SCRATCHPAD.model_dump() and meta["task"].startswith("addition with a column")
@@ -162,6 +164,7 @@ def test_the_warm_start_learns_the_format_but_not_all_the_arithmetic(scratchpad_
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_the_shipped_spec_runs_two_rounds(scratchpad_dir: Path, tmp_path: Path):
     args = ["--set", "run.rounds=2", "--set", "run.steps_per_round=1", "--set", "prompts.per_round=16",
             "--set", "prompts.eval_limit=50", "--set", "train.batch_size=128", "--run-dir", str(tmp_path / "run")]

@@ -107,13 +107,14 @@ def _measured_per_token(folder, length: int, small: int, large: int, checkpointi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_planned_cost_a_token_covers_the_measured_one_on_smollm2(real_model, checkpointing):
+@pytest.mark.parametrize("checkpointing,small,large", [(False, 256, 1024), (True, 128, 512)],
+                         ids=["plain", "checkpointed"])  # plain: 128/512 measures within 3% of the plan
+def test_planned_cost_a_token_covers_the_measured_one_on_smollm2(real_model, checkpointing, small, large):
     """The plan's bytes a token are at least what a forward + backward of the real model takes
     here, and not more than twice as much (a plan that wastes half the budget is wrong too)."""
     plan = plan_micro_batches(ModelShape.of_folder(real_model), longest_sequence=64, reference=False, autocast=False,
                               budget=64 * GIB, budget_source="test", checkpointing="on" if checkpointing else "off")
-    measured = _measured_per_token(real_model, 64, 256, 1024, checkpointing)
+    measured = _measured_per_token(real_model, 64, small, large, checkpointing)
     assert plan.token_bytes / 2 < measured <= plan.token_bytes, (measured, plan.token_bytes)
 
 
