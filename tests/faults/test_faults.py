@@ -11,12 +11,14 @@ the store's code:
   newest with vLLM, which answers greedily as transformers does); metrics.jsonl has each round and each step once
 - the final weights equal those of a run nobody killed (the toy run is deterministic)
 
-Six points run without `-m slow`; 12 in `make test` (which runs the slow tests too: every point
-once, here or in the S3 run's chain of kills, but the two multi-turn ones); all 31 in `make
-test-exhaustive` (the 17 more repeat a covered point in another round or stage, or kill a
-multi-turn round of the real model between turns or in a tool call: its trajectories checked
-against those of the same run nobody killed). docs/reliability.md's "Faults tried" table lists
-the points and outcomes.
+`make test` (and `-m "not slow"`) makes 9 kills one after another on one run (LOCAL_KILLS), 3
+on one finished run (export, report, append), and 6 more on a run on S3 (S3_KILLS): every point
+of a single-turn run is tried there, but `commit.logged` and `loop.after_curate`, which
+tests/store/test_migrate.py and tests/pipelines/test_curriculum_run.py kill and resume.
+`make test-exhaustive` adds all 29 kills each alone (a kill, a rerun, the checks) and the two
+multi-turn ones (a multi-turn round of the real model killed between turns or in a tool call:
+its trajectories checked against those of the same run nobody killed). docs/reliability.md's
+"Faults tried" table lists the points and outcomes.
 """
 
 from __future__ import annotations
@@ -85,30 +87,12 @@ CASES = [
     ("report.before_write", 1, "report"),
     ("dataset.rows_built", 1, "append"),       # export --append-to: the rows built, nothing written
 ]
-FAST = {("generate.chunk_staged", 1), ("commit.files_published", 2), ("train.step_logged", 3),
-        ("checkpoint.weights_written", 2), ("loop.reload", 1), ("export.before_rename", 1)}
+# Each kill alone (a kill, a rerun, the checks) is `make test-exhaustive`'s; `make test` makes the
+# kills of LOCAL_KILLS and FINISHED_KILLS one after another (below), and S3_KILLS on object storage.
+_ALONE = (pytest.mark.slow, pytest.mark.exhaustive)
 
 
-# Kills at a point another case already covers (in the other round or stage, or on S3): `make test`
-# leaves them out (its time budget), `make test-exhaustive` runs them.
-EXHAUSTIVE = {("generate.chunk_staged", 2), ("generate.chunk_staged", 3), ("commit.tables_written", 1),
-              ("commit.tables_written", 3), ("commit.logged", 1), ("commit.files_published", 5),
-              ("commit.files_published", 7), ("stage.before_commit", 1), ("stage.before_commit", 3),
-              ("train.step_logged", 1),
-              ("train.step_logged", 4), ("checkpoint.weights_written", 1), ("loop.after_curate", 1),
-              ("loop.reload", 2), ("loop.eval", 1),
-              ("commit.tables_written", 8),  # test_a_run_on_s3_resumes_after_kills_on_fresh_machines kills there
-              ("commit.logged", 8),  # tests/store/test_migrate.py kills a commit there and resumes it
-              ("loop.after_curate", 2)}  # tests/pipelines/test_curriculum_run.py kills a run there and resumes it
-
-
-def _marks(case: tuple) -> tuple:
-    if case[:2] in FAST:
-        return ()
-    return (pytest.mark.slow, pytest.mark.exhaustive) if case[:2] in EXHAUSTIVE else (pytest.mark.slow,)
-
-
-# vLLM loads the newest checkpoint (an engine start costs ~10 s: once in `make test`, twice in exhaustive)
+# vLLM loads the newest checkpoint after these (an engine start costs ~10 s)
 ENGINE_CHECKED = {("checkpoint.weights_written", 2), ("checkpoint.weights_written", 1)}
 
 
@@ -181,7 +165,7 @@ def check_engine_loads(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("point,count,command", [
-    pytest.param(*case, marks=_marks(case), id=f"{case[0]}:{case[1]}")
+    pytest.param(*case, marks=_ALONE, id=f"{case[0]}:{case[1]}")
     for case in CASES])
 def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference, tmp_path):
     assert point in POINTS
@@ -213,11 +197,77 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
         assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris())
 
 
+# (point, count): one after another on one local run, each count within its own process (a
+# process resumes where the one before was killed); the comment says what each interrupts. With
+# S3_KILLS, tests/store/test_migrate.py (commit.logged) and tests/pipelines/test_curriculum_run.py
+# (loop.after_curate), every point of a single-turn run is tried in `make test`.
+LOCAL_KILLS = [
+    ("generate.chunk_staged", 1),         # round 1: the first of two chunks staged
+    ("commit.files_published", 2),        # round 1's score: part files written, no Delta version
+    ("stage.before_commit", 3),           # round 1's label computed, nothing written
+    ("checkpoint.optimizer_written", 1),  # round 1's checkpoint: weights and optimizer state, no trainer_state.json
+    ("loop.reload", 1),                   # the engine loading round 1's weights
+    ("loop.eval", 1),                     # round 1's greedy evaluation
+    ("commit.tables_written", 2),         # round 2's score: its Delta versions written, its row in _commits not
+    ("train.step_logged", 2),             # round 2's last step logged, not checkpointed
+    ("checkpoint.weights_written", 1),    # round 2's checkpoint: weights written, no optimizer state
+]
+# (point, count, command) on a finished run, one after another, each command then rerun
+FINISHED_KILLS = [("export.before_rename", 1, "export"), ("report.before_write", 1, "report"),
+                  ("dataset.rows_built", 1, "append")]
+
+
+def test_a_run_killed_at_every_point_in_turn_ends_as_the_run_nobody_killed(spec, reference, tmp_path):
+    """LOCAL_KILLS one after another on one run, then a rerun to its end: the run checks whole
+    (check_invariants), vLLM loads its newest checkpoint (rewritten after the last kill) and
+    answers greedily as transformers does, and its final weights are the reference's."""
+    run_dir = tmp_path / "run"
+    command = _commands(spec, run_dir)["run"]
+    for point, count in LOCAL_KILLS:
+        crash = _cli(command, fault=f"{point}:{count}")
+        assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+    again = _cli(command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_invariants(run_dir)
+    check_engine_loads(max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1])))
+    got, want = _final_weights(run_dir), _final_weights(reference)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), "the final weights differ from the reference"
+
+
+def test_export_report_and_append_killed_then_rerun(spec, reference, tmp_path):
+    """FINISHED_KILLS on a copy of the finished reference run, each command rerun after its kill:
+    the outputs are whole, no temp file is left, and the run itself is untouched (a rerun of it
+    has nothing to do and the run checks whole)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir, symlinks=True)
+    commands = _commands(spec, run_dir)
+    for point, count, command in FINISHED_KILLS:
+        crash = _cli(commands[command], fault=f"{point}:{count}")
+        assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+        again = _cli(commands[command])
+        assert again.returncode == 0, again.stderr[-3000:]
+    again = _cli(commands["run"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_invariants(run_dir)
+    got, want = _final_weights(run_dir), _final_weights(reference)
+    assert all(torch.equal(got[k], want[k]) for k in want), "the run's weights changed"
+    out = run_dir / "exports" / "prompt_only-standard.parquet"
+    assert pq.read_table(out).num_rows > 0 and not list(out.parent.glob("*.tmp*"))
+    assert (run_dir / "report" / "summary.md").is_file()
+    # the dataset: one version with both rounds once; the killed append wrote no file
+    dataset = DeltaTable(str(run_dir.parent / "dataset"))
+    assert dataset.version() == 0 and sorted(set(dataset.to_pyarrow_table()["round"].to_pylist())) == [1, 2]
+    assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris())
+
+
 def test_the_readme_lists_every_point():
     text = (REPO / "docs" / "reliability.md").read_text()
     table = text[text.index("## Faults tried"):].split("\n## ", 1)[0]
     rows = {line.split("`")[1]: line for line in table.splitlines() if line.startswith("| `")}
     tried = {case[0] for case in CASES} | {p for p, _ in S3_KILLS} | set(MULTI_TURN_POINTS)
+    assert {p for p, _ in LOCAL_KILLS} | {p for p, _ in S3_KILLS} | {p for p, _, _ in FINISHED_KILLS} == \
+        set(POINTS) - set(MULTI_TURN_POINTS) - {"commit.logged", "loop.after_curate"}
     assert list(rows) == list(POINTS) and tried == set(POINTS)
     for point in MULTI_TURN_POINTS:
         assert "multi-turn" in rows[point].split("|")[2], point
@@ -225,6 +275,8 @@ def test_the_readme_lists_every_point():
         assert f"{count}" in rows[point].split("|")[2], (point, count)
     for point, count in S3_KILLS:
         assert f"S3: {count}" in rows[point].split("|")[2], (point, count)
+    for point, count in LOCAL_KILLS:
+        assert f"in turn: {count}" in rows[point].split("|")[2], (point, count)
 
 
 # ---- multi-turn rollouts ----------------------------------------------------------------------
