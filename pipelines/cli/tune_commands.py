@@ -46,11 +46,12 @@ def tune_command(
         raise fail(f"--budget-minutes {budget_minutes:g}: must be more than 0", EXIT_BAD_INPUT)
     if not spec.is_file():
         raise fail(f"{spec}: spec file not found", EXIT_BAD_INPUT)
-    work = work or Path("runs") / f"{spec.stem}-tune"
-    command_log(work, "tune")
     with exit_codes():
-        request = TuneRequest(spec, out or work / f"{spec.stem}.tuned.toml", work, 60 * budget_minutes,
-                              parse_lrs(lrs) if lrs is not None else None, rounds, val_prompts, jobs, seed)
+        candidates = parse_lrs(lrs) if lrs is not None else None
+    work = work or Path("runs") / f"{spec.stem}-tune"
+    command_log(work, "tune")  # imports torch and transformers: after the checks of the flags
+    request = TuneRequest(spec, out or work / f"{spec.stem}.tuned.toml", work, 60 * budget_minutes, candidates,
+                          rounds, val_prompts, jobs, seed)
 
     def log(message: str) -> None:
         console.print(message, markup=False, highlight=False, soft_wrap=True)
