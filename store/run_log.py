@@ -353,10 +353,6 @@ class RunLog:
         self._load_files(state, state.versions)
         return state
 
-    def last_commit(self) -> Entry | None:
-        """The newest "commit" row, None when there is none."""
-        return next((e for e in reversed(self.entries()) if e.kind == "commit"), None)
-
     def _append(self, entry: Entry) -> None:
         """Append `entry` as row `self.state.seq + 1`, conditional on no other row since. The row's
         Parquet file is written here and added by a write transaction: `write_deltalake` costs

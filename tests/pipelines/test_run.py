@@ -1,5 +1,7 @@
-"""The round loop end to end on the toy with the vLLM backend: kill -9 mid-round, resume,
-extend with --rounds +K, pick up a new prompt file, and keep a second job off the run."""
+"""The round loop end to end on the toy: kill -9 mid-round, resume, extend with --rounds +K,
+pick up a new prompt file, and keep a second job off the run. On the transformers engine (the
+loop's work is the same on each; a resumed run's fresh vLLM engine on the checkpoint:
+test_real_model.py, vLLM engines in the loop on Ray: test_run_ray.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 def _spec(tmp_path, toy_dir, train_files):
     path = tmp_path / "spec.toml"
-    path.write_text(E2E_SPEC.format(toy=toy_dir, train=", ".join(f'"{f}"' for f in train_files)))
+    text = E2E_SPEC.format(toy=toy_dir, train=", ".join(f'"{f}"' for f in train_files))
+    path.write_text(text.replace('backend = "vllm"', 'backend = "hf"'))
     return path
 
 
