@@ -79,11 +79,14 @@ def engine_vs_trainer_gap(checkpoint, samples) -> tuple[float, float]:
     return float(gap.mean()), float(gap.max())
 
 
-@pytest.mark.parametrize("backend", ["vllm", "hf"])
+@pytest.mark.parametrize("backend", [
+    "vllm",
+    # `backend = "auto"` picks vLLM for a real model; the transformers engine's loop on it: test_multi_turn_run.py
+    pytest.param("hf", marks=pytest.mark.exhaustive)])
 def test_rounds_train_and_the_engine_samples_with_the_new_weights(real_model, tmp_path, backend):
     """Both engines: rounds through the CLI. vLLM (the engine the loop starts on real models): two
     rounds, round 2 sampled by the engine after it took round 1's weights. transformers: round 1's
-    samples against the start model's weights (one round, to keep `make test` short)."""
+    samples against the start model's weights (one round; in `make test-exhaustive`)."""
     rounds = 2 if backend == "vllm" else 1
     prompts = tmp_path / "prompts"
     write_task("addition", prompts, train=16, eval=8)
