@@ -113,6 +113,12 @@ def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -
                           timeout=600, env=_cli_env(fault, cache))
 
 
+def _killed(args: list[str], point: str, count: int, cache: Path | None = None) -> None:
+    """The CLI with `args`, SIGKILLed at the `count`th pass of `point` (checked: it was reached)."""
+    crash = _cli(args, fault=f"{point}:{count}", cache=cache)
+    assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+
+
 def _commands(spec: Path, run_dir: Path) -> dict[str, list[str]]:
     return {"run": ["run", str(spec), "--run-dir", str(run_dir)],
             "export": ["export", str(run_dir), "--format", "prompt_only"],
@@ -136,9 +142,25 @@ def reference(spec, tmp_path_factory) -> Path:
     return run_dir
 
 
+def _newest_checkpoint(run_dir: Path) -> Path:
+    return max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    steps = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
-    return load_file(run_dir / "checkpoints" / f"step-{steps[-1]}" / "model.safetensors")
+    return load_file(_newest_checkpoint(run_dir) / "model.safetensors")
+
+
+def _check_output(run_dir: Path, command: str) -> None:
+    """What an `export`, `report` or `export --append-to` (`_commands`) rerun after its kill wrote."""
+    if command == "export":
+        out = run_dir / "exports" / "prompt_only-standard.parquet"
+        assert pq.read_table(out).num_rows > 0 and not list(out.parent.glob("*.tmp*"))
+    if command == "report":
+        assert (run_dir / "report" / "summary.md").is_file()
+    if command == "append":  # one version with both rounds once; the killed append wrote no file
+        dataset = DeltaTable(str(run_dir.parent / "dataset"))
+        assert dataset.version() == 0 and sorted(set(dataset.to_pyarrow_table()["round"].to_pylist())) == [1, 2]
+        assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris())
 
 
 ENGINE_CHECK = """
@@ -173,8 +195,7 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
     commands = _commands(spec, run_dir)
     if command != "run":  # export and report work on a finished run: a copy of the reference
         shutil.copytree(reference, run_dir, symlinks=True)
-    crash = _cli(commands[command], fault=f"{point}:{count}")
-    assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+    _killed(commands[command], point, count)
     again = _cli(commands[command])
     assert again.returncode == 0, again.stderr[-3000:]
     if command != "run":
@@ -182,19 +203,11 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
         assert again.returncode == 0, again.stderr[-3000:]
     check_invariants(run_dir)
     if (point, count) in ENGINE_CHECKED:
-        check_engine_loads(max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1])))
+        check_engine_loads(_newest_checkpoint(run_dir))
     got, want = _final_weights(run_dir), _final_weights(reference)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want), f"{point}: the final weights differ from the reference"
-    if command == "export":
-        out = run_dir / "exports" / "prompt_only-standard.parquet"
-        assert pq.read_table(out).num_rows > 0 and not list(out.parent.glob("*.tmp*"))
-    if command == "report":
-        assert (run_dir / "report" / "summary.md").is_file()
-    if command == "append":  # one version with both rounds once; the killed append wrote no file
-        dataset = DeltaTable(str(run_dir.parent / "dataset"))
-        assert dataset.version() == 0 and sorted(set(dataset.to_pyarrow_table()["round"].to_pylist())) == [1, 2]
-        assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris())
+    _check_output(run_dir, command)
 
 
 # (point, count): one after another on one local run, each count within its own process (a
@@ -224,12 +237,11 @@ def test_a_run_killed_at_every_point_in_turn_ends_as_the_run_nobody_killed(spec,
     run_dir = tmp_path / "run"
     command = _commands(spec, run_dir)["run"]
     for point, count in LOCAL_KILLS:
-        crash = _cli(command, fault=f"{point}:{count}")
-        assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+        _killed(command, point, count)
     again = _cli(command)
     assert again.returncode == 0, again.stderr[-3000:]
     check_invariants(run_dir)
-    check_engine_loads(max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1])))
+    check_engine_loads(_newest_checkpoint(run_dir))
     got, want = _final_weights(run_dir), _final_weights(reference)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want), "the final weights differ from the reference"
@@ -243,8 +255,7 @@ def test_export_report_and_append_killed_then_rerun(spec, reference, tmp_path):
     shutil.copytree(reference, run_dir, symlinks=True)
     commands = _commands(spec, run_dir)
     for point, count, command in FINISHED_KILLS:
-        crash = _cli(commands[command], fault=f"{point}:{count}")
-        assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+        _killed(commands[command], point, count)
         again = _cli(commands[command])
         assert again.returncode == 0, again.stderr[-3000:]
     again = _cli(commands["run"])
@@ -252,13 +263,8 @@ def test_export_report_and_append_killed_then_rerun(spec, reference, tmp_path):
     check_invariants(run_dir)
     got, want = _final_weights(run_dir), _final_weights(reference)
     assert all(torch.equal(got[k], want[k]) for k in want), "the run's weights changed"
-    out = run_dir / "exports" / "prompt_only-standard.parquet"
-    assert pq.read_table(out).num_rows > 0 and not list(out.parent.glob("*.tmp*"))
-    assert (run_dir / "report" / "summary.md").is_file()
-    # the dataset: one version with both rounds once; the killed append wrote no file
-    dataset = DeltaTable(str(run_dir.parent / "dataset"))
-    assert dataset.version() == 0 and sorted(set(dataset.to_pyarrow_table()["round"].to_pylist())) == [1, 2]
-    assert len(list((run_dir.parent / "dataset").glob("*.parquet"))) == len(dataset.file_uris())
+    for _, _, command in FINISHED_KILLS:
+        _check_output(run_dir, command)
 
 
 def test_the_readme_lists_every_point():
@@ -377,8 +383,7 @@ def test_a_multi_turn_round_killed_between_turns_or_in_a_tool_call_resumes(point
         "the reference run has no tool call in its second chunk: change the spec's seed"
     run_dir = tmp_path / "run"
     command = _commands(spec, run_dir)["run"]
-    crash = _cli(command, fault=f"{point}:{passes + 1}")
-    assert crash.returncode == -9, f"{point}:{passes + 1} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+    _killed(command, point, passes + 1)
     assert not logged_files(run_dir, "samples") and len(list((run_dir / "_staging").rglob("chunk-*.parquet"))) == 1
     if point == "generate.turn":  # the second chunk's trajectories after their first turn, staged
         assert len(list((run_dir / "_staging").rglob("chunk-000001.turn.json"))) == 1
@@ -433,8 +438,7 @@ def test_a_run_on_s3_resumes_after_kills_on_fresh_machines(spec, reference, s3_s
     url = f"s3://{bucket}/runs/faults"
     command = ["run", str(spec), "--run-dir", url]
     for i, (point, count) in enumerate(S3_KILLS):
-        crash = _cli(command, fault=f"{point}:{count}", cache=tmp_path / f"node-{i}")
-        assert crash.returncode == -9, f"{point}:{count} was not reached ({crash.returncode}): {crash.stderr[-2000:]}"
+        _killed(command, point, count, cache=tmp_path / f"node-{i}")
     client = s3_server.client()
     pages = client.get_paginator("list_objects_v2")
 

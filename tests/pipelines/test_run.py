@@ -1,7 +1,7 @@
 """The round loop end to end on the toy: kill -9 mid-round, resume, extend with --rounds +K,
 pick up a new prompt file, and keep a second job off the run. On the transformers engine (the
-loop's work is the same on each; a resumed run's fresh vLLM engine on the checkpoint:
-test_real_model.py, vLLM engines in the loop on Ray: test_run_ray.py)."""
+loop's work is the same on each; vLLM in the loop: test_real_model.py, and on Ray, resumed after
+a kill on fresh engines: test_run_ray.py)."""
 
 from __future__ import annotations
 
