@@ -100,15 +100,17 @@ def groupforge(*args, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([GROUPFORGE, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout)
 
 
-def groupforge_in_process(*args, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """`groupforge args` run in this process, as `groupforge()` runs it in a child: in `cwd`, its
-    stdout and stderr captured (the consoles 200 columns wide and without colour, as on a pipe),
-    its exit code from SystemExit, an exception that escapes printed as a traceback on stderr with
-    exit code 1, and warnings printed on stderr under Python's default filters. Not for a command
-    that starts a vLLM engine: one that fails may leave its state in this process. Afterwards the
+def groupforge_in_process(*args, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`groupforge args` run in this process, as `groupforge()` runs it in a child: in `cwd`, with
+    `env` added to the environment, its stdout and stderr captured (the consoles 200 columns wide
+    and without colour, as on a pipe), its exit code from SystemExit, an exception that escapes
+    printed as a traceback on stderr with exit code 1, and warnings printed on stderr under
+    Python's default filters. Not for a command that starts a vLLM engine: one that fails may
+    leave its state in this process. Afterwards the
     environment, cwd, sys.argv, sys.excepthook (typer sets it), the consoles and the logging
-    handlers (also those a command's log file replaced: curation/library_logs.py) are as they
-    were before."""
+    handlers (also those a command's log file replaced: curation/library_logs.py) and torch's
+    thread count are as they were before. A test that runs the CLI to its end, not killed and
+    without vLLM, saves the ~9 s a child takes to import torch, transformers and matplotlib."""
     import io
     import logging
     import traceback
@@ -140,8 +142,11 @@ def groupforge_in_process(*args, cwd: Path = REPO) -> subprocess.CompletedProces
     logger_state = {name: (x.handlers[:], x.level, x.propagate) for name, x in loggers().items()}
     capturing_warnings = logging._warnings_showwarning is not None
     moved = [(h, h.stream) for h in stream_handlers() if id(h.stream) in capture]
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
     code = 0
     try:
+        os.environ.update({key: str(value) for key, value in (env or {}).items()})
         for handler, stream in moved:  # a handler on this process's stdout or stderr: captured too
             handler.setStream(capture[id(stream)])
         os.environ["COLUMNS"] = "200"
@@ -189,6 +194,8 @@ def groupforge_in_process(*args, cwd: Path = REPO) -> subprocess.CompletedProces
         for c, width, height, colors in saved_consoles:
             c._width, c._height, c._color_system = width, height, colors
         sys.argv, sys.excepthook = saved_argv, saved_hook
+        if threads is not None:
+            torch.set_num_threads(threads)
         os.chdir(saved_cwd)
         for name in set(os.environ) - set(saved_env):
             del os.environ[name]

@@ -58,11 +58,11 @@ class GreedyAnswers:
         return sum(n >= PROBE_TOKENS for n in self.lengths)
 
 
-def inspect_prompts(tokenizer, model: Path, prompts: Path) -> PromptFacts:
-    """Columns and token lengths of `prompts` under `model`'s `tokenizer` (errors name the file)."""
-    from curation.generate.base import load_prompts, tokenize_prompt
+def inspect_prompts(tokenizer, model: Path, prompts: Path, table) -> PromptFacts:
+    """Columns and token lengths of the prompts file `prompts` (read as `table` by load_prompts)
+    under `model`'s `tokenizer` (errors name the file)."""
+    from curation.generate.base import tokenize_prompt
 
-    table = load_prompts(prompts)
     n = table.num_rows
     rows = np.sort(np.random.default_rng(0).choice(n, size=min(n, SAMPLED_ROWS), replace=False))
     sample = table.take(rows).to_pylist()
@@ -99,17 +99,20 @@ def greedy_answers(model: Path, facts: PromptFacts) -> GreedyAnswers:
 def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo",
                  eval_file: str | Path | None = None, out: str | Path = "spec.toml") -> str:
     """The text of a commented spec for `model` and `prompts` (see the module docstring)."""
+    from curation.generate.base import load_prompts
     from store.weights import check_model_folder, count_parameters
 
     if objective not in OBJECTIVES:
         raise ValueError(f"--objective {objective!r}: one of {', '.join(OBJECTIVES)}")
     model, prompts = Path(model), Path(prompts)
+    table = load_prompts(prompts)  # a bad prompts file is refused before the model's libraries load
+    eval_table = load_prompts(Path(eval_file)) if eval_file is not None else None
     check_model_folder(model)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model), trust_remote_code=False)
-    facts = inspect_prompts(tokenizer, model, prompts)
-    eval_facts = inspect_prompts(tokenizer, model, Path(eval_file)) if eval_file is not None else None
+    facts = inspect_prompts(tokenizer, model, prompts, table)
+    eval_facts = inspect_prompts(tokenizer, model, Path(eval_file), eval_table) if eval_file is not None else None
     if eval_facts is not None and not eval_facts.has_reference:
         raise ValueError(f"eval file {eval_file}: has no 'reference' values; eval scores greedy answers against them")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model.resolve().name}-{objective}").strip("-.") or objective

@@ -57,6 +57,9 @@ def tool_warm_start(model: str | Path, out: str | Path, task: str, *, prompts: i
                     tools_prompt: str = "system", log=print) -> Path:
     """Write a warm-started copy of the model folder `model` to `out` (module docstring).
     The problems are task rows drawn with seed + 1000, apart from the task files' (seeds 0, 1)."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):  # refused before torch and transformers load
+        raise ValueError(f"--out {out}: exists and is not empty")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,9 +68,6 @@ def tool_warm_start(model: str | Path, out: str | Path, task: str, *, prompts: i
     from training.checkpoint import quiet_transformers
     from training.supervised import SeededBatches, supervised_ids, supervised_step
 
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {out}: exists and is not empty")
     started = time.perf_counter()
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(model)

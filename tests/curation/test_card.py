@@ -15,11 +15,11 @@ import yaml
 from curation.card import CARD_MARKER, METADATA_KEY
 from curation.stages.runner import CURATION_STAGES, run_stage
 from store.run_store import RunStore
-from tests.helpers import ENV, GROUPFORGE, make_toy_run
+from tests.helpers import groupforge_in_process, make_toy_run
 
 
 def groupforge(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([GROUPFORGE, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=300)
+    return groupforge_in_process(*args)
 
 
 @pytest.fixture(scope="module")

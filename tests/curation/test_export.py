@@ -12,7 +12,7 @@ from curation.card import CARD_MARKER
 from curation.stages.export import ExportConfig, export_path, run
 from store.run_files import EXPORTS_DIR
 from store.run_store import RunStore
-from tests.helpers import ENV, GROUPFORGE, error_line
+from tests.helpers import error_line, groupforge_in_process
 
 PROMPTS = {"p1": "12+30=", "p2": "40+2="}
 RESPONSES = {("p1", 0): "42", ("p1", 1): "41", ("p1", 2): "40", ("p2", 0): "42", ("p2", 1): "7"}
@@ -112,8 +112,7 @@ def test_an_export_path_with_dotdot_is_refused(tmp_path):
 
 def export_cli(cwd, *args) -> subprocess.CompletedProcess:
     """`groupforge export` run from `cwd` (so that a relative --out lands there)."""
-    return subprocess.run([GROUPFORGE, "export", *map(str, args)], capture_output=True, text=True, env=ENV,
-                          cwd=cwd, timeout=300)
+    return groupforge_in_process("export", *args, cwd=cwd)
 
 
 def listing(folder) -> set[str]:

@@ -1,4 +1,4 @@
-"""`groupforge curate|score|filter|label|pair|export` end to end on toy samples, in a subprocess;
+"""`groupforge curate|score|filter|label|pair|export` end to end on toy samples, in this process;
 pipelines/loop/curate.py's config loading and `curate()` on a hand-made run."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import pytest
 
 from pipelines.loop.curate import STAGES, CurationSpec, curate, load_curation_spec
 from store.run_store import RunStore
-from tests.helpers import REPO, error_line, groupforge, hand_made_run, make_toy_run, parquet_sql
+from tests.helpers import REPO, error_line, hand_made_run, make_toy_run, parquet_sql
+from tests.helpers import groupforge_in_process as groupforge
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,7 @@ files, that `groupforge run` runs, or whose TODOs it names."""
 from __future__ import annotations
 
 import json
-import subprocess
 import tomllib
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,12 +12,7 @@ import pytest
 
 from pipelines.cli.init_spec import starter_spec
 from pipelines.spec import load_spec
-from tests.helpers import ENV, GROUPFORGE
-
-
-def groupforge(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([GROUPFORGE, *map(str, args)], capture_output=True, text=True, env=ENV, cwd=cwd,
-                          timeout=600)
+from tests.helpers import groupforge_in_process as groupforge
 
 
 def test_a_starter_spec_runs_a_round_on_the_toy(toy_dir, tmp_path):

@@ -99,7 +99,78 @@ def reference(gguf_file: Path):
     return ids, tokens, tokenizer
 
 
+# llama.cpp's names for a llama layer's tensors, and the Hugging Face module each one loads into
+LAYER_TENSORS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+OTHER_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face name of a llama GGUF tensor: blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight."""
+    stem, suffix = gguf_name.rsplit(".", 1)
+    if stem.startswith("blk."):
+        _, layer, kind = stem.split(".", 2)
+        return f"model.layers.{layer}.{LAYER_TENSORS[kind]}.{suffix}"
+    return f"{OTHER_TENSORS[stem]}.{suffix}"
+
+
+def unpermuted(weight, heads: int):
+    """llama.cpp's converter stores q and k with each head's rows reordered for its rotary
+    embedding (halves interleaved); the Hugging Face layout has them back in order."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def field_value(reader, key: str):
+    """A GGUF metadata field: a string, a number, or a list of strings."""
+    field = reader.fields[key]
+    parts = [field.parts[i] for i in field.data]
+    if field.types[0].name == "STRING":
+        return bytes(parts[0]).decode()
+    if field.types[0].name == "ARRAY":
+        return [bytes(part).decode() for part in parts]
+    return parts[0].item()
+
+
 @pytest.mark.slow
+def test_the_folder_holds_the_gguf_s_tensors_vocabulary_and_chat_template(gguf_file, real_model):
+    """Checked against the gguf package's own reader, not transformers' loader (which the import
+    uses): every tensor of the folder equals gguf.dequantize of the GGUF's, bit for bit (q and k
+    with llama.cpp's row order undone); the vocabulary is the GGUF's, id for id; the chat template
+    is the GGUF's; and the model answers."""
+    import torch
+    from gguf import GGUFReader, dequantize
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reader = GGUFReader(gguf_file)
+    heads = {"attn_q": field_value(reader, "llama.attention.head_count"),
+             "attn_k": field_value(reader, "llama.attention.head_count_kv")}
+    with safe_open(real_model / "model.safetensors", "np") as folder:
+        stored = set(folder.keys())
+        assert stored == {hf_tensor_name(t.name) for t in reader.tensors}  # tied: no lm_head on either side
+        for tensor in reader.tensors:
+            expected = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+            kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+            if kind in heads:
+                expected = unpermuted(expected, heads[kind])
+            assert (folder.get_tensor(hf_tensor_name(tensor.name)) == expected).all(), tensor.name
+    tokenizer = AutoTokenizer.from_pretrained(real_model)
+    vocab = tokenizer.get_vocab()
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    assert len(vocab) == len(tokens) and all(vocab[token] == i for i, token in enumerate(tokens))
+    assert (real_model / "chat_template.jinja").read_text() == field_value(reader, "tokenizer.chat_template")
+    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # transformers' own GGUF load (~1 min): the check above through another reader
 def test_greedy_answers_equal_the_in_memory_gguf_load(reference, real_model):
     """16 chat prompts, 24 greedy tokens each: the real_model folder answers as transformers' own load
     of the GGUF does, token for token."""

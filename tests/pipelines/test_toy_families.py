@@ -33,7 +33,7 @@ from pipelines.toy.task import (
     warm_start_problems,
 )
 from store.run_store import RunStore
-from tests.helpers import ENV, GROUPFORGE, REPO, build_lock
+from tests.helpers import REPO, build_lock, groupforge_in_process
 
 SPEC = REPO / "pipelines" / "specs" / "toy-family-grpo.toml"
 
@@ -206,7 +206,7 @@ def test_unknown_task_is_one_error_line():
 
 
 def groupforge(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([GROUPFORGE, *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    return groupforge_in_process(*argv)
 
 
 # A build of seconds: a narrow model, 40 eval prompts, a warm start of ~50 steps at a high lr on

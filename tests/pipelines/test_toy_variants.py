@@ -8,7 +8,6 @@ measured by the slow test at the end (cached in runs/toy-<variant>).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pipelines.toy.task import (
     supervised_answers,
     variant_config,
 )
-from tests.helpers import REPO, build_lock
+from tests.helpers import REPO, build_lock, groupforge_in_process
 
 TOY_BUILD = typer.main.get_command(app).commands["toy"].commands["build"]
 # A few warm-start steps on 50 eval prompts: the whole build in seconds.
@@ -37,9 +36,7 @@ TINY = dict(max_steps=4, eval_every=2, n_eval=50)
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", "toy", "build", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return groupforge_in_process("toy", "build", *argv)
 
 
 # --- each option changes the build as it says ------------------------------------------------

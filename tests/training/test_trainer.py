@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from store.faults import FAULT_ENV
-from tests.helpers import REPO, logged_files, step_records
+from tests.helpers import REPO, groupforge_in_process, logged_files, step_records
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.schedule import group_units, lr_at, step_rows
@@ -190,9 +190,11 @@ def test_sft_loss_goes_down_on_fixed_data(run_copy, toy_dir):
 
 
 def _cli(run_dir, *args, env=None):
+    """`groupforge train RUN args`: in this process, or with `env` (a fault point that kills it) in a child."""
+    if env is None:
+        return groupforge_in_process("train", run_dir, *args)
     cmd = [sys.executable, "-m", "pipelines.cli", "train", str(run_dir), *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
 
 
 def test_kill_during_training_then_resume_reproduces_the_loss_sequence(curated_run, toy_dir, tmp_path):
