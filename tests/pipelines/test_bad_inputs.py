@@ -191,7 +191,7 @@ def finished(toy_dir, tmp_path_factory) -> tuple[Path, Path]:
     spec = folder / "spec.toml"
     spec.write_text(FAULTS_SPEC.format(toy=toy_dir, train=f'"{toy_dir}/train.parquet"'))
     run = folder / "run"
-    done = _cli("run", str(spec), "--run-dir", str(run), timeout=600)
+    done = groupforge_in_process("run", spec, "--run-dir", run)
     assert done.returncode == 0, done.stderr[-3000:]
     return spec, run
 

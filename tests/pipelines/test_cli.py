@@ -99,7 +99,7 @@ def test_generate_killed_midway_then_resumed_then_noop(tmp_path, toy_dir):
     assert not list((run / "samples").rglob("*.parquet")) if (run / "samples").exists() else True
     assert RunStore(run).load_manifest("generate", 0) is None
 
-    done = groupforge(*args)
+    done = groupforge_in_process(*args)
     assert done.returncode == 0, done.stderr
     store = RunStore(run)
     samples = store.read("samples")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import duckdb
@@ -33,7 +31,7 @@ from pipelines.studies.study_stats import (
 from pipelines.studies.study_text import edge_note, lead_sentence, ranking_sentence, spread_sentence, tie_note
 from store.run_files import MetricsLog
 from store.storage import write_atomic
-from tests.helpers import REPO, parquet_sql
+from tests.helpers import REPO, groupforge_in_process, parquet_sql
 
 # ---------------------------------------------------------------------------------------------
 # The validation split
@@ -381,8 +379,7 @@ def test_compare_runs_a_tiny_study_and_a_rerun_skips_every_run(toy_dir, tmp_path
     compare_file = tmp_path / "compare.toml"
     out = tmp_path / "study"
     compare_file.write_text(TINY.format(out=out))
-    cmd = [sys.executable, "-m", "pipelines.cli", "compare", str(compare_file)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = groupforge_in_process("compare", compare_file)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
 
     markdown = (out / "report" / "compare.md").read_text()
@@ -436,7 +433,7 @@ def test_compare_runs_a_tiny_study_and_a_rerun_skips_every_run(toy_dir, tmp_path
     assert (out / "report" / "ratio_spread.png").stat().st_size > 0 and "\n- toy-grpo: " in markdown
 
     # a rerun skips every finished run and writes the same tables
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    again = groupforge_in_process("compare", compare_file)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("finished, skipped") == 4 + 6
     assert (out / "report" / "compare.md").read_text() == markdown

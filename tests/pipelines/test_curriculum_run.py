@@ -21,7 +21,7 @@ from pipelines.loop.steps import eval_set
 from pipelines.spec import load_spec
 from store.faults import FAULT_ENV
 from store.run_store import RunStore
-from tests.helpers import FAULTS_SPEC, PROMPT_STATS_SQL, REPO, check_tables, round_records
+from tests.helpers import FAULTS_SPEC, PROMPT_STATS_SQL, REPO, check_tables, groupforge_in_process, round_records
 
 REST_ROUNDS, SOLVED = 2, 0.5  # the toy with 6 tokens passes at most half of a prompt's 4 samples here
 SPEC = (FAULTS_SPEC.replace("rounds = 2", "rounds = 4")
@@ -33,9 +33,11 @@ SPEC = (FAULTS_SPEC.replace("rounds = 2", "rounds = 4")
 
 
 def _run(spec, run_dir, env=None):
+    """`groupforge run`: in this process, or with `env` (a fault point that kills it) in a child."""
+    if env is None:
+        return groupforge_in_process("run", spec, "--run-dir", run_dir)
     cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
 
 
 def _choices(run_dir, rounds):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ENV, GROUPFORGE, REPO, parquet_sql
+from tests.helpers import REPO, groupforge_in_process, parquet_sql
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -24,10 +24,9 @@ def report(tmp_path_factory) -> Path:
     spec = REPO / "pipelines" / "specs" / "toy-grpo.toml"
     args = ["run", spec, "--run-dir", run, "--set", "run.rounds=2", "--set", "prompts.per_round=48",
             "--set", "run.steps_per_round=1", "--set", "prompts.eval_limit=32", "--set", "eval.every=1"]
-    done = subprocess.run([GROUPFORGE, *map(str, args)], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=600)
+    done = groupforge_in_process(*args)
     assert done.returncode == 0, done.stderr
-    again = subprocess.run([GROUPFORGE, "report", str(run)], env=ENV, capture_output=True, text=True, timeout=300)
+    again = groupforge_in_process("report", run)
     assert again.returncode == 0, again.stderr
     return run / "report"
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 import math
 import shutil
 import statistics
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from pipelines.studies.ratio_spread import COLUMNS, RatioSpreadSkip, length_buckets, ratio_spread, ratio_spread_for_run
-from tests.helpers import REPO
+from tests.helpers import groupforge_in_process
 
 # docs/objectives.md, "2. Log-probabilities and importance ratios": logp - old_logp of the
 # worked group's four responses (lengths 3, 3, 2, 4).
@@ -149,8 +147,7 @@ def toy_run(toy_dir, tmp_path_factory):
     spec = folder / "spec.toml"
     spec.write_text(SPEC.format(toy=toy_dir))
     run_dir = folder / "run"
-    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = groupforge_in_process("run", spec, "--run-dir", run_dir)
     assert done.returncode == 0, done.stderr[-2000:]
     return run_dir
 

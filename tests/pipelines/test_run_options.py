@@ -21,7 +21,7 @@ from pipelines.spec import load_spec
 from store.faults import FAULT_ENV
 from store.run_files import PHASES, MetricsLog
 from store.run_store import RunStore
-from tests.helpers import OPTIONS_SPEC, REPO, logged_files, parquet_sql
+from tests.helpers import OPTIONS_SPEC, REPO, groupforge_in_process, logged_files, parquet_sql
 from training import checkpoint as ckpt
 
 
@@ -120,8 +120,7 @@ def test_the_loop_pairs_every_round_when_asked_and_groupforge_pair_does_it_after
 
     auto = run_pipeline(load_spec(spec_file), tmp_path / "auto", log=lambda msg: None)
     assert [r["pairs"] for r in auto[1:]] == [None, None] and not (tmp_path / "auto" / "pairs").exists()
-    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "pair", str(tmp_path / "auto")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = groupforge_in_process("pair", tmp_path / "auto")
     assert done.returncode == 0, done.stderr
     later = RunStore(tmp_path / "auto")
     assert later.rounds("pairs") == [1, 2]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tomllib
@@ -13,7 +12,7 @@ import pytest
 
 from pipelines.spec import PipelineSpec, dump_toml, load_spec, parse_overrides, resolved_toml
 from pipelines.studies.compare_spec import check_comparable, load_compare
-from tests.helpers import REPO
+from tests.helpers import REPO, groupforge_in_process
 
 SPECS = sorted((REPO / "pipelines" / "specs").glob("*.toml"))
 
@@ -184,17 +183,13 @@ def test_overrides_set_keys_of_any_section_and_bad_ones_fail(tmp_path, toy_dir, 
 
 def test_missing_model_folder_and_cli_exit_code(tmp_path, toy_dir):
     path = _write(tmp_path, GOOD.replace("runs/toy/model", "runs/no-such-model"))
-    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(path), "--run-dir", str(tmp_path / "r")],
-                         cwd=REPO, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    out = groupforge_in_process("run", path, "--run-dir", tmp_path / "r")
     assert out.returncode == 2
     assert "model.path runs/no-such-model: not a Hugging Face model folder" in out.stderr
     assert not (tmp_path / "r").exists()  # nothing created for a spec that fails validation
-    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(_write(tmp_path, GOOD + "[run]\n")),
-                          "--run-dir", str(tmp_path / "r")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = groupforge_in_process("run", _write(tmp_path, GOOD + "[run]\n"), "--run-dir", tmp_path / "r")
     assert out.returncode == 2 and "not valid TOML" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(_write(tmp_path, GOOD)), "--set",
-                          "run.rounds=zero", "--run-dir", str(tmp_path / "r")], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    out = groupforge_in_process("run", _write(tmp_path, GOOD), "--set", "run.rounds=zero", "--run-dir", tmp_path / "r")
     assert out.returncode == 2 and "run.rounds" in out.stderr and not (tmp_path / "r").exists()
 
 

@@ -14,7 +14,7 @@ from curation.env.config import EnvConfig
 from curation.env.environments import make_environment
 from pipelines.models.chat_tasks import task_rows
 from pipelines.models.tool_warm_start import conversation, expression_of
-from tests.helpers import groupforge
+from tests.helpers import groupforge_in_process as groupforge
 from training.supervised import supervised_ids
 
 pytestmark = pytest.mark.xdist_group("real_model_hf")

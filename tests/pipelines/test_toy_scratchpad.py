@@ -9,7 +9,6 @@ checks builds of a few warm-start steps.
 from __future__ import annotations
 
 import json
-import subprocess
 import tomllib
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from pipelines.toy.build import META_FILE, build_toy, default_out
 from pipelines.toy.families import FAMILIES
 from pipelines.toy.model import greedy_responses, make_tokenizer
 from pipelines.toy.task import TASK_DEFAULTS, ToyConfig, make_problems, supervised_responses, variant_config
-from tests.helpers import ENV, GROUPFORGE, REPO, build_lock, check_same_seed_same_bytes
+from tests.helpers import REPO, build_lock, check_same_seed_same_bytes, groupforge_in_process
 
 SCRATCHPAD = ToyConfig(task="scratchpad")
 # A few warm-start steps on 20 eval prompts and 512 train prompts: the whole build in seconds.
@@ -115,17 +114,15 @@ def test_same_seed_gives_identical_files(tmp_path: Path):
 
 @pytest.mark.filterwarnings("ignore:toy warm start ended")
 def test_the_build_flag_picks_the_task(tmp_path: Path):
-    done = subprocess.run([GROUPFORGE, "toy", "build", "--task", "scratchpad", "--max-steps", "2", "--eval-every",
-                           "2", "--n-eval", "20", "--n-train", "256", "--out", str(tmp_path / "toy")],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    done = groupforge_in_process("toy", "build", "--task", "scratchpad", "--max-steps", "2", "--eval-every", "2",
+                                 "--n-eval", "20", "--n-train", "256", "--out", tmp_path / "toy")
     assert done.returncode == 0, done.stderr
     meta = json.loads((tmp_path / "toy" / META_FILE).read_text())
     assert ToyConfig.model_validate(meta["config"]) == SCRATCHPAD.model_copy(
         update={"max_steps": 2, "eval_every": 2, "n_eval": 20, "n_train": 256})
     assert pq.read_table(tmp_path / "toy" / "eval.parquet").column("prompt")[0].as_py().count("+") == 1
-    refused = subprocess.run([GROUPFORGE, "toy", "build", "--task", "scratchpad", "--variant", "noisy",
-                              "--out", str(tmp_path / "noisy")], cwd=REPO, env=ENV, capture_output=True, text=True,
-                             timeout=300)
+    refused = groupforge_in_process("toy", "build", "--task", "scratchpad", "--variant", "noisy",
+                                    "--out", tmp_path / "noisy")
     assert refused.returncode == 2 and refused.stderr.startswith("error: toy variant 'noisy' of the scratchpad "
                                                                  "task: label_noise is for the addition task only")
     assert not (tmp_path / "noisy").exists()
@@ -168,8 +165,7 @@ def test_the_warm_start_learns_the_format_but_not_all_the_arithmetic(scratchpad_
 def test_the_shipped_spec_runs_two_rounds(scratchpad_dir: Path, tmp_path: Path):
     args = ["--set", "run.rounds=2", "--set", "run.steps_per_round=1", "--set", "prompts.per_round=16",
             "--set", "prompts.eval_limit=50", "--set", "train.batch_size=128", "--run-dir", str(tmp_path / "run")]
-    done = subprocess.run([GROUPFORGE, "run", str(SPEC), *args], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    done = groupforge_in_process("run", SPEC, *args)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rounds = [r for r in records if r.get("event") == "round"]

@@ -25,7 +25,7 @@ from store.run_store import RunStore
 from store.schema import SCHEMAS
 from store.storage import LocalStorage
 from store.verify import RunFolderError, check_run
-from tests.helpers import edit_commit_row
+from tests.helpers import edit_commit_row, groupforge_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -172,8 +172,7 @@ def test_groupforge_migrate_takes_an_old_run_in_once(tmp_path):
     old_run(run)
 
     def migrate() -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, "-m", "pipelines.cli", "migrate", str(run)], cwd=REPO,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+        done = groupforge_in_process("migrate", run)
         assert done.returncode == 0, done.stderr[-3000:]
         return done
 
@@ -407,8 +406,7 @@ def test_a_run_of_groupforge_s_own_commit_log_is_taken_in_with_its_delta_history
     assert store.load_manifest("score", 0)["config"] == {"try": 2}
     versions_before = {t: DeltaTable(str(run / t)).version() for t in ("samples", "scores", "rejects", "prompts")}
 
-    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "migrate", str(run)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    done = groupforge_in_process("migrate", run)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{run}: migrated: 4 manifests, 7 files live" in done.stdout
     assert not (run / "_log").exists()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +17,15 @@ from curation.generate.stage import generate
 from curation.stages.runner import CURATION_STAGES, run_stage
 from store.run_store import RunStore
 from tests import helpers
-from tests.helpers import ENV, GROUPFORGE, REPO, SAMPLING, load_fp32, make_toy_run, mean_abs_diff, transformers_logprobs
+from tests.helpers import (
+    REPO,
+    SAMPLING,
+    groupforge_in_process,
+    load_fp32,
+    make_toy_run,
+    mean_abs_diff,
+    transformers_logprobs,
+)
 from training import checkpoint as ckpt
 from training import lora
 from training.config import TrainConfig
@@ -163,8 +170,7 @@ def test_the_round_loop_learns_with_adapters(tmp_path):
             "--set", "train.lr=3e-4", "--set", "train.batch_size=128", "--set", "run.checkpoint_every=3",
             "--run-dir", tmp_path / "run"]
     spec = REPO / "pipelines" / "specs" / "toy-grpo.toml"
-    done = subprocess.run([GROUPFORGE, "run", spec, *map(str, args)], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    done = groupforge_in_process("run", spec, *args)
     assert done.returncode == 0, done.stderr
     newest = ckpt.latest_checkpoint(tmp_path / "run")
     assert lora.is_adapter_folder(newest) and ckpt.load_trainer_state(newest)["step"] == 12
