@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAULTS_SPEC, check_invariants, cli, cli_all, error_line, stopped_with
+from tests.helpers import FAULTS_SPEC, check_invariants, cli, cli_all, error_line, groupforge_in_process, stopped_with
 from tests.s3_server import ALL_S3, S3Server
 
 DENIED_RUN = "runs/denied"
@@ -118,8 +118,8 @@ def test_access_denied_half_way_leaves_whole_tables_and_a_rerun_resumes(spec, au
     resumes and finishes: every round and step once, every table whole, the checkpoints there."""
     auth, bucket, keys = auth_server
     url = f"s3://{bucket}/{DENIED_RUN}"
-    denied = cli("run", spec, "--run-dir", url, env={**auth.env(keys["no-checkpoints"]),
-                                                      "GROUPFORGE_CACHE": str(tmp_path / "node-1")})
+    denied = groupforge_in_process("run", spec, "--run-dir", url, env={**auth.env(keys["no-checkpoints"]),
+                                                                        "GROUPFORGE_CACHE": str(tmp_path / "node-1")})
     line = stopped_with(denied, 1)
     assert re.match(rf"error: {re.escape(url)}/checkpoints/step-2/\S+: writing refused: access denied "
                     r"\(AccessDenied: Access Denied\)", line), line
@@ -129,8 +129,8 @@ def test_access_denied_half_way_leaves_whole_tables_and_a_rerun_resumes(spec, au
     check_invariants(stopped)
     assert {k.split("/")[1] for k in kept if k.startswith("samples/round=")} == {"round=1"}
 
-    rerun = cli("run", spec, "--run-dir", url, env={**auth.env(keys["admin"]),
-                                                     "GROUPFORGE_CACHE": str(tmp_path / "node-2")})
+    rerun = groupforge_in_process("run", spec, "--run-dir", url, env={**auth.env(keys["admin"]),
+                                                                       "GROUPFORGE_CACHE": str(tmp_path / "node-2")})
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     finished = tmp_path / "finished"
     keys_after = auth.download(bucket, DENIED_RUN, finished)

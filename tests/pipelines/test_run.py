@@ -16,7 +16,7 @@ import pytest
 from curation.generate.base import load_prompts
 from store.faults import FAULT_ENV
 from store.run_store import RunStore
-from tests.helpers import E2E_SPEC, REPO, check_tables, round_records
+from tests.helpers import E2E_SPEC, REPO, check_tables, groupforge_in_process, round_records
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,11 @@ def _spec(tmp_path, toy_dir, train_files):
     return path
 
 
-def _run(spec, run_dir, *args, env=None):
+def _run(spec, run_dir, *args, env=None, child=False):
+    """`groupforge run`: in this process, or in a child with `env` (a fault point that kills it)
+    or `child` (a second job, refused by the lock this process holds)."""
+    if env is None and not child:
+        return groupforge_in_process("run", spec, "--run-dir", run_dir, *args)
     cmd = [sys.executable, "-m", "pipelines.cli", "run", str(spec), "--run-dir", str(run_dir), *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
@@ -78,6 +82,6 @@ def test_kill_mid_round_resume_extend_and_lock(toy_dir, tmp_path):
 
     # A second job on a locked run exits with a distinct code when told not to wait.
     with RunStore(run_dir).lock():
-        busy = _run(spec, run_dir, "--rounds", "+1", "--no-wait")
+        busy = _run(spec, run_dir, "--rounds", "+1", "--no-wait", child=True)
     assert busy.returncode == 3 and "lock" in busy.stderr.lower()
     assert [r["round"] for r in round_records(run_dir)] == [0, 1, 2, 3]

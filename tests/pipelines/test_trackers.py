@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import E2E_SPEC, REPO
+from tests.helpers import E2E_SPEC, REPO, groupforge_in_process
 
 SPEC = (E2E_SPEC.replace('backend = "vllm"', 'backend = "hf"').replace("rounds = 2", "rounds = 1")
         .replace("per_round = 24", "per_round = 16").replace("eval_limit = 64", "eval_limit = 32"))
@@ -31,6 +31,9 @@ def _spec(tmp_path: Path, toy_dir: Path, trackers: list[str]) -> Path:
 
 
 def _cli(*args: str, env: dict | None = None, prelude: str = "") -> subprocess.CompletedProcess:
+    """`groupforge args` in this process, or with a `prelude` (Python run first) in a child."""
+    if not prelude and not any(name in os.environ for name in CLEAN_ENV):
+        return groupforge_in_process(*args, env=env)
     base = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
     code = (f"import sys\n{prelude}\nfrom pipelines.cli.main import main\n"
             "sys.argv = ['groupforge', *sys.argv[1:]]\nmain()")
