@@ -6,15 +6,13 @@ built here, from the toy's prompts, so it needs nothing checked in."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import REPO, groupforge_in_process
+from tests.helpers import groupforge_in_process
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
@@ -152,9 +150,8 @@ def test_a_huge_prompt_is_rejected_as_too_long_not_a_crash(toy_dir, tmp_path):
     prompts = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["1+1=", "1+" * 200_000 + "1="]}), prompts)  # ~400k characters
     run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "generate", "--model", str(toy_dir / "model"),
-                           "--prompts", str(prompts), "--out", str(run), "--backend", "hf", "--max-tokens", "4",
-                           "-G", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = groupforge_in_process("generate", "--model", toy_dir / "model", "--prompts", prompts, "--out", run,
+                                 "--backend", "hf", "--max-tokens", "4", "-G", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     from collections import Counter
 
