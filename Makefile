@@ -106,8 +106,8 @@ test: install lint bytecode real-model
 # Everything, the exhaustive cases too (each of 29 fault kills alone and the multi-turn ones, a full disk late
 # in the run, trainer ranks by ddp, by c10d rendezvous and by FSDP2 in float32, vLLM engines and the round loop
 # on two Ray nodes, the toy variants' and the scratchpad toy's builds, both engines on every bad model folder,
-# a fresh GGUF import in float32 and bfloat16, the real model's round on the transformers engine and its memory a
-# token with activation checkpointing,
+# a fresh GGUF import in float32 and bfloat16, transformers' own GGUF load answering as the imported folder does,
+# the real model's round on the transformers engine and its memory a token with activation checkpointing,
 # the GPU check's dry run with vLLM on Ray; ~25 min more).
 test-exhaustive: install lint bytecode real-model
 	$(PY) -m pytest -q --durations=30 $(PARALLEL)

@@ -22,22 +22,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 from tests.helpers import REPO, build_lock  # noqa: E402  (after the environment above)
 
-# Files that take minutes: scheduled first, so that the other worker is not left waiting at
+# The longest files (about a minute or more): scheduled first, so that the other worker is not left waiting at
 # the end for one of them. The rest follow in collection order.
 LONG_FILES = (
     "tests/pipelines/test_real_model.py",
     "tests/faults/test_faults.py",
-    "tests/pipelines/test_model_import.py",
     "tests/training/test_sizing.py",
     "tests/pipelines/test_run_ray.py",
-    "tests/pipelines/test_run.py",
     "tests/curation/test_generate_ray.py",
     "tests/training/test_ddp.py",
-    "tests/training/test_trainer.py",
-    "tests/pipelines/test_trackers.py",
-    "tests/pipelines/test_cli.py",
+    "tests/store/test_concurrency.py",
     "tests/pipelines/test_init.py",
-    "tests/pipelines/test_toy_scratchpad.py",
+    "tests/pipelines/test_bad_inputs.py",
+    "tests/pipelines/test_object_store_failures.py",
+    "tests/training/test_trainer.py",
+    "tests/curation/test_turns.py",
     "tests/bench/test_gpu_check.py",
 )
 RAY_FILES = ("test_generate_ray.py", "test_generate_ray_cluster.py", "test_run_ray.py", "test_gpu_check.py")

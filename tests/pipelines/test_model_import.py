@@ -1,8 +1,9 @@
 """`groupforge model import-gguf` (pipelines/models/gguf_import.py) on SmolLM2-135M-Instruct's Q4_1
 GGUF: the folder `make real-model` writes with it (before `make test` starts) is a plain Hugging Face
-model folder whose greedy answers equal transformers' own load of the GGUF, token for token; bad
-inputs fail in one line with exit 2. `make test-exhaustive` also imports it afresh, in float32 (the
-same bytes as `make real-model`'s folder, with its progress lines) and in bfloat16."""
+model folder holding the GGUF's tensors (as the gguf package's own reader dequantises them), vocabulary
+and chat template; bad inputs fail in one line with exit 2. `make test-exhaustive` also compares its
+greedy answers with transformers' own load of the GGUF, token for token, and imports it afresh, in
+float32 (the same bytes as `make real-model`'s folder, with its progress lines) and in bfloat16."""
 
 from __future__ import annotations
 
