@@ -58,6 +58,12 @@ class GreedyAnswers:
         return sum(n >= PROBE_TOKENS for n in self.lengths)
 
 
+def check_objective(objective: str) -> None:
+    """A ValueError naming the choices for an objective init does not write."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"--objective {objective!r}: one of {', '.join(OBJECTIVES)}")
+
+
 def inspect_prompts(tokenizer, model: Path, prompts: Path, table) -> PromptFacts:
     """Columns and token lengths of the prompts file `prompts` (read as `table` by load_prompts)
     under `model`'s `tokenizer` (errors name the file)."""
@@ -102,8 +108,7 @@ def starter_spec(model: str | Path, prompts: str | Path, objective: str = "grpo"
     from curation.generate.base import load_prompts
     from store.weights import check_model_folder, count_parameters
 
-    if objective not in OBJECTIVES:
-        raise ValueError(f"--objective {objective!r}: one of {', '.join(OBJECTIVES)}")
+    check_objective(objective)
     model, prompts = Path(model), Path(prompts)
     table = load_prompts(prompts)  # a bad prompts file is refused before the model's libraries load
     eval_table = load_prompts(Path(eval_file)) if eval_file is not None else None

@@ -243,15 +243,14 @@ def init_command(
     """Write a commented starter spec for your model and prompts: max_tokens from the model's greedy answers, the
     reward (math or exact_match with a reference column), the eval set, the round's size, lr and memory from the
     model and this machine, each with its reason; what it cannot decide is a TODO `run` refuses."""
-    from pipelines.cli.init_spec import OBJECTIVES, starter_spec
+    from pipelines.cli.init_spec import check_objective, starter_spec
     from pipelines.spec import load_spec
     from store.storage import write_atomic
 
     if out.exists() and not force:
         raise fail(f"{out} exists: give another --out, or --force to replace it", EXIT_BAD_INPUT)
-    if objective not in OBJECTIVES:  # before transformers loads: a mistyped flag is one line at once
-        raise fail(f"--objective {objective!r}: one of {', '.join(OBJECTIVES)}", EXIT_BAD_INPUT)
     with exit_codes():
+        check_objective(objective)  # before transformers loads: a mistyped flag is one line at once
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # init has no run folder for a log: transformers' notices are dropped

@@ -1,8 +1,8 @@
 """Bad model folders, checkpoints and run folders through the CLI: each gets one `error:` line
 naming the file or folder and the problem, exit code 2, no traceback, and nothing written
 (README, "Exit codes"). Built here from the toy and one short run, nothing checked in. The CLI
-runs in this process, except the commands that start a vLLM engine and the short run itself:
-those run `python -m pipelines.cli` in a child process. The prompts-file corpus is
+runs in this process, except the commands that start a vLLM engine: those run
+`python -m pipelines.cli` in a child process. The prompts-file corpus is
 tests/curation/test_bad_prompts.py; spec keys are in test_spec.py."""
 
 from __future__ import annotations

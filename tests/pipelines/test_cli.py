@@ -1,5 +1,6 @@
-"""The `groupforge` CLI: wrong tables and flags and inspect, run in this process; a kill, reruns
-and a lock held by another process through the installed console script in a child process."""
+"""The `groupforge` CLI: wrong tables and flags, inspect and the rerun after a kill, run in this
+process; the kill and a lock held by another process through the installed console script in a
+child process."""
 
 from __future__ import annotations
 
