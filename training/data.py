@@ -12,8 +12,9 @@ masked tokens out of every loss. When some of the chosen parts have it and other
 rows without it get all ones; when none has it, the rows have no such column (single-turn
 rows are exactly what they were).
 
-Every part file's schema is checked against `store.schema` before it is read, so a wrong
-table fails with a message naming the file and column. Rows come out in key order (round,
+The tables are read through the store's one column reader (`RunStore.read_columns`,
+store/table_reads.py): every part file's schema is checked against `store.schema` before it is
+read, so a wrong table fails with a message naming the file and column. Rows come out in key order (round,
 prompt_id, sample_idx / chosen_idx, rejected_idx; ties in row order), so the same tables
 always give the same dataset, and `fingerprint` names it.
 
@@ -31,10 +32,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from store import schema
-from store.layout import contract_columns
 from store.run_store import RunStore
 
 POLICY_OBJECTIVES = ("grpo", "gspo", "gspo_token", "cispo")
@@ -92,30 +90,6 @@ def _newest_round(store: RunStore, table: str) -> int | None:
     """The newest round of `table` with a live part file."""
     rounds = store.rounds(table)
     return rounds[-1] if rounds else None
-
-
-def _checked_files(store: RunStore, table: str, rounds: list[int]) -> list[str]:
-    """The rounds' part files of `table` (their schemas are checked when they are read)."""
-    return store.files(table, rounds)
-
-
-def _read(store: RunStore, table: str, files: list[str], columns: list[str]) -> pa.Table:
-    """`columns` of `table`'s part `files` (checked against the contract), in file order, with
-    the contract's types; a held part from memory."""
-    parts = []
-    for rel in files:
-        held = store.held_part(rel)
-        if held is not None:
-            part = held.table.select([c for c in columns if c in held.table.column_names])
-        else:
-            with pq.ParquetFile(store.source(rel)) as f:
-                schema.validate(f.schema_arrow.empty_table(), table, store.where(rel))
-                found = set(f.schema_arrow.names)
-                part = f.read(columns=[c for c in columns if c in found], use_threads=False)
-        parts.append(contract_columns(table, part, columns))
-    if not parts:
-        return pa.schema([schema.field_of(table, c) for c in columns]).empty_table()
-    return pa.concat_tables(parts)
 
 
 def _response_mask(samples: pa.Table) -> pa.ChunkedArray | None:
@@ -206,15 +180,15 @@ def _kept_groups(groups: pa.Table, objective: str, sft_min_reward: float | None)
     return groups.filter(keep)
 
 
-def _policy_rows(store: RunStore, files: dict[str, list[str]], objective: str, sft_min_reward: float | None,
+def _policy_rows(store: RunStore, rounds: list[int], objective: str, sft_min_reward: float | None,
                  count: bool = False) -> pa.Table | int:
     """samples JOIN groups on the keys, the objective's groups rows only, in key order: the
     sample columns then advantage and reward; with `count`, only how many rows."""
     filter_column = "group_kept" if objective != "sft" else "advantage" if sft_min_reward is None else "reward"
     keys = _KEYS + ["sample_idx"]
-    groups = _kept_groups(_read(store, "groups", files["groups"], list(dict.fromkeys(
-        keys + ([] if count else ["advantage", "reward"]) + [filter_column]))), objective, sft_min_reward)
-    samples = _read(store, "samples", files["samples"], keys if count else _SAMPLE_COLUMNS)
+    groups = _kept_groups(store.read_columns("groups", list(dict.fromkeys(
+        keys + ([] if count else ["advantage", "reward"]) + [filter_column])), rounds), objective, sft_min_reward)
+    samples = store.read_columns("samples", keys if count else _SAMPLE_COLUMNS, rounds)
     s, g = _match(samples, keys, groups, keys)
     if count:
         return int(s.size)
@@ -227,13 +201,12 @@ def _policy_rows(store: RunStore, files: dict[str, list[str]], objective: str, s
     return _in_key_order(rows, ["round", "prompt_id", "sample_idx"])
 
 
-def _pair_rows(store: RunStore, files: dict[str, list[str]],
-               count: bool = False) -> pa.Table | int:
+def _pair_rows(store: RunStore, rounds: list[int], count: bool = False) -> pa.Table | int:
     """pairs JOIN samples (chosen) JOIN samples (rejected), in key order: the pair's keys, the
     prompt and both responses with their behavior log-probs, rewards, soft_label, weight; with
     `count`, only how many rows."""
-    pairs = _read(store, "pairs", files["pairs"], _KEYS + ["chosen_idx", "rejected_idx"] if count else _PAIR_COLUMNS)
-    samples = _read(store, "samples", files["samples"], _KEYS + ["sample_idx"] if count else _SAMPLE_COLUMNS)
+    pairs = store.read_columns("pairs", _KEYS + ["chosen_idx", "rejected_idx"] if count else _PAIR_COLUMNS, rounds)
+    samples = store.read_columns("samples", _KEYS + ["sample_idx"] if count else _SAMPLE_COLUMNS, rounds)
     p_c, c = _match(pairs, _KEYS + ["chosen_idx"], samples, _KEYS + ["sample_idx"])
     p_r, r = _match(pairs, _KEYS + ["rejected_idx"], samples, _KEYS + ["sample_idx"])
     # each pair row with each of its chosen and each of its rejected matches (one and one)
@@ -260,14 +233,13 @@ def _pair_rows(store: RunStore, files: dict[str, list[str]],
 
 def _inputs(run: RunStore | str | Path, objective: str, rounds: list[int] | None,
             max_staleness: int | None) -> tuple[RunStore, list[int], dict[str, list[str]]]:
-    """The run's store, the chosen rounds and their checked part files per table."""
+    """The run's store, the chosen rounds and their part files per table."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
     store = run if isinstance(run, RunStore) else RunStore(run)
     chosen = select_rounds(store, objective, rounds, max_staleness)
     source = "pairs" if objective == "pairwise" else "groups"
-    return store, chosen, {"samples": _checked_files(store, "samples", chosen),
-                           source: _checked_files(store, source, chosen)}
+    return store, chosen, {"samples": store.files("samples", chosen), source: store.files(source, chosen)}
 
 
 def count_training_rows(run: RunStore | str | Path, objective: str, rounds: list[int] | None = None,
@@ -279,8 +251,8 @@ def count_training_rows(run: RunStore | str | Path, objective: str, rounds: list
     if not (chosen and all(files.values())):
         return 0
     if objective == "pairwise":
-        return _pair_rows(store, files, count=True)
-    return _policy_rows(store, files, objective, sft_min_reward, count=True)
+        return _pair_rows(store, chosen, count=True)
+    return _policy_rows(store, chosen, objective, sft_min_reward, count=True)
 
 
 def load_training_data(run: RunStore | str | Path, objective: str, rounds: list[int] | None = None,
@@ -289,8 +261,8 @@ def load_training_data(run: RunStore | str | Path, objective: str, rounds: list[
     store, chosen, files = _inputs(run, objective, rounds, max_staleness)
     table = None
     if chosen and all(files.values()):
-        table = _pair_rows(store, files) if objective == "pairwise" else \
-            _policy_rows(store, files, objective, sft_min_reward)
+        table = _pair_rows(store, chosen) if objective == "pairwise" else \
+            _policy_rows(store, chosen, objective, sft_min_reward)
     h = hashlib.sha256(f"{objective}|{sft_min_reward}|".encode())
     for table_name in sorted(files):
         for rel, digest in store.part_fingerprints(files[table_name]).items():
