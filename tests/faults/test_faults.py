@@ -1,5 +1,6 @@
 """The fault-injection harness: the real CLI on the toy, SIGKILLed at named points
-(`GROUPFORGE_FAULT=<point>:<count>`, store/faults.py), rerun to completion, then checked
+(`GROUPFORGE_FAULT=<point>:<count>`, store/faults.py) in a process of its own, rerun to
+completion (in this process: the same `main()`, tests/helpers.py's groupforge_in_process), then checked
 by readers of its own (DuckDB and pyarrow over the files, transformers for checkpoints), not
 the store's code:
 
@@ -46,6 +47,7 @@ from tests.helpers import (
     REPO,
     check_invariants,
     commit_rows,
+    groupforge_in_process,
     logged_files,
     parquet_sql,
     round_records,
@@ -113,6 +115,12 @@ def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -
                           timeout=600, env=_cli_env(fault, cache))
 
 
+def _rerun(args: list[str], cache: Path | None = None) -> subprocess.CompletedProcess:
+    """The CLI run to its end in this process (tests/helpers.py's groupforge_in_process; no fault
+    point set), `cache` as its node-local cache: a rerun after a kill, or the run nobody killed."""
+    return groupforge_in_process(*args, env=None if cache is None else {CACHE_ENV: str(cache)})
+
+
 def _killed(args: list[str], point: str, count: int, cache: Path | None = None) -> None:
     """The CLI with `args`, SIGKILLed at the `count`th pass of `point` (checked: it was reached)."""
     crash = _cli(args, fault=f"{point}:{count}", cache=cache)
@@ -137,7 +145,7 @@ def spec(toy_dir, tmp_path_factory) -> Path:
 def reference(spec, tmp_path_factory) -> Path:
     """The run nobody killed."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    done = _cli(_commands(spec, run_dir)["run"])
+    done = _rerun(_commands(spec, run_dir)["run"])
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
 
@@ -196,10 +204,10 @@ def test_kill_at_a_named_point_then_rerun(point, count, command, spec, reference
     if command != "run":  # export and report work on a finished run: a copy of the reference
         shutil.copytree(reference, run_dir, symlinks=True)
     _killed(commands[command], point, count)
-    again = _cli(commands[command])
+    again = _rerun(commands[command])
     assert again.returncode == 0, again.stderr[-3000:]
     if command != "run":
-        again = _cli(commands["run"])  # the run itself is untouched
+        again = _rerun(commands["run"])  # the run itself is untouched
         assert again.returncode == 0, again.stderr[-3000:]
     check_invariants(run_dir)
     if (point, count) in ENGINE_CHECKED:
@@ -238,7 +246,7 @@ def test_a_run_killed_at_every_point_in_turn_ends_as_the_run_nobody_killed(spec,
     command = _commands(spec, run_dir)["run"]
     for point, count in LOCAL_KILLS:
         _killed(command, point, count)
-    again = _cli(command)
+    again = _rerun(command)
     assert again.returncode == 0, again.stderr[-3000:]
     check_invariants(run_dir)
     check_engine_loads(_newest_checkpoint(run_dir))
@@ -256,9 +264,9 @@ def test_export_report_and_append_killed_then_rerun(spec, reference, tmp_path):
     commands = _commands(spec, run_dir)
     for point, count, command in FINISHED_KILLS:
         _killed(commands[command], point, count)
-        again = _cli(commands[command])
+        again = _rerun(commands[command])
         assert again.returncode == 0, again.stderr[-3000:]
-    again = _cli(commands["run"])
+    again = _rerun(commands["run"])
     assert again.returncode == 0, again.stderr[-3000:]
     check_invariants(run_dir)
     got, want = _final_weights(run_dir), _final_weights(reference)
@@ -449,7 +457,7 @@ def test_a_run_on_s3_resumes_after_kills_on_fresh_machines(spec, reference, s3_s
     seed = random.randrange(2**32)
     code, delay = _kill_at_a_random_moment(command, tmp_path / "node-random", keys, random.Random(seed))
     assert code == -9, f"the kill {delay:.2f} s into round 2's work (seed {seed}) came after the run ended ({code})"
-    done = _cli(command, cache=tmp_path / "node-last")
+    done = _rerun(command, cache=tmp_path / "node-last")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (REPO / "runs" / "faults").exists() and not (tmp_path / "runs").exists()
 
@@ -516,7 +524,7 @@ def test_a_full_disk_is_one_error_line_and_the_rerun_resumes(fraction, spec, ref
                 or p.name.startswith(TEMP_PREFIX)]
         assert not left, f"temporary files left on the full disk: {left}"
     resize(4 * _usage(reference))
-    again = _cli(_commands(spec, run_dir)["run"])
+    again = _rerun(_commands(spec, run_dir)["run"])
     assert again.returncode == 0, again.stderr[-3000:]
     check_invariants(run_dir)
     got, want = _final_weights(run_dir), _final_weights(reference)
