@@ -104,13 +104,14 @@ def groupforge_in_process(*args, cwd: Path = REPO, env: dict[str, str] | None = 
     """`groupforge args` run in this process, as `groupforge()` runs it in a child: in `cwd`, with
     `env` added to the environment, its stdout and stderr captured (the consoles 200 columns wide
     and without colour, as on a pipe), its exit code from SystemExit, an exception that escapes
-    printed as a traceback on stderr with exit code 1, and warnings printed on stderr under
-    Python's default filters. Not for a command that starts a vLLM engine: one that fails may
-    leave its state in this process. Afterwards the
-    environment, cwd, sys.argv, sys.excepthook (typer sets it), the consoles and the logging
-    handlers (also those a command's log file replaced: curation/library_logs.py) and torch's
-    thread count are as they were before. A test that runs the CLI to its end, not killed and
-    without vLLM, saves the ~9 s a child takes to import torch, transformers and matplotlib."""
+    printed as a traceback on stderr with exit code 1, warnings printed on stderr under Python's
+    default filters, and torch's thread count OMP_NUM_THREADS's (as a child's torch starts with).
+    Not for a command that starts a vLLM engine: one that fails may leave its state in this
+    process. Afterwards the environment, cwd, sys.argv, sys.excepthook (typer sets it), the
+    consoles, the logging handlers (also those a command's log file replaced:
+    curation/library_logs.py) and torch's thread count are as they were before. A test that runs
+    the CLI to its end, not killed and without vLLM, saves the ~9 s a child takes to import
+    torch, transformers and matplotlib."""
     import io
     import logging
     import traceback
@@ -147,6 +148,8 @@ def groupforge_in_process(*args, cwd: Path = REPO, env: dict[str, str] | None = 
     code = 0
     try:
         os.environ.update({key: str(value) for key, value in (env or {}).items()})
+        if torch is not None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # as a child's torch starts with
         for handler, stream in moved:  # a handler on this process's stdout or stderr: captured too
             handler.setStream(capture[id(stream)])
         os.environ["COLUMNS"] = "200"

@@ -118,7 +118,7 @@ def _cli(args: list[str], fault: str | None = None, cache: Path | None = None) -
 def _rerun(args: list[str], cache: Path | None = None) -> subprocess.CompletedProcess:
     """The CLI run to its end in this process (tests/helpers.py's groupforge_in_process; no fault
     point set), `cache` as its node-local cache: a rerun after a kill, or the run nobody killed."""
-    return groupforge_in_process(*args, env=None if cache is None else {CACHE_ENV: str(cache)})
+    return groupforge_in_process(*args, env={"OMP_NUM_THREADS": "1", **({} if cache is None else {CACHE_ENV: cache})})
 
 
 def _killed(args: list[str], point: str, count: int, cache: Path | None = None) -> None:
