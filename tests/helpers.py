@@ -117,6 +117,8 @@ def groupforge_in_process(*args, cwd: Path = REPO, env: dict[str, str] | None = 
     import traceback
     import warnings
 
+    import torch  # loaded here, so that its thread count is set for the call and put back after
+
     from pipelines.cli.app import console, err_console
     from pipelines.cli.main import main
 
@@ -143,12 +145,11 @@ def groupforge_in_process(*args, cwd: Path = REPO, env: dict[str, str] | None = 
     logger_state = {name: (x.handlers[:], x.level, x.propagate) for name, x in loggers().items()}
     capturing_warnings = logging._warnings_showwarning is not None
     moved = [(h, h.stream) for h in stream_handlers() if id(h.stream) in capture]
-    torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch is not None else None
+    threads = torch.get_num_threads()
     code = 0
     try:
         os.environ.update({key: str(value) for key, value in (env or {}).items()})
-        if torch is not None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # as a child's torch starts with
         for handler, stream in moved:  # a handler on this process's stdout or stderr: captured too
             handler.setStream(capture[id(stream)])
@@ -197,8 +198,7 @@ def groupforge_in_process(*args, cwd: Path = REPO, env: dict[str, str] | None = 
         for c, width, height, colors in saved_consoles:
             c._width, c._height, c._color_system = width, height, colors
         sys.argv, sys.excepthook = saved_argv, saved_hook
-        if threads is not None:
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
         os.chdir(saved_cwd)
         for name in set(os.environ) - set(saved_env):
             del os.environ[name]

@@ -14,9 +14,9 @@ rows are exactly what they were).
 
 The tables are read through the store's one column reader (`RunStore.read_columns`,
 store/table_reads.py): every part file's schema is checked against `store.schema` before it is
-read, so a wrong table fails with a message naming the file and column. Rows come out in key order (round,
-prompt_id, sample_idx / chosen_idx, rejected_idx; ties in row order), so the same tables
-always give the same dataset, and `fingerprint` names it.
+read, so a wrong table fails with a message naming the file and column. Rows come out in key
+order (round, prompt_id, sample_idx / chosen_idx, rejected_idx; ties in row order), so the same
+tables always give the same dataset, and `fingerprint` names it.
 
 The joins run in pyarrow on the few columns they need. `run` is a run folder or a RunStore:
 the round loop passes its store, whose held parts (the tables its stages just committed) are
