@@ -30,9 +30,12 @@ def _spec(tmp_path: Path, toy_dir: Path, trackers: list[str]) -> Path:
     return path
 
 
-def _cli(*args: str, env: dict | None = None, prelude: str = "") -> subprocess.CompletedProcess:
-    """`groupforge args` in this process, or with a `prelude` (Python run first) in a child."""
-    if not prelude and not any(name in os.environ for name in CLEAN_ENV):
+def _cli(*args: str, env: dict | None = None, prelude: str = "", in_process: bool = False
+         ) -> subprocess.CompletedProcess:
+    """`groupforge args` in a child, after a `prelude` (Python run first); `in_process` for a run
+    without trackers. The trackers' libraries keep process-wide state behind (W&B's wandb-core
+    service process, their threads and atexit hooks), which a test's own process must not get."""
+    if in_process:
         return groupforge_in_process(*args, env=env)
     base = {k: v for k, v in os.environ.items() if k not in CLEAN_ENV}
     code = (f"import sys\n{prelude}\nfrom pipelines.cli.main import main\n"
@@ -151,7 +154,7 @@ def test_every_tracker_holds_the_metrics_of_metrics_jsonl(tracked_run):
 
 def test_trackers_added_later_get_the_history_and_a_failing_one_does_not_stop_the_run(toy_dir, tmp_path):
     run_dir = tmp_path / "run"
-    plain = _cli("run", str(_spec(tmp_path, toy_dir, [])), "--run-dir", str(run_dir))
+    plain = _cli("run", str(_spec(tmp_path, toy_dir, [])), "--run-dir", str(run_dir), in_process=True)
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert not (run_dir / "trackers").exists()
     # MLflow cannot start on this URI; TensorBoard goes on and gets rounds 0-2
