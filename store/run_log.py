@@ -53,9 +53,12 @@ COMMITS = "_commits"
 COMPACT_EVERY = 100
 """Every this many rows the `_commits` table's small files are compacted into one, so a new
 reader of a long run reads a few files, not one per commit."""
-TABLE_CONFIG = {"delta.checkpointInterval": "10"}
+TABLE_CONFIG = {"delta.checkpointInterval": "10", "delta.enableExpiredLogCleanup": "false"}
 """A Parquet checkpoint of each Delta log every 10 versions, so a reader replays at most ten
-JSON files (bench/table_format.py: ~4x a plain Parquet read after 200 commits, 14-22x at 100)."""
+JSON files (bench/table_format.py: ~4x a plain Parquet read after 200 commits, 14-22x at 100).
+No expired-log cleanup after each commit: it looks for log files past their retention at every
+commit (about half of a commit's time on an object store) to delete what time travel reads;
+every version of a run stays readable (`DeltaTable.cleanup_metadata` deletes them by hand)."""
 
 COMMITS_CONFIG = {**TABLE_CONFIG, "delta.dataSkippingNumIndexedCols": "2"}
 """`_commits` keeps file statistics of seq and kind only: not of the manifests' long JSON."""
