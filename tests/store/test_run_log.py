@@ -68,6 +68,9 @@ def test_commits_fold_into_live_files_manifests_and_delta_versions(storage):
     history = {h["version"]: h.get("groupforge") for h in table.history()}
     assert history[3] == {"stage": "generate", "round": 1, "seq": 4}
     assert table.transaction_version("generate@round=2") == 3
+    # every version's log file stays (no expired-log cleanup at commit), a checkpoint every 10
+    config = table.metadata().configuration
+    assert config["delta.checkpointInterval"] == "10" and config["delta.enableExpiredLogCleanup"] == "false"
     assert _table(storage, "samples", 2).to_pyarrow_table().num_rows == 2  # rounds 1 (a) and 2
     uri, options = delta_location(storage, "samples")
     assert pl.scan_delta(uri, storage_options=options).filter(pl.col("round") == 1).collect().height == 1
