@@ -58,7 +58,8 @@ TABLE_CONFIG = {"delta.checkpointInterval": "10", "delta.enableExpiredLogCleanup
 JSON files (bench/table_format.py: ~4x a plain Parquet read after 200 commits, 14-22x at 100).
 No expired-log cleanup after each commit: it looks for log files past their retention at every
 commit (about half of a commit's time on an object store) to delete what time travel reads;
-every version of a run stays readable (`DeltaTable.cleanup_metadata` deletes them by hand)."""
+every version of a run's tables (and of an export's dataset) stays readable
+(`DeltaTable.cleanup_metadata` deletes them by hand)."""
 
 COMMITS_CONFIG = {**TABLE_CONFIG, "delta.dataSkippingNumIndexedCols": "2"}
 """`_commits` keeps file statistics of seq and kind only: not of the manifests' long JSON."""
