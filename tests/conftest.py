@@ -63,6 +63,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within a file stays
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's (trylast) reads the option
+def pytest_configure(config):
+    """Under `--dist loadgroup` a worker that dies (a crash, or pytest-timeout ending a hung test)
+    is not replaced unless `--max-worker-restart` says so: xdist's scope scheduler hands the
+    dead worker's file, the test that killed it included, to the replacement, and the session
+    then never ends (seen with a test that calls os._exit). Without a replacement the dead
+    worker's test fails by name and pytest ends non-zero (the tests still queued on that worker
+    do not run)."""
+    if config.getvalue("dist") == "loadgroup" and config.option.maxworkerrestart is None:
+        config.option.maxworkerrestart = "0"
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # first: xdist answers loadgroup itself
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` with the groups above taken from the node ids. xdist's own passes a
