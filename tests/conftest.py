@@ -71,7 +71,7 @@ def pytest_configure(config):
     then never ends (seen with a test that calls os._exit). Without a replacement the dead
     worker's test fails by name and pytest ends non-zero (the tests still queued on that worker
     do not run)."""
-    if config.getvalue("dist") == "loadgroup" and config.option.maxworkerrestart is None:
+    if getattr(config.option, "dist", None) == "loadgroup" and config.option.maxworkerrestart is None:
         config.option.maxworkerrestart = "0"
 
 
