@@ -66,11 +66,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(tryfirst=True)  # before xdist's (trylast) reads the option
 def pytest_configure(config):
     """Under `--dist loadgroup` a worker that dies (a crash, or pytest-timeout ending a hung test)
-    is not replaced unless `--max-worker-restart` says so: xdist's scope scheduler hands the
-    dead worker's file, the test that killed it included, to the replacement, and the session
-    then never ends (seen with a test that calls os._exit). Without a replacement the dead
-    worker's test fails by name and pytest ends non-zero (the tests still queued on that worker
-    do not run)."""
+    is not replaced unless `--max-worker-restart` says so: xdist's scope scheduler does not take
+    a replacement in, and the session never ends (seen with a test that calls os._exit, also
+    when the dead worker's test is kept from running again; xdist's own loadscope ends in an
+    INTERNALERROR). Without a replacement the dead worker's test fails by name and pytest ends
+    non-zero (the tests still queued on that worker do not run)."""
     if getattr(config.option, "dist", None) == "loadgroup" and config.option.maxworkerrestart is None:
         config.option.maxworkerrestart = "0"
 
