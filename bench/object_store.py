@@ -14,8 +14,9 @@ gives each S3 figure as a ratio to the local one.
                  as generate would, then score -> filter -> label -> pair through `run_stage`,
                  as `groupforge curate` runs them
     commits      a round's four commits (generate, score, filter, label) of 512 samples, each its
-                 part files, its commit log entry and the Delta versions of its tables: the
-                 per-round cost of the store alone, median over the rounds
+                 part files, the Delta versions of its tables and its `_commits` row: the
+                 per-round cost of the store alone, median over the rounds; on the endpoint
+                 also the HTTP requests a round makes, from the server's request log
     loop         the toy round loop (toy-grpo.toml at 64 prompts x 8, 2 steps a round, eval every
                  10 rounds), every round's wall seconds and the part of it the store's work shows
                  in (generate's commit, the curation stages, checkpoints)
@@ -25,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import statistics
 import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +49,8 @@ from table_format import BUCKET, Moto, use_endpoint  # noqa: E402
 OUT = ROOT / "runs" / "bench"
 LOOP_SETTINGS = ["prompts.per_round=64", "run.steps_per_round=2", "eval.every=10", "run.checkpoint_every=10"]
 STORE_PHASES = ("generate", "score", "filter", "label", "checkpoint")
+REQUEST_ROUNDS_FROM = 3
+"""The commits job counts requests from this round on (the first rounds create the tables)."""
 
 
 def _bench_curation():
@@ -97,9 +103,10 @@ def curation(run: str, samples: pa.Table, prompts: pa.Table) -> dict[str, float]
     return out
 
 
-def commits(run: str, samples: pa.Table, prompts: pa.Table, rounds: int) -> list[float]:
+def commits(run: str, samples: pa.Table, prompts: pa.Table, rounds: int,
+            before_round: Callable[[int], None] = lambda round: None) -> list[float]:
     """Seconds of each round's four commits (generate, then the curation stages but pair) through
-    one store kept open, as the round loop keeps it."""
+    one store kept open, as the round loop keeps it. `before_round(round)` runs before each."""
     from curation.stages.runner import CURATION_STAGES, run_stage
     from store.run_store import RunStore
 
@@ -107,12 +114,34 @@ def commits(run: str, samples: pa.Table, prompts: pa.Table, rounds: int) -> list
     store = RunStore(run)
     seconds = []
     for round in range(rounds):
+        before_round(round)
         tic = time.perf_counter()
         _commit_generate(store, round, samples, prompts)
         for name in ("score", "filter", "label"):
             run_stage(name, store, round, cfgs[name])
         seconds.append(time.perf_counter() - tic)
     return seconds
+
+
+REQUEST = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP')
+
+
+def requests_per_round(log: Path, start: int, rounds: int) -> dict[str, float]:
+    """The HTTP requests the server logged after byte `start` of `log`, per round: by kind (a GET
+    with `list-type` is a LIST) and by target (a table's Delta log, or any other object)."""
+    counts: Counter = Counter()
+    with open(log, "rb") as f:
+        f.seek(start)
+        for line in f.read().decode("utf-8", "replace").splitlines():
+            found = REQUEST.search(line)
+            if found is None:
+                continue
+            method, target = found.groups()
+            kind = "LIST" if method == "GET" and "list-type=" in target else method
+            counts[(kind, "delta log" if "_delta_log" in target else "other")] += 1
+    per_round = {f"{kind} {where}": n / rounds for (kind, where), n in sorted(counts.items())}
+    per_round["all"] = sum(counts.values()) / rounds
+    return per_round
 
 
 def loop(run: str, rounds: int) -> list[dict]:
@@ -136,7 +165,7 @@ def _ratio(s3: float, local: float) -> str:
     return f"{s3 / local:.2f}x" if local > 0 else "-"
 
 
-def markdown(cur: dict, com: dict, lp: dict, args, rows: int) -> str:
+def markdown(cur: dict, com: dict, requests: dict[str, float], lp: dict, args, rows: int) -> str:
     lines = [f"## object storage: local disk vs an S3 endpoint (moto) — {time.strftime('%Y-%m-%d %H:%M')}", "",
              f"- machine: {machine(('pyarrow', 'deltalake', 'obstore', 'moto'))}",
              f"- command: `{command('object_store.py')}`",
@@ -156,7 +185,11 @@ def markdown(cur: dict, com: dict, lp: dict, args, rows: int) -> str:
               f"{_ratio(med['s3'], med['local'])} |",
               f"| last 5 rounds (median) | {1000 * statistics.median(com['local'][-5:]):.0f} | "
               f"{1000 * statistics.median(com['s3'][-5:]):.0f} | "
-              f"{_ratio(statistics.median(com['s3'][-5:]), statistics.median(com['local'][-5:]))} |", ""]
+              f"{_ratio(statistics.median(com['s3'][-5:]), statistics.median(com['local'][-5:]))} |", "",
+              f"HTTP requests to the endpoint per round (rounds {REQUEST_ROUNDS_FROM}-{args.commit_rounds - 1}; "
+              "a LIST is a GET with list-type; a Delta commit is one PUT of a `_delta_log/*.json`):", "",
+              "| requests | per round |", "|---|--:|",
+              *(f"| {key} | {value:.1f} |" for key, value in requests.items()), ""]
     walls = {side: sum(r["wall_seconds"] for r in records) for side, records in lp.items()}
     lines += [f"### the toy loop, {args.rounds} rounds of 64 prompts x 8 ({', '.join(LOOP_SETTINGS)})", "",
               "| | local | s3 | s3 / local |", "|---|--:|--:|--:|",
@@ -184,22 +217,29 @@ def main() -> None:
     if args.quick:
         args.rows, args.rounds, args.commit_rounds = 100_000, 8, 10
     use_threads(args.threads)
-    moto = Moto()
-    use_endpoint(moto.endpoint)
-    stamp = uuid.uuid4().hex[:8]
-    try:
-        with tempfile.TemporaryDirectory(dir=OUT.parent if OUT.parent.exists() else None) as tmp:
-            tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(dir=OUT.parent if OUT.parent.exists() else None) as tmp:
+        tmp = Path(tmp)
+        moto = Moto(log=tmp / "moto-requests.log")
+        use_endpoint(moto.endpoint)
+        stamp = uuid.uuid4().hex[:8]
+        try:
             where = {"local": str(tmp / "local"), "s3": f"s3://{BUCKET}/{stamp}"}
             samples, prompts = _round_tables(args.rows, tmp / "scratch")
             small, small_prompts = _round_tables(512, tmp / "scratch-small")
             cur = {side: curation(f"{base}/curation", samples, prompts) for side, base in where.items()}
-            com = {side: commits(f"{base}/commits", small, small_prompts, args.commit_rounds)
-                   for side, base in where.items()}
+            log, log_start = tmp / "moto-requests.log", []
+
+            def mark(round: int) -> None:
+                if round == REQUEST_ROUNDS_FROM:
+                    log_start.append(log.stat().st_size)
+
+            com = {"local": commits(f"{where['local']}/commits", small, small_prompts, args.commit_rounds),
+                   "s3": commits(f"{where['s3']}/commits", small, small_prompts, args.commit_rounds, mark)}
+            requests = requests_per_round(log, log_start[0], args.commit_rounds - REQUEST_ROUNDS_FROM)
             lp = {side: loop(f"{base}/loop", args.rounds) for side, base in where.items()}
-    finally:
-        moto.stop()
-    publish(markdown(cur, com, lp, args, samples.num_rows), "object_store", OUT, args.append)
+        finally:
+            moto.stop()
+    publish(markdown(cur, com, requests, lp, args, samples.num_rows), "object_store", OUT, args.append)
 
 
 if __name__ == "__main__":

@@ -181,16 +181,22 @@ class Storage:
 
 
 class Moto:
-    """moto_server on a free port of 127.0.0.1, with the bench's bucket."""
+    """moto_server on a free port of 127.0.0.1, with the bench's bucket. `log`: a file that
+    takes the server's request log (a line per HTTP request), for benches that count them."""
 
-    def __init__(self):
+    def __init__(self, log: Path | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         exe = Path(sys.executable).with_name("moto_server")
-        self.proc = subprocess.Popen([str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1",
-                                      "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sink = open(log, "ab") if log else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen([str(exe) if exe.exists() else "moto_server", "-H", "127.0.0.1",
+                                          "-p", str(self.port)], stdout=subprocess.DEVNULL, stderr=sink)
+        finally:
+            if log:
+                sink.close()
         deadline = time.monotonic() + 30
         while True:
             try:
