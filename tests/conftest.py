@@ -39,7 +39,8 @@ LONG_FILES = (
     "tests/curation/test_turns.py",
     "tests/bench/test_gpu_check.py",
 )
-RAY_FILES = ("test_generate_ray.py", "test_generate_ray_cluster.py", "test_run_ray.py", "test_gpu_check.py")
+RAY_FILES = ("test_generate_ray.py", "test_generate_ray_cluster.py", "test_run_ray.py", "test_gpu_check.py",
+             "test_ray_cluster.py")
 
 
 def _group(nodeid: str) -> str:

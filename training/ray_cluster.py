@@ -8,6 +8,7 @@ Ray is imported inside the functions only: importing this module costs nothing.
 from __future__ import annotations
 
 import os
+import time
 
 
 def connect_ray(address: str | None) -> bool:
@@ -23,19 +24,36 @@ def connect_ray(address: str | None) -> bool:
     return True
 
 
-def check_room(asks: list[tuple[str, int, float, float]], settings: str) -> None:
+ROOM_WAIT_SECONDS = 10.0
+"""How long a shortfall of free CPUs or GPUs is looked at again before it is an error: Ray's
+count of free resources lags the end of an actor (`ray.kill` returns before the actor's CPUs
+are free, ~0.1 s here; ray#34917), and a job that has just closed its engines asks for their
+CPUs at once."""
+
+
+def check_room(asks: list[tuple[str, int, float, float]], settings: str, wait: float = ROOM_WAIT_SECONDS) -> None:
     """Fail in one line, before any actor starts, when the Ray cluster has not got the free
     CPUs and GPUs that `asks` [(what, count, cpus each, gpus each)] add up to: Ray would
-    otherwise wait for them for ever. `settings` names the keys to change."""
+    otherwise wait for them for ever. A shortfall is looked at again for `wait` seconds first
+    (ROOM_WAIT_SECONDS). `settings` names the keys to change."""
     import ray
 
-    free = ray.available_resources()
+    deadline = time.monotonic() + wait
+    while (short := _shortfall(asks, ray.available_resources(), settings)) is not None:
+        if time.monotonic() >= deadline:
+            raise ValueError(short)
+        time.sleep(0.1)
+
+
+def _shortfall(asks: list[tuple[str, int, float, float]], free: dict, settings: str) -> str | None:
+    """What `asks` lack of the `free` resources, as check_room's message; None when they fit."""
     for kind, index in (("CPU", 2), ("GPU", 3)):
         need = sum(ask[1] * ask[index] for ask in asks)
         if need > free.get(kind, 0) + 1e-9:
             parts = " + ".join(f"{ask[1]} {ask[0]} x {ask[index]:g}" for ask in asks if ask[index])
-            raise ValueError(f"{parts} {kind}s = {need:g} {kind}s, but the Ray cluster has {free.get(kind, 0):g} "
-                             f"free; lower {settings} (fractions are fine) or add nodes")
+            return (f"{parts} {kind}s = {need:g} {kind}s, but the Ray cluster has {free.get(kind, 0):g} free; "
+                    f"lower {settings} (fractions are fine) or add nodes")
+    return None
 
 
 KILL_RANK_ENV = "GROUPFORGE_KILL_RANK"
