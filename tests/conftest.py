@@ -49,9 +49,17 @@ def _group(nodeid: str) -> str:
     return "ray" if file.rsplit("/", 1)[-1] in RAY_FILES else file
 
 
+EXHAUSTIVE_TIMEOUT = 2700
+"""Seconds an exhaustive test may run (pyproject's 900 for the others): the toy variants' and
+families' builds take minutes each on a fast host and twice that on a slow one."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under xdist (`--dist loadgroup`), one group per file, or "ray" for the files that
-    start a Ray cluster; the long files first."""
+    """An exhaustive test's time limit; under xdist (`--dist loadgroup`), one group per file, or
+    "ray" for the files that start a Ray cluster, and the long files first."""
+    for item in items:
+        if item.get_closest_marker("exhaustive") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(EXHAUSTIVE_TIMEOUT))
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
