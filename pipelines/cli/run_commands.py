@@ -283,7 +283,8 @@ def verify_command(run: str = typer.Argument(..., help="Run folder or object-sto
     pending = (f"; {found.orphans} file(s) of killed commits, listed by no commit (the next writer removes them)"
                if found.orphans else "")
     pending += f"; {found.retired} file(s) of earlier versions kept" if found.retired else ""
-    console.print(f"{run}: {found.manifests} manifests, {found.files} files ({found.bytes / 2**20:,.1f} MiB) match"
+    size = f"{found.bytes / 2**20:,.1f} MiB" if found.bytes >= 2**20 else f"{found.bytes / 2**10:,.1f} KiB"
+    console.print(f"{run}: {found.manifests} manifests, {found.files} files ({size}) match"
                   f"{' byte for byte' if deep else ''}{pending}", soft_wrap=True)
 
 

@@ -8,6 +8,7 @@ tests/curation/test_bad_prompts.py; spec keys are in test_spec.py."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -374,6 +375,9 @@ def test_verify_deep_finds_a_changed_byte_that_keeps_the_size(copy):
     _, run = copy
     done = groupforge_in_process("verify", str(run))
     assert done.returncode == 0 and "match" in done.stdout, done.stderr
+    size, unit = re.search(r"\d+ manifests, \d+ files \(([0-9.,]+) (KiB|MiB)\) match", done.stdout).groups()
+    size = float(size.replace(",", ""))  # a small run's files in KiB, not "0.0 MiB"
+    assert size >= 1.0 and (unit == "MiB" or size < 1024), done.stdout
     part = _live_part(run, "scores", 1)
     data = bytearray(part.read_bytes())
     data[8] ^= 0xFF  # in the first column chunk's data, not the footer
