@@ -131,6 +131,7 @@ def requests_per_round(log: Path, start: int, rounds: int) -> dict[str, float]:
     """The HTTP requests the server logged after byte `start` of `log`, per round: by kind (a GET
     with `list-type` is a LIST) and by target (a table's Delta log, or any other object)."""
     counts: Counter = Counter()
+    delta_commits = 0
     with open(log, "rb") as f:
         f.seek(start)
         for line in f.read().decode("utf-8", "replace").splitlines():
@@ -139,14 +140,11 @@ def requests_per_round(log: Path, start: int, rounds: int) -> dict[str, float]:
                 continue
             method, target = found.groups()
             kind = "LIST" if method == "GET" and "list-type=" in target else method
-            counts[(kind, "a Delta log" if "_delta_log" in target else "other objects")] += 1
-            if method == "PUT" and DELTA_COMMIT.search(target):
-                counts[("Delta commits", "(PUT of _delta_log/<version>.json)")] += 1
-    per_round = {f"{kind} {where}": n / rounds for (kind, where), n in sorted(counts.items())
-                 if kind != "Delta commits"}
-    per_round["all requests"] = sum(n for (kind, _), n in counts.items() if kind != "Delta commits") / rounds
-    per_round["Delta commits (PUT of _delta_log/<version>.json)"] = \
-        counts[("Delta commits", "(PUT of _delta_log/<version>.json)")] / rounds
+            counts[f"{kind} {'a Delta log' if '_delta_log' in target else 'other objects'}"] += 1
+            delta_commits += method == "PUT" and DELTA_COMMIT.search(target) is not None
+    per_round = {key: n / rounds for key, n in sorted(counts.items())}
+    per_round["all requests"] = sum(counts.values()) / rounds
+    per_round["Delta commits (PUT of _delta_log/<version>.json)"] = delta_commits / rounds
     return per_round
 
 
@@ -225,7 +223,8 @@ def main() -> None:
     use_threads(args.threads)
     with tempfile.TemporaryDirectory(dir=OUT.parent if OUT.parent.exists() else None) as tmp:
         tmp = Path(tmp)
-        moto = Moto(log=tmp / "moto-requests.log")
+        log = tmp / "moto-requests.log"
+        moto = Moto(log=log)
         use_endpoint(moto.endpoint)
         stamp = uuid.uuid4().hex[:8]
         try:
@@ -233,7 +232,7 @@ def main() -> None:
             samples, prompts = _round_tables(args.rows, tmp / "scratch")
             small, small_prompts = _round_tables(512, tmp / "scratch-small")
             cur = {side: curation(f"{base}/curation", samples, prompts) for side, base in where.items()}
-            log, log_start = tmp / "moto-requests.log", []
+            log_start: list[int] = []  # the log's size when the S3 commits job reaches REQUEST_ROUNDS_FROM
 
             def mark(round: int) -> None:
                 if round == REQUEST_ROUNDS_FROM:
