@@ -104,14 +104,15 @@ def curation(run: str, samples: pa.Table, prompts: pa.Table) -> dict[str, float]
 
 
 def commits(run: str, samples: pa.Table, prompts: pa.Table, rounds: int,
-            before_round: Callable[[int], None] = lambda round: None) -> list[float]:
+            before_round: Callable[[int], None] = lambda round: None, make_store: Callable | None = None) -> list[float]:
     """Seconds of each round's four commits (generate, then the curation stages but pair) through
-    one store kept open, as the round loop keeps it. `before_round(round)` runs before each."""
+    one store kept open, as the round loop keeps it. `before_round(round)` runs before each;
+    `make_store(run)`: the store (a RunStore; bench/commit_floor.py's floor arm passes its own)."""
     from curation.stages.runner import CURATION_STAGES, run_stage
     from store.run_store import RunStore
 
     cfgs = dict(zip(CURATION_STAGES, BENCH_CURATION.configs(None)))
-    store = RunStore(run)
+    store = (make_store or RunStore)(run)
     seconds = []
     for round in range(rounds):
         before_round(round)
