@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 if str(ROOT / "bench") not in sys.path:
     sys.path.append(str(ROOT / "bench"))
 
+import pyarrow.parquet as pq  # noqa: E402
 from _report import command, machine, publish  # noqa: E402
 from object_store import REQUEST_ROUNDS_FROM, _round_tables, commits  # noqa: E402
 from table_format import BUCKET, Moto, use_endpoint  # noqa: E402
@@ -97,7 +99,7 @@ def median_ms(seconds: list[float]) -> float:
 def markdown(results: dict, requests: dict, args) -> str:
     arms = list(results)
     lines = [f"## commit floor: a round's commits before Delta, now, and at the least — "
-             f"{__import__('time').strftime('%Y-%m-%d %H:%M')}", "",
+             f"{time.strftime('%Y-%m-%d %H:%M')}", "",
              f"- machine: {machine(('pyarrow', 'deltalake', 'obstore', 'moto'))}",
              f"- command: `{command('commit_floor.py')}` (before: git {args.before_rev})",
              f"- {args.rounds} rounds of 512 samples a run, median round from round {REQUEST_ROUNDS_FROM}; "
@@ -137,8 +139,6 @@ def main() -> None:
         try:
             samples, prompts = _round_tables(512, tmp / "scratch")
             tables = {"samples": tmp / "samples.parquet", "prompts": tmp / "prompts.parquet"}
-            import pyarrow.parquet as pq
-
             pq.write_table(samples, tables["samples"])
             pq.write_table(prompts, tables["prompts"])
             for _ in range(args.repeats):

@@ -104,7 +104,8 @@ def curation(run: str, samples: pa.Table, prompts: pa.Table) -> dict[str, float]
 
 
 def commits(run: str, samples: pa.Table, prompts: pa.Table, rounds: int,
-            before_round: Callable[[int], None] = lambda round: None, make_store: Callable | None = None) -> list[float]:
+            before_round: Callable[[int], None] = lambda round: None,
+            make_store: Callable | None = None) -> list[float]:
     """Seconds of each round's four commits (generate, then the curation stages but pair) through
     one store kept open, as the round loop keeps it. `before_round(round)` runs before each;
     `make_store(run)`: the store (a RunStore; bench/commit_floor.py's floor arm passes its own)."""
