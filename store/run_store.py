@@ -333,6 +333,7 @@ class RunStore(TableReads):
         with writer_lock(folder, wait=wait, timeout=timeout, on_wait=on_wait, name=self.location):
             self.open_for_writing()
             yield
+            self.log.flush()  # the rows of its last one-table commits (store/run_log.py)
 
     def open_for_writing(self) -> None:
         """Start writing the run (once per store): name this job in the log (its "open" row:

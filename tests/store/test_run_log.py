@@ -66,7 +66,8 @@ def test_commits_fold_into_live_files_manifests_and_delta_versions(storage):
     table = _table(storage, "samples")
     assert table.version() == 3 == state.versions["samples"]
     history = {h["version"]: h.get("groupforge") for h in table.history()}
-    assert history[3] == {"stage": "generate", "round": 1, "seq": 4}
+    assert {key: history[3][key] for key in ("stage", "round", "seq")} == {"stage": "generate", "round": 1, "seq": 4}
+    assert history[3]["row"]["seq"] == 4 and history[3]["row"]["kind"] == "commit"  # its commit point
     assert table.transaction_version("generate@round=2") == 3
     # every version's log file stays (no expired-log cleanup at commit), a checkpoint every 10
     config = table.metadata().configuration
@@ -75,9 +76,14 @@ def test_commits_fold_into_live_files_manifests_and_delta_versions(storage):
     uri, options = delta_location(storage, "samples")
     assert pl.scan_delta(uri, storage_options=options).filter(pl.col("round") == 1).collect().height == 1
     assert pl.read_delta(uri, version=1, storage_options=options).height == 1
-    rows = pl.read_delta(*delta_location(storage, COMMITS)[:1],
-                         storage_options=delta_location(storage, COMMITS)[1]).sort("seq")
-    assert rows["kind"].to_list() == ["open"] + ["commit"] * 4
+    def rows():
+        return pl.read_delta(*delta_location(storage, COMMITS)[:1],
+                             storage_options=delta_location(storage, COMMITS)[1]).sort("seq")["seq"].to_list()
+
+    assert rows() == [0, 1, 2]  # the last two one-table commits' rows are not written yet: their versions are
+    log.flush()
+    assert rows() == [0, 1, 2, 3, 4]
+    assert [e.kind for e in RunLog(storage).entries()] == ["open"] + ["commit"] * 4
 
 
 def test_the_older_of_two_writers_stops_at_its_next_commit(storage):
