@@ -353,7 +353,6 @@ class RunLog:
         order from the next one on, while each was written by the job that opened the run last
         and changes only its own table's version. A version that does not (a killed multi-table
         commit's, an older job's written after a newer one opened the run) is not the run's."""
-        self._apply(self._pending())
         state = self.state.copy()
         found: dict[int, tuple[Entry, str, int]] = {}
         for table in schema.SCHEMAS:
@@ -392,13 +391,17 @@ class RunLog:
         return self.state
 
     def refresh(self) -> RunState:
-        """Read the commits made since this object last looked; the state after the newest. A
-        reader also reads the tables' logs for the commits whose rows are not written yet
-        (`_read_tail`); a writer knows its job's own (`unwritten`)."""
+        """Read the commits made since this object last looked; the state after the newest: the
+        rows, then the commits whose rows are not written yet. The job that opened the run last
+        knows its own (`unwritten`); any other reads them from the tables' logs (`_read_tail`)."""
         self._read_rows()
-        if self.writer is None:
-            self._read_tail()
         self._take_unwritten()
+        self._apply(self._pending())
+        if self.writer is None or self.state.writer != self.writer:
+            known = len(self._entries)
+            self._read_tail()
+            if self.writer is not None:  # a writer appends them as rows before its own
+                self.unwritten.extend(self._entries[known:])
         return self._apply(self._pending())
 
     def catch_up(self) -> RunState:
@@ -541,14 +544,16 @@ class RunLog:
         info = {"stage": stage, "round": round, "seq": seq}
         tables = sorted({rel.split("/", 1)[0] for rel in (*added, *gone)})
         entry = Entry(seq, "commit", self.writer, _now(), stage, round, dict(manifest), versions)
+        one_table = len(tables) == 1 and self.state.writer == self.writer  # else the row is the point
         for table in tables:
             versions[table] = self._commit_table(
                 table, {rel: m for rel, m in added.items() if rel.startswith(table + "/")},
                 [rel for rel in gone if rel.startswith(table + "/")], info, f"{stage}@round={round}", seq,
                 {name for rel in added if rel.startswith(table + "/") for name in (columns or {}).get(rel, ())},
-                row=entry if len(tables) == 1 else None)
+                row=entry if one_table else None)
         fault_point("commit.tables_written")
-        if len(tables) == 1:  # the table's version was the commit point
+        if one_table:  # the table's version was the commit point
+            self._row_files[seq] = f"{tables[0]}/_delta_log/{versions[tables[0]]:020d}.json"
             self._entries.append(entry)
             self.state.apply(entry)
             self.unwritten.append(entry)
