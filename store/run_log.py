@@ -23,8 +23,8 @@ commit leaves tables ahead of any row; the next writer restores such versions
 Spark, DuckDB) sees the table's newest version (docs/reliability.md).
 
 Two writers: every append to `_commits` is conditional on the version this job last read
-(`max_commit_retries=0`), and a one-table commit first reads `_commits` for a newer job's row
-(`check_writer`). A job appends an "open" row when it opens a run on an object store
+(`max_commit_retries=0`), and a one-table commit then reads `_commits` for a newer job's row
+(`check_writer`), as a failed append would tell it. A job appends an "open" row when it opens a run on an object store
 (`open(claim=True)`: no lock reaches the other machines), else before its first write to the log
 (a commit, an import or a restore), so the older job stops at its next commit with
 `RunTakenOver` (exit 3): the newest job goes on. A job on local disk that writes nothing to a
@@ -340,11 +340,13 @@ class RunLog:
 
     def _start_again(self, entry: Entry) -> None:
         """A row of `_commits` holds another commit than the one this object read from a table's
-        log for its seq: a newer job opened the run before that version was written. A writer
-        stops (RunTakenOver); a reader reads the rows again from the start."""
-        if self.writer is not None:
+        log for its seq: a newer job opened the run before that version was written. A job that
+        has written to the log stops (RunTakenOver); any other reads the rows again from the
+        start (what it took from the tables' logs was not the run's)."""
+        if self.opened:
             raise self._taken_over(entry)
         self.state, self._entries, self._read_paths, self._row_files = RunState(), [], set(), {}
+        self.unwritten.clear()
         self._read_rows()
 
     def _read_tail(self) -> None:
@@ -478,7 +480,7 @@ class RunLog:
 
     def flush(self) -> None:
         """Append the job's unwritten rows to `_commits` (the end of a job that wrote the run)."""
-        if self.unwritten and self.writer is not None:
+        if self.unwritten and self.opened:
             self._append()
 
     # -- writing
@@ -506,7 +508,7 @@ class RunLog:
         if any(entry.writer == self.writer for entry in self._pending()):
             self.opened = True  # a sibling store of this job opened it
             return
-        self._apply(self._pending())
+        self.refresh()  # and the commits after the rows in the tables' logs: their rows go first
         self._append(Entry(self.state.seq + 1, "open", self.writer, _now(), versions=self.state.versions))
         self.opened = True
 
@@ -530,9 +532,11 @@ class RunLog:
         size and rows; `columns`: the column names of each new part (a table's Delta log gets the
         optional ones it lacks, `_add_columns`). Returns the files no longer live."""
         self._write_open_row()
-        self.check_writer()  # a newer job's row: stop before writing a table
         if self._pending():
             self.catch_up()
+        if self.state.writer != self.writer:  # this job read a newer job's rows and goes on: it
+            self.opened = False  # opens the run again, after that job's commits
+            self._write_open_row()
         outputs = list(manifest.get("outputs", []))
         missing = [rel for rel in outputs if rel not in files]
         if missing:
@@ -552,7 +556,8 @@ class RunLog:
                 {name for rel in added if rel.startswith(table + "/") for name in (columns or {}).get(rel, ())},
                 row=entry if one_table else None)
         fault_point("commit.tables_written")
-        if one_table:  # the table's version was the commit point
+        if one_table:  # the table's version was the commit point, unless a newer job opened the run
+            self.check_writer()  # before it (then its row holds this seq): this job stops either way
             self._row_files[seq] = f"{tables[0]}/_delta_log/{versions[tables[0]]:020d}.json"
             self._entries.append(entry)
             self.state.apply(entry)
@@ -609,17 +614,24 @@ class RunLog:
         handle = self.handle(table) or self._create(table, schema.SCHEMAS[table])
         expected = self.state.versions.get(table, 0)
         with delta_errors(self.storage, table, "writing"):
-            if handle.version() != expected:  # versions this job has not read: see what is there
-                handle.update_incremental()
-            if handle.version() != expected:
-                self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
-                self._restore(handle, expected)
-            self._add_columns(handle, table, columns)
-            if row is not None:
-                row.versions[table] = handle.version() + 1
-                info = {**info, "row": row.row()}
-            return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed}, info,
-                                       app_id, seq)
+            stale = False  # after a conflict: versions the handle had not seen (a stopped job's?)
+            while True:
+                if stale or handle.version() != expected:
+                    handle.update_incremental()
+                if handle.version() != expected:
+                    self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
+                    self._restore(handle, expected)
+                self._add_columns(handle, table, columns)
+                if row is not None:
+                    row.versions[table] = handle.version() + 1
+                    info = {**info, "row": row.row()}
+                try:
+                    return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed},
+                                               info, app_id, seq)
+                except RunTakenOver:
+                    if stale:
+                        raise
+                    stale = True
 
     def _add_columns(self, handle, table: str, columns: set[str]) -> None:
         """Declare in the table's Delta log, nullable, the optional contract columns (the samples
