@@ -479,8 +479,10 @@ class RunLog:
             self._read_rows()  # the compacted file (rows known: skipped), and any row since
 
     def flush(self) -> None:
-        """Append the job's unwritten rows to `_commits` (the end of a job that wrote the run)."""
+        """Append the job's unwritten rows to `_commits` (the end of a job that wrote the run),
+        after the rows its forks appended."""
         if self.unwritten and self.opened:
+            self.catch_up()
             self._append()
 
     # -- writing
