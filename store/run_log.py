@@ -24,11 +24,12 @@ Spark, DuckDB) sees the table's newest version (docs/reliability.md).
 
 Two writers: every append to `_commits` is conditional on the version this job last read
 (`max_commit_retries=0`), and a one-table commit then reads `_commits` for a newer job's row
-(`check_writer`), as a failed append would tell it. A job appends an "open" row when it opens a run on an object store
-(`open(claim=True)`: no lock reaches the other machines), else before its first write to the log
-(a commit, an import or a restore), so the older job stops at its next commit with
-`RunTakenOver` (exit 3): the newest job goes on. A job on local disk that writes nothing to a
-run that has rows leaves no row.
+(`check_writer`), as a failed append would tell it. A job appends an "open" row when it opens a
+run on an object store (`open(claim=True)`: no lock reaches the other machines), else before its
+first write to the log (a commit, an import or a restore), so the older job stops at its next
+commit with `RunTakenOver` (exit 3): the newest job goes on. A job that has read a newer job's
+rows and commits again opens the run again. A job on local disk that writes nothing to a run
+that has rows leaves no row.
 """
 
 from __future__ import annotations
