@@ -293,8 +293,11 @@ class RunLog:
         from deltalake import DeltaTable
 
         uri, options = delta_location(self.storage, table)
+        held = self._handles.get(table)
         with delta_errors(self.storage, table, "reading"):
-            actions = pa.table(DeltaTable(uri, version=version, storage_options=options).get_add_actions(flatten=True))
+            at = held if held is not None and held.version() == version else \
+                DeltaTable(uri, version=version, storage_options=options)
+            actions = pa.table(at.get_add_actions(flatten=True))
         return {f"{table}/{path}": (int(size), int(rows or 0)) for path, size, rows in zip(
             actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(),
             actions.column("num_records").to_pylist())}
@@ -359,6 +362,9 @@ class RunLog:
         state = self.state.copy()
         found: dict[int, tuple[Entry, str, int]] = {}
         for table in schema.SCHEMAS:
+            # one HEAD, not a load of every table's log: a Delta log's versions are numbered in turn
+            if not self.storage.exists(f"{table}/_delta_log/{state.versions.get(table, 0) + 1:020d}.json"):
+                continue
             handle = self.handle(table)
             if handle is None:
                 continue
