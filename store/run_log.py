@@ -363,7 +363,7 @@ class RunLog:
         found: dict[int, tuple[Entry, str, int]] = {}
         for table in schema.SCHEMAS:
             # one HEAD, not a load of every table's log: a Delta log's versions are numbered in turn
-            if not self.storage.exists(f"{table}/_delta_log/{state.versions.get(table, 0) + 1:020d}.json"):
+            if not self.storage.exists(_log_file(table, state.versions.get(table, 0) + 1)):
                 continue
             handle = self.handle(table)
             if handle is None:
@@ -378,14 +378,13 @@ class RunLog:
                     found[row["seq"]] = (Entry.from_row(row), table, commit["version"])
         while len(self._entries) in found:
             entry, table, version = found[len(self._entries)]
-            changed = {t for t in set(entry.versions) | set(state.versions)
-                       if entry.versions.get(t) != state.versions.get(t)}
-            if entry.kind != "commit" or entry.writer != state.writer or changed != {table} or \
+            if entry.kind != "commit" or entry.writer != state.writer or \
+                    _changed(state.versions, entry.versions) != {table} or \
                     entry.versions[table] != version:
                 break
             state.apply(entry)
             self._entries.append(entry)
-            self._row_files[entry.seq] = f"{table}/_delta_log/{version:020d}.json"
+            self._row_files[entry.seq] = _log_file(table, version)
 
     def _pending(self) -> list[Entry]:
         """The rows read that the state does not hold yet."""
@@ -395,8 +394,7 @@ class RunLog:
         before = dict(self.state.versions)
         for entry in entries:
             self.state.apply(entry)
-        changed = {t for t in set(before) | set(self.state.versions) if before.get(t) != self.state.versions.get(t)}
-        self._load_files(self.state, changed)
+        self._load_files(self.state, _changed(before, self.state.versions))
         return self.state
 
     def refresh(self) -> RunState:
@@ -567,7 +565,7 @@ class RunLog:
         fault_point("commit.tables_written")
         if one_table:  # the table's version was the commit point, unless a newer job opened the run
             self.check_writer()  # before it (then its row holds this seq): this job stops either way
-            self._row_files[seq] = f"{tables[0]}/_delta_log/{versions[tables[0]]:020d}.json"
+            self._row_files[seq] = _log_file(tables[0], versions[tables[0]])
             self._entries.append(entry)
             self.state.apply(entry)
             self.unwritten.append(entry)
@@ -729,6 +727,16 @@ class RunLog:
         return RunTakenOver(f"{self.storage.where()}: run taken over: {who} wrote to this run after this job; "
                             "this job stops without writing more. Only one job may write a run: the newer one "
                             "goes on.")
+
+
+def _log_file(table: str, version: int) -> str:
+    """The Delta log file of `table`'s `version`, relative to the run."""
+    return f"{table}/_delta_log/{version:020d}.json"
+
+
+def _changed(before: Mapping[str, int], after: Mapping[str, int]) -> set[str]:
+    """The tables whose version differs between two {table: version} maps."""
+    return {t for t in set(before) | set(after) if before.get(t) != after.get(t)}
 
 
 def _round_of(rel: str) -> int | None:
