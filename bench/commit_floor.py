@@ -42,7 +42,7 @@ if str(ROOT / "bench") not in sys.path:
 
 import pyarrow.parquet as pq  # noqa: E402
 from _report import command, machine, publish  # noqa: E402
-from object_store import REQUEST_ROUNDS_FROM, _round_tables, commits  # noqa: E402
+from object_store import REQUEST_ROUNDS_FROM, _round_tables, commits, requests_per_round  # noqa: E402
 from table_format import BUCKET, Moto, use_endpoint  # noqa: E402
 
 from store.run_log import Entry, RunLog  # noqa: E402
@@ -157,23 +157,13 @@ def main() -> None:
                                               make_store=floor_store if arm == "floor" else RunStore)
                         results[arm][side].append(median_ms(seconds))
                         if side == "s3":
-                            with open(log, "rb") as f:
-                                f.seek(start)
-                                lines = [line for line in f.read().decode("utf-8", "replace").splitlines()
-                                         if " HTTP/1.1" in line and f"/{BUCKET}" in line]
-                            requests[arm].append(_per_round(lines, run, args.rounds))
+                            # the whole job (the first rounds create the tables: a little above the steady count)
+                            requests[arm].append(requests_per_round(log, start, args.rounds)["all requests"])
                     print(f"{arm}: local {results[arm]['local'][-1]:.0f} ms, s3 {results[arm]['s3'][-1]:.0f} ms, "
                           f"{requests[arm][-1]:.1f} requests a round", flush=True)
         finally:
             moto.stop()
     publish(markdown(results, requests, args), "commit_floor", OUT, args.append)
-
-
-def _per_round(lines: list[str], run: str, rounds: int) -> float:
-    """Requests a round over the whole job (the first rounds create the tables: a little above the
-    steady rounds' count)."""
-    prefix = run.removeprefix(f"s3://{BUCKET}/")
-    return sum(prefix in line for line in lines) / rounds
 
 
 if __name__ == "__main__":
