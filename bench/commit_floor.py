@@ -10,8 +10,7 @@ bench/object_store.py's commits job (a round's four commits, generate, score, fi
 in turn in one sitting:
 
     before   the checkout at --before (groupforge's own commit log), in a child process
-    now      this checkout: each stage's Delta version of its table (the commit point of a
-             one-table commit), the `_commits` rows eight at a time
+    now      this checkout: each stage's Delta versions of its tables, then its `_commits` row
     floor    this checkout with the `_commits` rows kept in memory and `_commits` not read again
              once the job has opened the run: one Delta version per table a stage writes and
              nothing more. Not a mode of the store (no fencing, no whole-or-nothing reads of a
@@ -64,14 +63,12 @@ class TableVersionsOnly(RunLog):
     """The floor arm's log: a commit row is applied to this object's state and not written, and
     `_commits` is not read again once the job has opened the run."""
 
-    def _append(self, entry: Entry | None = None) -> None:
-        if entry is not None and entry.kind != "commit":
+    def _append(self, entry: Entry) -> None:
+        if entry.kind != "commit":
             super()._append(entry)
             return
-        if entry is not None:
-            self._entries.append(entry)
-            self.state.apply(entry)
-        self.unwritten.clear()
+        self._entries.append(entry)
+        self.state.apply(entry)
 
     def _read_rows(self) -> None:
         if not self.opened:

@@ -15,10 +15,9 @@ points, where they sit and what a kill there leaves behind:
     env.tool_call              a tool worker has begun a call of the tools environment, the
                                parent waits for its result (curation/rewards/pool.py)
     commit.files_published     a commit's part files are written, no table has its Delta version
-    commit.tables_written      its tables have their Delta versions: a one-table commit is made
-                               (the version carries its row), one over several tables is not (its
-                               row in RUN/_commits, the commit point, is not written)
-    commit.logged              the commit is made, its staging folder not removed
+    commit.tables_written      its tables have their Delta versions, its row in RUN/_commits (the
+                               commit point) is not
+    commit.logged              its row is written (the commit is made), its staging folder not removed
     stage.before_commit        a curation stage computed its tables, nothing written
     train.step_logged          an optimizer step's metrics line is written
     checkpoint.weights_written a checkpoint's weights are in its temp folder, no optimizer state

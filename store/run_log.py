@@ -9,27 +9,21 @@ more Delta table, `RUN/_commits/`, holds a row per commit. Nothing else records 
                               writer, at, stage, round, manifest (JSON), versions (JSON: each
                               table's Delta version once the commit is made)
 
-The commit point of a stage's commit that changes one table (almost every commit: generate
-writes samples, score scores, filter rejects, label groups) is that table's Delta version: its
-commitInfo carries the commit's whole row ("groupforge": "row"), and the job appends the rows of
-such commits to `_commits` ROWS_EVERY at a time, or before any other row. A commit that changes
-several tables, or none, is made by its row, appended after its tables' versions: groupforge
-reads each table at the version the newest row records, plus the rows that tables' newer
-versions carry (`_read_tail`) when they follow on from it: the next seq, written by the job that
-opened the run last. So a reader sees each stage's outputs whole or not at all, and an older
-job's version written after a newer job opened the run is no part of it. A killed multi-table
-commit leaves tables ahead of any row; the next writer restores such versions
-(`DeltaTable.restore`) before it writes. A reader of one table through Delta itself (Polars,
-Spark, DuckDB) sees the table's newest version (docs/reliability.md).
+Why a table of commits: Delta commits one table at a time, and one stage's commit of a round can
+change several tables (filter writes groups and rejects). The commit's row, appended after its
+tables' versions, is its commit point: groupforge reads each table at the version the newest row
+records, so a reader sees a stage's outputs whole or not at all. A job killed between a table's
+version and the row leaves that table ahead of the row; the next writer restores the table to
+the recorded version (`DeltaTable.restore`) before it writes. A reader of one table through Delta
+itself (Polars, Spark, DuckDB) sees the table's newest version, which may be a stage's write
+whose other tables are not written yet (docs/reliability.md).
 
 Two writers: every append to `_commits` is conditional on the version this job last read
-(`max_commit_retries=0`), and a one-table commit then reads `_commits` for a newer job's row
-(`check_writer`), as a failed append would tell it. A job appends an "open" row when it opens a
-run on an object store (`open(claim=True)`: no lock reaches the other machines), else before its
-first write to the log (a commit, an import or a restore), so the older job stops at its next
-commit with `RunTakenOver` (exit 3): the newest job goes on. A job that has read a newer job's
-rows and commits again opens the run again. A job on local disk that writes nothing to a run
-that has rows leaves no row.
+(`max_commit_retries=0`). A job appends an "open" row when it opens a run on an object store
+(`open(claim=True)`: no lock reaches the other machines), else before its first write to the log
+(a commit, an import or a restore), so an older job's next append fails and it stops with
+`RunTakenOver` (exit 3): the newest job goes on. A job on local disk that writes nothing to a
+run that has rows leaves no row.
 """
 
 from __future__ import annotations
@@ -66,11 +60,6 @@ No expired-log cleanup after each commit: it looks for log files past their rete
 commit (about half of a commit's time on an object store) to delete what time travel reads;
 every version of a run's tables (and of an export's dataset) stays readable
 (`DeltaTable.cleanup_metadata` deletes them by hand)."""
-
-ROWS_EVERY = 8
-"""A job appends the rows of its one-table commits to `_commits` this many at a time: until then
-each one's table version (its commitInfo holds the row) is its commit point. Bounds what a new
-reader reads from the tables' logs (`RunLog._read_tail`): two rounds of the loop's commits."""
 
 COMMITS_CONFIG = {**TABLE_CONFIG, "delta.dataSkippingNumIndexedCols": "2"}
 """`_commits` keeps file statistics of seq and kind only: not of the manifests' long JSON."""
@@ -112,10 +101,6 @@ class Entry:
     counts, code version. An import's lists the files it takes in."""
     versions: Mapping[str, int] = field(default_factory=dict)
     """Each table's Delta version once this row is written: what readers read."""
-
-    def same(self, other: Entry) -> bool:
-        """Whether `other` is this commit (one job's, at one time), however it was read."""
-        return (self.seq, self.kind, self.writer, self.at) == (other.seq, other.kind, other.writer, other.at)
 
     def row(self) -> dict:
         return {"seq": self.seq, "kind": self.kind, "writer": self.writer, "at": self.at, "stage": self.stage,
@@ -243,21 +228,18 @@ class RunLog:
         """This job's id once it has opened the run (`open`)."""
         self.opened = False
         """Whether this job's "open" row is in `_commits` (written before its first write)."""
-        self.unwritten: list[Entry] = []
-        """This job's commits (and the run's earlier ones it took from the tables' logs at `open`)
-        whose rows are not in `_commits` yet, oldest first: shared by the job's forks."""
         self._handles: dict[str, Any] = {}  # table folder -> DeltaTable at the newest version known
         self._read_paths: set[str] = set()  # `_commits` files whose rows this object has read
-        self._entries: list[Entry] = []  # every commit known, oldest first: rows, then the unwritten
-        self._row_files: dict[int, str] = {}  # seq -> the file that holds it (a row's, or a table version's)
+        self._entries: list[Entry] = []  # every row read, oldest first
+        self._row_files: dict[int, str] = {}  # seq -> the `_commits` file it was read from
 
     def fork(self) -> RunLog:
         """Another RunLog of this job on the run (a thread's: `RunStore.sibling`): the same writer,
-        a copy of the state and rows read, the same unwritten rows, its own table handles."""
+        a copy of the state and rows read, its own table handles."""
         other = RunLog(self.storage)
         other.writer, other.state, other.opened = self.writer, self.state.copy(), self.opened
         other._entries, other._read_paths = list(self._entries), set(self._read_paths)
-        other._row_files, other.unwritten = dict(self._row_files), self.unwritten
+        other._row_files = dict(self._row_files)
         return other
 
     # -- the tables
@@ -293,11 +275,8 @@ class RunLog:
         from deltalake import DeltaTable
 
         uri, options = delta_location(self.storage, table)
-        held = self._handles.get(table)
         with delta_errors(self.storage, table, "reading"):
-            at = held if held is not None and held.version() == version else \
-                DeltaTable(uri, version=version, storage_options=options)
-            actions = pa.table(at.get_add_actions(flatten=True))
+            actions = pa.table(DeltaTable(uri, version=version, storage_options=options).get_add_actions(flatten=True))
         return {f"{table}/{path}": (int(size), int(rows or 0)) for path, size, rows in zip(
             actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(),
             actions.column("num_records").to_pylist())}
@@ -324,67 +303,15 @@ class RunLog:
             if path in self._read_paths:
                 continue
             for row in pq.read_table(pa.BufferReader(self.storage.read(f"{COMMITS}/{path}"))).to_pylist():
-                try:
-                    entry = Entry.from_row(row)
-                except ValueError:
-                    raise ValueError(f"{self.storage.where(f'{COMMITS}/{path}')}: row {row['seq']}: its "
-                                     "manifest is not JSON (edited by hand?)") from None
-                if entry.seq < len(self._entries):
-                    if not entry.same(self._entries[entry.seq]):  # not the commit this object took it for
-                        self._start_again(entry)
-                        return
-                    self._row_files[entry.seq] = f"{COMMITS}/{path}"
-                    if self.unwritten and self.unwritten[0].same(entry):  # its writer wrote its row
-                        self.unwritten.pop(0)
-                    continue
-                rows.append((entry.seq, entry))
-                self._row_files[entry.seq] = f"{COMMITS}/{path}"
+                if row["seq"] >= len(self._entries):
+                    try:
+                        rows.append((row["seq"], Entry.from_row(row)))
+                        self._row_files[row["seq"]] = f"{COMMITS}/{path}"
+                    except ValueError:
+                        raise ValueError(f"{self.storage.where(f'{COMMITS}/{path}')}: row {row['seq']}: its "
+                                         "manifest is not JSON (edited by hand?)") from None
             self._read_paths.add(path)
         self._entries.extend(entry for _, entry in sorted(rows, key=lambda r: r[0]))
-
-    def _start_again(self, entry: Entry) -> None:
-        """A row of `_commits` holds another commit than the one this object read from a table's
-        log for its seq: a newer job opened the run before that version was written. A job that
-        has written to the log stops (RunTakenOver); any other reads the rows again from the
-        start (what it took from the tables' logs was not the run's)."""
-        if self.opened:
-            raise self._taken_over(entry)
-        self.state, self._entries, self._read_paths, self._row_files = RunState(), [], set(), {}
-        self.unwritten.clear()
-        self._read_rows()
-
-    def _read_tail(self) -> None:
-        """Take in the one-table commits whose rows are not in `_commits` yet: the rows that the
-        tables' versions after the ones the newest row records carry in their commitInfo, in seq
-        order from the next one on, while each was written by the job that opened the run last
-        and changes only its own table's version. A version that does not (a killed multi-table
-        commit's, an older job's written after a newer one opened the run) is not the run's."""
-        state = self.state.copy()
-        found: dict[int, tuple[Entry, str, int]] = {}
-        for table in schema.SCHEMAS:
-            # one HEAD, not a load of every table's log: a Delta log's versions are numbered in turn
-            if not self.storage.exists(_log_file(table, state.versions.get(table, 0) + 1)):
-                continue
-            handle = self.handle(table)
-            if handle is None:
-                continue
-            with delta_errors(self.storage, table, "reading"):
-                handle.update_incremental()
-                newer = handle.version() - state.versions.get(table, 0)
-                history = handle.history(newer) if newer > 0 else []
-            for commit in history:
-                row = (commit.get("groupforge") or {}).get("row")
-                if isinstance(row, dict) and row.get("seq", -1) >= len(self._entries):
-                    found[row["seq"]] = (Entry.from_row(row), table, commit["version"])
-        while len(self._entries) in found:
-            entry, table, version = found[len(self._entries)]
-            if entry.kind != "commit" or entry.writer != state.writer or \
-                    _changed(state.versions, entry.versions) != {table} or \
-                    entry.versions[table] != version:
-                break
-            state.apply(entry)
-            self._entries.append(entry)
-            self._row_files[entry.seq] = _log_file(table, version)
 
     def _pending(self) -> list[Entry]:
         """The rows read that the state does not hold yet."""
@@ -394,46 +321,29 @@ class RunLog:
         before = dict(self.state.versions)
         for entry in entries:
             self.state.apply(entry)
-        self._load_files(self.state, _changed(before, self.state.versions))
+        changed = {t for t in set(before) | set(self.state.versions) if before.get(t) != self.state.versions.get(t)}
+        self._load_files(self.state, changed)
         return self.state
 
     def refresh(self) -> RunState:
-        """Read the commits made since this object last looked; the state after the newest: the
-        rows, then the commits whose rows are not written yet. The job that opened the run last
-        knows its own (`unwritten`); any other reads them from the tables' logs (`_read_tail`)."""
+        """Read the rows written since this object last looked; the state after the newest."""
         self._read_rows()
-        self._take_unwritten()
-        self._apply(self._pending())
-        if self.writer is None or self.state.writer != self.writer:
-            known = len(self._entries)
-            self._read_tail()
-            if self.writer is not None:  # a writer appends them as rows before its own
-                self.unwritten.extend(self._entries[known:])
         return self._apply(self._pending())
 
     def catch_up(self) -> RunState:
-        """A writer's refresh: the commits its job's other stores made (`RunStore.sibling`);
+        """A writer's refresh: the rows its job's other stores wrote (`RunStore.sibling`);
         RunTakenOver when another job's row is among them."""
         self._read_rows()
         self.check_writer()
-        self._take_unwritten()
         return self._apply(self._pending())
 
-    def _take_unwritten(self) -> None:
-        """The job's commits whose rows are not written yet that this object has not seen (its
-        forks')."""
-        for entry in self.unwritten:
-            if entry.seq == len(self._entries):
-                self._entries.append(entry)
-
     def entries(self) -> list[Entry]:
-        """Every commit, oldest first."""
-        self.refresh()
+        """Every row, oldest first."""
+        self._read_rows()
         return list(self._entries)
 
     def row_file(self, seq: int) -> str:
-        """The file (relative to the run) that holds row `seq` as this object read it: a
-        `_commits` part, or the Delta log file of the table version whose commitInfo holds it."""
+        """The `_commits` file (relative to the run) that holds row `seq`, as this object read it."""
         self._read_rows()
         return self._row_files.get(seq, COMMITS)
 
@@ -447,34 +357,26 @@ class RunLog:
         self._load_files(state, state.versions)
         return state
 
-    def _append(self, entry: Entry | None = None) -> None:
-        """Append the unwritten rows and then `entry` (when given) to `_commits`, conditional on
-        no other row since: one Parquet file, added by a write transaction (`write_deltalake`
-        costs 2-3x as much for a few rows: it plans a write and gathers statistics of every
-        column)."""
-        entries = [*self.unwritten, *([entry] if entry is not None else [])]
-        if not entries:
-            return
-        if entry is not None and len(self._entries) != entry.seq:
-            raise RuntimeError(f"{COMMITS}: row {entry.seq} appended after {len(self._entries) - 1}")
+    def _append(self, entry: Entry) -> None:
+        """Append `entry` as row `self.state.seq + 1`, conditional on no other row since. The row's
+        Parquet file is written here and added by a write transaction: `write_deltalake` costs
+        2-3x as much for one row (it plans a write and gathers statistics of every column)."""
         table = self.handle(COMMITS) or self._create(COMMITS, ROWS)
-        first, last = entries[0].seq, entries[-1].seq
-        name = f"part-{last:08d}-{uuid.uuid4().hex[:12]}.parquet"
+        name = f"part-{entry.seq:08d}-{uuid.uuid4().hex[:12]}.parquet"
         sink = pa.BufferOutputStream()
-        pq.write_table(pa.Table.from_pylist([e.row() for e in entries], schema=ROWS), sink)
+        pq.write_table(pa.Table.from_pylist([entry.row()], schema=ROWS), sink)
         data = sink.getvalue()
         self.storage.write(f"{COMMITS}/{name}", data, fenced=False)  # the commit below is conditional
         with delta_errors(self.storage, COMMITS, "writing"):
-            self._write_version(table, {f"{COMMITS}/{name}": LoggedFile("", data.size, len(entries))}, {},
-                                {"seq": last}, "_commits", last, seq_stats=(first, last))
-        self.unwritten.clear()
-        for e in entries:
-            self._row_files[e.seq] = f"{COMMITS}/{name}"
+            self._write_version(table, {f"{COMMITS}/{name}": LoggedFile("", data.size, 1)}, {}, {"seq": entry.seq},
+                                "_commits", entry.seq, seq_stats=True)
+        self._row_files[entry.seq] = f"{COMMITS}/{name}"
         self._read_paths.add(name)
-        if entry is not None:
-            self._entries.append(entry)
-            self.state.apply(entry)
-        if last // COMPACT_EVERY > (first - 1) // COMPACT_EVERY and first:
+        if len(self._entries) != entry.seq:
+            raise RuntimeError(f"{COMMITS}: row {entry.seq} appended after {len(self._entries) - 1}")
+        self._entries.append(entry)
+        self.state.apply(entry)
+        if entry.seq and entry.seq % COMPACT_EVERY == 0:
             try:
                 with delta_errors(self.storage, COMMITS, "writing"):
                     table.optimize.compact()
@@ -482,13 +384,6 @@ class RunLog:
                 if not is_conflict(exc):  # another job's row came first: compacted at a later row
                     raise
             self._read_rows()  # the compacted file (rows known: skipped), and any row since
-
-    def flush(self) -> None:
-        """Append the job's unwritten rows to `_commits` (the end of a job that wrote the run),
-        after the rows its forks appended."""
-        if self.unwritten and self.opened:
-            self.catch_up()
-            self._append()
 
     # -- writing
     def open(self, claim: bool = False) -> None:
@@ -498,8 +393,6 @@ class RunLog:
         it read) or when the run has no row yet (the row marks the run as written through the
         log, so a reader takes part files no commit lists for a killed or unfinished commit's)."""
         self.refresh()
-        # the commits read from the tables' logs: their rows go in before this job's first
-        self.unwritten[:] = [e for e in self._entries if not self._row_files.get(e.seq, COMMITS).startswith(COMMITS)]
         self.writer = self.writer or new_writer_id()
         if claim or self.state.seq < 0:
             self._write_open_row()
@@ -515,7 +408,7 @@ class RunLog:
         if any(entry.writer == self.writer for entry in self._pending()):
             self.opened = True  # a sibling store of this job opened it
             return
-        self.refresh()  # and the commits after the rows in the tables' logs: their rows go first
+        self._apply(self._pending())
         self._append(Entry(self.state.seq + 1, "open", self.writer, _now(), versions=self.state.versions))
         self.opened = True
 
@@ -533,17 +426,13 @@ class RunLog:
     def commit(self, stage: str, round: int, manifest: Mapping[str, Any], files: Mapping[str, LoggedFile],
                columns: Mapping[str, Iterable[str]] | None = None) -> list[str]:
         """A stage's commit of `round`: one Delta version per table whose files change (its new
-        part files added, its earlier ones for the round removed), then its row. The commit
-        point: the table's version when one table changes (its commitInfo holds the row, which
-        joins `unwritten`), else the row. `files`: the manifest's outputs with their sha256,
-        size and rows; `columns`: the column names of each new part (a table's Delta log gets the
-        optional ones it lacks, `_add_columns`). Returns the files no longer live."""
+        part files added, its earlier ones for the round removed), then its row (the commit
+        point). `files`: the manifest's outputs with their sha256, size and rows; `columns`: the
+        column names of each new part (a table's Delta log gets the optional ones it lacks,
+        `_add_columns`). Returns the files no longer live."""
         self._write_open_row()
         if self._pending():
             self.catch_up()
-        if self.state.writer != self.writer:  # this job read a newer job's rows and goes on: it
-            self.opened = False  # opens the run again, after that job's commits
-            self._write_open_row()
         outputs = list(manifest.get("outputs", []))
         missing = [rel for rel in outputs if rel not in files]
         if missing:
@@ -553,26 +442,13 @@ class RunLog:
         added = {rel: files[rel] for rel in outputs if rel not in self.state.files}
         versions = dict(self.state.versions)
         info = {"stage": stage, "round": round, "seq": seq}
-        tables = sorted({rel.split("/", 1)[0] for rel in (*added, *gone)})
-        entry = Entry(seq, "commit", self.writer, _now(), stage, round, dict(manifest), versions)
-        one_table = len(tables) == 1 and self.state.writer == self.writer  # else the row is the point
-        for table in tables:
+        for table in sorted({rel.split("/", 1)[0] for rel in (*added, *gone)}):
             versions[table] = self._commit_table(
                 table, {rel: m for rel, m in added.items() if rel.startswith(table + "/")},
                 [rel for rel in gone if rel.startswith(table + "/")], info, f"{stage}@round={round}", seq,
-                {name for rel in added if rel.startswith(table + "/") for name in (columns or {}).get(rel, ())},
-                row=entry if one_table else None)
+                {name for rel in added if rel.startswith(table + "/") for name in (columns or {}).get(rel, ())})
         fault_point("commit.tables_written")
-        if one_table:  # the table's version was the commit point, unless a newer job opened the run
-            self.check_writer()  # before it (then its row holds this seq): this job stops either way
-            self._row_files[seq] = _log_file(tables[0], versions[tables[0]])
-            self._entries.append(entry)
-            self.state.apply(entry)
-            self.unwritten.append(entry)
-            if len(self.unwritten) >= ROWS_EVERY:
-                self._append()
-        else:
-            self._append(entry)
+        self._append(Entry(seq, "commit", self.writer, _now(), stage, round, dict(manifest), versions))
         for rel in gone:
             self.state.files.pop(rel, None)
         self.state.files.update(added)
@@ -613,32 +489,21 @@ class RunLog:
         self.state.files = dict(files)
 
     def _commit_table(self, table: str, added: Mapping[str, LoggedFile], removed: list[str], info: Mapping,
-                      app_id: str, seq: int, columns: set[str] = frozenset(), row: Entry | None = None) -> int:
+                      app_id: str, seq: int, columns: set[str] = frozenset()) -> int:
         """One Delta version of `table` (created when new): `added` join it, `removed` leave it.
-        Returns the version. Versions that are not the run's (a killed commit's, or a job's this
-        one took the run from) are restored away first. `row`: the commit this version makes
-        (its `versions` get this table's new version), held in its commitInfo."""
+        Returns the version. Versions no row records (a killed commit's, or a job's this one took
+        the run from) are restored away first."""
         handle = self.handle(table) or self._create(table, schema.SCHEMAS[table])
         expected = self.state.versions.get(table, 0)
         with delta_errors(self.storage, table, "writing"):
-            stale = False  # after a conflict: versions the handle had not seen (a stopped job's?)
-            while True:
-                if stale or handle.version() != expected:
-                    handle.update_incremental()
-                if handle.version() != expected:
-                    self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
-                    self._restore(handle, expected)
-                self._add_columns(handle, table, columns)
-                if row is not None:
-                    row.versions[table] = handle.version() + 1
-                    info = {**info, "row": row.row()}
-                try:
-                    return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed},
-                                               info, app_id, seq)
-                except RunTakenOver:
-                    if stale:
-                        raise
-                    stale = True
+            if handle.version() != expected:  # versions this job has not read: see what is there
+                handle.update_incremental()
+            if handle.version() != expected:
+                self.check_writer()  # a newer job's versions: stop; else a killed or stopped job's
+                self._restore(handle, expected)
+            self._add_columns(handle, table, columns)
+            return self._write_version(handle, added, {rel: self.state.files[rel].size for rel in removed}, info,
+                                       app_id, seq)
 
     def _add_columns(self, handle, table: str, columns: set[str]) -> None:
         """Declare in the table's Delta log, nullable, the optional contract columns (the samples
@@ -658,11 +523,10 @@ class RunLog:
             handle.alter.add_columns([Field.from_arrow(field) for field in missing])
 
     def _write_version(self, handle, added: Mapping[str, LoggedFile], removed: Mapping[str, int], info: Mapping,
-                       app_id: str, seq: int, seq_stats: tuple[int, int] | None = None) -> int:
+                       app_id: str, seq: int, seq_stats: bool = False) -> int:
         """The next version of the table `handle`: `added` join, `removed` ({rel: size}) leave;
         `info` in commitInfo, the app transaction (app_id, seq). `seq_stats`: the added file is
-        `_commits` rows first..last (its statistics name the seqs, not a round). Returns the
-        version."""
+        `_commits` row `seq` (its statistics name the seq, not a round). Returns the version."""
         from deltalake import CommitProperties, Transaction
         from deltalake.transaction import AddAction, RemoveAction
 
@@ -670,10 +534,8 @@ class RunLog:
         actions: list = [RemoveAction(rel.split("/", 1)[1], True, now, size, {}) for rel, size in removed.items()]
         for rel, meta in added.items():
             round = None if seq_stats else _round_of(rel)
-            low = high = {} if round is None else {"round": round}
-            if seq_stats:
-                low, high = {"seq": seq_stats[0]}, {"seq": seq_stats[1]}
-            stats = {"numRecords": meta.rows, "nullCount": {}, "minValues": low, "maxValues": high}
+            bounds = {"seq": seq} if seq_stats else {} if round is None else {"round": round}
+            stats = {"numRecords": meta.rows, "nullCount": {}, "minValues": bounds, "maxValues": bounds}
             actions.append(AddAction(rel.split("/", 1)[1], meta.size, {}, now, True,
                                      json.dumps(stats, separators=(",", ":"))))
         properties = CommitProperties(custom_metadata={"groupforge": dict(info)},
@@ -727,16 +589,6 @@ class RunLog:
         return RunTakenOver(f"{self.storage.where()}: run taken over: {who} wrote to this run after this job; "
                             "this job stops without writing more. Only one job may write a run: the newer one "
                             "goes on.")
-
-
-def _log_file(table: str, version: int) -> str:
-    """The Delta log file of `table`'s `version`, relative to the run."""
-    return f"{table}/_delta_log/{version:020d}.json"
-
-
-def _changed(before: Mapping[str, int], after: Mapping[str, int]) -> set[str]:
-    """The tables whose version differs between two {table: version} maps."""
-    return {t for t in set(before) | set(after) if before.get(t) != after.get(t)}
 
 
 def _round_of(rel: str) -> int | None:

@@ -13,11 +13,10 @@ Layout of a run RUN (a local folder or an object-store prefix, store/storage.py)
 A part file is named after its part (by default the stage that writes it) and the first 16 hex
 digits of its sha256, so a name is never reused for other bytes: a commit writes its files
 under their final names (no rename: object stores have none), then each table they belong to
-gets a Delta version adding them, and the commit's row (in that version's commitInfo when the
-commit changes one table, else in `_commits`, written last) makes those versions the ones
-groupforge reads. The store reads the live files of each table at the version the newest commit
-records and nothing else (store/run_log.py); a file no commit lists (a killed commit's) is swept
-by the next writer.
+gets a Delta version adding them, and the commit's row in `_commits`, written last, makes those
+versions the ones groupforge reads. The store reads the live files of each table at the version
+the newest row records and nothing else; a file no commit lists (a killed commit's) is swept by
+the next writer.
 
 Several stages add rows to one table and round (`rejects` gets rows from generate, score and
 filter), so each stage writes its own parts. The `round=<n>` folder and the `round` column
@@ -28,9 +27,9 @@ A stage's commit (`Commit`): its outputs for one round appear all at once, or no
     with store.commit(stage, round, inputs, config) as commit:
         commit.write("rejects", table)          # validated, written under its final name
         commit.record(rows_in=..., drops=...)   # counts for the manifest
-    # here: each table written got a Delta version, and the commit's row its commit point (in
-    # the table's version when there is one table, else in _commits); the stage's earlier parts
-    # for the round left the live files (kept for earlier versions of the run)
+    # here: each table written got a Delta version, then the commit's row in _commits (the
+    # commit point); the stage's earlier parts for the round left the live files (kept for
+    # earlier versions of the run)
 
 The manifest in the row records each output's sha256, size and rows, so the next stage
 fingerprints its inputs without reading them again. A commit through a `RunStore(...,
@@ -334,7 +333,6 @@ class RunStore(TableReads):
         with writer_lock(folder, wait=wait, timeout=timeout, on_wait=on_wait, name=self.location):
             self.open_for_writing()
             yield
-            self.log.flush()  # the rows of its last one-table commits (store/run_log.py)
 
     def open_for_writing(self) -> None:
         """Start writing the run (once per store): name this job in the log (its "open" row:
@@ -433,8 +431,8 @@ def encode_part(stage: str, table: str, data: pa.Table, part: str | None = None,
 class Commit:
     """Writes one stage's outputs for one round; nothing is visible until the `with` block ends.
 
-    On success: every touched table gets a Delta version and the commit its row (the commit
-    point: `RunLog.commit`), the stage's earlier files for the round leave the live files (they stay on storage
+    On success: every touched table gets a Delta version and `_commits` a row (the commit
+    point), the stage's earlier files for the round leave the live files (they stay on storage
     for earlier versions of the run), and the stage's staging folder is removed. On an exception:
     the files written are deleted (best effort; nothing lists them) and it re-raises.
     """
@@ -496,13 +494,11 @@ class Commit:
         if _unhashed(encoded.rel).rpartition("/")[0] not in self._folders:
             check_inside(self.store.root, encoded.rel)
             self._folders.add(_unhashed(encoded.rel).rpartition("/")[0])
-        # not fenced (`ObjectStorage.fence_writes`): the commit checks, and a part file is named by
-        # its bytes, so a stopped job's is one no commit lists (swept by the next writer)
         if encoded.rel not in self.store.state.files:
-            self.store.storage.write(encoded.rel, encoded.payload, fenced=False)
+            self.store.storage.write(encoded.rel, encoded.payload)
             self._written.append(encoded.rel)
         elif not self.store.storage.exists(encoded.rel):  # live, but lost since: written again
-            self.store.storage.write(encoded.rel, encoded.payload, fenced=False)
+            self.store.storage.write(encoded.rel, encoded.payload)
         self._files[encoded.rel] = LoggedFile(encoded.sha256, encoded.payload.size, encoded.data.num_rows)
         self._columns[encoded.rel] = encoded.data.column_names
         if hold and self.store.hold:

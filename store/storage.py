@@ -159,7 +159,7 @@ class Storage:
     def write(self, rel: str, data: Data, *, fenced: bool = True) -> None:
         """Replace (or create) the object whole: a reader sees the old bytes or the new, never a part.
         `fenced=False` skips the writer check of `fence_writes` (an object store's): for a file
-        that only a commit after it makes part of the run (a part file, a `_commits` row's)."""
+        that only a conditional commit after it makes part of the run (a `_commits` row's)."""
         raise NotImplementedError
 
     def create(self, rel: str, data: Data) -> bool:

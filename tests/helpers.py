@@ -376,23 +376,11 @@ def step_records(run_dir):
 
 
 def commit_rows(run_dir: Path) -> list[dict]:
-    """The commit rows of RUN read with deltalake, not the store, oldest first: those of
-    RUN/_commits, then those that the tables' newer versions carry (one-table commits whose rows
-    are not appended yet) while they follow on: the next seq, by the job that opened the run
-    last. Each row's manifest and versions decoded."""
+    """The rows of RUN/_commits read with deltalake, not the store, oldest first; each row's
+    manifest and versions decoded."""
     from deltalake import DeltaTable
 
     rows = DeltaTable(str(Path(run_dir) / "_commits")).to_pyarrow_table().sort_by("seq").to_pylist()
-    carried = {}
-    for folder in sorted(Path(run_dir).iterdir()):
-        if folder.name != "_commits" and (folder / "_delta_log").is_dir():
-            for commit in DeltaTable(str(folder)).history():
-                row = (commit.get("groupforge") or {}).get("row")
-                if row:
-                    carried.setdefault(row["seq"], row)
-    opener = next((r["writer"] for r in reversed(rows) if r["kind"] == "open"), None)
-    while len(rows) in carried and carried[len(rows)]["writer"] == opener:
-        rows.append(carried[len(rows)])
     return [{**r, "manifest": json.loads(r["manifest"] or "{}"), "versions": json.loads(r["versions"])} for r in rows]
 
 

@@ -62,7 +62,7 @@ CASES = [
     ("generate.chunk_staged", 1, "run"),       # round 1: the first of two chunks staged
     ("generate.chunk_staged", 2, "run"),       # round 1: both chunks staged, not committed
     ("generate.chunk_staged", 3, "run"),       # round 2: the first chunk staged
-    ("commit.tables_written", 1, "run"),       # round 1's generate commit: its table's version (the commit point)
+    ("commit.tables_written", 1, "run"),       # round 1's generate commit: Delta versions, no row
     ("commit.tables_written", 3, "run"),       # round 1's filter commit
     ("commit.tables_written", 8, "run"),       # round 2's label commit
     ("commit.logged", 1, "run"),               # round 1's generate commit: its row written
@@ -229,7 +229,7 @@ LOCAL_KILLS = [
     ("checkpoint.optimizer_written", 1),  # round 1's checkpoint: weights and optimizer state, no trainer_state.json
     ("loop.reload", 1),                   # the engine loading round 1's weights
     ("loop.eval", 1),                     # round 1's greedy evaluation
-    ("commit.tables_written", 2),         # round 2's score: its table's version written (the commit point)
+    ("commit.tables_written", 2),         # round 2's score: its Delta versions written, its row in _commits not
     ("train.step_logged", 2),             # round 2's last step logged, not checkpointed
     ("checkpoint.weights_written", 1),    # round 2's checkpoint: weights written, no optimizer state
 ]
@@ -410,7 +410,7 @@ def test_a_multi_turn_round_killed_between_turns_or_in_a_tool_call_resumes(point
 
 S3_KILLS = [  # one after another on one run, each process on a fresh machine (an empty cache)
     ("commit.files_published", 2),      # round 1's score commit: part files on S3, no Delta version
-    ("commit.tables_written", 1),       # the rerun's first commit (round 1's score): its table's version
+    ("commit.tables_written", 1),       # the rerun's first commit (round 1's score): Delta versions, no row
     ("location.file_uploaded", 3),      # round 1's checkpoint half uploaded (no trainer_state.json)
     ("train.step_logged", 2),           # a step line in S3's metrics.jsonl, no checkpoint after it
     ("checkpoint.weights_written", 1),  # a checkpoint in the cache only, nothing uploaded
